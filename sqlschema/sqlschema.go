@@ -1,0 +1,182 @@
+package sqlschema
+
+import (
+	"bytes"
+	"embed"
+	"fmt"
+	"io/fs"
+	"path"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"text/template"
+)
+
+//go:embed postgres/*.sql sqlite/*.sql
+var files embed.FS
+
+// Dialect names a database family whose migrations this package holds.
+type Dialect string
+
+const (
+	// Postgres is PostgreSQL 13 or newer.
+	Postgres Dialect = "postgres"
+	// SQLite is SQLite 3.35 or newer (for RETURNING and upsert).
+	SQLite Dialect = "sqlite"
+)
+
+const (
+	// DefaultSchema is the PostgreSQL schema oncemill's tables live in.
+	DefaultSchema = "oncemill"
+	// DefaultInboxTable is the name of the inbox table.
+	DefaultInboxTable = "inbox"
+)
+
+// identifier is what a schema or table name may be: lower-case, so that it
+// needs no quoting rules of its own, and short enough for PostgreSQL (63
+// bytes) with room for the index suffixes built from it.
+var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,47}$`)
+
+// Config names where oncemill's tables live. The zero value is ready to use.
+type Config struct {
+	// Schema is the PostgreSQL schema of the tables; it is created when
+	// missing. Ignored by SQLite. Defaults to "oncemill".
+	Schema string
+	// InboxTable is the name of the inbox table. Defaults to "inbox".
+	InboxTable string
+}
+
+// WithDefaults returns a copy of c with empty fields set to their defaults.
+func (c Config) WithDefaults() Config {
+	if c.Schema == "" {
+		c.Schema = DefaultSchema
+	}
+	if c.InboxTable == "" {
+		c.InboxTable = DefaultInboxTable
+	}
+	return c
+}
+
+// Validate reports whether every name is a safe identifier. Names are
+// validated, never escaped from message data: no SQL is built from anything
+// else.
+func (c Config) Validate() error {
+	if err := ValidateIdentifier("Schema", c.Schema); err != nil {
+		return err
+	}
+	return ValidateIdentifier("InboxTable", c.InboxTable)
+}
+
+// ValidateIdentifier checks that value, the value of the config field named
+// field, is a lower-case SQL identifier of at most 48 characters.
+func ValidateIdentifier(field, value string) error {
+	if !identifier.MatchString(value) {
+		return fmt.Errorf("sqlschema: %s %q is not a valid identifier: use 1 to 48 characters of a-z, 0-9 and _, not starting with a digit", field, value)
+	}
+	return nil
+}
+
+// Names are the quoted, ready-to-use names for a Config, as the SQL files
+// and the stores use them.
+type Names struct {
+	// Schema is the quoted schema (PostgreSQL) or empty (SQLite).
+	Schema string
+	// Inbox is the quoted, schema-qualified inbox table.
+	Inbox string
+	// InboxName is the bare inbox table name, for building index names.
+	InboxName string
+}
+
+// NamesFor returns the quoted names of cfg for dialect d. cfg must be
+// valid (see [Config.Validate]).
+func NamesFor(d Dialect, cfg Config) Names {
+	if d == SQLite {
+		return Names{Inbox: `"` + cfg.InboxTable + `"`, InboxName: cfg.InboxTable}
+	}
+	schema := `"` + cfg.Schema + `"`
+	return Names{
+		Schema:    schema,
+		Inbox:     schema + `."` + cfg.InboxTable + `"`,
+		InboxName: cfg.InboxTable,
+	}
+}
+
+// Migration is one versioned step of the schema, rendered for a Config.
+type Migration struct {
+	// Version orders the migrations; it starts at 1.
+	Version int
+	// Name is the file name's description part, e.g. "inbox".
+	Name string
+	// Up applies the step.
+	Up string
+	// Down reverts it.
+	Down string
+}
+
+var migrationFile = regexp.MustCompile(`^(\d+)_([a-z0-9_]+)\.(up|down)\.sql$`)
+
+// Migrations returns the migrations of dialect d rendered for cfg, in
+// version order. Teams that run their own migration tool can take the SQL
+// from here instead of calling [Migrate].
+func Migrations(d Dialect, cfg Config) ([]Migration, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if d != Postgres && d != SQLite {
+		return nil, fmt.Errorf("sqlschema: unknown dialect %q", d)
+	}
+	names := NamesFor(d, cfg)
+	entries, err := fs.ReadDir(files, string(d))
+	if err != nil {
+		return nil, fmt.Errorf("sqlschema: read %s migrations: %w", d, err)
+	}
+	byVersion := map[int]*Migration{}
+	for _, e := range entries {
+		m := migrationFile.FindStringSubmatch(e.Name())
+		if m == nil {
+			return nil, fmt.Errorf("sqlschema: unexpected file %s/%s", d, e.Name())
+		}
+		version, err := strconv.Atoi(m[1])
+		if err != nil {
+			return nil, fmt.Errorf("sqlschema: bad version in %s: %w", e.Name(), err)
+		}
+		raw, err := files.ReadFile(path.Join(string(d), e.Name()))
+		if err != nil {
+			return nil, fmt.Errorf("sqlschema: read %s: %w", e.Name(), err)
+		}
+		sql, err := render(e.Name(), string(raw), names)
+		if err != nil {
+			return nil, err
+		}
+		mig := byVersion[version]
+		if mig == nil {
+			mig = &Migration{Version: version, Name: m[2]}
+			byVersion[version] = mig
+		}
+		if m[3] == "up" {
+			mig.Up = sql
+		} else {
+			mig.Down = sql
+		}
+	}
+	out := make([]Migration, 0, len(byVersion))
+	for _, m := range byVersion {
+		out = append(out, *m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Version < out[j].Version })
+	return out, nil
+}
+
+func render(name, raw string, names Names) (string, error) {
+	tmpl, err := template.New(name).Option("missingkey=error").Parse(raw)
+	if err != nil {
+		return "", fmt.Errorf("sqlschema: parse %s: %w", name, err)
+	}
+	var b bytes.Buffer
+	if err := tmpl.Execute(&b, names); err != nil {
+		return "", fmt.Errorf("sqlschema: render %s: %w", name, err)
+	}
+	return strings.TrimSpace(b.String()), nil
+}
