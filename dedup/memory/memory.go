@@ -1,0 +1,135 @@
+// Package memory is an in-process [dedup.LeaseStore].
+//
+// It forgets every key when the process stops, so it cannot keep the
+// exactly-once promise across restarts, rebalances or several instances: a
+// redelivery after a restart runs the effect again. It exists as a measured
+// baseline for benchmarks and for unit tests, never as the record of a
+// production consumer.
+package memory
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/oncemill/oncemill/dedup"
+)
+
+type status int
+
+const (
+	processing status = iota + 1
+	failed
+	done
+)
+
+type entry struct {
+	status   status
+	attempts int
+	token    int64
+	until    time.Time
+	result   []byte
+	expires  time.Time
+}
+
+// Store keeps leases in a map. It is safe for concurrent use and starts no
+// goroutines; expired keys go with [Store.InboxDeleteExpired] (or a
+// [dedup.Janitor]).
+type Store struct {
+	now func() time.Time
+
+	mu   sync.Mutex
+	keys map[dedup.Key]*entry
+}
+
+var (
+	_ dedup.LeaseStore = (*Store)(nil)
+	_ dedup.Expirer    = (*Store)(nil)
+)
+
+// New returns an empty store.
+func New() *Store {
+	return &Store{now: time.Now, keys: map[dedup.Key]*entry{}}
+}
+
+// Len returns how many keys the store holds.
+func (s *Store) Len() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.keys)
+}
+
+// LeaseClaim takes key for lease unless it is done or held by a live lease.
+func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window time.Duration) (dedup.Claim, error) {
+	if err := ctx.Err(); err != nil {
+		return dedup.Claim{}, err
+	}
+	now := s.now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.keys[key]
+	if e == nil {
+		e = &entry{}
+		s.keys[key] = e
+	}
+	switch {
+	case e.status == done:
+		return dedup.Claim{State: dedup.StateDone, Attempts: e.attempts, Result: e.result}, nil
+	case e.status == processing && now.Before(e.until):
+		return dedup.Claim{State: dedup.StateInFlight, Attempts: e.attempts, Until: e.until}, nil
+	}
+	e.status = processing
+	e.attempts++
+	e.token++
+	e.until = now.Add(lease)
+	e.expires = now.Add(window)
+	return dedup.Claim{State: dedup.StateNew, Attempts: e.attempts, Token: e.token, Until: e.until}, nil
+}
+
+// LeaseComplete marks key done with result if token is still current.
+func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
+	return s.end(ctx, key, token, func(e *entry) {
+		e.status, e.result = done, append([]byte(nil), result...)
+	})
+}
+
+// LeaseRelease marks key failed, claimable at once, if token is still current.
+func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, _ dedup.Failure) error {
+	return s.end(ctx, key, token, func(e *entry) { e.status = failed })
+}
+
+func (s *Store) end(ctx context.Context, key dedup.Key, token int64, apply func(*entry)) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.keys[key]
+	if e == nil || e.token != token || e.status != processing {
+		return dedup.ErrLeaseLost
+	}
+	apply(e)
+	e.until = time.Time{}
+	return nil
+}
+
+// InboxDeleteExpired deletes at most limit keys whose window has passed.
+func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	now := s.now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for k, e := range s.keys {
+		if n == limit {
+			break
+		}
+		if now.After(e.expires) {
+			delete(s.keys, k)
+			n++
+		}
+	}
+	return n, nil
+}
