@@ -1,0 +1,263 @@
+package postgres
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// ErrNotMigrated is returned, wrapped, when the inbox table does not exist.
+var ErrNotMigrated = errors.New("postgres: inbox table missing: run sqlschema.Migrate with the same Schema and Table")
+
+// DB is what the store needs of PostgreSQL: a *pgxpool.Pool satisfies it.
+type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Config names the inbox table. The zero value is ready to use.
+type Config struct {
+	// Schema holding the inbox table. Defaults to "oncemill".
+	Schema string
+	// Table is the inbox table's name. Defaults to "inbox".
+	Table string
+}
+
+func (c Config) withDefaults() Config {
+	if c.Schema == "" {
+		c.Schema = sqlschema.DefaultSchema
+	}
+	if c.Table == "" {
+		c.Table = sqlschema.DefaultInboxTable
+	}
+	return c
+}
+
+// Validate reports whether the names are safe identifiers; the error names
+// the field.
+func (c Config) Validate() error {
+	c = c.withDefaults()
+	if err := sqlschema.ValidateIdentifier("Schema", c.Schema); err != nil {
+		return fmt.Errorf("postgres: %w", err)
+	}
+	if err := sqlschema.ValidateIdentifier("Table", c.Table); err != nil {
+		return fmt.Errorf("postgres: %w", err)
+	}
+	return nil
+}
+
+// Store keeps inbox records in a PostgreSQL table created by
+// [sqlschema.Migrate]. It implements [dedup.TxStore], [dedup.LeaseStore] and
+// [dedup.Expirer], and is safe for concurrent use. It starts no goroutines.
+type Store struct {
+	db DB
+	q  queries
+}
+
+var (
+	_ dedup.TxStore    = (*Store)(nil)
+	_ dedup.LeaseStore = (*Store)(nil)
+	_ dedup.Expirer    = (*Store)(nil)
+)
+
+// New returns a store on db. It does not create the table: run
+// [sqlschema.Migrate] with the same names first.
+func New(db DB, cfg Config) (*Store, error) {
+	if db == nil {
+		return nil, errors.New("postgres: db is nil")
+	}
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	names := sqlschema.NamesFor(sqlschema.Postgres, sqlschema.Config{Schema: cfg.Schema, InboxTable: cfg.Table})
+	return &Store{db: db, q: newQueries(names.Inbox)}, nil
+}
+
+type txKey struct{}
+
+// Tx returns the transaction in which the inbox claimed the message's key;
+// a handler writes its effect through it so that the effect and the claim
+// commit together. It returns nil when ctx carries none (the handler is not
+// running under an inbox with this store).
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	return tx
+}
+
+// InboxBegin starts the transaction that will hold the claim and the effect.
+func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
+	tx, err := s.db.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("postgres: begin: %w", err)
+	}
+	return &inboxTx{tx: tx, q: &s.q}, nil
+}
+
+// InboxFail records a failed attempt outside any transaction. A done key is
+// left alone.
+func (s *Store) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
+	_, err := s.db.Exec(ctx, s.q.fail, key.Consumer, key.Key, f.Err, f.At, seconds(window))
+	if err != nil {
+		return interpret("record failure", err)
+	}
+	return nil
+}
+
+// InboxDeleteExpired deletes at most limit expired records in one statement.
+func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) {
+	if limit <= 0 {
+		return 0, fmt.Errorf("postgres: delete expired: limit must be positive, got %d", limit)
+	}
+	tag, err := s.db.Exec(ctx, s.q.deleteExpired, limit)
+	if err != nil {
+		return 0, interpret("delete expired", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
+
+// LeaseClaim takes key for lease unless it is done or held by a live lease.
+func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window time.Duration) (dedup.Claim, error) {
+	var r leaseRow
+	err := s.db.QueryRow(ctx, s.q.leaseClaim, key.Consumer, key.Key, seconds(lease), seconds(window)).
+		Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result)
+	if errors.Is(err, pgx.ErrNoRows) || (err == nil && r.status == "failed") {
+		// The outer SELECT runs on the snapshot taken before the INSERT
+		// waited for a concurrent claimer, so it may miss or misreport the
+		// row; read it again. A failed row here was released after this
+		// claim looked: the caller retries soon as if it were in flight.
+		r = leaseRow{}
+		err = s.db.QueryRow(ctx, s.q.leaseRead, key.Consumer, key.Key).
+			Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result)
+	}
+	if err != nil {
+		return dedup.Claim{}, interpret("lease claim", err)
+	}
+	c := dedup.Claim{Attempts: r.attempts}
+	if r.until != nil {
+		c.Until = *r.until
+	}
+	switch r.status {
+	case "new":
+		c.State, c.Token = dedup.StateNew, r.token
+	case "done":
+		c.State, c.Result, c.Until = dedup.StateDone, r.result, time.Time{}
+	case "processing", "failed":
+		c.State = dedup.StateInFlight
+	default:
+		return dedup.Claim{}, fmt.Errorf("postgres: lease claim: unexpected status %q", r.status)
+	}
+	return c, nil
+}
+
+type leaseRow struct {
+	status   string
+	attempts int
+	token    int64
+	until    *time.Time
+	result   []byte
+}
+
+// LeaseComplete marks key done with result if token is still current.
+func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
+	tag, err := s.db.Exec(ctx, s.q.leaseComplete, key.Consumer, key.Key, token, result)
+	if err != nil {
+		return interpret("lease complete", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return dedup.ErrLeaseLost
+	}
+	return nil
+}
+
+// LeaseRelease marks key failed, claimable at once, if token is still current.
+func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
+	tag, err := s.db.Exec(ctx, s.q.leaseRelease, key.Consumer, key.Key, token, f.Err, f.At)
+	if err != nil {
+		return interpret("lease release", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return dedup.ErrLeaseLost
+	}
+	return nil
+}
+
+type inboxTx struct {
+	tx pgx.Tx
+	q  *queries
+}
+
+func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	var (
+		status   string
+		attempts int
+		result   []byte
+	)
+	err := t.tx.QueryRow(ctx, t.q.claim, key.Consumer, key.Key, seconds(window)).Scan(&status, &attempts, &result)
+	if errors.Is(err, pgx.ErrNoRows) || (err == nil && status != "new" && status != "done") {
+		// A concurrent claimer committed while this statement waited on
+		// the row: the INSERT saw its row, the statement's snapshot did
+		// not (or saw an older version). A new statement sees it.
+		err = t.tx.QueryRow(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result)
+	}
+	if err != nil {
+		return dedup.Claim{}, interpret("claim", err)
+	}
+	switch status {
+	case "new":
+		return dedup.Claim{State: dedup.StateNew, Attempts: attempts}, nil
+	case "done":
+		return dedup.Claim{State: dedup.StateDone, Attempts: attempts, Result: result}, nil
+	default:
+		return dedup.Claim{}, fmt.Errorf("postgres: claim: key %q of consumer %q is %q: it is claimed in lease mode; use one mode per consumer", key.Key, key.Consumer, status)
+	}
+}
+
+func (t *inboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byte) error {
+	if result == nil {
+		return nil
+	}
+	if _, err := t.tx.Exec(ctx, t.q.complete, key.Consumer, key.Key, result); err != nil {
+		return interpret("complete", err)
+	}
+	return nil
+}
+
+func (t *inboxTx) WithTx(ctx context.Context) context.Context {
+	return context.WithValue(ctx, txKey{}, t.tx)
+}
+
+func (t *inboxTx) Commit(ctx context.Context) error {
+	if err := t.tx.Commit(ctx); err != nil {
+		return interpret("commit", err)
+	}
+	return nil
+}
+
+func (t *inboxTx) Rollback(ctx context.Context) error {
+	err := t.tx.Rollback(ctx)
+	if err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+		return fmt.Errorf("postgres: rollback: %w", err)
+	}
+	return nil
+}
+
+// interpret translates driver errors in one place: a missing table gets a
+// hint for the fix.
+func interpret(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+		return fmt.Errorf("postgres: %s: %w: %w", op, ErrNotMigrated, err)
+	}
+	return fmt.Errorf("postgres: %s: %w", op, err)
+}
+
+func seconds(d time.Duration) float64 { return d.Seconds() }
