@@ -1,0 +1,327 @@
+package sqlite
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net/url"
+	"strings"
+	"time"
+
+	// The pure-Go SQLite driver, registered as "sqlite", used by Open.
+	_ "modernc.org/sqlite"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// ErrNotMigrated is returned, wrapped, by [New] when the inbox table does not exist.
+var ErrNotMigrated = errors.New("sqlite: inbox table missing: run sqlschema.MigrateSQLite with the same Table")
+
+// BusyTimeout is how long a connection opened by [Open] waits for another
+// connection's write lock before it fails with SQLITE_BUSY.
+const BusyTimeout = 10 * time.Second
+
+// Config names the inbox table. The zero value is ready to use.
+type Config struct {
+	// Table is the inbox table's name. Defaults to "inbox".
+	Table string
+}
+
+func (c Config) withDefaults() Config {
+	if c.Table == "" {
+		c.Table = sqlschema.DefaultInboxTable
+	}
+	return c
+}
+
+// Validate reports whether the table name is a safe identifier; the error
+// names the field.
+func (c Config) Validate() error {
+	c = c.withDefaults()
+	if err := sqlschema.ValidateIdentifier("Table", c.Table); err != nil {
+		return fmt.Errorf("sqlite: %w", err)
+	}
+	return nil
+}
+
+func (c Config) schema() sqlschema.Config {
+	return sqlschema.Config{InboxTable: c.Table}
+}
+
+// Store keeps inbox records in a SQLite table created by
+// [sqlschema.MigrateSQLite]. It implements [dedup.TxStore] and
+// [dedup.Expirer], and is safe for concurrent use. It starts no goroutines.
+type Store struct {
+	db    *sql.DB
+	owned bool // db was opened by Open and is closed by Close
+	q     queries
+}
+
+var (
+	_ dedup.TxStore = (*Store)(nil)
+	_ dedup.Expirer = (*Store)(nil)
+)
+
+// Open opens (creating it if needed) the SQLite database file at path with
+// the modernc.org/sqlite driver, creates or upgrades the inbox table with
+// [sqlschema.MigrateSQLite], and returns a store that owns the database:
+// [Store.Close] closes it.
+//
+// Every connection uses the WAL journal, a busy timeout of [BusyTimeout],
+// foreign keys, and BEGIN IMMEDIATE transactions, so that concurrent claims
+// wait for the write lock instead of failing. synchronous is left at FULL,
+// SQLite's default: a committed effect survives a power loss.
+//
+// path is a file name, not a URI: it must not contain '?', and must not name
+// a private in-memory database (":memory:" or ""), which each pooled
+// connection would see as a different, empty database.
+func Open(ctx context.Context, path string, cfg Config) (*Store, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	switch {
+	case path == "" || path == ":memory:":
+		return nil, fmt.Errorf("sqlite: open: path %q is a private in-memory database; use a file (t.TempDir() in tests)", path)
+	case strings.ContainsRune(path, '?'):
+		return nil, fmt.Errorf("sqlite: open: path %q contains '?': give a file name, not a URI", path)
+	}
+	db, err := sql.Open("sqlite", path+"?"+dsnParams())
+	if err != nil {
+		return nil, fmt.Errorf("sqlite: open %s: %w", path, err)
+	}
+	if err := sqlschema.MigrateSQLite(ctx, db, cfg.schema()); err != nil {
+		return nil, errors.Join(fmt.Errorf("sqlite: open %s: %w", path, err), db.Close())
+	}
+	return &Store{db: db, owned: true, q: newQueries(cfg)}, nil
+}
+
+// dsnParams returns the modernc.org/sqlite DSN parameters Open uses.
+func dsnParams() string {
+	v := url.Values{}
+	v.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", BusyTimeout.Milliseconds()))
+	v.Add("_pragma", "journal_mode(WAL)")
+	v.Add("_pragma", "foreign_keys(1)")
+	v.Set("_txlock", "immediate")
+	return v.Encode()
+}
+
+// New returns a store on db, a database the caller opened and owns. It does
+// not create the table: run [sqlschema.MigrateSQLite] with the same Table
+// first. [Store.Close] does not close db.
+//
+// db may use any SQLite driver with RETURNING and upsert (SQLite 3.35 or
+// newer). It should set a busy timeout, or concurrent claims fail with
+// SQLITE_BUSY instead of waiting, and should begin transactions with BEGIN
+// IMMEDIATE (_txlock=immediate with modernc.org/sqlite or mattn/go-sqlite3),
+// so that a transaction holds the write lock from its start.
+func New(ctx context.Context, db *sql.DB, cfg Config) (*Store, error) {
+	if db == nil {
+		return nil, errors.New("sqlite: db is nil")
+	}
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	// SQLite reports a missing table with a generic code, so the table is
+	// looked up once here rather than recognised in error texts later.
+	var n int
+	err := db.QueryRowContext(ctx, `SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?`, cfg.Table).Scan(&n)
+	if err != nil {
+		return nil, fmt.Errorf("sqlite: look up table %s: %w", cfg.Table, err)
+	}
+	if n == 0 {
+		return nil, fmt.Errorf("sqlite: table %s: %w", cfg.Table, ErrNotMigrated)
+	}
+	return &Store{db: db, q: newQueries(cfg)}, nil
+}
+
+// DB returns the database the store uses, for the application's own
+// statements.
+func (s *Store) DB() *sql.DB { return s.db }
+
+// Close closes the database if the store was created by [Open]; for a store
+// created by [New] it does nothing, as the caller owns the database.
+func (s *Store) Close() error {
+	if !s.owned {
+		return nil
+	}
+	if err := s.db.Close(); err != nil {
+		return fmt.Errorf("sqlite: close: %w", err)
+	}
+	return nil
+}
+
+type txKey struct{}
+
+// Tx returns the transaction in which the inbox claimed the message's key;
+// a handler writes its effect through it so that the effect and the claim
+// commit together. It returns nil when ctx carries none (the handler is not
+// running under an inbox with this store).
+func Tx(ctx context.Context) *sql.Tx {
+	tx, _ := ctx.Value(txKey{}).(*sql.Tx)
+	return tx
+}
+
+// InboxBegin starts the transaction that will hold the claim and the effect.
+// It ends, rolled back, if ctx is done before Commit.
+func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, fmt.Errorf("sqlite: begin: %w", err)
+	}
+	return &inboxTx{tx: tx, q: &s.q}, nil
+}
+
+// InboxFail records a failed attempt outside any transaction. A done key is
+// left alone. A zero f.At is taken as now.
+func (s *Store) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
+	now := time.Now()
+	at := f.At
+	if at.IsZero() {
+		at = now
+	}
+	_, err := s.db.ExecContext(ctx, s.q.fail,
+		key.Consumer, key.Key, f.Err, f.Err, micros(at), micros(at),
+		micros(now), micros(now), micros(now.Add(window)))
+	if err != nil {
+		return interpret("record failure", err)
+	}
+	return nil
+}
+
+// InboxDeleteExpired deletes at most limit expired records in one statement.
+func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) {
+	if limit <= 0 {
+		return 0, fmt.Errorf("sqlite: delete expired: limit must be positive, got %d", limit)
+	}
+	res, err := s.db.ExecContext(ctx, s.q.deleteExpired, micros(time.Now()), limit)
+	if err != nil {
+		return 0, interpret("delete expired", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("sqlite: delete expired: rows affected: %w", err)
+	}
+	return int(n), nil
+}
+
+type inboxTx struct {
+	tx *sql.Tx
+	q  *queries
+}
+
+func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	now := time.Now()
+	var attempts int
+	err := t.tx.QueryRowContext(ctx, t.q.claim,
+		key.Consumer, key.Key, micros(now), micros(now), micros(now), micros(now.Add(window))).
+		Scan(&attempts)
+	if err == nil {
+		return dedup.Claim{State: dedup.StateNew, Attempts: attempts}, nil
+	}
+	if !errors.Is(err, sql.ErrNoRows) {
+		return dedup.Claim{}, interpret("claim", err)
+	}
+	// The upsert changed nothing: the key is done. This transaction has
+	// held the write lock since the upsert, so the row cannot have changed.
+	var (
+		status string
+		result []byte
+	)
+	if err := t.tx.QueryRowContext(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result); err != nil {
+		return dedup.Claim{}, interpret("claim", err)
+	}
+	if status != "done" {
+		return dedup.Claim{}, fmt.Errorf("sqlite: claim: key %q of consumer %q is %q after the claim changed nothing", key.Key, key.Consumer, status)
+	}
+	return dedup.Claim{State: dedup.StateDone, Attempts: attempts, Result: result}, nil
+}
+
+func (t *inboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byte) error {
+	if result == nil {
+		return nil
+	}
+	if _, err := t.tx.ExecContext(ctx, t.q.complete, result, key.Consumer, key.Key); err != nil {
+		return interpret("complete", err)
+	}
+	return nil
+}
+
+func (t *inboxTx) WithTx(ctx context.Context) context.Context {
+	return context.WithValue(ctx, txKey{}, t.tx)
+}
+
+func (t *inboxTx) Commit(context.Context) error {
+	if err := t.tx.Commit(); err != nil {
+		return interpret("commit", err)
+	}
+	return nil
+}
+
+func (t *inboxTx) Rollback(context.Context) error {
+	if err := t.tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+		return fmt.Errorf("sqlite: rollback: %w", err)
+	}
+	return nil
+}
+
+// queries holds the store's SQL, rendered once for the configured table.
+// Every statement is parameterised; only the validated table name is
+// spliced in.
+type queries struct {
+	claim, read, complete, fail, deleteExpired string
+}
+
+func newQueries(cfg Config) queries {
+	names := sqlschema.NamesFor(sqlschema.SQLite, cfg.schema())
+	r := strings.NewReplacer("{T}", names.Inbox)
+	return queries{
+		// The claim writes the row as 'done' at once: it only becomes
+		// visible when the transaction commits, together with the effect.
+		// No row returned means the key was done already.
+		// Arguments: consumer, key, created_at, updated_at, done_at,
+		// expires_at.
+		claim: r.Replace(`INSERT INTO {T} (consumer, key, status, attempts, created_at, updated_at, done_at, expires_at)
+VALUES (?, ?, 'done', 1, ?, ?, ?, ?)
+ON CONFLICT (consumer, key) DO UPDATE
+SET status = 'done', attempts = attempts + 1, lease_until = NULL,
+    updated_at = excluded.updated_at, done_at = excluded.done_at, expires_at = excluded.expires_at
+WHERE status <> 'done'
+RETURNING attempts`),
+
+		// Arguments: consumer, key.
+		read: r.Replace(`SELECT status, attempts, result FROM {T} WHERE consumer = ? AND key = ?`),
+
+		// Arguments: result, consumer, key.
+		complete: r.Replace(`UPDATE {T} SET result = ? WHERE consumer = ? AND key = ?`),
+
+		// Arguments: consumer, key, first_error, last_error,
+		// first_failed_at, last_failed_at, created_at, updated_at,
+		// expires_at.
+		fail: r.Replace(`INSERT INTO {T} (consumer, key, status, attempts,
+	first_error, last_error, first_failed_at, last_failed_at, created_at, updated_at, expires_at)
+VALUES (?, ?, 'failed', 1, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (consumer, key) DO UPDATE
+SET status = 'failed', attempts = attempts + 1, lease_until = NULL,
+    first_error = COALESCE(first_error, excluded.first_error),
+    first_failed_at = COALESCE(first_failed_at, excluded.first_failed_at),
+    last_error = excluded.last_error, last_failed_at = excluded.last_failed_at,
+    updated_at = excluded.updated_at, expires_at = excluded.expires_at
+WHERE status <> 'done'`),
+
+		// Arguments: now, limit.
+		deleteExpired: r.Replace(`DELETE FROM {T} WHERE rowid IN (
+	SELECT rowid FROM {T} WHERE expires_at < ? LIMIT ?)`),
+	}
+}
+
+// micros is the stored form of a time: microseconds since the Unix epoch.
+func micros(t time.Time) int64 { return t.UnixMicro() }
+
+// interpret wraps driver errors in one place.
+func interpret(op string, err error) error {
+	return fmt.Errorf("sqlite: %s: %w", op, err)
+}
