@@ -1,0 +1,35 @@
+// Package middleware holds oncemill's Watermill router middlewares.
+//
+// # Inbox
+//
+// [Inbox] applies each message key's effect exactly once per consumer on a
+// broker that delivers at least once. Add it like any Watermill middleware;
+// handlers stay plain [message.HandlerFunc]s:
+//
+//	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store})
+//	router.AddMiddleware(inbox.Middleware)
+//
+// In transactional mode ([InboxConfig.TxStore]) the key is claimed in a
+// database transaction that the handler also writes its effect through
+// (postgres.Tx(msg.Context()) or sqlite.Tx(msg.Context())); claim, effect,
+// produced messages and the done mark commit together. In lease mode
+// ([InboxConfig.LeaseStore]) the key is claimed as a fenced lease for effects
+// outside the database, and [IdempotencyKey] hands the key to the effect.
+//
+// A duplicate of a done key does not run the handler: the inbox returns the
+// messages the first run produced, with their UUIDs, so that a crash between
+// commit and publish loses nothing and the next consumer can deduplicate.
+//
+// # Keys
+//
+// A [KeyFunc] names a message's effect: [DefaultKey] (metadata
+// "idempotency_key", else the UUID), [KeyFromMetadata], [KeyFromJSON] for a
+// business key such as "orderId", [KeyFromHash]. A message without a usable
+// key fails with a [Permanent] error wrapping [ErrKey]: it is never applied
+// unguarded.
+//
+// # Errors
+//
+// Handler errors are returned unchanged (the message is nacked); wrap one
+// with [Permanent] when retrying cannot help. [IsPermanent] tells them apart.
+package middleware

@@ -1,0 +1,60 @@
+package middleware
+
+import (
+	"errors"
+	"fmt"
+)
+
+var (
+	// ErrKey is wrapped by every error that a key function returns: the
+	// message carries no usable key. Such errors are permanent.
+	ErrKey = errors.New("middleware: cannot read message key")
+	// ErrEmptyKey is wrapped when a key function found an empty key. An
+	// empty key never passes silently: it would make every message a
+	// duplicate of every other.
+	ErrEmptyKey = errors.New("middleware: message key is empty")
+	// ErrNoConsumer is returned when the inbox has no consumer name: set
+	// InboxConfig.Consumer or run the handler under a message.Router.
+	ErrNoConsumer = errors.New("middleware: no consumer name: set InboxConfig.Consumer or run under message.Router")
+	// ErrInFlight is returned (so the message is nacked, never acked) when
+	// another delivery of the same key holds a live lease.
+	ErrInFlight = errors.New("middleware: key is being processed by another delivery")
+	// ErrBadResult is returned when a stored result cannot be decoded.
+	ErrBadResult = errors.New("middleware: stored result is unreadable")
+)
+
+// permanentError marks an error that retrying cannot fix.
+type permanentError struct{ err error }
+
+func (e permanentError) Error() string { return e.err.Error() }
+func (e permanentError) Unwrap() error { return e.err }
+
+// Permanent marks err as permanent: retrying the message cannot succeed, so
+// the poison middleware dead-letters it at once instead of retrying. It
+// returns nil for a nil err.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	if IsPermanent(err) {
+		return err
+	}
+	return permanentError{err: err}
+}
+
+// IsPermanent reports whether err, or any error it wraps, was marked with
+// [Permanent].
+func IsPermanent(err error) bool {
+	var p permanentError
+	return errors.As(err, &p)
+}
+
+// keyError builds a permanent key error that wraps [ErrKey] and, when given,
+// a more precise sentinel or cause.
+func keyError(cause error, format string, args ...any) error {
+	msg := fmt.Sprintf(format, args...)
+	if cause != nil {
+		return Permanent(fmt.Errorf("%w: %s: %w", ErrKey, msg, cause))
+	}
+	return Permanent(fmt.Errorf("%w: %s", ErrKey, msg))
+}

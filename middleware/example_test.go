@@ -1,0 +1,98 @@
+package middleware_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/dedup/memory"
+	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/middleware"
+)
+
+// A payment handler wrapped in a lease-mode inbox runs once for three
+// deliveries of one order. The memory store is for examples and tests only:
+// it forgets on restart.
+func ExampleNewInbox() {
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{
+		LeaseStore: memory.New(),
+		Consumer:   "payments",
+	})
+	if err != nil {
+		panic(err)
+	}
+	charges := 0
+	handler := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		charges++ // a real handler passes middleware.IdempotencyKey(msg.Context()) to the provider
+		return nil, nil
+	})
+
+	// The broker redelivers the same payment three times, each time as a
+	// new delivery with its own UUID but the producer's idempotency key.
+	for i := 0; i < 3; i++ {
+		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"orderId":"A-42","amount":1999}`))
+		msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+		if _, err := handler(msg); err != nil {
+			panic(err)
+		}
+	}
+	stats := inbox.Stats()
+	fmt.Println("charges:", charges, "duplicates dropped:", stats.Duplicates)
+	// Output: charges: 1 duplicates dropped: 2
+}
+
+// In transactional mode the handler writes its effect through the
+// transaction in which the inbox claimed the key, so both commit together.
+// Here the key is a business field of the payload.
+func ExampleInbox_Middleware() {
+	ctx := context.Background()
+	dir, err := os.MkdirTemp("", "oncemill-example-")
+	if err != nil {
+		panic(err)
+	}
+	defer os.RemoveAll(dir)
+	store, err := sqlite.Open(ctx, filepath.Join(dir, "inbox.db"), sqlite.Config{})
+	if err != nil {
+		panic(err)
+	}
+	defer store.Close()
+	if _, err := store.DB().ExecContext(ctx, `CREATE TABLE shipments (order_id TEXT)`); err != nil {
+		panic(err)
+	}
+
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{
+		TxStore:  store,
+		Consumer: "shipping",
+		Key:      middleware.KeyFromJSON("orderId"),
+	})
+	if err != nil {
+		panic(err)
+	}
+	ship := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		_, err := sqlite.Tx(msg.Context()).ExecContext(msg.Context(),
+			`INSERT INTO shipments (order_id) VALUES (?)`, middleware.IdempotencyKey(msg.Context()))
+		return nil, err
+	})
+
+	for i := 0; i < 3; i++ {
+		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"orderId":"A-42"}`))
+		if _, err := ship(msg); err != nil {
+			panic(err)
+		}
+	}
+	_, err = ship(message.NewMessage(watermill.NewUUID(), []byte(`{"sku":"X"}`)))
+	fmt.Println("permanent:", middleware.IsPermanent(err))
+
+	var n int
+	if err := store.DB().QueryRowContext(ctx, `SELECT count(*) FROM shipments`).Scan(&n); err != nil {
+		panic(err)
+	}
+	fmt.Println("shipments:", n)
+	// Output:
+	// permanent: true
+	// shipments: 1
+}
