@@ -1,0 +1,22 @@
+GO ?= go
+GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
+
+.PHONY: test services vet quickstart ci
+
+# Start (or check) the services the integration tests use, then run all tests.
+test: services
+	$(GO) test -race -count=1 ./...
+
+services:
+	bash scripts/services.sh
+
+# go vet, plus a gofmt check that lists unformatted files.
+vet:
+	$(GO) vet ./...
+	@files="$(GOFILES)"; unformatted="$$(test -z "$$files" || gofmt -l $$files)"; \
+	if [ -n "$$unformatted" ]; then echo "gofmt -l found unformatted files:"; echo "$$unformatted"; exit 1; fi
+
+quickstart:
+	$(GO) run ./examples/quickstart
+
+ci: vet test quickstart
