@@ -11,11 +11,13 @@ import (
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/delivery"
 )
 
 // IdempotencyKeyMetadata is the metadata field that [DefaultKey] reads
 // first: the producer's stable key for the message.
-const IdempotencyKeyMetadata = "idempotency_key"
+const IdempotencyKeyMetadata = delivery.IdempotencyKey
 
 // MaxKeyBytes is the longest key accepted. Longer business keys should be
 // hashed ([KeyFromHash]); a database index cannot hold arbitrary lengths.

@@ -1,0 +1,65 @@
+// Package delivery names the message metadata that oncemill's broker
+// adapters set on every delivery and that its middlewares read: where a
+// message came from, how often the broker has delivered it, and whether it
+// could be decoded at all.
+//
+// Adapters set these keys; they never import the middlewares, and the
+// middlewares never import an adapter: this package is the one both know.
+package delivery
+
+import (
+	"strconv"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+const (
+	// IdempotencyKey is the producer's stable key for a message's effect.
+	IdempotencyKey = "idempotency_key"
+	// PartitionKey orders messages: brokers that partition (Kafka) or group
+	// (SQS FIFO) route equal keys to one partition or group. Publishers fall
+	// back to IdempotencyKey when it is empty.
+	PartitionKey = "partition_key"
+
+	// Topic is the topic or queue the message was received from.
+	Topic = "oncemill_topic"
+	// Partition is the Kafka partition the message was received from.
+	Partition = "oncemill_partition"
+	// Offset is the Kafka offset of the message in its partition.
+	Offset = "oncemill_offset"
+	// Attempts is the broker's own count of deliveries of this message,
+	// this one included, where the broker keeps one (SQS
+	// ApproximateReceiveCount, RabbitMQ quorum x-delivery-count + 1).
+	// Absent when the broker has none (Kafka).
+	Attempts = "oncemill_attempts"
+	// Redelivered is "true" when the broker says it delivered the message
+	// before (RabbitMQ's redelivered flag).
+	Redelivered = "oncemill_redelivered"
+	// DecodeError holds why the adapter could not decode the broker's
+	// record into a message; the payload then holds the raw bytes. The
+	// message must go to the dead-letter queue, not to the handler.
+	DecodeError = "oncemill_decode_error"
+)
+
+// AttemptsOf returns the broker's delivery count of msg, if it has one.
+func AttemptsOf(msg *message.Message) (int, bool) {
+	n, err := strconv.Atoi(msg.Metadata.Get(Attempts))
+	if err != nil || n < 1 {
+		return 0, false
+	}
+	return n, true
+}
+
+// DecodeErrorOf returns why msg could not be decoded, or "" if it was.
+func DecodeErrorOf(msg *message.Message) string {
+	return msg.Metadata.Get(DecodeError)
+}
+
+// PartitionKeyOf returns the key that orders msg: metadata partition_key,
+// else idempotency_key, else "".
+func PartitionKeyOf(msg *message.Message) string {
+	if k := msg.Metadata.Get(PartitionKey); k != "" {
+		return k
+	}
+	return msg.Metadata.Get(IdempotencyKey)
+}
