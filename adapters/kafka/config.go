@@ -1,0 +1,321 @@
+package kafka
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"time"
+
+	"github.com/IBM/sarama"
+	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+)
+
+var (
+	// ErrInvalidConfig is wrapped by every error that a config's Validate
+	// returns; the message names the field.
+	ErrInvalidConfig = errors.New("kafka: invalid config")
+	// ErrInvalidMessage is wrapped by the error that [Marshaler.Marshal],
+	// and so Publish, returns for a message that a subscriber could not
+	// decode.
+	ErrInvalidMessage = errors.New("kafka: invalid message")
+)
+
+// NoSleep, as NackResendSleep or ReconnectRetrySleep, means no sleep.
+const NoSleep = wkafka.NoSleep
+
+// InitialOffset is where a consumer group starts reading a partition for
+// which it has no committed offset.
+type InitialOffset int8
+
+const (
+	// Oldest starts at the oldest record still in the partition, so a
+	// new group sees everything published before it subscribed. The
+	// default.
+	Oldest InitialOffset = iota
+	// Newest starts after the last record, so a new group sees only what
+	// is published after it subscribed.
+	Newest
+)
+
+// String returns "Oldest", "Newest", or the number of an invalid value.
+func (o InitialOffset) String() string {
+	switch o {
+	case Oldest:
+		return "Oldest"
+	case Newest:
+		return "Newest"
+	default:
+		return fmt.Sprintf("InitialOffset(%d)", int8(o))
+	}
+}
+
+func (o InitialOffset) sarama() int64 {
+	if o == Newest {
+		return sarama.OffsetNewest
+	}
+	return sarama.OffsetOldest
+}
+
+// SubscriberConfig configures [NewSubscriber]. The zero value of every
+// field but Brokers is valid and means the documented default.
+type SubscriberConfig struct {
+	// Brokers are the seed brokers, as host:port. Required.
+	Brokers []string
+
+	// ConsumerGroup is the consumer group the subscriber joins, resumes
+	// from and commits to. Empty subscribes without a group: every
+	// Subscribe reads all partitions from InitialOffset and commits
+	// nothing, so it suits only tools and tests.
+	ConsumerGroup string
+
+	// InitialOffset is where the group starts in a partition it has no
+	// committed offset for (Kafka's auto.offset.reset). Defaults to
+	// Oldest, so that nothing published before the group first
+	// subscribed is skipped.
+	InitialOffset InitialOffset
+
+	// CommitInterval is how often the offsets of acked messages are
+	// committed to the group. Defaults to 1s. Whatever was acked is also
+	// committed when the subscriber closes and before the group
+	// rebalances. Only acked offsets are ever committed; after a crash,
+	// the messages acked in the last interval are delivered again.
+	CommitInterval time.Duration
+
+	// SyncCommit commits after every ack, before the partition's next
+	// message is delivered, instead of every CommitInterval: a crash then
+	// redelivers at most the last acked message of each partition, whose
+	// commit may not have completed, at the cost of one round trip to the
+	// group coordinator per message.
+	SyncCommit bool
+
+	// NackResendSleep is how long the subscriber waits before it delivers
+	// a nacked message again; its partition waits meanwhile. Defaults to
+	// 500ms. NoSleep disables the wait.
+	NackResendSleep time.Duration
+
+	// ReconnectRetrySleep is how long the subscriber waits before it
+	// tries again when it cannot connect to the brokers. Defaults to 1s.
+	// NoSleep disables the wait.
+	ReconnectRetrySleep time.Duration
+
+	// TopicPartitions and TopicReplicationFactor are the partition count
+	// and replication factor with which SubscribeInitialize creates a
+	// missing topic. Both default to 1, which suits development; create
+	// production topics with your own tooling or set these.
+	TopicPartitions        int32
+	TopicReplicationFactor int16
+
+	// Sarama, when set, adjusts the Sarama config after this package's
+	// defaults (Version 2.3.0.0, ClientID "oncemill", Sarama's own
+	// defaults otherwise), for TLS, SASL, Version, ClientID or timeouts.
+	// Version must be at least 0.11.0.0, for record headers; against the
+	// embedded broker it must stay below 2.4.0.0 (see package embedded).
+	// The settings that carry the guarantees are applied after it:
+	// Consumer.Offsets.Initial and AutoCommit come from the fields
+	// above, and Consumer.Return.Errors is true.
+	Sarama func(*sarama.Config)
+}
+
+// Validate reports the first invalid field of c, in an error that wraps
+// [ErrInvalidConfig]. It checks the fields, not the Sarama config that the
+// Sarama hook produces; [SubscriberConfig.WatermillConfig] checks that.
+func (c SubscriberConfig) Validate() error {
+	if err := validateBrokers("SubscriberConfig", c.Brokers); err != nil {
+		return err
+	}
+	switch {
+	case c.InitialOffset != Oldest && c.InitialOffset != Newest:
+		return fmt.Errorf("%w: SubscriberConfig.InitialOffset is %s, want Oldest or Newest", ErrInvalidConfig, c.InitialOffset)
+	case c.CommitInterval < 0:
+		return fmt.Errorf("%w: SubscriberConfig.CommitInterval is %s, want >= 0", ErrInvalidConfig, c.CommitInterval)
+	case c.NackResendSleep < 0 && c.NackResendSleep != NoSleep:
+		return fmt.Errorf("%w: SubscriberConfig.NackResendSleep is %s, want >= 0 or NoSleep", ErrInvalidConfig, c.NackResendSleep)
+	case c.ReconnectRetrySleep < 0 && c.ReconnectRetrySleep != NoSleep:
+		return fmt.Errorf("%w: SubscriberConfig.ReconnectRetrySleep is %s, want >= 0 or NoSleep", ErrInvalidConfig, c.ReconnectRetrySleep)
+	case c.TopicPartitions < 0:
+		return fmt.Errorf("%w: SubscriberConfig.TopicPartitions is %d, want >= 0", ErrInvalidConfig, c.TopicPartitions)
+	case c.TopicReplicationFactor < 0:
+		return fmt.Errorf("%w: SubscriberConfig.TopicReplicationFactor is %d, want >= 0", ErrInvalidConfig, c.TopicReplicationFactor)
+	}
+	return nil
+}
+
+// withDefaults returns a copy of c with defaults applied; c is unchanged.
+func (c SubscriberConfig) withDefaults() SubscriberConfig {
+	c.Brokers = slices.Clone(c.Brokers)
+	if c.CommitInterval == 0 {
+		c.CommitInterval = time.Second
+	}
+	if c.NackResendSleep == 0 {
+		c.NackResendSleep = 500 * time.Millisecond
+	}
+	if c.ReconnectRetrySleep == 0 {
+		c.ReconnectRetrySleep = time.Second
+	}
+	if c.TopicPartitions == 0 {
+		c.TopicPartitions = 1
+	}
+	if c.TopicReplicationFactor == 0 {
+		c.TopicReplicationFactor = 1
+	}
+	return c
+}
+
+// WatermillConfig validates c and returns the watermill-kafka subscriber
+// config that [NewSubscriber] uses, with a fresh Sarama config and the
+// [Marshaler] as unmarshaler. c is not modified.
+//
+// The Sarama config commits only what the handler acked: watermill-kafka
+// marks a record's offset when its message is acked, never before, and
+// Sarama commits only marked offsets, every CommitInterval with
+// Consumer.Offsets.AutoCommit (which, unlike the Java client's
+// enable.auto.commit, does not commit what was merely fetched), or after
+// each mark with SyncCommit, where AutoCommit is off and watermill-kafka
+// calls Commit itself.
+func (c SubscriberConfig) WatermillConfig() (wkafka.SubscriberConfig, error) {
+	if err := c.Validate(); err != nil {
+		return wkafka.SubscriberConfig{}, err
+	}
+	c = c.withDefaults()
+
+	sc := sarama.NewConfig()
+	// 2.3, not later: from 2.4 on Sarama fetches committed offsets with
+	// OffsetFetch v6+, the first flexible version, and reads each
+	// partition's metadata as a non-nullable compact string. kfake (the
+	// embedded broker) answers null for a partition the group never
+	// committed, where Kafka answers "", and Sarama then fails the whole
+	// join with "error decoding packet: invalid byteslice length". 2.3
+	// uses OffsetFetch v5, whose decoder accepts null; nothing the
+	// subscriber uses needs a later version.
+	sc.Version = sarama.V2_3_0_0
+	sc.ClientID = "oncemill"
+	if c.Sarama != nil {
+		c.Sarama(sc)
+	}
+	sc.Consumer.Return.Errors = true
+	sc.Consumer.Offsets.Initial = c.InitialOffset.sarama()
+	sc.Consumer.Offsets.AutoCommit.Enable = !c.SyncCommit
+	sc.Consumer.Offsets.AutoCommit.Interval = c.CommitInterval
+	if err := checkSarama("SubscriberConfig", "record headers", sc); err != nil {
+		return wkafka.SubscriberConfig{}, err
+	}
+
+	return wkafka.SubscriberConfig{
+		Brokers:               c.Brokers,
+		Unmarshaler:           Marshaler{},
+		OverwriteSaramaConfig: sc,
+		ConsumerGroup:         c.ConsumerGroup,
+		NackResendSleep:       c.NackResendSleep,
+		ReconnectRetrySleep:   c.ReconnectRetrySleep,
+		InitializeTopicDetails: &sarama.TopicDetail{
+			NumPartitions:     c.TopicPartitions,
+			ReplicationFactor: c.TopicReplicationFactor,
+		},
+	}, nil
+}
+
+// PublisherConfig configures [NewPublisher]. The zero value of every field
+// but Brokers is valid and means the documented default.
+type PublisherConfig struct {
+	// Brokers are the seed brokers, as host:port. Required.
+	Brokers []string
+
+	// MaxRetries is how many times the producer retries a failed send
+	// before Publish fails. Defaults to 10. The producer is idempotent, so
+	// a retry never writes a record twice.
+	MaxRetries int
+
+	// Sarama, when set, adjusts the Sarama config after this package's
+	// defaults (Version 2.3.0.0, ClientID "oncemill", the
+	// [NewKeyPartitioner] partitioner, Sarama's own defaults otherwise),
+	// for TLS, SASL, Version, ClientID, timeouts or the partitioner.
+	// Version must be at least 0.11.0.0, for record headers and the
+	// idempotent producer. The settings that carry the guarantees are
+	// applied after it: Producer.Idempotent, RequiredAcks = WaitForAll,
+	// Net.MaxOpenRequests = 1, Producer.Retry.Max = MaxRetries, and
+	// Return.Successes and Return.Errors, which Publish needs.
+	Sarama func(*sarama.Config)
+}
+
+// Validate reports the first invalid field of c, in an error that wraps
+// [ErrInvalidConfig]. It checks the fields, not the Sarama config that the
+// Sarama hook produces; [PublisherConfig.WatermillConfig] checks that.
+func (c PublisherConfig) Validate() error {
+	if err := validateBrokers("PublisherConfig", c.Brokers); err != nil {
+		return err
+	}
+	if c.MaxRetries < 0 {
+		return fmt.Errorf("%w: PublisherConfig.MaxRetries is %d, want >= 0", ErrInvalidConfig, c.MaxRetries)
+	}
+	return nil
+}
+
+// withDefaults returns a copy of c with defaults applied; c is unchanged.
+func (c PublisherConfig) withDefaults() PublisherConfig {
+	c.Brokers = slices.Clone(c.Brokers)
+	if c.MaxRetries == 0 {
+		c.MaxRetries = 10
+	}
+	return c
+}
+
+// WatermillConfig validates c and returns the watermill-kafka publisher
+// config that [NewPublisher] uses: a fresh Sarama config for the
+// idempotent producer, the [NewKeyPartitioner] partitioner, and the
+// [Marshaler]. c is not modified.
+func (c PublisherConfig) WatermillConfig() (wkafka.PublisherConfig, error) {
+	if err := c.Validate(); err != nil {
+		return wkafka.PublisherConfig{}, err
+	}
+	c = c.withDefaults()
+
+	sc := sarama.NewConfig()
+	// The subscriber's version, for one minimum broker version; the
+	// idempotent producer needs 0.11.
+	sc.Version = sarama.V2_3_0_0
+	sc.ClientID = "oncemill"
+	sc.Producer.Partitioner = NewKeyPartitioner
+	if c.Sarama != nil {
+		c.Sarama(sc)
+	}
+	sc.Producer.Idempotent = true
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Net.MaxOpenRequests = 1
+	sc.Producer.Retry.Max = c.MaxRetries
+	sc.Producer.Return.Successes = true
+	sc.Producer.Return.Errors = true
+	if err := checkSarama("PublisherConfig", "record headers and the idempotent producer", sc); err != nil {
+		return wkafka.PublisherConfig{}, err
+	}
+
+	return wkafka.PublisherConfig{
+		Brokers:               c.Brokers,
+		Marshaler:             Marshaler{},
+		OverwriteSaramaConfig: sc,
+	}, nil
+}
+
+func validateBrokers(config string, brokers []string) error {
+	if len(brokers) == 0 {
+		return fmt.Errorf("%w: %s.Brokers is empty", ErrInvalidConfig, config)
+	}
+	for i, b := range brokers {
+		if _, _, err := net.SplitHostPort(b); err != nil {
+			return fmt.Errorf("%w: %s.Brokers[%d] %q is not host:port", ErrInvalidConfig, config, i, b)
+		}
+	}
+	return nil
+}
+
+// checkSarama validates the Sarama config that the hook left; needs says
+// what needs Version 0.11.
+func checkSarama(config, needs string, sc *sarama.Config) error {
+	if !sc.Version.IsAtLeast(sarama.V0_11_0_0) {
+		return fmt.Errorf("%w: %s.Sarama set Version %s; %s need at least 0.11.0.0", ErrInvalidConfig, config, sc.Version, needs)
+	}
+	if err := sc.Validate(); err != nil {
+		return fmt.Errorf("%w: %s.Sarama: %w", ErrInvalidConfig, config, err)
+	}
+	return nil
+}

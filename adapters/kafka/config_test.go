@@ -1,0 +1,163 @@
+package kafka_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/adapters/kafka"
+)
+
+func TestSubscriberConfigValidate(t *testing.T) {
+	ok := kafka.SubscriberConfig{Brokers: []string{"localhost:9092"}}
+	require.NoError(t, ok.Validate())
+
+	for field, tc := range map[string]func(*kafka.SubscriberConfig){
+		"SubscriberConfig.Brokers is empty":       func(c *kafka.SubscriberConfig) { c.Brokers = nil },
+		"SubscriberConfig.Brokers[1]":             func(c *kafka.SubscriberConfig) { c.Brokers = []string{"a:1", "no-port"} },
+		"SubscriberConfig.InitialOffset":          func(c *kafka.SubscriberConfig) { c.InitialOffset = 7 },
+		"SubscriberConfig.CommitInterval":         func(c *kafka.SubscriberConfig) { c.CommitInterval = -time.Second },
+		"SubscriberConfig.NackResendSleep":        func(c *kafka.SubscriberConfig) { c.NackResendSleep = -2 },
+		"SubscriberConfig.ReconnectRetrySleep":    func(c *kafka.SubscriberConfig) { c.ReconnectRetrySleep = -2 },
+		"SubscriberConfig.TopicPartitions":        func(c *kafka.SubscriberConfig) { c.TopicPartitions = -1 },
+		"SubscriberConfig.TopicReplicationFactor": func(c *kafka.SubscriberConfig) { c.TopicReplicationFactor = -1 },
+	} {
+		t.Run(field, func(t *testing.T) {
+			c := ok
+			tc(&c)
+			err := c.Validate()
+			require.ErrorIs(t, err, kafka.ErrInvalidConfig)
+			require.ErrorContains(t, err, field)
+			_, err = c.WatermillConfig()
+			require.ErrorIs(t, err, kafka.ErrInvalidConfig)
+			_, err = kafka.NewSubscriber(c, nil)
+			require.ErrorContains(t, err, field)
+		})
+	}
+
+	t.Run("NoSleep", func(t *testing.T) {
+		c := ok
+		c.NackResendSleep, c.ReconnectRetrySleep = kafka.NoSleep, kafka.NoSleep
+		require.NoError(t, c.Validate())
+	})
+	t.Run("Sarama hook", func(t *testing.T) {
+		c := ok
+		c.Sarama = func(sc *sarama.Config) { sc.Version = sarama.V0_10_2_0 }
+		_, err := c.WatermillConfig()
+		require.ErrorIs(t, err, kafka.ErrInvalidConfig)
+		require.ErrorContains(t, err, "SubscriberConfig.Sarama")
+
+		c.Sarama = func(sc *sarama.Config) { sc.Consumer.Group.Session.Timeout = 0 }
+		_, err = c.WatermillConfig()
+		require.ErrorIs(t, err, kafka.ErrInvalidConfig)
+		require.ErrorContains(t, err, "SubscriberConfig.Sarama: kafka: invalid configuration (Consumer.Group.Session.Timeout")
+	})
+}
+
+func TestSubscriberConfigDefaults(t *testing.T) {
+	brokers := []string{"localhost:9092"}
+	c := kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g"}
+	orig := c
+	w, err := c.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, orig, c, "the caller's config is not modified")
+
+	sc := w.OverwriteSaramaConfig
+	require.Equal(t, sarama.OffsetOldest, sc.Consumer.Offsets.Initial)
+	require.True(t, sc.Consumer.Offsets.AutoCommit.Enable, "Sarama's auto-commit commits only marked, that is acked, offsets")
+	require.Equal(t, time.Second, sc.Consumer.Offsets.AutoCommit.Interval)
+	require.True(t, sc.Consumer.Return.Errors)
+	require.Equal(t, sarama.V2_3_0_0, sc.Version)
+	require.Equal(t, "oncemill", sc.ClientID)
+	require.Equal(t, 500*time.Millisecond, w.NackResendSleep)
+	require.Equal(t, time.Second, w.ReconnectRetrySleep)
+	require.Equal(t, "g", w.ConsumerGroup)
+	require.Equal(t, kafka.Marshaler{}, w.Unmarshaler)
+	require.Equal(t, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, w.InitializeTopicDetails)
+
+	w.Brokers[0] = "changed:1"
+	require.Equal(t, "localhost:9092", brokers[0], "the brokers slice is copied")
+
+	// The hook cannot undo the guarantees.
+	c.InitialOffset = kafka.Newest
+	c.SyncCommit = true
+	c.Sarama = func(sc *sarama.Config) {
+		sc.Consumer.Offsets.Initial = sarama.OffsetOldest
+		sc.Consumer.Offsets.AutoCommit.Enable = true
+		sc.Consumer.Return.Errors = false
+		sc.ClientID = "mine"
+	}
+	w, err = c.WatermillConfig()
+	require.NoError(t, err)
+	sc = w.OverwriteSaramaConfig
+	require.Equal(t, sarama.OffsetNewest, sc.Consumer.Offsets.Initial)
+	require.False(t, sc.Consumer.Offsets.AutoCommit.Enable, "SyncCommit: watermill-kafka commits after each ack")
+	require.True(t, sc.Consumer.Return.Errors)
+	require.Equal(t, "mine", sc.ClientID)
+}
+
+func TestPublisherConfigValidate(t *testing.T) {
+	ok := kafka.PublisherConfig{Brokers: []string{"localhost:9092"}}
+	require.NoError(t, ok.Validate())
+
+	for field, tc := range map[string]func(*kafka.PublisherConfig){
+		"PublisherConfig.Brokers is empty": func(c *kafka.PublisherConfig) { c.Brokers = []string{} },
+		"PublisherConfig.Brokers[0]":       func(c *kafka.PublisherConfig) { c.Brokers = []string{""} },
+		"PublisherConfig.MaxRetries":       func(c *kafka.PublisherConfig) { c.MaxRetries = -1 },
+		"PublisherConfig.Sarama":           func(c *kafka.PublisherConfig) { c.Sarama = func(sc *sarama.Config) { sc.Version = sarama.V0_10_0_0 } },
+	} {
+		t.Run(field, func(t *testing.T) {
+			c := ok
+			tc(&c)
+			_, err := c.WatermillConfig()
+			require.ErrorIs(t, err, kafka.ErrInvalidConfig)
+			require.ErrorContains(t, err, field)
+			_, err = kafka.NewPublisher(c, nil)
+			require.ErrorContains(t, err, field)
+		})
+	}
+}
+
+func TestPublisherConfigDefaults(t *testing.T) {
+	c := kafka.PublisherConfig{
+		Brokers: []string{"localhost:9092"},
+		// The hook cannot undo the guarantees.
+		Sarama: func(sc *sarama.Config) {
+			sc.Producer.Idempotent = false
+			sc.Producer.RequiredAcks = sarama.WaitForLocal
+			sc.Net.MaxOpenRequests = 5
+			sc.Producer.Retry.Max = 0
+			sc.Producer.Return.Successes = false
+		},
+	}
+	orig := c
+	w, err := c.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, orig.Brokers, c.Brokers)
+	require.Equal(t, 0, c.MaxRetries, "the caller's config is not modified")
+
+	sc := w.OverwriteSaramaConfig
+	require.True(t, sc.Producer.Idempotent)
+	require.Equal(t, sarama.WaitForAll, sc.Producer.RequiredAcks)
+	require.Equal(t, 1, sc.Net.MaxOpenRequests)
+	require.Equal(t, 10, sc.Producer.Retry.Max)
+	require.True(t, sc.Producer.Return.Successes)
+	require.True(t, sc.Producer.Return.Errors)
+	require.Equal(t, sarama.V2_3_0_0, sc.Version)
+	require.Equal(t, kafka.Marshaler{}, w.Marshaler)
+	key := &sarama.ProducerMessage{Key: sarama.StringEncoder("order-42")}
+	got, err := sc.Producer.Partitioner("t").Partition(key, 1000)
+	require.NoError(t, err)
+	want, err := kafka.NewKeyPartitioner("t").Partition(key, 1000)
+	require.NoError(t, err)
+	require.Equal(t, want, got, "the key partitioner")
+}
+
+func TestBrokersFromEnv(t *testing.T) {
+	t.Setenv(kafka.BrokersEnv, " a:1, b:2 ,,")
+	require.Equal(t, []string{"a:1", "b:2"}, kafka.BrokersFromEnv())
+	t.Setenv(kafka.BrokersEnv, "")
+	require.Nil(t, kafka.BrokersFromEnv())
+}

@@ -1,0 +1,61 @@
+// Package kafka is oncemill's Kafka adapter: a Watermill publisher and
+// subscriber, built on watermill-kafka v3 and Sarama, configured for
+// exactly-once effects on Kafka's at-least-once delivery, which the inbox
+// middleware completes by deduplicating by idempotency key.
+//
+// # Guarantees
+//
+// Commit after ack. The subscriber commits a record's offset to its
+// consumer group only after the handler acked the message: watermill-kafka
+// marks the offset on ack and never before, and Sarama commits marked
+// offsets only, every [SubscriberConfig.CommitInterval], when the
+// subscriber closes and before the group rebalances, or after every ack
+// with [SubscriberConfig.SyncCommit]. A partition delivers its next
+// message only once the previous one is acked; a nacked message is
+// delivered again after [SubscriberConfig.NackResendSleep]. After a crash
+// or a lost ack, the group resumes at its committed offset, so a message
+// may be delivered again, never skipped. (An ack in the same instant as
+// Close may lose the race and leave its message to be delivered again.)
+//
+// Oldest offset. A group with no committed offset for a partition starts
+// at the partition's oldest record, so nothing published before the group
+// first subscribed is missed; [SubscriberConfig.InitialOffset] changes
+// that.
+//
+// Idempotent producer. The publisher's Sarama producer is idempotent
+// (Producer.Idempotent, RequiredAcks WaitForAll, Net.MaxOpenRequests 1,
+// retries): a retried send is never written twice, and retries do not
+// reorder a partition. Publish returns once the partition's in-sync
+// replicas have the record.
+//
+// Per-key order. The [Marshaler] keys every record by
+// [delivery.PartitionKeyOf] (metadata partition_key, else
+// idempotency_key), and the [NewKeyPartitioner] partitioner maps equal
+// keys to one partition, as the Java client and franz-go do, so messages
+// of one key are consumed in publish order. Keyless messages share the
+// empty key's partition and keep their order too.
+//
+// Undecodable records surface. A record that is not a Watermill message
+// (no or several UUID headers, headers that are not UTF-8, a tombstone)
+// is delivered, not retried forever, as a message with
+// [delivery.DecodeError] set to the reason and the raw record value as
+// payload, for the poison middleware to dead-letter. Every message
+// carries [delivery.Topic], [delivery.Partition] and [delivery.Offset].
+// Records of stock watermill-kafka read normally, and stock
+// watermill-kafka reads ours.
+//
+// # Brokers
+//
+// Kafka 2.3 or later (Sarama speaks protocol version 2.3.0.0 unless a
+// Sarama hook changes it), or the in-process broker of package embedded, which tests use unless
+// [BrokersEnv] names a real cluster (see [BrokersFromEnv]).
+//
+// Tests that check for goroutine leaks must ignore
+// github.com/rcrowley/go-metrics.(*meterArbiter).tick, a process-wide
+// goroutine that Sarama's metrics start and nothing stops.
+//
+// watermill-kafka reconnects at once, in a loop, while a consumer group
+// keeps failing with an error from the broker (an authorization error,
+// say); [SubscriberConfig.ReconnectRetrySleep] spaces only the attempts
+// that cannot connect at all. Its logs show the error.
+package kafka

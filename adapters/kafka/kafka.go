@@ -1,0 +1,73 @@
+package kafka
+
+import (
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// BrokersEnv is the environment variable that [BrokersFromEnv] reads:
+// comma-separated host:port seed brokers of a real cluster for tests.
+const BrokersEnv = "ONCEMILL_KAFKA_BROKERS"
+
+// NewSubscriber returns a watermill-kafka subscriber configured by cfg
+// (see [SubscriberConfig.WatermillConfig]); a nil logger logs nothing.
+// It connects to nothing and starts no goroutine until Subscribe; each
+// Subscribe starts a Sarama client and goroutines that the subscriber's
+// Close stops, after it has committed what was acked. The subscriber also
+// implements message.SubscribeInitializer.
+func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (message.Subscriber, error) {
+	wcfg, err := cfg.WatermillConfig()
+	if err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	sub, err := wkafka.NewSubscriber(wcfg, logger)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: new subscriber: %w", err)
+	}
+	return sub, nil
+}
+
+// NewPublisher returns a watermill-kafka publisher with an idempotent
+// producer configured by cfg (see [PublisherConfig.WatermillConfig]); a
+// nil logger logs nothing. It connects to the brokers before it returns,
+// and fails if none answers, and it starts Sarama's producer goroutines,
+// which the publisher's Close stops.
+//
+// Publish sends the messages one at a time and returns once the
+// partition's in-sync replicas have each; it fails, wrapping
+// [ErrInvalidMessage], for a message that subscribers could not decode.
+func NewPublisher(cfg PublisherConfig, logger watermill.LoggerAdapter) (message.Publisher, error) {
+	wcfg, err := cfg.WatermillConfig()
+	if err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	pub, err := wkafka.NewPublisher(wcfg, logger)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: new publisher: %w", err)
+	}
+	return pub, nil
+}
+
+// BrokersFromEnv returns the seed brokers in the [BrokersEnv] environment
+// variable, or nil if it is unset or empty. Tests use it to run against a
+// real cluster instead of an embedded one.
+func BrokersFromEnv() []string {
+	var brokers []string
+	for _, b := range strings.Split(os.Getenv(BrokersEnv), ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			brokers = append(brokers, b)
+		}
+	}
+	return brokers
+}

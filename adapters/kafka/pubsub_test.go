@@ -1,0 +1,110 @@
+package kafka_test
+
+import (
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
+
+	"github.com/oncemill/oncemill/adapters/kafka"
+)
+
+// TestPubSub runs Watermill's universal Pub/Sub tests.
+//
+// Features:
+//   - ConsumerGroups: subscribers in one group share the partitions, each
+//     group gets every message.
+//   - ExactlyOnceDelivery: false; Kafka redelivers whatever was not
+//     committed, which the inbox middleware deduplicates.
+//   - GuaranteedOrder: true; the Marshaler keys every record by its
+//     partition key, keyless messages by the empty key, so the suite's
+//     keyless messages share one partition and keep their order, also
+//     across the ten subscribers of TestPublishSubscribeInOrder.
+//   - Persistent: true.
+//   - TestReconnect is skipped by the suite: it needs a command that
+//     restarts the broker.
+func TestPubSub(t *testing.T) {
+	t.Parallel()
+	brokers := Brokers(t)
+	tests.TestPubSub(t,
+		tests.Features{
+			ConsumerGroups:      true,
+			ExactlyOnceDelivery: false,
+			GuaranteedOrder:     true,
+			Persistent:          true,
+		},
+		func(t *testing.T) (message.Publisher, message.Subscriber) {
+			// One group per suite test: every subscriber of a test is
+			// one "service", and tests do not rebalance each other.
+			return suitePubSub(t, brokers, "suite_"+unsafeName.ReplaceAllString(t.Name(), "_"))
+		},
+		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+			return suitePubSub(t, brokers, group)
+		},
+	)
+}
+
+func suitePubSub(t *testing.T, brokers []string, group string) (message.Publisher, message.Subscriber) {
+	p, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers}, testLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Some tests never close a publisher they get
+	// (TestNewSubscriberReceivesOldMessages) or close it in a goroutine
+	// of their own (TestMessageCtx); close each once, at the latest when
+	// its test ends.
+	pub := &closeOncePublisher{Publisher: p}
+	t.Cleanup(func() { _ = pub.Close() })
+	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
+		Brokers:         brokers,
+		ConsumerGroup:   group,
+		NackResendSleep: kafka.NoSleep,
+		TopicPartitions: 4,
+		Sarama:          fastGroups,
+	}, testLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// TestPublishSubscribeInOrder closes its subscribers before it
+	// subscribes them (defer require.NoError(t, sub.Close()) calls Close
+	// at once), so close every subscriber again at the end of its test;
+	// Close is idempotent and safe for concurrent use.
+	t.Cleanup(func() { _ = sub.Close() })
+	return pub, sub
+}
+
+// TestPubSubNoGroup runs the universal tests for a subscriber without a
+// consumer group, which reads every partition from the oldest record on
+// each Subscribe and commits nothing: every subscriber receives every
+// message, old ones included.
+func TestPubSubNoGroup(t *testing.T) {
+	t.Parallel()
+	brokers := Brokers(t)
+	tests.TestPubSub(t,
+		tests.Features{
+			ConsumerGroups:                   false,
+			ExactlyOnceDelivery:              false,
+			GuaranteedOrder:                  true,
+			Persistent:                       true,
+			NewSubscriberReceivesOldMessages: true,
+		},
+		func(t *testing.T) (message.Publisher, message.Subscriber) {
+			return suitePubSub(t, brokers, "")
+		},
+		nil,
+	)
+}
+
+// closeOncePublisher makes Close idempotent and safe for concurrent use;
+// watermill-kafka's Publisher.Close is neither.
+type closeOncePublisher struct {
+	message.Publisher
+	once sync.Once
+	err  error
+}
+
+func (p *closeOncePublisher) Close() error {
+	p.once.Do(func() { p.err = p.Publisher.Close() })
+	return p.err
+}
