@@ -1,0 +1,78 @@
+package amqp
+
+import (
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+)
+
+// NewPublisher connects to the broker at cfg.URL and returns a
+// watermill-amqp publisher configured by [Config.WatermillConfig]: it
+// declares the topic's durable fanout exchange on first use, publishes
+// persistent messages and returns from Publish only after the broker has
+// confirmed each message (publisher confirms).
+//
+// It starts a goroutine that watches the connection and reconnects with
+// backoff when it drops; the publisher's Close stops it and closes the
+// connection. A nil logger logs nothing.
+//
+// The error wraps [ErrInvalidConfig] for a bad cfg and [ErrConnect] when the
+// broker cannot be reached; it never contains the URL's password.
+func NewPublisher(cfg Config, logger watermill.LoggerAdapter) (*wamqp.Publisher, error) {
+	wcfg, err := cfg.WatermillConfig()
+	if err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	pub, err := wamqp.NewPublisher(wcfg, logger)
+	if err != nil {
+		return nil, connectError("publisher", cfg.URL, err)
+	}
+	logger.Debug("AMQP publisher connected", watermill.LogFields{"url": redactURL(cfg.URL)})
+	return pub, nil
+}
+
+// NewSubscriber connects to the broker at cfg.URL and returns a
+// watermill-amqp subscriber configured by [Config.WatermillConfig]. Subscribe
+// (or SubscribeInitialize) declares the topic's durable fanout exchange and
+// the durable quorum queue [Config.QueueName], binds them and consumes with
+// manual acknowledgement and a prefetch of cfg.Prefetch. Each subscription
+// hands the handler one message at a time and acknowledges it to the broker
+// only when the handler acks; a nack requeues it (or dead-letters it when
+// cfg.NoRequeueOnNack is set). Messages not acked when the subscriber
+// closes are returned to the queue.
+//
+// It starts a goroutine that watches the connection and reconnects with
+// backoff when it drops, and each Subscribe starts one that consumes until
+// its context is done or the subscriber closes; the subscriber's Close stops
+// them all and closes the connection. A nil logger logs nothing.
+//
+// The error wraps [ErrInvalidConfig] for a bad cfg and [ErrConnect] when the
+// broker cannot be reached; it never contains the URL's password.
+func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*wamqp.Subscriber, error) {
+	wcfg, err := cfg.WatermillConfig()
+	if err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	sub, err := wamqp.NewSubscriber(wcfg, logger)
+	if err != nil {
+		return nil, connectError("subscriber", cfg.URL, err)
+	}
+	logger.Debug("AMQP subscriber connected", watermill.LogFields{
+		"url":            redactURL(cfg.URL),
+		"consumer_group": cfg.ConsumerGroup,
+	})
+	return sub, nil
+}
+
+// connectError wraps err, from creating a publisher or subscriber (what),
+// in [ErrConnect] with the redacted URL, and scrubs the password from it.
+func connectError(what, rawURL string, err error) error {
+	return redactErr(fmt.Errorf("%w at %s (%s): %w", ErrConnect, redactURL(rawURL), what, err), rawURL)
+}

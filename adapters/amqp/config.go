@@ -1,0 +1,265 @@
+package amqp
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"strings"
+
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+)
+
+// Defaults applied by [Config.Validate], [Config.WatermillConfig],
+// [NewPublisher] and [NewSubscriber] to zero fields.
+const (
+	// DefaultPrefetch is the default [Config.Prefetch].
+	DefaultPrefetch = 16
+	// DefaultPublishChannels is the default [Config.PublishChannels].
+	DefaultPublishChannels = 8
+)
+
+// maxPrefetch is the largest prefetch count AMQP 0.9.1 can carry (a short).
+const maxPrefetch = 65535
+
+// maxPublishChannels bounds the publisher's channel pool; RabbitMQ's default
+// channel_max is 2047 per connection.
+const maxPublishChannels = 1024
+
+var (
+	// ErrInvalidConfig is wrapped by every error that [Config.Validate]
+	// returns; the message names the field.
+	ErrInvalidConfig = errors.New("amqp: invalid config")
+	// ErrConnect is wrapped by the error [NewPublisher] and [NewSubscriber]
+	// return when the broker cannot be reached or refuses the connection.
+	ErrConnect = errors.New("amqp: cannot connect to broker")
+)
+
+// Config configures a RabbitMQ publisher and subscriber.
+//
+// Topology: every topic is a durable fanout exchange named after the topic.
+// A subscriber consumes from a durable quorum queue bound to that exchange,
+// named "<topic>" or, with a ConsumerGroup, "<topic>.<group>"; the queue is
+// declared (and bound) when the subscriber subscribes or its
+// SubscribeInitialize is called. Instances that share a queue compete for
+// its messages (a work queue); each queue, that is each consumer group,
+// receives every message published to the topic.
+//
+// A message published while no queue is bound to the topic's exchange is
+// dropped by the broker (it is unroutable, and publisher confirms still ack
+// it): call the subscriber's SubscribeInitialize for each topic and group at
+// deployment or start-up, before anything is published.
+//
+// Queue arguments (x-queue-type, x-delivery-limit, x-dead-letter-*) are fixed
+// when a queue is first declared: declaring the same queue again with other
+// values fails with PRECONDITION_FAILED. To change them on a live queue, use
+// a RabbitMQ policy instead and leave the fields here zero.
+type Config struct {
+	// URL is the AMQP 0.9.1 URL of the broker,
+	// amqp://user:password@host:5672/vhost (amqps:// for TLS). Required.
+	// The password never appears in errors or logs.
+	URL string
+
+	// ConsumerGroup, when set, makes the subscriber's queue
+	// "<topic>.<group>" instead of "<topic>", so that each group receives
+	// every message of the topic while the instances of one group compete.
+	// Topics are therefore best not named like another topic's queue
+	// ("a.b" and topic "a" with group "b" share the queue "a.b").
+	// The publisher ignores it.
+	ConsumerGroup string
+
+	// Prefetch is the consumer's prefetch count (basic.qos): how many
+	// unacknowledged messages the broker sends to one subscription before it
+	// waits for acks. The handler still sees one message at a time per
+	// subscription; the others wait in the client. Zero means
+	// [DefaultPrefetch]; at most 65535.
+	Prefetch int
+
+	// DeliveryLimit sets the quorum queue argument x-delivery-limit: once a
+	// message's delivery count exceeds it, the broker dead-letters the
+	// message to DeadLetterExchange, or drops it when there is none. Zero
+	// leaves the argument unset, so the broker default or a policy applies:
+	// no limit before RabbitMQ 4.0, 20 since 4.0. -1 means no limit on
+	// RabbitMQ 4.0 and later.
+	//
+	// The broker counts what it considers failed deliveries. Up to RabbitMQ
+	// 4.2 every return counts (nack with requeue, channel or connection
+	// closed with the message unacked). Since 4.3 a basic.nack with requeue,
+	// which is what the Watermill subscriber sends when a handler nacks, no
+	// longer counts: only basic.reject and lost consumers do, so on 4.3 the
+	// limit is a backstop against crashing consumers, not against a handler
+	// that keeps failing. Count attempts with the delivery.Attempts metadata
+	// instead.
+	DeliveryLimit int
+
+	// DeadLetterExchange sets the queue argument x-dead-letter-exchange: the
+	// exchange that receives messages the broker dead-letters (delivery
+	// limit exceeded, nack without requeue, TTL, overflow). It may be the
+	// name of another topic, whose subscribers then read the dead letters;
+	// that topic's subscriber must not itself use the same DeadLetterExchange.
+	DeadLetterExchange string
+
+	// DeadLetterRoutingKey sets x-dead-letter-routing-key; empty keeps the
+	// message's routing key. It requires DeadLetterExchange.
+	DeadLetterRoutingKey string
+
+	// NoRequeueOnNack, when true, makes a nack drop the message, or
+	// dead-letter it to DeadLetterExchange, instead of requeueing it for
+	// redelivery. The default (false) requeues.
+	NoRequeueOnNack bool
+
+	// PublishChannels is the number of AMQP channels the publisher keeps
+	// open and shares between concurrent Publish calls; each waits for its
+	// publisher confirm. Zero means [DefaultPublishChannels].
+	PublishChannels int
+}
+
+// withDefaults returns a copy of c with zero fields set to their defaults.
+func (c Config) withDefaults() Config {
+	if c.Prefetch == 0 {
+		c.Prefetch = DefaultPrefetch
+	}
+	if c.PublishChannels == 0 {
+		c.PublishChannels = DefaultPublishChannels
+	}
+	return c
+}
+
+// Validate reports whether c, with its defaults applied, can be used. The
+// error wraps [ErrInvalidConfig] and names the field; it never contains the
+// URL's password. Validate does not modify c.
+func (c Config) Validate() error {
+	c = c.withDefaults()
+	if c.URL == "" {
+		return fmt.Errorf("%w: URL is empty", ErrInvalidConfig)
+	}
+	if _, err := amqp091.ParseURI(c.URL); err != nil {
+		return fmt.Errorf("%w: URL %s is not an AMQP URL: %s", ErrInvalidConfig, redactURL(c.URL), uriReason(err, c.URL))
+	}
+	if c.Prefetch < 0 || c.Prefetch > maxPrefetch {
+		return fmt.Errorf("%w: Prefetch must be between 0 and %d, got %d", ErrInvalidConfig, maxPrefetch, c.Prefetch)
+	}
+	if c.DeliveryLimit < -1 {
+		return fmt.Errorf("%w: DeliveryLimit must be -1 (no limit), 0 (broker default) or positive, got %d", ErrInvalidConfig, c.DeliveryLimit)
+	}
+	if c.DeadLetterRoutingKey != "" && c.DeadLetterExchange == "" {
+		return fmt.Errorf("%w: DeadLetterRoutingKey is set but DeadLetterExchange is empty", ErrInvalidConfig)
+	}
+	if c.PublishChannels < 0 || c.PublishChannels > maxPublishChannels {
+		return fmt.Errorf("%w: PublishChannels must be between 0 and %d, got %d", ErrInvalidConfig, maxPublishChannels, c.PublishChannels)
+	}
+	for _, f := range []struct{ name, value string }{
+		{"ConsumerGroup", c.ConsumerGroup},
+		{"DeadLetterExchange", c.DeadLetterExchange},
+		{"DeadLetterRoutingKey", c.DeadLetterRoutingKey},
+	} {
+		if len(f.value) > 255 {
+			return fmt.Errorf("%w: %s is %d bytes long, AMQP allows at most 255", ErrInvalidConfig, f.name, len(f.value))
+		}
+	}
+	return nil
+}
+
+// ExchangeName returns the name of the exchange that topic is published to:
+// the topic itself.
+func (c Config) ExchangeName(topic string) string {
+	return topic
+}
+
+// QueueName returns the name of the queue a subscriber with this Config
+// consumes topic from: "<topic>", or "<topic>.<ConsumerGroup>".
+func (c Config) QueueName(topic string) string {
+	if c.ConsumerGroup == "" {
+		return topic
+	}
+	return topic + "." + c.ConsumerGroup
+}
+
+// QueueArguments returns the arguments the subscriber declares its queues
+// with: x-queue-type quorum, and x-delivery-limit, x-dead-letter-exchange and
+// x-dead-letter-routing-key when set.
+func (c Config) QueueArguments() amqp091.Table {
+	args := amqp091.Table{"x-queue-type": "quorum"}
+	if c.DeliveryLimit != 0 {
+		args["x-delivery-limit"] = int64(c.DeliveryLimit)
+	}
+	if c.DeadLetterExchange != "" {
+		args["x-dead-letter-exchange"] = c.DeadLetterExchange
+	}
+	if c.DeadLetterRoutingKey != "" {
+		args["x-dead-letter-routing-key"] = c.DeadLetterRoutingKey
+	}
+	return args
+}
+
+// WatermillConfig validates c and returns the watermill-amqp configuration
+// that [NewPublisher] and [NewSubscriber] use: durable fanout exchange per
+// topic, durable quorum queue per topic and consumer group, manual
+// acknowledgement after the handler, basic.qos with Prefetch, persistent
+// messages through [Marshaler], and publisher confirms on a pool of
+// PublishChannels channels. Use it to build a watermill-amqp publisher or
+// subscriber on a shared connection.
+func (c Config) WatermillConfig() (wamqp.Config, error) {
+	if err := c.Validate(); err != nil {
+		return wamqp.Config{}, err
+	}
+	c = c.withDefaults()
+	emptyKey := func(string) string { return "" }
+	return wamqp.Config{
+		// No AmqpConfig: amqp091 writes into its Properties table on every
+		// dial, and reconnecting publishers and subscribers that share one
+		// wamqp.Config would race on it.
+		Connection: wamqp.ConnectionConfig{AmqpURI: c.URL},
+		Marshaler:  Marshaler{},
+		Exchange: wamqp.ExchangeConfig{
+			GenerateName: c.ExchangeName,
+			Type:         amqp091.ExchangeFanout,
+			Durable:      true,
+		},
+		Queue: wamqp.QueueConfig{
+			GenerateName: c.QueueName,
+			Durable:      true,
+			Arguments:    c.QueueArguments(),
+		},
+		QueueBind: wamqp.QueueBindConfig{GenerateRoutingKey: emptyKey},
+		Publish: wamqp.PublishConfig{
+			GenerateRoutingKey: emptyKey,
+			ConfirmDelivery:    true,
+			ChannelPoolSize:    c.PublishChannels,
+		},
+		Consume: wamqp.ConsumeConfig{
+			NoRequeueOnNack: c.NoRequeueOnNack,
+			Qos:             wamqp.QosConfig{PrefetchCount: c.Prefetch},
+		},
+		TopologyBuilder: &wamqp.DefaultTopologyBuilder{},
+	}, nil
+}
+
+// redactURL returns rawURL with its password replaced by "xxxxx", or a
+// placeholder when rawURL cannot be parsed (the raw text might hold a
+// password in a place the parser did not find).
+func redactURL(rawURL string) string {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return "<unparsable URL>"
+	}
+	return u.Redacted()
+}
+
+// uriReason returns why amqp091.ParseURI rejected rawURL, without the URL:
+// a *url.Error quotes the whole URL, password included.
+func uriReason(err error, rawURL string) string {
+	var uerr *url.Error
+	if !errors.As(err, &uerr) {
+		return scrub(err.Error(), rawURL)
+	}
+	reason := uerr.Err.Error()
+	switch {
+	case strings.Contains(reason, "invalid URL escape"):
+		// net/url quotes the bad escape, which may be part of the password.
+		return "invalid percent-encoding (percent-encode reserved characters in the user name and password)"
+	case strings.Contains(reason, "userinfo"):
+		return reason + " (percent-encode reserved characters in the user name and password)"
+	}
+	return scrub(reason, rawURL)
+}
