@@ -1,0 +1,515 @@
+package sqs
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+
+	"github.com/oncemill/oncemill/delivery"
+)
+
+const (
+	// requestTimeout bounds one SQS request other than a long poll, and
+	// what a long poll may take beyond its WaitTime.
+	requestTimeout = 30 * time.Second
+	// deleteAttempts is how often an acked message's deletion is tried.
+	deleteAttempts = 3
+	// deleteRetryDelay is the pause before the second deletion attempt;
+	// it doubles for each further one.
+	deleteRetryDelay = 100 * time.Millisecond
+	// receiveRetryMin and receiveRetryMax bound the pause after a failed
+	// ReceiveMessage, which doubles while the failures go on.
+	receiveRetryMin = 250 * time.Millisecond
+	receiveRetryMax = 10 * time.Second
+)
+
+// Subscriber consumes Watermill messages from SQS queues, one queue per
+// topic. It is safe for concurrent use.
+//
+// Each Subscribe call starts two goroutines, owned by the Subscriber and
+// stopped by Close or by the cancellation of Subscribe's context: one polls
+// the queue and hands the messages to the output channel one at a time,
+// waiting for each to be acked or nacked before sending the next (as
+// Watermill's GoChannel does); the other extends the visibility timeout of
+// the messages the subscription holds. NewSubscriber starts none.
+type Subscriber struct {
+	cfg    SubscriberConfig
+	client *client
+	logger watermill.LoggerAdapter
+
+	// ctx is cancelled by Close; every subscription's context derives
+	// from it.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu     sync.Mutex
+	closed bool
+	done   chan struct{} // closed when Close has finished
+	wg     sync.WaitGroup
+}
+
+var (
+	_ message.Subscriber           = (*Subscriber)(nil)
+	_ message.SubscribeInitializer = (*Subscriber)(nil)
+)
+
+// NewSubscriber returns a subscriber for cfg. It validates a copy of cfg
+// with its defaults applied and builds the SQS client; it makes no request
+// and starts no goroutines.
+func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	c, err := newClient(cfg.Config)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Subscriber{
+		cfg:    cfg,
+		client: c,
+		logger: cfg.Logger,
+		ctx:    ctx,
+		cancel: cancel,
+		done:   make(chan struct{}),
+	}, nil
+}
+
+// Subscribe looks up topic's queue (creating it with
+// [Config.CreateQueueIfMissing]), starts polling it and returns the channel
+// of its messages. The channel is closed when ctx is cancelled or the
+// subscriber is closed.
+//
+// Messages come one at a time: the next is sent once the previous one is
+// acked or nacked. An ack deletes the message from the queue; a nack makes
+// it visible again after [SubscriberConfig.NackBackoff]. A message that is
+// neither acked nor nacked when the subscription ends is left as it is:
+// SQS delivers it again once its visibility timeout has passed. Messages
+// received but not yet handed out when it ends are made visible at once.
+//
+// Every message has the metadata delivery.Topic (topic) and
+// delivery.Attempts (ApproximateReceiveCount), and its context derives from
+// ctx and is cancelled once the message is acked or nacked or the
+// subscription ends. A message that cannot be decoded is still delivered,
+// with delivery.DecodeError set and the raw body as payload.
+//
+// On a FIFO queue the order within a message group is kept: after a nack,
+// the messages of the same group that were received with it are made
+// visible again instead of being handed out, so that SQS delivers them
+// after the nacked one.
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, ErrClosed)
+	}
+	// Reserve the subscription's place before leaving the lock, so that a
+	// concurrent Close waits for it.
+	s.wg.Add(1)
+	s.mu.Unlock()
+
+	subCtx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(s.ctx, cancel)
+	name, url, err := s.client.queueURL(subCtx, topic, s.cfg.CreateQueueIfMissing)
+	if err != nil {
+		stop()
+		cancel()
+		s.wg.Done()
+		if s.ctx.Err() != nil {
+			return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, ErrClosed)
+		}
+		return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, err)
+	}
+
+	sub := &subscription{
+		s:       s,
+		api:     s.client.api,
+		cfg:     s.cfg,
+		topic:   topic,
+		queue:   name,
+		url:     url,
+		fifo:    isFIFO(name),
+		ctx:     subCtx,
+		cancel:  func() { stop(); cancel() },
+		out:     make(chan *message.Message),
+		held:    map[string]types.Message{},
+		logger:  s.logger.With(watermill.LogFields{"topic": topic, "queue": name}),
+		visSecs: int32(s.cfg.VisibilityTimeout / time.Second),
+	}
+	s.wg.Add(1)
+	go sub.heartbeat()
+	go sub.run()
+	sub.logger.Debug("Subscribed to SQS queue", watermill.LogFields{"queue_url": url})
+	return sub.out, nil
+}
+
+// SubscribeInitialize creates topic's queue, with [Config.QueueAttributes],
+// unless it exists. It implements message.SubscribeInitializer.
+func (s *Subscriber) SubscribeInitialize(topic string) error {
+	s.mu.Lock()
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		return fmt.Errorf("sqs: initialize %q: %w", topic, ErrClosed)
+	}
+	ctx, cancel := context.WithTimeout(s.ctx, requestTimeout)
+	defer cancel()
+	if _, _, err := s.client.queueURL(ctx, topic, true); err != nil {
+		return fmt.Errorf("sqs: initialize %q: %w", topic, err)
+	}
+	return nil
+}
+
+// Close ends every subscription: it cancels their polls and message
+// contexts, waits for their goroutines and closes their channels. Messages
+// a handler holds are neither deleted nor nacked: SQS delivers them again
+// after their visibility timeout (an ack that arrives while Close waits
+// still deletes its message). Messages received but not yet handed out are
+// made visible at once. Close is idempotent; every call returns nil once
+// the first has finished.
+func (s *Subscriber) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		<-s.done
+		return nil
+	}
+	s.closed = true
+	s.mu.Unlock()
+
+	s.cancel()
+	s.wg.Wait()
+	s.client.close()
+	close(s.done)
+	s.logger.Debug("SQS subscriber closed", nil)
+	return nil
+}
+
+// subscription is one Subscribe call: its poll loop and heartbeat.
+type subscription struct {
+	s      *Subscriber
+	api    *sqs.Client
+	cfg    SubscriberConfig
+	logger watermill.LoggerAdapter
+
+	topic, queue, url string
+	fifo              bool
+	visSecs           int32
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	out    chan *message.Message
+
+	// mu guards held and is held for the whole of each heartbeat request,
+	// so that once a message leaves held no heartbeat extends it any more
+	// (a late extension would undo a nack's backoff).
+	mu   sync.Mutex
+	held map[string]types.Message // by receipt handle
+}
+
+// outcome is how the handling of one message ended.
+type outcome int
+
+const (
+	acked outcome = iota
+	nacked
+	closing
+)
+
+// run polls the queue and hands out messages until the subscription ends.
+func (sub *subscription) run() {
+	defer sub.s.wg.Done()
+	defer close(sub.out)
+	defer sub.cancel() // stops the heartbeat
+
+	retry := receiveRetryMin
+	for sub.ctx.Err() == nil {
+		msgs, err := sub.receive()
+		if err != nil {
+			if sub.ctx.Err() != nil {
+				return
+			}
+			sub.logger.Error("Cannot receive from SQS queue, retrying", err, watermill.LogFields{"retry_in": retry.String()})
+			select {
+			case <-sub.ctx.Done():
+				return
+			case <-time.After(retry):
+			}
+			retry = min(2*retry, receiveRetryMax)
+			continue
+		}
+		retry = receiveRetryMin
+		if !sub.handleBatch(msgs) {
+			return
+		}
+	}
+}
+
+// receive long-polls the queue once and holds what it returns.
+func (sub *subscription) receive() ([]types.Message, error) {
+	ctx, cancel := context.WithTimeout(sub.ctx, sub.cfg.WaitTime+requestTimeout)
+	defer cancel()
+	out, err := sub.api.ReceiveMessage(ctx, &sqs.ReceiveMessageInput{
+		QueueUrl:                    aws.String(sub.url),
+		MaxNumberOfMessages:         int32(sub.cfg.MaxNumberOfMessages),
+		WaitTimeSeconds:             int32(sub.cfg.WaitTime / time.Second),
+		VisibilityTimeout:           sub.visSecs,
+		MessageAttributeNames:       []string{"All"},
+		MessageSystemAttributeNames: []types.MessageSystemAttributeName{types.MessageSystemAttributeNameAll},
+	})
+	if err != nil {
+		return nil, err
+	}
+	sub.mu.Lock()
+	for _, m := range out.Messages {
+		sub.held[aws.ToString(m.ReceiptHandle)] = m
+	}
+	sub.mu.Unlock()
+	return out.Messages, nil
+}
+
+// handleBatch hands out msgs one by one. It returns false when the
+// subscription ends, after making the messages not handed out visible.
+func (sub *subscription) handleBatch(msgs []types.Message) bool {
+	for len(msgs) > 0 {
+		m := msgs[0]
+		msgs = msgs[1:]
+		switch sub.deliver(m) {
+		case closing:
+			sub.release(msgs, "subscription closed")
+			return false
+		case nacked:
+			if !sub.fifo {
+				continue
+			}
+			group := m.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]
+			var same, rest []types.Message
+			for _, o := range msgs {
+				if o.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)] == group {
+					same = append(same, o)
+				} else {
+					rest = append(rest, o)
+				}
+			}
+			if len(same) > 0 {
+				sub.release(same, "an earlier message of its FIFO group was nacked")
+			}
+			msgs = rest
+		}
+	}
+	return true
+}
+
+// deliver hands m to the output channel and waits for its ack or nack.
+func (sub *subscription) deliver(m types.Message) outcome {
+	msg := unmarshal(m, sub.topic)
+	ctx, cancel := context.WithCancel(sub.ctx)
+	defer cancel()
+	msg.SetContext(ctx)
+
+	fields := watermill.LogFields{
+		"message_uuid":   msg.UUID,
+		"sqs_message_id": aws.ToString(m.MessageId),
+		"attempt":        attempt(m),
+	}
+	if why := delivery.DecodeErrorOf(msg); why != "" {
+		sub.logger.Error("Cannot decode SQS message; delivering it with its decode error", nil, fields.Add(watermill.LogFields{"decode_error": why}))
+	}
+
+	select {
+	case sub.out <- msg:
+		sub.logger.Trace("Message sent to handler", fields)
+	case <-sub.ctx.Done():
+		sub.release([]types.Message{m}, "subscription closed")
+		return closing
+	}
+
+	select {
+	case <-msg.Acked():
+		sub.ack(m, fields)
+		return acked
+	case <-msg.Nacked():
+		sub.nack(m, fields)
+		return nacked
+	case <-sub.ctx.Done():
+	}
+	// Closing while the handler holds the message: honour an ack or nack
+	// that raced with it, else leave the message to its visibility
+	// timeout; the handler may still be working on it.
+	select {
+	case <-msg.Acked():
+		sub.ack(m, fields)
+	case <-msg.Nacked():
+		sub.nack(m, fields)
+	default:
+		sub.unhold(m)
+		sub.logger.Info("Subscription closed while the handler holds a message; SQS delivers it again after its visibility timeout", fields)
+	}
+	return closing
+}
+
+// unhold stops the heartbeat of msgs, waiting for a heartbeat request in
+// flight.
+func (sub *subscription) unhold(msgs ...types.Message) {
+	sub.mu.Lock()
+	for _, m := range msgs {
+		delete(sub.held, aws.ToString(m.ReceiptHandle))
+	}
+	sub.mu.Unlock()
+}
+
+// detached returns a context for a request that must be made even when the
+// subscription is ending (deleting an acked message, making a message
+// visible), bounded by requestTimeout.
+func (sub *subscription) detached() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(sub.ctx), requestTimeout)
+}
+
+// ack deletes m from the queue, trying deleteAttempts times. When all
+// fail, SQS delivers the message again after its visibility timeout.
+func (sub *subscription) ack(m types.Message, fields watermill.LogFields) {
+	sub.unhold(m)
+	delay := deleteRetryDelay
+	for i := 1; ; i++ {
+		ctx, cancel := sub.detached()
+		_, err := sub.api.DeleteMessage(ctx, &sqs.DeleteMessageInput{
+			QueueUrl:      aws.String(sub.url),
+			ReceiptHandle: m.ReceiptHandle,
+		})
+		cancel()
+		if err == nil {
+			sub.logger.Trace("Message acked and deleted", fields)
+			return
+		}
+		if i == deleteAttempts {
+			sub.logger.Error("Cannot delete acked message; SQS will deliver it again after its visibility timeout", err, fields)
+			return
+		}
+		sub.logger.Info("Cannot delete acked message, retrying", fields.Add(watermill.LogFields{"err": err.Error(), "retry_in": delay.String()}))
+		time.Sleep(delay)
+		delay *= 2
+	}
+}
+
+// nack makes m visible again after the NackBackoff of its attempt.
+func (sub *subscription) nack(m types.Message, fields watermill.LogFields) {
+	sub.unhold(m)
+	backoff := visibilitySeconds(sub.cfg.NackBackoff(attempt(m)))
+	ctx, cancel := sub.detached()
+	defer cancel()
+	_, err := sub.api.ChangeMessageVisibility(ctx, &sqs.ChangeMessageVisibilityInput{
+		QueueUrl:          aws.String(sub.url),
+		ReceiptHandle:     m.ReceiptHandle,
+		VisibilityTimeout: backoff,
+	})
+	fields = fields.Add(watermill.LogFields{"visibility_timeout": strconv.Itoa(int(backoff)) + "s"})
+	if err != nil {
+		sub.logger.Error("Cannot set the backoff of a nacked message; SQS will deliver it again after its visibility timeout", err, fields)
+		return
+	}
+	sub.logger.Debug("Message nacked", fields)
+}
+
+// release makes msgs, which were never handed out, visible again at once.
+func (sub *subscription) release(msgs []types.Message, why string) {
+	if len(msgs) == 0 {
+		return
+	}
+	sub.unhold(msgs...)
+	for len(msgs) > 0 {
+		n := min(len(msgs), maxBatchEntries)
+		sub.changeVisibility(msgs[:n], 0, true, watermill.LogFields{"reason": why})
+		msgs = msgs[n:]
+	}
+}
+
+// heartbeat extends the visibility timeout of the held messages every
+// VisibilityTimeout/3 until the subscription ends.
+func (sub *subscription) heartbeat() {
+	defer sub.s.wg.Done()
+	interval := sub.cfg.VisibilityTimeout / 3
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-sub.ctx.Done():
+			return
+		case <-t.C:
+			sub.extend()
+		}
+	}
+}
+
+// extend sets the visibility timeout of every held message to
+// VisibilityTimeout from now. It keeps sub.mu for its requests.
+func (sub *subscription) extend() {
+	sub.mu.Lock()
+	defer sub.mu.Unlock()
+	batch := make([]types.Message, 0, maxBatchEntries)
+	for _, m := range sub.held {
+		batch = append(batch, m)
+		if len(batch) == maxBatchEntries {
+			sub.changeVisibility(batch, sub.visSecs, false, nil)
+			batch = batch[:0]
+		}
+	}
+	if len(batch) > 0 {
+		sub.changeVisibility(batch, sub.visSecs, false, nil)
+	}
+}
+
+// changeVisibility sets the visibility timeout of msgs (at most 10) to
+// secs. detached requests are made even while the subscription ends.
+func (sub *subscription) changeVisibility(msgs []types.Message, secs int32, detached bool, fields watermill.LogFields) {
+	var (
+		ctx    context.Context
+		cancel context.CancelFunc
+	)
+	if detached {
+		ctx, cancel = sub.detached()
+	} else {
+		ctx, cancel = context.WithTimeout(sub.ctx, sub.cfg.VisibilityTimeout/3)
+	}
+	defer cancel()
+	entries := make([]types.ChangeMessageVisibilityBatchRequestEntry, len(msgs))
+	for i, m := range msgs {
+		entries[i] = types.ChangeMessageVisibilityBatchRequestEntry{
+			Id:                aws.String(strconv.Itoa(i)),
+			ReceiptHandle:     m.ReceiptHandle,
+			VisibilityTimeout: secs,
+		}
+	}
+	fields = fields.Add(watermill.LogFields{"count": len(msgs), "visibility_timeout": strconv.Itoa(int(secs)) + "s"})
+	out, err := sub.api.ChangeMessageVisibilityBatch(ctx, &sqs.ChangeMessageVisibilityBatchInput{
+		QueueUrl: aws.String(sub.url),
+		Entries:  entries,
+	})
+	if err != nil {
+		if !detached && sub.ctx.Err() != nil {
+			return // the subscription ended during the heartbeat
+		}
+		sub.logger.Error("Cannot change the visibility timeout of messages", err, fields)
+		return
+	}
+	for _, f := range out.Failed {
+		id := aws.ToString(f.Id)
+		if i, err := strconv.Atoi(id); err == nil && i >= 0 && i < len(msgs) {
+			id = aws.ToString(msgs[i].MessageId)
+		}
+		sub.logger.Info("Cannot change the visibility timeout of a message", fields.Add(watermill.LogFields{
+			"sqs_message_id": id,
+			"err_code":       aws.ToString(f.Code),
+			"err":            aws.ToString(f.Message),
+		}))
+	}
+	sub.logger.Trace("Changed the visibility timeout of messages", fields)
+}
