@@ -1,0 +1,299 @@
+package adapters_test
+
+import (
+	"context"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/adapters/amqp"
+	"github.com/oncemill/oncemill/adapters/kafka"
+	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	"github.com/oncemill/oncemill/adapters/sqs"
+)
+
+// brokers lists the conformance table: every broker this machine offers.
+func brokers(t *testing.T) []broker {
+	return []broker{goChannelBroker(t), kafkaBroker(t), amqpBroker(t), sqsBroker(t)}
+}
+
+// amqpURL is the RabbitMQ the tests use.
+func amqpURL() string {
+	if u := os.Getenv("ONCEMILL_AMQP_URL"); u != "" {
+		return u
+	}
+	return "amqp://guest:guest@127.0.0.1:5672/"
+}
+
+// unavailable fails the test under CI and skips it, loudly, elsewhere.
+func unavailable(t *testing.T, service string, err error) {
+	t.Helper()
+	if os.Getenv("CI") != "" {
+		t.Fatalf("%s is required under CI but unreachable: %v (run scripts/services.sh)", service, err)
+	}
+	t.Skipf("SKIPPED: %s unreachable: %v (run scripts/services.sh; CI=true makes this a failure)", service, err)
+}
+
+// amqpBroker is RabbitMQ: a queue per topic and group; its backlog is the
+// queue's ready messages (unacked ones return to ready when consumers close).
+func amqpBroker(t *testing.T) broker {
+	admin, err := amqp091.Dial(amqpURL())
+	if err != nil {
+		return broker{name: "amqp", open: func(t *testing.T, _ string) *adapters.PubSub {
+			unavailable(t, "RabbitMQ", err)
+			return nil
+		}}
+	}
+	t.Cleanup(func() { require.NoError(t, admin.Close()) })
+	withChannel := func(t *testing.T, fn func(ch *amqp091.Channel) error) {
+		ch, err := admin.Channel()
+		require.NoError(t, err)
+		defer ch.Close()
+		require.NoError(t, fn(ch))
+	}
+	return broker{
+		name: "amqp",
+		open: func(t *testing.T, group string) *adapters.PubSub {
+			ps, err := adapters.Open(context.Background(), amqpURL(), adapters.Options{ConsumerGroup: group})
+			require.NoError(t, err)
+			return ps
+		},
+		pending: func(t *testing.T, topic, group string) (n int) {
+			withChannel(t, func(ch *amqp091.Channel) error {
+				q, err := ch.QueueDeclarePassive(amqp.Config{ConsumerGroup: group}.QueueName(topic), true, false, false, false, amqp.Config{}.QueueArguments())
+				n = q.Messages
+				return err
+			})
+			return n
+		},
+		cleanup: func(t *testing.T, topic string, groups ...string) {
+			withChannel(t, func(ch *amqp091.Channel) error {
+				for _, g := range groups {
+					if _, err := ch.QueueDelete(amqp.Config{ConsumerGroup: g}.QueueName(topic), false, false, false); err != nil {
+						return err
+					}
+				}
+				return ch.ExchangeDelete(amqp.Config{}.ExchangeName(topic), false, false)
+			})
+		},
+	}
+}
+
+// goChannelBroker shares one persistent GoChannel between every "process"
+// of a test, as a broker is shared. GoChannel keeps no offsets: a new
+// subscriber receives every message again, and sends the next one only
+// after the previous is acked, so a group's backlog is the messages its
+// newest subscription has not acked yet.
+func goChannelBroker(t *testing.T) broker {
+	ps, err := adapters.Open(context.Background(), "gochannel://?persistent=true", adapters.Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, ps.Close()) })
+
+	var (
+		mu        sync.Mutex
+		published = map[string]int{}
+		acked     = map[string]*atomic.Int64{} // topic/group → acks of the newest subscription
+	)
+	pub := countingPublisher{Publisher: ps.Publisher, published: func(topic string, n int) {
+		mu.Lock()
+		published[topic] += n
+		mu.Unlock()
+	}}
+	return broker{
+		name: "gochannel",
+		open: func(t *testing.T, group string) *adapters.PubSub {
+			counter := &atomic.Int64{}
+			return &adapters.PubSub{
+				Publisher: pub,
+				Subscriber: ackCountingSubscriber{Subscriber: ps.Subscriber, onSubscribe: func(topic string) *atomic.Int64 {
+					mu.Lock()
+					defer mu.Unlock()
+					acked[topic+"/"+group] = counter
+					return counter
+				}},
+				Scheme: "gochannel",
+			}
+		},
+		pending: func(t *testing.T, topic, group string) int {
+			mu.Lock()
+			defer mu.Unlock()
+			c := acked[topic+"/"+group]
+			if c == nil {
+				return published[topic]
+			}
+			return published[topic] - int(c.Load())
+		},
+	}
+}
+
+// countingPublisher counts what it publishes; its Close leaves the shared
+// GoChannel open.
+type countingPublisher struct {
+	message.Publisher
+	published func(topic string, n int)
+}
+
+func (p countingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if err := p.Publisher.Publish(topic, msgs...); err != nil {
+		return err
+	}
+	p.published(topic, len(msgs))
+	return nil
+}
+
+func (countingPublisher) Close() error { return nil }
+
+// ackCountingSubscriber counts the acks of its subscriptions; its Close
+// leaves the shared GoChannel open (a router closes its subscriber).
+type ackCountingSubscriber struct {
+	message.Subscriber
+	onSubscribe func(topic string) *atomic.Int64
+}
+
+func (s ackCountingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	in, err := s.Subscriber.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	counter := s.onSubscribe(topic)
+	out := make(chan *message.Message)
+	go func() {
+		defer close(out)
+		for m := range in {
+			select {
+			case out <- m:
+			case <-ctx.Done():
+				return
+			}
+			select {
+			case <-m.Acked():
+				counter.Add(1)
+			case <-m.Nacked():
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	return out, nil
+}
+
+func (ackCountingSubscriber) Close() error { return nil }
+
+// kafkaBroker is the embedded broker, or the cluster named by
+// ONCEMILL_KAFKA_BROKERS; its backlog is the group's lag.
+func kafkaBroker(t *testing.T) broker {
+	brokers := kafka.BrokersFromEnv()
+	if len(brokers) == 0 {
+		cluster, err := embedded.Start(embedded.Config{DefaultPartitions: 4})
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, cluster.Close()) })
+		brokers = cluster.Addrs()
+	}
+	url := "kafka://" + strings.Join(brokers, ",")
+	return broker{
+		name: "kafka",
+		open: func(t *testing.T, group string) *adapters.PubSub {
+			ps, err := adapters.Open(context.Background(), url, adapters.Options{ConsumerGroup: group})
+			require.NoError(t, err)
+			return ps
+		},
+		pending: func(t *testing.T, topic, group string) int {
+			cfg := sarama.NewConfig()
+			cfg.Version = sarama.V2_3_0_0 // what the adapter speaks (see adapters/kafka)
+			client, err := sarama.NewClient(brokers, cfg)
+			require.NoError(t, err)
+			defer client.Close()
+			admin, err := sarama.NewClusterAdminFromClient(client)
+			require.NoError(t, err)
+			partitions, err := client.Partitions(topic)
+			require.NoError(t, err)
+			committed, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: partitions})
+			require.NoError(t, err)
+			lag := 0
+			for _, p := range partitions {
+				end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+				require.NoError(t, err)
+				at := int64(0)
+				if b := committed.GetBlock(topic, p); b != nil && b.Offset >= 0 {
+					at = b.Offset
+				}
+				lag += int(end - at)
+			}
+			return lag
+		},
+	}
+}
+
+// sqsEndpoint is the SQS the tests use.
+func sqsEndpoint() string {
+	if e := os.Getenv("ONCEMILL_SQS_ENDPOINT"); e != "" {
+		return e
+	}
+	return "http://127.0.0.1:4566"
+}
+
+// sqsBroker is SQS (the emulator unless ONCEMILL_SQS_ENDPOINT is set): a
+// queue per topic, competing consumers; its backlog is the queue's visible
+// and in-flight messages.
+func sqsBroker(t *testing.T) broker {
+	endpoint := sqsEndpoint()
+	httpClient := &http.Client{Transport: &http.Transport{}}
+	t.Cleanup(httpClient.CloseIdleConnections)
+	client := awssqs.New(awssqs.Options{
+		Region:       "us-east-1",
+		BaseEndpoint: aws.String(endpoint),
+		Credentials:  credentials.NewStaticCredentialsProvider("test", "test", ""),
+		HTTPClient:   httpClient,
+	})
+	queueURL := func(t *testing.T, topic string) string {
+		out, err := client.GetQueueUrl(context.Background(), &awssqs.GetQueueUrlInput{QueueName: aws.String(sqs.DefaultQueueName(topic))})
+		require.NoError(t, err)
+		return *out.QueueUrl
+	}
+	url := "sqs://test:test@us-east-1?create=true&endpoint=" + endpoint
+	return broker{
+		name: "sqs",
+		open: func(t *testing.T, _ string) *adapters.PubSub {
+			ps, err := adapters.Open(context.Background(), url, adapters.Options{})
+			if err != nil {
+				unavailable(t, "SQS at "+endpoint, err)
+			}
+			return ps
+		},
+		pending: func(t *testing.T, topic, _ string) int {
+			out, err := client.GetQueueAttributes(context.Background(), &awssqs.GetQueueAttributesInput{
+				QueueUrl: aws.String(queueURL(t, topic)),
+				AttributeNames: []types.QueueAttributeName{
+					types.QueueAttributeNameApproximateNumberOfMessages,
+					types.QueueAttributeNameApproximateNumberOfMessagesNotVisible,
+				},
+			})
+			require.NoError(t, err)
+			n := 0
+			for _, v := range out.Attributes {
+				c, err := strconv.Atoi(v)
+				require.NoError(t, err)
+				n += c
+			}
+			return n
+		},
+		cleanup: func(t *testing.T, topic string, _ ...string) {
+			_, err := client.DeleteQueue(context.Background(), &awssqs.DeleteQueueInput{QueueUrl: aws.String(queueURL(t, topic))})
+			require.NoError(t, err)
+		},
+	}
+}
