@@ -3,7 +3,7 @@
 # 127.0.0.1, starting (or, as root with apt-get, installing) them if needed.
 #
 # Usage: scripts/services.sh [postgres|redis|rabbitmq|sqs ...]
-#        (default: postgres redis rabbitmq)
+#        (default: all four)
 #
 # For a service that is down, the script tries in order: start the locally
 # installed server; `docker compose up -d <service>` if a Docker engine is
@@ -306,7 +306,7 @@ ensure_sqs() {
 # -------------------------------------------------------------------- main
 
 if [ $# -eq 0 ]; then
-    set -- postgres redis rabbitmq
+    set -- postgres redis rabbitmq sqs
 fi
 for svc in "$@"; do
     case "$svc" in
