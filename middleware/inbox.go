@@ -43,6 +43,14 @@ type InboxConfig struct {
 	// in a tight loop. It is cut short when the lease ends sooner. Lease
 	// mode only. Defaults to 1 second.
 	InFlightDelay time.Duration
+	// Outbox, when set, writes the messages the handler produced into an
+	// outbox inside the inbox's transaction (the consumer outbox), instead
+	// of returning them to the router: consume, update and produce then
+	// commit as one step, and a relay publishes them. The context it gets
+	// carries the transaction. Transactional mode only. See
+	// forwarder.InboxOutbox for the PostgreSQL outbox.
+	Outbox func(ctx context.Context, produced []*message.Message) error
+
 	// Logger receives a line for every duplicate dropped. Defaults to
 	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
@@ -77,6 +85,8 @@ func (c InboxConfig) Validate() error {
 		return fmt.Errorf("middleware: InboxConfig.Window must be at least 1m, got %s", c.Window)
 	case c.Lease < 10*time.Millisecond:
 		return fmt.Errorf("middleware: InboxConfig.Lease must be at least 10ms, got %s", c.Lease)
+	case c.Outbox != nil && c.TxStore == nil:
+		return errors.New("middleware: InboxConfig.Outbox needs TxStore: the outbox is written in the claim's transaction")
 	case c.InFlightDelay < 0:
 		return fmt.Errorf("middleware: InboxConfig.InFlightDelay must not be negative, got %s", c.InFlightDelay)
 	}
@@ -196,7 +206,13 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		return in.duplicate(msg, key, claim)
 	}
 
-	produced, err = in.run(tx.WithTx(ctx), msg, key, h)
+	txCtx := tx.WithTx(ctx)
+	produced, err = in.run(txCtx, msg, key, h)
+	if err == nil && in.cfg.Outbox != nil && len(produced) > 0 {
+		if err = in.cfg.Outbox(txCtx, produced); err == nil {
+			produced = nil // committed with the effect; the relay publishes them
+		}
+	}
 	if err != nil {
 		ended = true
 		rbErr := tx.Rollback(ctx)

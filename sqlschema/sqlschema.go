@@ -31,6 +31,8 @@ const (
 	DefaultSchema = "oncemill"
 	// DefaultInboxTable is the name of the inbox table.
 	DefaultInboxTable = "inbox"
+	// DefaultOutboxTable is the name of the outbox table.
+	DefaultOutboxTable = "outbox"
 )
 
 // identifier is what a schema or table name may be: lower-case, so that it
@@ -45,6 +47,9 @@ type Config struct {
 	Schema string
 	// InboxTable is the name of the inbox table. Defaults to "inbox".
 	InboxTable string
+	// OutboxTable is the name of the outbox table (PostgreSQL only).
+	// Defaults to "outbox".
+	OutboxTable string
 }
 
 // WithDefaults returns a copy of c with empty fields set to their defaults.
@@ -54,6 +59,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.InboxTable == "" {
 		c.InboxTable = DefaultInboxTable
+	}
+	if c.OutboxTable == "" {
+		c.OutboxTable = DefaultOutboxTable
 	}
 	return c
 }
@@ -65,7 +73,10 @@ func (c Config) Validate() error {
 	if err := ValidateIdentifier("Schema", c.Schema); err != nil {
 		return err
 	}
-	return ValidateIdentifier("InboxTable", c.InboxTable)
+	if err := ValidateIdentifier("InboxTable", c.InboxTable); err != nil {
+		return err
+	}
+	return ValidateIdentifier("OutboxTable", c.OutboxTable)
 }
 
 // ValidateIdentifier checks that value, the value of the config field named
@@ -86,6 +97,13 @@ type Names struct {
 	Inbox string
 	// InboxName is the bare inbox table name, for building index names.
 	InboxName string
+	// Outbox is the quoted, schema-qualified outbox table.
+	Outbox string
+	// OutboxName is the bare outbox table name.
+	OutboxName string
+	// OutboxChannel is the LISTEN/NOTIFY channel the outbox notifies on
+	// commit: "<schema>.<outbox table>".
+	OutboxChannel string
 }
 
 // NamesFor returns the quoted names of cfg for dialect d. cfg must be
@@ -96,9 +114,12 @@ func NamesFor(d Dialect, cfg Config) Names {
 	}
 	schema := `"` + cfg.Schema + `"`
 	return Names{
-		Schema:    schema,
-		Inbox:     schema + `."` + cfg.InboxTable + `"`,
-		InboxName: cfg.InboxTable,
+		Schema:        schema,
+		Inbox:         schema + `."` + cfg.InboxTable + `"`,
+		InboxName:     cfg.InboxTable,
+		Outbox:        schema + `."` + cfg.OutboxTable + `"`,
+		OutboxName:    cfg.OutboxTable,
+		OutboxChannel: cfg.Schema + "." + cfg.OutboxTable,
 	}
 }
 

@@ -1,0 +1,136 @@
+package forwarder
+
+import (
+	"context"
+	stdsql "database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// ErrNotForRelay is returned by the outbox schema adapter's read side:
+// the outbox is read by [Relay], never by a watermill-sql subscriber.
+var ErrNotForRelay = errors.New("forwarder: the outbox table is read by forwarder.Relay, not by a watermill-sql subscriber")
+
+// TxPublisher writes messages as outbox rows in a caller's transaction, so
+// that they commit or roll back with the business rows. Publish keeps each
+// message's UUID, metadata, destination topic and partition key
+// ([delivery.PartitionKeyOf], else the UUID). It is a watermill-sql v4
+// publisher bound to the transaction. It starts no goroutines.
+type TxPublisher struct {
+	ctx context.Context
+	pub *wsql.Publisher
+}
+
+// NewTxPublisher returns a publisher that writes into tx. Its inserts run
+// with ctx, not with the messages' contexts (watermill-sql uses the first
+// message's context, and a message's context may already be cancelled).
+// cfg names the outbox table, as given to [sqlschema.Migrate].
+func NewTxPublisher(ctx context.Context, tx pgx.Tx, cfg sqlschema.Config) (*TxPublisher, error) {
+	if tx == nil {
+		return nil, errors.New("forwarder: NewTxPublisher: tx is nil")
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	names := sqlschema.NamesFor(sqlschema.Postgres, cfg)
+	pub, err := wsql.NewPublisher(wsql.TxFromPgx(tx), wsql.PublisherConfig{
+		SchemaAdapter: outboxSchema{table: names.Outbox},
+	}, watermill.NopLogger{})
+	if err != nil {
+		return nil, fmt.Errorf("forwarder: %w", err)
+	}
+	return &TxPublisher{ctx: context.WithoutCancel(ctx), pub: pub}, nil
+}
+
+// Publish writes msgs to topic as outbox rows in the transaction.
+func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	copies := make([]*message.Message, len(msgs))
+	for i, m := range msgs {
+		c := m.Copy()
+		c.SetContext(p.ctx)
+		copies[i] = c
+	}
+	if err := p.pub.Publish(topic, copies...); err != nil {
+		return fmt.Errorf("forwarder: write outbox rows for topic %q: %w", topic, err)
+	}
+	return nil
+}
+
+// Close closes the publisher; the transaction is the caller's.
+func (p *TxPublisher) Close() error { return p.pub.Close() }
+
+// outboxSchema is the write side of a watermill-sql schema adapter for the
+// outbox table: one table for every topic.
+type outboxSchema struct{ table string }
+
+func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, error) {
+	var (
+		b    strings.Builder
+		args = make([]any, 0, 5*len(params.Msgs))
+	)
+	b.WriteString(`INSERT INTO ` + s.table + ` (topic, uuid, partition_key, payload, metadata) VALUES `)
+	for i, m := range params.Msgs {
+		md, err := json.Marshal(m.Metadata)
+		if err != nil {
+			return wsql.Query{}, fmt.Errorf("encode metadata of %s: %w", m.UUID, err)
+		}
+		key := delivery.PartitionKeyOf(m)
+		if key == "" {
+			key = m.UUID
+		}
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		n := len(args)
+		fmt.Fprintf(&b, "($%d, $%d, $%d, $%d, $%d)", n+1, n+2, n+3, n+4, n+5)
+		args = append(args, params.Topic, m.UUID, key, []byte(m.Payload), md)
+	}
+	return wsql.Query{Query: b.String(), Args: args}, nil
+}
+
+func (outboxSchema) SelectQuery(wsql.SelectQueryParams) (wsql.Query, error) {
+	return wsql.Query{}, ErrNotForRelay
+}
+
+func (outboxSchema) UnmarshalMessage(wsql.UnmarshalMessageParams) (wsql.Row, error) {
+	return wsql.Row{}, ErrNotForRelay
+}
+
+func (outboxSchema) SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams) ([]wsql.Query, error) {
+	return nil, nil // sqlschema.Migrate creates the table
+}
+
+func (outboxSchema) SubscribeIsolationLevel() stdsql.IsolationLevel { return stdsql.LevelDefault }
+
+// InboxOutbox returns a function for middleware.InboxConfig.Outbox that
+// writes a handler's produced messages to topic as outbox rows in the
+// inbox's PostgreSQL transaction (the one postgres.Tx returns), so that the
+// effect and the events it causes commit together.
+func InboxOutbox(topic string, cfg sqlschema.Config) func(ctx context.Context, produced []*message.Message) error {
+	return func(ctx context.Context, produced []*message.Message) error {
+		tx := postgres.Tx(ctx)
+		if tx == nil {
+			return errors.New("forwarder: InboxOutbox: no PostgreSQL transaction in the context; use it with a postgres.Store inbox")
+		}
+		pub, err := NewTxPublisher(ctx, tx, cfg)
+		if err != nil {
+			return err
+		}
+		return pub.Publish(topic, produced...)
+	}
+}
