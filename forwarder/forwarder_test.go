@@ -78,7 +78,7 @@ type sink struct {
 	topics    []string
 	// fail, when set, decides per call whether Publish fails, and whether
 	// it fails after the broker already took the messages.
-	fail func(call int) (fail, afterPublish bool)
+	fail  func(call int) (fail, afterPublish bool)
 	calls int
 }
 
