@@ -189,7 +189,9 @@ func (r *Relay) RelayBatch(ctx context.Context) (int, error) {
 	}
 	n, err := r.relay(ctx, tx)
 	if err == nil {
-		err = tx.Commit(ctx)
+		// Once the broker has the rows, delete them even if Close came
+		// meanwhile: a cancelled commit would publish them all again.
+		err = tx.Commit(context.WithoutCancel(ctx))
 		if err != nil {
 			err = fmt.Errorf("forwarder: commit after publishing %d rows (they will be published again): %w", n, err)
 		}
