@@ -1,7 +1,7 @@
 GO ?= go
 GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 
-.PHONY: test services vet quickstart ci
+.PHONY: test services vet quickstart ci bench-outbox
 
 # Start (or check) the services the integration tests use, then run all tests.
 test: services
@@ -20,3 +20,10 @@ quickstart:
 	$(GO) run ./examples/quickstart
 
 ci: vet test quickstart
+
+# Outbox relay benchmark: oncemill's relay vs Watermill's forwarder on the
+# PostgreSQL of DATABASE_URL; writes benchmarks/README.md. ARGS=-quick for
+# a run under a minute (which writes nothing).
+bench-outbox:
+	bash scripts/services.sh postgres
+	$(GO) run ./benchmarks/outbox $(ARGS)
