@@ -24,6 +24,7 @@ import (
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/adapters/sqs"
+	"github.com/oncemill/oncemill/internal/pgtest"
 )
 
 // brokers lists the conformance table: every broker this machine offers.
@@ -39,22 +40,13 @@ func amqpURL() string {
 	return "amqp://guest:guest@127.0.0.1:5672/"
 }
 
-// unavailable fails the test under CI and skips it, loudly, elsewhere.
-func unavailable(t *testing.T, service string, err error) {
-	t.Helper()
-	if os.Getenv("CI") != "" {
-		t.Fatalf("%s is required under CI but unreachable: %v (run scripts/services.sh)", service, err)
-	}
-	t.Skipf("SKIPPED: %s unreachable: %v (run scripts/services.sh; CI=true makes this a failure)", service, err)
-}
-
 // amqpBroker is RabbitMQ: a queue per topic and group; its backlog is the
 // queue's ready messages (unacked ones return to ready when consumers close).
 func amqpBroker(t *testing.T) broker {
 	admin, err := amqp091.Dial(amqpURL())
 	if err != nil {
 		return broker{name: "amqp", open: func(t *testing.T, _ string) *adapters.PubSub {
-			unavailable(t, "RabbitMQ", err)
+			pgtest.Unavailable(t, "RabbitMQ", err)
 			return nil
 		}}
 	}
@@ -270,7 +262,7 @@ func sqsBroker(t *testing.T) broker {
 		open: func(t *testing.T, _ string) *adapters.PubSub {
 			ps, err := adapters.Open(context.Background(), url, adapters.Options{})
 			if err != nil {
-				unavailable(t, "SQS at "+endpoint, err)
+				pgtest.Unavailable(t, "SQS at "+endpoint, err)
 			}
 			return ps
 		},

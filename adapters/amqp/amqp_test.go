@@ -17,6 +17,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/msgtest"
 )
 
 const wait = 10 * time.Second
@@ -121,7 +122,7 @@ func TestNackRedeliversAndAckEmptiesQueue(t *testing.T) {
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 
-	first := receive(t, msgs, wait)
+	first := msgtest.Receive(t, msgs, wait)
 	require.Equal(t, sent.UUID, first.UUID)
 	require.Equal(t, "hello", string(first.Payload))
 	require.Equal(t, topic, first.Metadata.Get(delivery.Topic))
@@ -130,7 +131,7 @@ func TestNackRedeliversAndAckEmptiesQueue(t *testing.T) {
 	require.Empty(t, first.Metadata.Get(delivery.DecodeError))
 	nackSent(t, first)
 
-	second := receive(t, msgs, wait)
+	second := msgtest.Receive(t, msgs, wait)
 	require.Equal(t, sent.UUID, second.UUID)
 	require.Equal(t, "true", second.Metadata.Get(delivery.Redelivered))
 	require.Equal(t, "1", second.Metadata.Get(amqp.HeaderDeliveryCount), "x-delivery-count after one nack")
@@ -164,7 +165,7 @@ func TestCloseRequeuesUnacked(t *testing.T) {
 	msgs, err := sub1.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	// "one" is with the handler; "two" waits, prefetched, in the client.
-	got := receive(t, msgs, wait)
+	got := msgtest.Receive(t, msgs, wait)
 	require.Equal(t, "one", string(got.Payload))
 	eventually(t, wait, func() bool { r, _ := a.inspect(topic); return r == 0 }, "both messages delivered to sub1")
 
@@ -177,7 +178,7 @@ func TestCloseRequeuesUnacked(t *testing.T) {
 	require.NoError(t, err)
 	payloads := map[string]message.Metadata{}
 	for range 2 {
-		m := receive(t, msgs2, wait)
+		m := msgtest.Receive(t, msgs2, wait)
 		payloads[string(m.Payload)] = m.Metadata
 		ackSent(t, m)
 	}
@@ -214,17 +215,17 @@ func TestPrefetchLimitsUnacked(t *testing.T) {
 
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	held := receive(t, msgs, wait) // the handler holds it, unacked
+	held := msgtest.Receive(t, msgs, wait) // the handler holds it, unacked
 
 	// The broker sends at most Prefetch unacked messages: the held one and
 	// one buffered in the client. The other eight stay ready, and stay so.
 	eventually(t, wait, func() bool { r, _ := a.inspect(topic); return r == total-2 }, "broker holds the rest")
-	nothing(t, msgs, 300*time.Millisecond)
+	msgtest.Nothing(t, msgs, 300*time.Millisecond)
 	ready, _ := a.inspect(topic)
 	require.Equal(t, total-2, ready, "at most 2 unacked")
 
 	ackSent(t, held)
-	next := receive(t, msgs, wait)
+	next := msgtest.Receive(t, msgs, wait)
 	require.Equal(t, "b", string(next.Payload))
 	eventually(t, wait, func() bool { r, _ := a.inspect(topic); return r == total-3 }, "one more sent after the ack")
 	ackSent(t, next)
@@ -266,7 +267,7 @@ func TestForeignMessages(t *testing.T) {
 	a.publish(topic, "", amqp091.Publishing{Headers: amqp091.Table{"n": int64(2)}}) // empty body
 	a.publish(topic, "", amqp091.Publishing{MessageId: "third", Body: []byte("3")})
 
-	m1 := receive(t, msgs, wait)
+	m1 := msgtest.Receive(t, msgs, wait)
 	require.Equal(t, `{"id":42}`, string(m1.Payload))
 	require.Empty(t, m1.Metadata.Get(delivery.DecodeError))
 	require.Equal(t, "7", m1.Metadata.Get("retries"))
@@ -294,7 +295,7 @@ func TestForeignMessages(t *testing.T) {
 	// first; none of the three blocks another.
 	rest := map[string]*message.Message{}
 	for range 3 {
-		m := receive(t, msgs, wait)
+		m := msgtest.Receive(t, msgs, wait)
 		require.Empty(t, m.Metadata.Get(delivery.DecodeError))
 		rest[string(m.Payload)] = m
 		ackSent(t, m)
@@ -317,7 +318,7 @@ func TestForeignMessages(t *testing.T) {
 
 	require.Equal(t, "third", rest["3"].UUID, "message-id is the UUID when the Watermill header is absent")
 
-	nothing(t, msgs, 200*time.Millisecond)
+	msgtest.Nothing(t, msgs, 200*time.Millisecond)
 	require.NoError(t, sub.Close())
 	ready, _ := a.inspect(topic)
 	require.Zero(t, ready)
@@ -342,17 +343,17 @@ func TestDeliveryLimitDeadLetters(t *testing.T) {
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	for attempt := 1; attempt <= 2; attempt++ {
-		m := receive(t, msgs, wait)
+		m := msgtest.Receive(t, msgs, wait)
 		require.Equal(t, sent.UUID, m.UUID)
 		require.Equal(t, []string{"attempt", string(rune('0' + attempt))}, []string{"attempt", m.Metadata.Get(delivery.Attempts)})
 		nackSent(t, m)
 	}
 	// x-delivery-count 2 exceeds the limit of 1: the broker dead-letters it.
-	nothing(t, msgs, 300*time.Millisecond)
+	msgtest.Nothing(t, msgs, 300*time.Millisecond)
 
 	dead, err := dlqSub.Subscribe(context.Background(), dlq)
 	require.NoError(t, err)
-	d := receive(t, dead, wait)
+	d := msgtest.Receive(t, dead, wait)
 	require.Equal(t, sent.UUID, d.UUID)
 	require.Equal(t, "poison", string(d.Payload))
 	require.Equal(t, dlq, d.Metadata.Get(delivery.Topic))
@@ -383,12 +384,12 @@ func TestNoRequeueOnNackDeadLetters(t *testing.T) {
 
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	nackSent(t, receive(t, msgs, wait))
-	nothing(t, msgs, 300*time.Millisecond)
+	nackSent(t, msgtest.Receive(t, msgs, wait))
+	msgtest.Nothing(t, msgs, 300*time.Millisecond)
 
 	dead, err := dlqSub.Subscribe(context.Background(), dlq)
 	require.NoError(t, err)
-	d := receive(t, dead, wait)
+	d := msgtest.Receive(t, dead, wait)
 	require.Equal(t, sent.UUID, d.UUID)
 	var death []map[string]any
 	require.NoError(t, json.Unmarshal([]byte(d.Metadata.Get("x-death")), &death))

@@ -182,31 +182,6 @@ func newPublisher(t *testing.T, cfg amqp.Config) message.Publisher {
 	return pub
 }
 
-// receive returns the next message from ch, failing the test after timeout.
-func receive(t *testing.T, ch <-chan *message.Message, timeout time.Duration) *message.Message {
-	t.Helper()
-	select {
-	case msg, ok := <-ch:
-		require.True(t, ok, "messages channel closed")
-		return msg
-	case <-time.After(timeout):
-		t.Fatalf("no message within %s", timeout)
-		return nil
-	}
-}
-
-// nothing asserts that ch yields no message for d.
-func nothing(t *testing.T, ch <-chan *message.Message, d time.Duration) {
-	t.Helper()
-	select {
-	case msg, ok := <-ch:
-		if ok {
-			t.Fatalf("unexpected message %s: %q %v", msg.UUID, msg.Payload, msg.Metadata)
-		}
-	case <-time.After(d):
-	}
-}
-
 // eventually polls cond until it holds or timeout passes.
 func eventually(t *testing.T, timeout time.Duration, cond func() bool, format string, args ...any) {
 	t.Helper()

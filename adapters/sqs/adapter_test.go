@@ -18,6 +18,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/sqs"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/msgtest"
 )
 
 // expectedMetadata returns what a subscriber of topic should see for a
@@ -137,7 +138,7 @@ func TestAttributesRoundtrip(t *testing.T) {
 	require.NoError(t, err)
 	got := map[string]*message.Message{}
 	for range published {
-		msg := receive(t, msgs, 10*time.Second)
+		msg := msgtest.Receive(t, msgs, 10*time.Second)
 		got[msg.UUID] = msg
 		msg.Ack()
 	}
@@ -223,7 +224,7 @@ func TestFIFO(t *testing.T) {
 	require.NoError(t, err)
 	got := map[string][]string{}
 	for range len(batch) + 3 {
-		msg := receive(t, msgs, 10*time.Second)
+		msg := msgtest.Receive(t, msgs, 10*time.Second)
 		g := msg.Metadata.Get(delivery.PartitionKey)
 		if g == "" {
 			g = msg.Metadata.Get(delivery.IdempotencyKey)
@@ -231,7 +232,7 @@ func TestFIFO(t *testing.T) {
 		got[g] = append(got[g], string(msg.Payload))
 		msg.Ack()
 	}
-	nothing(t, msgs, 2*time.Second)
+	msgtest.Nothing(t, msgs, 2*time.Second)
 	assert.Equal(t, order["a"], got["a"], "order within group a")
 	assert.Equal(t, order["b"], got["b"], "order within group b")
 	assert.Equal(t, []string{"once"}, got["pay-42"], "the second publish with the same idempotency key is deduplicated")
@@ -255,7 +256,7 @@ func TestNackRedeliversWithAttempts(t *testing.T) {
 	sent := message.NewMessage(watermill.NewUUID(), []byte("retry me"))
 	require.NoError(t, pub.Publish(topic, sent))
 
-	first := receive(t, msgs, 10*time.Second)
+	first := msgtest.Receive(t, msgs, 10*time.Second)
 	assert.Equal(t, sent.UUID, first.UUID)
 	assert.Equal(t, "1", first.Metadata.Get(delivery.Attempts))
 	assert.Equal(t, topic, first.Metadata.Get(delivery.Topic))
@@ -267,7 +268,7 @@ func TestNackRedeliversWithAttempts(t *testing.T) {
 		t.Fatal("message context not cancelled after Nack")
 	}
 
-	second := receive(t, msgs, 10*time.Second)
+	second := msgtest.Receive(t, msgs, 10*time.Second)
 	assert.GreaterOrEqual(t, time.Since(nacked), 900*time.Millisecond, "redelivered before the backoff")
 	assert.Equal(t, sent.UUID, second.UUID)
 	assert.Equal(t, "2", second.Metadata.Get(delivery.Attempts))
@@ -281,7 +282,7 @@ func TestNackRedeliversWithAttempts(t *testing.T) {
 		v, f := a.counts(queue)
 		return v == 0 && f == 0
 	}, 10*time.Second, 50*time.Millisecond, "the acked message is deleted")
-	nothing(t, msgs, 1500*time.Millisecond)
+	msgtest.Nothing(t, msgs, 1500*time.Millisecond)
 }
 
 // TestHeartbeat holds a message for longer than twice the visibility
@@ -302,13 +303,13 @@ func TestHeartbeat(t *testing.T) {
 
 	sent := message.NewMessage(watermill.NewUUID(), []byte("slow"))
 	require.NoError(t, pub.Publish(topic, sent))
-	msg := receive(t, msgs, 10*time.Second)
+	msg := msgtest.Receive(t, msgs, 10*time.Second)
 	require.Equal(t, sent.UUID, msg.UUID)
 
 	other := newSubscriber(t, cfg)
 	otherMsgs, err := other.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	nothing(t, otherMsgs, 5*time.Second) // the handler holds the message 5s
+	msgtest.Nothing(t, otherMsgs, 5*time.Second) // the handler holds the message 5s
 	v, f := a.counts(queue)
 	assert.Equal(t, 0, v)
 	assert.Equal(t, 1, f)
@@ -318,7 +319,7 @@ func TestHeartbeat(t *testing.T) {
 		v, f := a.counts(queue)
 		return v == 0 && f == 0
 	}, 10*time.Second, 50*time.Millisecond, "the acked message is deleted")
-	nothing(t, otherMsgs, 2500*time.Millisecond)
+	msgtest.Nothing(t, otherMsgs, 2500*time.Millisecond)
 }
 
 // TestForeignMessages sends messages with the SDK directly: one without
@@ -365,7 +366,7 @@ func TestForeignMessages(t *testing.T) {
 	require.NoError(t, err)
 	got := map[string]*message.Message{}
 	for range 5 {
-		msg := receive(t, msgs, 10*time.Second)
+		msg := msgtest.Receive(t, msgs, 10*time.Second)
 		got[msg.UUID] = msg
 		msg.Ack() // a handler chain dead-letters the undecodable ones, then acks
 	}
@@ -430,7 +431,7 @@ func TestCloseWithMessageInFlight(t *testing.T) {
 	require.NoError(t, err)
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	held := receive(t, msgs, 10*time.Second)
+	held := msgtest.Receive(t, msgs, 10*time.Second)
 	require.NoError(t, sub.Close())
 	closed := time.Now()
 	_, open := <-msgs
@@ -451,7 +452,7 @@ func TestCloseWithMessageInFlight(t *testing.T) {
 	require.NoError(t, err)
 	var again *message.Message
 	for range 3 {
-		msg := receive(t, msgs2, 10*time.Second)
+		msg := msgtest.Receive(t, msgs2, 10*time.Second)
 		if msg.UUID == held.UUID {
 			again = msg
 			assert.GreaterOrEqual(t, time.Since(closed), 1500*time.Millisecond, "the held message came back before its visibility timeout")
@@ -490,7 +491,7 @@ func TestQueueNotFound(t *testing.T) {
 	require.NoError(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("x"))))
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	receive(t, msgs, 10*time.Second).Ack()
+	msgtest.Receive(t, msgs, 10*time.Second).Ack()
 
 	err = pub.Publish("", message.NewMessage(watermill.NewUUID(), nil))
 	require.ErrorIs(t, err, sqs.ErrInvalidTopic)
@@ -525,12 +526,12 @@ func TestRedrivePolicy(t *testing.T) {
 	sent := message.NewMessage(watermill.NewUUID(), []byte("poison"))
 	require.NoError(t, pub.Publish(topic, sent))
 
-	require.True(t, receive(t, msgs, 10*time.Second).Nack())
-	nothing(t, msgs, 2*time.Second) // the second receive moves it
+	require.True(t, msgtest.Receive(t, msgs, 10*time.Second).Nack())
+	msgtest.Nothing(t, msgs, 2*time.Second) // the second receive moves it
 
 	dead, err := sub.Subscribe(context.Background(), dlq)
 	require.NoError(t, err)
-	msg := receive(t, dead, 10*time.Second)
+	msg := msgtest.Receive(t, dead, 10*time.Second)
 	assert.Equal(t, sent.UUID, msg.UUID)
 	assert.Equal(t, "poison", string(msg.Payload))
 	assert.Equal(t, dlq, msg.Metadata.Get(delivery.Topic))
@@ -557,14 +558,14 @@ func TestFIFONackKeepsGroupOrder(t *testing.T) {
 	sub := newSubscriber(t, testSubscriberConfig())
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	first := receive(t, msgs, 10*time.Second)
+	first := msgtest.Receive(t, msgs, 10*time.Second)
 	require.Equal(t, "a-0", string(first.Payload))
 	require.True(t, first.Nack())
-	nothing(t, msgs, 800*time.Millisecond)
+	msgtest.Nothing(t, msgs, 800*time.Millisecond)
 
 	var got []string
 	for range 3 {
-		msg := receive(t, msgs, 10*time.Second)
+		msg := msgtest.Receive(t, msgs, 10*time.Second)
 		got = append(got, string(msg.Payload)+"#"+msg.Metadata.Get(delivery.Attempts))
 		msg.Ack()
 	}

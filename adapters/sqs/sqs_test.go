@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/credentials"
@@ -270,29 +269,4 @@ func newSubscriber(t *testing.T, cfg sqs.SubscriberConfig) *sqs.Subscriber {
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sub.Close()) })
 	return sub
-}
-
-// receive returns the next message from ch, failing the test after timeout.
-func receive(t *testing.T, ch <-chan *message.Message, timeout time.Duration) *message.Message {
-	t.Helper()
-	select {
-	case msg, ok := <-ch:
-		require.True(t, ok, "messages channel closed")
-		return msg
-	case <-time.After(timeout):
-		t.Fatalf("no message within %s", timeout)
-		return nil
-	}
-}
-
-// nothing asserts that ch yields no message for d.
-func nothing(t *testing.T, ch <-chan *message.Message, d time.Duration) {
-	t.Helper()
-	select {
-	case msg, ok := <-ch:
-		if ok {
-			t.Fatalf("unexpected message %s: %q %v", msg.UUID, msg.Payload, msg.Metadata)
-		}
-	case <-time.After(d):
-	}
 }

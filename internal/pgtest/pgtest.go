@@ -35,7 +35,7 @@ func URL() string {
 }
 
 // Unavailable fails the test under CI=true and skips it elsewhere; a
-// missing service is never a silent pass.
+// missing service (any service, not only PostgreSQL) is never a silent pass.
 func Unavailable(t testing.TB, service string, err error) {
 	t.Helper()
 	if os.Getenv("CI") != "" {
