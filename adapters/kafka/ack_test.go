@@ -13,6 +13,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/msgtest"
 )
 
 // TestManualAck: offsets are committed only for acked messages, so a new
@@ -45,11 +46,11 @@ func testManualAck(t *testing.T, tune func(*kafka.SubscriberConfig)) {
 	msgs, err := first.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	for i := range 5 {
-		msg := receive(t, msgs, 30*time.Second)
+		msg := msgtest.Receive(t, msgs, 30*time.Second)
 		require.Equal(t, sent[i], msg.UUID)
 		require.True(t, msg.Ack())
 	}
-	sixth := receive(t, msgs, 30*time.Second)
+	sixth := msgtest.Receive(t, msgs, 30*time.Second)
 	require.Equal(t, sent[5], sixth.UUID)
 	require.Equal(t, "5", sixth.Metadata.Get(delivery.Offset))
 	// The sixth is not acked; the subscriber goes away.
@@ -64,12 +65,12 @@ func testManualAck(t *testing.T, tune func(*kafka.SubscriberConfig)) {
 	msgs, err = second.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	for i := 5; i < 10; i++ {
-		msg := receive(t, msgs, 30*time.Second)
+		msg := msgtest.Receive(t, msgs, 30*time.Second)
 		require.Equal(t, sent[i], msg.UUID, "message %d", i)
 		require.Equal(t, fmt.Sprint(i), msg.Metadata.Get(delivery.Offset))
 		require.True(t, msg.Ack())
 	}
-	expectNothing(t, msgs, 500*time.Millisecond)
+	msgtest.Nothing(t, msgs, 500*time.Millisecond)
 }
 
 // TestInitialOffsetNewest: a new group with InitialOffset Newest skips

@@ -14,6 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/msgtest"
 )
 
 // TestPartitionKey: messages with one partition key land in one
@@ -50,7 +51,7 @@ func TestPartitionKey(t *testing.T) {
 	partitionOf := map[string]string{}
 	partitions := map[string]bool{}
 	for range keys * perKey {
-		msg := receive(t, msgs, 30*time.Second)
+		msg := msgtest.Receive(t, msgs, 30*time.Second)
 		key := string(msg.Payload)
 		p := msg.Metadata.Get(delivery.Partition)
 		if prev, ok := partitionOf[key]; ok {
@@ -113,7 +114,7 @@ func TestPoisonRecord(t *testing.T) {
 		{topic + "/0/1", "missing header _watermill_message_uuid (null value and no headers: a tombstone)"},
 		{"poison-uuid", `header "k": value "\xc3(" is not valid UTF-8`},
 	} {
-		msg := receive(t, msgs, 30*time.Second)
+		msg := msgtest.Receive(t, msgs, 30*time.Second)
 		require.Equal(t, want.uuid, msg.UUID)
 		require.Equal(t, want.reason, delivery.DecodeErrorOf(msg))
 		require.Equal(t, bad[i].Value, []byte(msg.Payload), "the raw value")
@@ -123,13 +124,13 @@ func TestPoisonRecord(t *testing.T) {
 		require.True(t, msg.Ack())
 	}
 	for i, uuid := range good {
-		msg := receive(t, msgs, 30*time.Second)
+		msg := msgtest.Receive(t, msgs, 30*time.Second)
 		require.Equal(t, uuid, msg.UUID, "good message %d", i)
 		require.Empty(t, delivery.DecodeErrorOf(msg))
 		require.Equal(t, strconv.Itoa(i+len(bad)), msg.Metadata.Get(delivery.Offset))
 		require.True(t, msg.Ack())
 	}
-	expectNothing(t, msgs, 500*time.Millisecond)
+	msgtest.Nothing(t, msgs, 500*time.Millisecond)
 }
 
 // TestIdempotentProducer: the publisher writes through an idempotent

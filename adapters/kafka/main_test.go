@@ -112,28 +112,3 @@ func newPublisher(t testing.TB, brokers []string) message.Publisher {
 	t.Cleanup(func() { require.NoError(t, pub.Close()) })
 	return pub
 }
-
-// receive returns the next message of msgs, or fails t after timeout.
-func receive(t testing.TB, msgs <-chan *message.Message, timeout time.Duration) *message.Message {
-	t.Helper()
-	select {
-	case msg, ok := <-msgs:
-		require.True(t, ok, "messages channel closed")
-		return msg
-	case <-time.After(timeout):
-		t.Fatalf("no message within %s", timeout)
-		return nil
-	}
-}
-
-// expectNothing fails t if msgs delivers a message within d.
-func expectNothing(t testing.TB, msgs <-chan *message.Message, d time.Duration) {
-	t.Helper()
-	select {
-	case msg, ok := <-msgs:
-		if ok {
-			t.Fatalf("unexpected message %s (%v)", msg.UUID, msg.Metadata)
-		}
-	case <-time.After(d):
-	}
-}
