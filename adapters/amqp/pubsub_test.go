@@ -2,7 +2,6 @@ package amqp_test
 
 import (
 	"context"
-	"sync"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -10,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters/amqp"
+	"github.com/oncemill/oncemill/internal/msgtest"
 )
 
 // trackedSubscriber records every topic it is asked about, so that the
@@ -67,17 +67,7 @@ func TestPubSub(t *testing.T) {
 	// subscriber before Subscribe creates the real one, which then stays
 	// open. Close everything again when the suite ends (Close is
 	// idempotent), before the admin deletes the queues.
-	var (
-		mu      sync.Mutex
-		closers []func() error
-	)
-	t.Cleanup(func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range closers {
-			require.NoError(t, c())
-		}
-	})
+	closers := msgtest.NewClosers(t)
 
 	constructor := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
 		cfg := testConfig()
@@ -86,9 +76,7 @@ func TestPubSub(t *testing.T) {
 		require.NoError(t, err)
 		sub, err := amqp.NewSubscriber(cfg, testLogger())
 		require.NoError(t, err)
-		mu.Lock()
-		closers = append(closers, sub.Close, pub.Close)
-		mu.Unlock()
+		closers.Add(sub.Close, pub.Close)
 		return trackedPublisher{pub, a, cfg}, trackedSubscriber{sub, a, cfg}
 	}
 	tests.TestPubSub(

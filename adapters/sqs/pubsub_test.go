@@ -2,7 +2,6 @@ package sqs_test
 
 import (
 	"context"
-	"sync"
 	"testing"
 	"time"
 
@@ -11,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters/sqs"
+	"github.com/oncemill/oncemill/internal/msgtest"
 )
 
 // trackedSubscriber registers every topic it is asked about, so that the
@@ -74,17 +74,7 @@ func TestPubSub(t *testing.T) {
 	// `defer require.NoError(t, sub.Close())` runs at once); it is skipped
 	// here, but close everything again at the end anyway (Close is
 	// idempotent), before the admin deletes the queues.
-	var (
-		mu      sync.Mutex
-		closers []func() error
-	)
-	t.Cleanup(func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range closers {
-			require.NoError(t, c())
-		}
-	})
+	closers := msgtest.NewClosers(t)
 
 	constructor := func(t *testing.T) (message.Publisher, message.Subscriber) {
 		pub, err := sqs.NewPublisher(sqs.PublisherConfig{Config: testConfig()})
@@ -93,9 +83,7 @@ func TestPubSub(t *testing.T) {
 		cfg.NackBackoff = func(int) time.Duration { return 0 }
 		sub, err := sqs.NewSubscriber(cfg)
 		require.NoError(t, err)
-		mu.Lock()
-		closers = append(closers, sub.Close, pub.Close)
-		mu.Unlock()
+		closers.Add(sub.Close, pub.Close)
 		return trackedPublisher{pub, a}, trackedSubscriber{sub, a}
 	}
 	tests.TestPubSub(

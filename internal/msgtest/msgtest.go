@@ -3,6 +3,7 @@
 package msgtest
 
 import (
+	"sync"
 	"testing"
 	"time"
 
@@ -35,4 +36,36 @@ func Nothing(t testing.TB, ch <-chan *message.Message, d time.Duration) {
 		}
 	case <-time.After(d):
 	}
+}
+
+// Closers closes, when the test ends, everything added to it, in the order
+// added. Watermill's universal suite leaves some subscribers open (its
+// TestPublishSubscribeInOrder closes one before subscribing it); a harness
+// adds every publisher and subscriber it builds, and Close being idempotent
+// makes the second close harmless.
+type Closers struct {
+	mu  sync.Mutex
+	fns []func() error
+}
+
+// NewClosers returns a set whose closers run in t's cleanup.
+func NewClosers(t testing.TB) *Closers {
+	c := &Closers{}
+	t.Cleanup(func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		for _, fn := range c.fns {
+			if err := fn(); err != nil {
+				t.Errorf("close at test end: %v", err)
+			}
+		}
+	})
+	return c
+}
+
+// Add registers closers; it is safe for concurrent use.
+func (c *Closers) Add(fns ...func() error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.fns = append(c.fns, fns...)
 }
