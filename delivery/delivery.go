@@ -63,3 +63,36 @@ func PartitionKeyOf(msg *message.Message) string {
 	}
 	return msg.Metadata.Get(IdempotencyKey)
 }
+
+// Metadata the poison middleware adds to a message it dead-letters. The
+// original metadata (its key, its partition key) is kept as it was, so a
+// replay of the copy is deduplicated like the original.
+const (
+	// DeadTopic is the topic the message was consumed from.
+	DeadTopic = "oncemill_dlq_topic"
+	// DeadConsumer is the consumer (handler) that gave up on it.
+	DeadConsumer = "oncemill_dlq_consumer"
+	// DeadKey is the idempotency key the consumer derived, when known.
+	DeadKey = "oncemill_dlq_key"
+	// DeadAttempts is how many attempts were made, the last included.
+	DeadAttempts = "oncemill_dlq_attempts"
+	// DeadError is the text of the last error.
+	DeadError = "oncemill_dlq_error"
+	// DeadPermanent is "true" when the last error was permanent (never
+	// retried), else "false".
+	DeadPermanent = "oncemill_dlq_permanent"
+	// DeadFirstFailedAt and DeadLastFailedAt are the times of the first and
+	// the last failed attempt, RFC 3339 with nanoseconds, UTC.
+	DeadFirstFailedAt = "oncemill_dlq_first_failed_at"
+	// DeadLastFailedAt: see DeadFirstFailedAt.
+	DeadLastFailedAt = "oncemill_dlq_last_failed_at"
+	// DeadPartition and DeadOffset are the Kafka partition and offset of
+	// the original, when known.
+	DeadPartition = "oncemill_dlq_partition"
+	// DeadOffset: see DeadPartition.
+	DeadOffset = "oncemill_dlq_offset"
+)
+
+// DeadPrefix starts every key of the dead-letter metadata above; a replay
+// strips the keys with this prefix.
+const DeadPrefix = "oncemill_dlq_"
