@@ -135,6 +135,26 @@ type LeaseStore interface {
 	LeaseRelease(ctx context.Context, key Key, token int64, f Failure) error
 }
 
+// Peeker reads a key's record without claiming it: the cheap check a
+// prefilter makes when it may have seen a key before.
+type Peeker interface {
+	// InboxPeek answers StateDone with the stored result when key is done,
+	// StateInFlight with the lease end when a live lease holds it, and
+	// StateNew when it is unknown, failed, or its lease has expired. It
+	// writes nothing, and one call costs one read.
+	InboxPeek(ctx context.Context, key Key) (Claim, error)
+}
+
+// KeyLister streams the keys a consumer has completed, to warm a prefilter
+// up on start.
+type KeyLister interface {
+	// InboxDoneKeys calls fn with every key of consumer that was completed
+	// at or after since and has not expired, in no set order. It streams:
+	// memory use does not grow with the number of keys. It stops at the
+	// first error from fn or ctx and returns it.
+	InboxDoneKeys(ctx context.Context, consumer string, since time.Time, fn func(key string) error) error
+}
+
 // Expirer deletes records whose dedup window has passed.
 type Expirer interface {
 	// InboxDeleteExpired deletes at most limit expired records in one short

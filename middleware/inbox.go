@@ -40,8 +40,9 @@ type InboxConfig struct {
 	Lease time.Duration
 	// InFlightDelay is how long a delivery whose key is held by another
 	// live lease waits before it is nacked, so that it is not redelivered
-	// in a tight loop. It is cut short when the lease ends sooner. Lease
-	// mode only. Defaults to 1 second.
+	// in a tight loop. It is cut short when the lease ends sooner. Used in
+	// lease mode, and with transactional stores that keep a lock in front
+	// of their record (dedup/twotier). Defaults to 1 second.
 	InFlightDelay time.Duration
 	// Outbox, when set, writes the messages the handler produced into an
 	// outbox inside the inbox's transaction (the consumer outbox), instead
@@ -198,12 +199,21 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		ended = true
 		return nil, errors.Join(err, tx.Rollback(ctx))
 	}
-	if claim.State == dedup.StateDone {
+	switch claim.State {
+	case dedup.StateDone:
 		ended = true
 		if err := tx.Rollback(ctx); err != nil {
 			return nil, err
 		}
 		return in.duplicate(msg, key, claim)
+	case dedup.StateInFlight:
+		// A store with a lock in front of its record (two-tier) answers
+		// this when another delivery holds the key right now.
+		ended = true
+		if err := tx.Rollback(ctx); err != nil {
+			return nil, err
+		}
+		return nil, in.inFlightNack(ctx, key, claim)
 	}
 
 	txCtx := tx.WithTx(ctx)
