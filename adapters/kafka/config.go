@@ -19,6 +19,8 @@ var (
 	// and so Publish, returns for a message that a subscriber could not
 	// decode.
 	ErrInvalidMessage = errors.New("kafka: invalid message")
+	// ErrPublisherClosed is returned by [Publisher.Publish] after Close.
+	ErrPublisherClosed = errors.New("kafka: publisher closed")
 )
 
 // NoSleep, as NackResendSleep or ReconnectRetrySleep, means no sleep.

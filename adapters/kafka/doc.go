@@ -1,5 +1,5 @@
-// Package kafka is oncemill's Kafka adapter: a Watermill publisher and
-// subscriber, built on watermill-kafka v3 and Sarama, configured for
+// Package kafka is oncemill's Kafka adapter: a Watermill publisher on
+// Sarama and a subscriber built on watermill-kafka v3, configured for
 // exactly-once effects on Kafka's at-least-once delivery, which the inbox
 // middleware completes by deduplicating by idempotency key.
 //
@@ -26,7 +26,9 @@
 // (Producer.Idempotent, RequiredAcks WaitForAll, Net.MaxOpenRequests 1,
 // retries): a retried send is never written twice, and retries do not
 // reorder a partition. Publish returns once the partition's in-sync
-// replicas have the record.
+// replicas have the records; the messages of one Publish call go out as
+// one batch (watermill-kafka's publisher sends them one round trip each),
+// which is what lets the outbox relay drain a backlog fast.
 //
 // Per-key order. The [Marshaler] keys every record by
 // [delivery.PartitionKeyOf] (metadata partition_key, else

@@ -35,30 +35,6 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (messag
 	return sub, nil
 }
 
-// NewPublisher returns a watermill-kafka publisher with an idempotent
-// producer configured by cfg (see [PublisherConfig.WatermillConfig]); a
-// nil logger logs nothing. It connects to the brokers before it returns,
-// and fails if none answers, and it starts Sarama's producer goroutines,
-// which the publisher's Close stops.
-//
-// Publish sends the messages one at a time and returns once the
-// partition's in-sync replicas have each; it fails, wrapping
-// [ErrInvalidMessage], for a message that subscribers could not decode.
-func NewPublisher(cfg PublisherConfig, logger watermill.LoggerAdapter) (message.Publisher, error) {
-	wcfg, err := cfg.WatermillConfig()
-	if err != nil {
-		return nil, err
-	}
-	if logger == nil {
-		logger = watermill.NopLogger{}
-	}
-	pub, err := wkafka.NewPublisher(wcfg, logger)
-	if err != nil {
-		return nil, fmt.Errorf("kafka: new publisher: %w", err)
-	}
-	return pub, nil
-}
-
 // BrokersFromEnv returns the seed brokers in the [BrokersEnv] environment
 // variable, or nil if it is unset or empty. Tests use it to run against a
 // real cluster instead of an embedded one.

@@ -19,9 +19,19 @@ import (
 
 // TestPartitionKey: messages with one partition key land in one
 // partition, in publish order, and the partition is the one franz-go
-// (like the Java client) picks for that key.
+// (like the Java client) picks for that key; published one by one, and as
+// batches of many messages in one Publish (which go out as one batch).
 func TestPartitionKey(t *testing.T) {
 	t.Parallel()
+	for _, batch := range []int{1, 64} {
+		t.Run(fmt.Sprintf("batch=%d", batch), func(t *testing.T) {
+			t.Parallel()
+			testPartitionKey(t, batch)
+		})
+	}
+}
+
+func testPartitionKey(t *testing.T, batch int) {
 	brokers := Brokers(t)
 	topic := uniqueName("pkey")
 	createTopic(t, brokers, topic, 4)
@@ -29,6 +39,7 @@ func TestPartitionKey(t *testing.T) {
 
 	const keys, perKey = 8, 25
 	sent := map[string][]string{} // key → UUIDs in publish order
+	var pending []*message.Message
 	for i := range keys * perKey {
 		key := fmt.Sprintf("customer-%d", i%keys)
 		msg := message.NewMessage(watermill.NewUUID(), []byte(key))
@@ -38,7 +49,11 @@ func TestPartitionKey(t *testing.T) {
 			// The idempotency key orders when there is no partition key.
 			msg.Metadata.Set(delivery.IdempotencyKey, key)
 		}
-		require.NoError(t, pub.Publish(topic, msg))
+		pending = append(pending, msg)
+		if len(pending) == batch || i == keys*perKey-1 {
+			require.NoError(t, pub.Publish(topic, pending...))
+			pending = nil
+		}
 		sent[key] = append(sent[key], msg.UUID)
 	}
 

@@ -512,19 +512,22 @@ func (e *env) newSink(ctx context.Context, broker, topic string) (*sink, error) 
 	return nil, fmt.Errorf("unknown broker %q", broker)
 }
 
-// countingPublisher publishes each message on its own (as the Kafka
-// publisher does anyway) and records the time its Publish returned.
+// countingPublisher publishes through the Kafka publisher as it was called
+// (a relay's batch is one Publish, sent as one Kafka batch; Watermill's
+// forwarder publishes one message per call) and records, for every message,
+// the time its Publish returned: the broker had acknowledged it then.
 type countingPublisher struct {
 	message.Publisher
 	rec *recorder
 }
 
 func (p countingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if err := p.Publisher.Publish(topic, msgs...); err != nil {
+		return err
+	}
+	now := time.Now()
 	for _, m := range msgs {
-		if err := p.Publisher.Publish(topic, m); err != nil {
-			return err
-		}
-		p.rec.record(m.UUID, time.Now())
+		p.rec.record(m.UUID, now)
 	}
 	return nil
 }

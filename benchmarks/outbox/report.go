@@ -101,8 +101,9 @@ through ` + "`kafka.NewPublisher`" + `). Every run uses a fresh schema / fresh t
   ` + cfg.Drain.String() + ` after the writers stop) count as infinitely late.
 - **Arrival**: GoChannel — the time a real subscriber receives the message. Kafka — the time
   the Kafka publisher's ` + "`Publish`" + ` of that message returned, i.e. the broker acknowledged it
-  (acks=all); a wrapping publisher publishes the messages one at a time, as the Kafka
-  publisher does anyway, and counts them.
+  (acks=all). Both systems use oncemill's Kafka publisher, which sends the messages of one
+  ` + "`Publish`" + ` call as one batch: the relay publishes a batch per topic in one call, Watermill's
+  forwarder one message per call.
 - **Settings**: oncemill's relay runs with its defaults (BatchSize 500, LanesPerBatch 16,
   PollInterval 5s, woken by LISTEN/NOTIFY). Watermill's forwarder runs with its **defaults on
   purpose** — that is the point of the comparison: the watermill-sql subscriber polls every
