@@ -61,6 +61,10 @@ type Claim struct {
 	// Result is the opaque result stored when the key was completed
 	// (StateDone only); nil when none was stored.
 	Result []byte
+	// FirstFailedAt is when the key's first failed attempt was recorded;
+	// zero when none failed. The poison middleware reports it with a
+	// dead-lettered message.
+	FirstFailedAt time.Time
 }
 
 // Failure describes one failed attempt, recorded so that operators and the

@@ -30,6 +30,8 @@ type entry struct {
 	until    time.Time
 	result   []byte
 	expires  time.Time
+
+	firstFailed time.Time
 }
 
 // Store keeps leases in a map. It is safe for concurrent use and starts no
@@ -83,7 +85,7 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 	e.token++
 	e.until = now.Add(lease)
 	e.expires = now.Add(window)
-	return dedup.Claim{State: dedup.StateNew, Attempts: e.attempts, Token: e.token, Until: e.until}, nil
+	return dedup.Claim{State: dedup.StateNew, Attempts: e.attempts, Token: e.token, Until: e.until, FirstFailedAt: e.firstFailed}, nil
 }
 
 // LeaseComplete marks key done with result if token is still current.
@@ -94,8 +96,13 @@ func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, r
 }
 
 // LeaseRelease marks key failed, claimable at once, if token is still current.
-func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, _ dedup.Failure) error {
-	return s.end(ctx, key, token, func(e *entry) { e.status = failed })
+func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
+	return s.end(ctx, key, token, func(e *entry) {
+		e.status = failed
+		if e.firstFailed.IsZero() {
+			e.firstFailed = f.At
+		}
+	})
 }
 
 func (s *Store) end(ctx context.Context, key dedup.Key, token int64, apply func(*entry)) error {

@@ -128,7 +128,7 @@ func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) 
 func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window time.Duration) (dedup.Claim, error) {
 	var r leaseRow
 	err := s.db.QueryRow(ctx, s.q.leaseClaim, key.Consumer, key.Key, seconds(lease), seconds(window)).
-		Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result)
+		Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result, &r.firstFailed)
 	if errors.Is(err, pgx.ErrNoRows) || (err == nil && r.status == "failed") {
 		// The outer SELECT runs on the snapshot taken before the INSERT
 		// waited for a concurrent claimer, so it may miss or misreport the
@@ -136,12 +136,15 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 		// claim looked: the caller retries soon as if it were in flight.
 		r = leaseRow{}
 		err = s.db.QueryRow(ctx, s.q.leaseRead, key.Consumer, key.Key).
-			Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result)
+			Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result, &r.firstFailed)
 	}
 	if err != nil {
 		return dedup.Claim{}, interpret("lease claim", err)
 	}
 	c := dedup.Claim{Attempts: r.attempts}
+	if r.firstFailed != nil {
+		c.FirstFailedAt = *r.firstFailed
+	}
 	if r.until != nil {
 		c.Until = *r.until
 	}
@@ -164,6 +167,8 @@ type leaseRow struct {
 	token    int64
 	until    *time.Time
 	result   []byte
+
+	firstFailed *time.Time
 }
 
 // LeaseComplete marks key done with result if token is still current.
@@ -197,25 +202,30 @@ type inboxTx struct {
 
 func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
 	var (
-		status   string
-		attempts int
-		result   []byte
+		status      string
+		attempts    int
+		result      []byte
+		firstFailed *time.Time
 	)
-	err := t.tx.QueryRow(ctx, t.q.claim, key.Consumer, key.Key, seconds(window)).Scan(&status, &attempts, &result)
+	err := t.tx.QueryRow(ctx, t.q.claim, key.Consumer, key.Key, seconds(window)).Scan(&status, &attempts, &result, &firstFailed)
 	if errors.Is(err, pgx.ErrNoRows) || (err == nil && status != "new" && status != "done") {
 		// A concurrent claimer committed while this statement waited on
 		// the row: the INSERT saw its row, the statement's snapshot did
 		// not (or saw an older version). A new statement sees it.
-		err = t.tx.QueryRow(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result)
+		err = t.tx.QueryRow(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &firstFailed)
 	}
 	if err != nil {
 		return dedup.Claim{}, interpret("claim", err)
 	}
+	var first time.Time
+	if firstFailed != nil {
+		first = *firstFailed
+	}
 	switch status {
 	case "new":
-		return dedup.Claim{State: dedup.StateNew, Attempts: attempts}, nil
+		return dedup.Claim{State: dedup.StateNew, Attempts: attempts, FirstFailedAt: first}, nil
 	case "done":
-		return dedup.Claim{State: dedup.StateDone, Attempts: attempts, Result: result}, nil
+		return dedup.Claim{State: dedup.StateDone, Attempts: attempts, Result: result, FirstFailedAt: first}, nil
 	default:
 		return dedup.Claim{}, fmt.Errorf("postgres: claim: key %q of consumer %q is %q: it is claimed in lease mode; use one mode per consumer", key.Key, key.Consumer, status)
 	}

@@ -135,6 +135,7 @@ func TestRollbackLeavesNothingAndFailureIsRecorded(t *testing.T) {
 	ctx := context.Background()
 	key := dedup.Key{Consumer: "billing", Key: "order-2"}
 
+	firstAt := time.Now().Add(-time.Minute).Truncate(time.Microsecond)
 	for i, msg := range []string{"first boom", "second boom"} {
 		tx, err := b.store.InboxBegin(ctx)
 		require.NoError(t, err)
@@ -142,8 +143,13 @@ func TestRollbackLeavesNothingAndFailureIsRecorded(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, dedup.StateNew, c.State)
 		require.Equal(t, i+1, c.Attempts)
+		if i == 0 {
+			require.True(t, c.FirstFailedAt.IsZero(), "no failure yet")
+		} else {
+			require.True(t, c.FirstFailedAt.Equal(firstAt), "first failure %s, want %s", c.FirstFailedAt, firstAt)
+		}
 		require.NoError(t, tx.Rollback(ctx))
-		require.NoError(t, b.store.InboxFail(ctx, key, dedup.Failure{Err: msg, At: time.Now()}, time.Hour))
+		require.NoError(t, b.store.InboxFail(ctx, key, dedup.Failure{Err: msg, At: firstAt.Add(time.Duration(i) * time.Second)}, time.Hour))
 	}
 	r, ok := b.row(t, key)
 	require.True(t, ok)

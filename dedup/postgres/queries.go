@@ -26,14 +26,14 @@ func newQueries(table string) queries {
 	SET status = 'done', attempts = i.attempts + 1, lease_until = NULL,
 	    updated_at = now(), done_at = now(), expires_at = EXCLUDED.expires_at
 	WHERE i.status <> 'done'
-	RETURNING attempts
+	RETURNING attempts, first_failed_at
 )
-SELECT 'new'::text, attempts, NULL::bytea FROM claim
+SELECT 'new'::text, attempts, NULL::bytea, first_failed_at FROM claim
 UNION ALL
-SELECT status, attempts, result FROM {T}
+SELECT status, attempts, result, first_failed_at FROM {T}
 WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claim)`),
 
-		read: r.Replace(`SELECT status, attempts, result FROM {T} WHERE consumer = $1 AND key = $2`),
+		read: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T} WHERE consumer = $1 AND key = $2`),
 
 		complete: r.Replace(`UPDATE {T} SET result = $3 WHERE consumer = $1 AND key = $2`),
 
@@ -61,14 +61,14 @@ WHERE i.status <> 'done'`),
 	SET status = 'processing', attempts = i.attempts + 1, token = i.token + 1,
 	    lease_until = EXCLUDED.lease_until, updated_at = now(), expires_at = EXCLUDED.expires_at
 	WHERE i.status = 'failed' OR (i.status = 'processing' AND i.lease_until <= clock_timestamp())
-	RETURNING attempts, token, lease_until
+	RETURNING attempts, token, lease_until, first_failed_at
 )
-SELECT 'new'::text, attempts, token, lease_until, NULL::bytea FROM claim
+SELECT 'new'::text, attempts, token, lease_until, NULL::bytea, first_failed_at FROM claim
 UNION ALL
-SELECT status, attempts, token, lease_until, result FROM {T}
+SELECT status, attempts, token, lease_until, result, first_failed_at FROM {T}
 WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claim)`),
 
-		leaseRead: r.Replace(`SELECT status, attempts, token, lease_until, result FROM {T}
+		leaseRead: r.Replace(`SELECT status, attempts, token, lease_until, result, first_failed_at FROM {T}
 WHERE consumer = $1 AND key = $2`),
 
 		leaseComplete: r.Replace(`UPDATE {T} SET status = 'done', result = $4, lease_until = NULL,

@@ -215,12 +215,19 @@ type inboxTx struct {
 
 func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
 	now := time.Now()
-	var attempts int
+	var (
+		attempts    int
+		firstFailed sql.NullInt64
+	)
 	err := t.tx.QueryRowContext(ctx, t.q.claim,
 		key.Consumer, key.Key, micros(now), micros(now), micros(now), micros(now.Add(window))).
-		Scan(&attempts)
+		Scan(&attempts, &firstFailed)
 	if err == nil {
-		return dedup.Claim{State: dedup.StateNew, Attempts: attempts}, nil
+		c := dedup.Claim{State: dedup.StateNew, Attempts: attempts}
+		if firstFailed.Valid {
+			c.FirstFailedAt = time.UnixMicro(firstFailed.Int64)
+		}
+		return c, nil
 	}
 	if !errors.Is(err, sql.ErrNoRows) {
 		return dedup.Claim{}, interpret("claim", err)
@@ -290,7 +297,7 @@ ON CONFLICT (consumer, key) DO UPDATE
 SET status = 'done', attempts = attempts + 1, lease_until = NULL,
     updated_at = excluded.updated_at, done_at = excluded.done_at, expires_at = excluded.expires_at
 WHERE status <> 'done'
-RETURNING attempts`),
+RETURNING attempts, first_failed_at`),
 
 		// Arguments: consumer, key.
 		read: r.Replace(`SELECT status, attempts, result FROM {T} WHERE consumer = ? AND key = ?`),

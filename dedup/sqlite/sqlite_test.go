@@ -187,6 +187,8 @@ func TestFailTwiceThenClaim(t *testing.T) {
 	require.False(t, r.doneAt.Valid)
 
 	c := claim(t, s, key, []byte("ok"), true)
+	require.True(t, c.FirstFailedAt.Equal(t1), "the claim reports the first failure: got %s, want %s", c.FirstFailedAt, t1)
+	c.FirstFailedAt = time.Time{}
 	require.Equal(t, dedup.Claim{State: dedup.StateNew, Attempts: 3}, c)
 
 	r, _ = readRow(t, s, key)
