@@ -3,6 +3,9 @@ package middleware
 import (
 	"errors"
 	"fmt"
+	"time"
+
+	"github.com/oncemill/oncemill/dedup"
 )
 
 var (
@@ -47,6 +50,42 @@ func Permanent(err error) error {
 func IsPermanent(err error) bool {
 	var p permanentError
 	return errors.As(err, &p)
+}
+
+// attemptError carries the store's durable count of a failed attempt from
+// the inbox out to the poison middleware, which may sit several middlewares
+// further out.
+type attemptError struct {
+	err      error
+	attempts int
+	first    time.Time
+}
+
+func (e *attemptError) Error() string { return e.err.Error() }
+func (e *attemptError) Unwrap() error { return e.err }
+
+// attempted wraps err, the failure of the attempt that claim started, with
+// the store's count; at is when it failed.
+func attempted(err error, claim dedup.Claim, at time.Time) error {
+	first := claim.FirstFailedAt
+	if first.IsZero() {
+		first = at
+	}
+	return &attemptError{err: err, attempts: claim.Attempts, first: first}
+}
+
+// StoredAttempts returns the attempt count that the inbox's store recorded
+// for the failed attempt err came from (this attempt included) and when the
+// key first failed. ok is false when err did not come from an inbox
+// attempt, e.g. a key error or a store outage. The count survives restarts
+// and rebalances: it is what the poison middleware counts on a broker that
+// keeps none, such as Kafka.
+func StoredAttempts(err error) (attempts int, firstFailedAt time.Time, ok bool) {
+	var a *attemptError
+	if !errors.As(err, &a) || a.attempts < 1 {
+		return 0, time.Time{}, false
+	}
+	return a.attempts, a.first, true
 }
 
 // keyError builds a permanent key error that wraps [ErrKey] and, when given,

@@ -227,8 +227,9 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		ended = true
 		rbErr := tx.Rollback(ctx)
 		in.failed.Add(1)
-		failErr := in.cfg.TxStore.InboxFail(context.WithoutCancel(ctx), key, dedup.Failure{Err: err.Error(), At: time.Now()}, in.cfg.Window)
-		return nil, errors.Join(err, rbErr, failErr)
+		f := dedup.Failure{Err: err.Error(), At: time.Now()}
+		failErr := in.cfg.TxStore.InboxFail(context.WithoutCancel(ctx), key, f, in.cfg.Window)
+		return nil, attempted(errors.Join(err, rbErr, failErr), claim, f.At)
 	}
 
 	result, err := encodeResult(produced)
@@ -275,8 +276,9 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	released = true
 	if err != nil {
 		in.failed.Add(1)
-		relErr := in.cfg.LeaseStore.LeaseRelease(context.WithoutCancel(ctx), key, claim.Token, dedup.Failure{Err: err.Error(), At: time.Now()})
-		return nil, errors.Join(err, relErr)
+		f := dedup.Failure{Err: err.Error(), At: time.Now()}
+		relErr := in.cfg.LeaseStore.LeaseRelease(context.WithoutCancel(ctx), key, claim.Token, f)
+		return nil, attempted(errors.Join(err, relErr), claim, f.At)
 	}
 	result, err := encodeResult(produced)
 	if err == nil {

@@ -1,0 +1,312 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/delivery"
+)
+
+// ErrDeadLetter is wrapped by the error a [Poison] middleware returns when
+// it could not publish a message to the dead-letter queue: the original is
+// nacked then, never acked, so it is delivered again.
+var ErrDeadLetter = errors.New("middleware: dead-letter publish failed")
+
+// ErrUndecodable is wrapped by the permanent error a [Poison] middleware
+// records for a message that its broker adapter could not decode.
+var ErrUndecodable = errors.New("middleware: message could not be decoded")
+
+// PoisonConfig configures a [Poison] middleware.
+type PoisonConfig struct {
+	// Publisher receives dead-lettered messages: any Watermill publisher
+	// (a broker topic, a queue, or dlq.NewPublisher's PostgreSQL table).
+	// Required. The middleware does not close it.
+	Publisher message.Publisher
+	// Topic is the topic dead-lettered messages are published to.
+	// Required.
+	Topic string
+	// MaxAttempts is how many attempts a message gets before it is
+	// dead-lettered, the first included. Defaults to 5.
+	MaxAttempts int
+	// InProcessRetries is how many times a failed message is retried in
+	// the handler's goroutine, with backoff, before it is nacked to the
+	// broker. Defaults to 0: every retry is a redelivery, which the broker
+	// or the inbox's store counts durably. In-process retries keep a
+	// message on the same consumer and hold its partition meanwhile.
+	InProcessRetries int
+	// InitialBackoff is the wait after the first failed attempt; it
+	// doubles with every attempt up to MaxBackoff. The wait comes before
+	// an in-process retry and before a nack, so that the broker does not
+	// redeliver in a tight loop. Default to 100ms and 10s.
+	InitialBackoff, MaxBackoff time.Duration
+	// Consumer names the consumer in dead-letter metadata. Defaults to the
+	// router handler's name.
+	Consumer string
+	// Key reads the message's key for dead-letter metadata; a key error
+	// leaves the field empty. Defaults to [DefaultKey].
+	Key KeyFunc
+	// Logger receives a line for every message dead-lettered and every
+	// dead-letter publish that failed. Defaults to watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *PoisonConfig) setDefaults() {
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = 5
+	}
+	if c.InitialBackoff == 0 {
+		c.InitialBackoff = 100 * time.Millisecond
+	}
+	if c.MaxBackoff == 0 {
+		c.MaxBackoff = 10 * time.Second
+	}
+	if c.Key == nil {
+		c.Key = DefaultKey
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first field that is missing or out of range.
+func (c PoisonConfig) Validate() error {
+	switch {
+	case c.Publisher == nil:
+		return errors.New("middleware: PoisonConfig.Publisher is required: it receives the dead-lettered messages")
+	case c.Topic == "":
+		return errors.New("middleware: PoisonConfig.Topic is required: the dead-letter topic")
+	case c.MaxAttempts < 1:
+		return fmt.Errorf("middleware: PoisonConfig.MaxAttempts must be at least 1, got %d", c.MaxAttempts)
+	case c.InProcessRetries < 0:
+		return fmt.Errorf("middleware: PoisonConfig.InProcessRetries must not be negative, got %d", c.InProcessRetries)
+	case c.InitialBackoff < 0:
+		return fmt.Errorf("middleware: PoisonConfig.InitialBackoff must not be negative, got %s", c.InitialBackoff)
+	case c.MaxBackoff < c.InitialBackoff:
+		return fmt.Errorf("middleware: PoisonConfig.MaxBackoff (%s) must be at least InitialBackoff (%s)", c.MaxBackoff, c.InitialBackoff)
+	}
+	return nil
+}
+
+// PoisonStats counts what a [Poison] middleware did since it was made.
+type PoisonStats struct {
+	// Retried counts failed attempts that were retried (in process) or
+	// nacked for redelivery.
+	Retried int64
+	// DeadLettered counts messages published to the dead-letter queue and
+	// then acked.
+	DeadLettered int64
+	// DeadLetterFailed counts dead-letter publishes that failed; their
+	// messages were nacked.
+	DeadLetterFailed int64
+}
+
+// Poison is a router middleware that keeps a message that cannot be
+// processed from blocking its partition or queue, without losing it: after
+// MaxAttempts failed attempts, or at once for a permanent error, the message
+// goes to the dead-letter queue with the reason, and only then is the
+// original acked. It starts no goroutines.
+//
+// Add it outside the inbox (first), so that it sees the inbox's errors:
+//
+//	router.AddMiddleware(poison.Middleware, inbox.Middleware)
+//
+// Attempts are counted durably where possible: the broker's own count
+// (delivery.Attempts: SQS ApproximateReceiveCount, RabbitMQ quorum
+// x-delivery-count) or the inbox store's count carried by the error
+// ([StoredAttempts]), whichever is higher. Only without both (Kafka without
+// an inbox, or a store outage before the claim) does it fall back to a
+// counter in memory, which a restart resets.
+type Poison struct {
+	cfg PoisonConfig
+
+	retried, deadLettered, deadLetterFailed atomic.Int64
+
+	mu    sync.Mutex
+	local map[string]localCount // by message UUID; bounded by maxLocal
+}
+
+type localCount struct {
+	attempts int
+	first    time.Time
+}
+
+// maxLocal bounds the in-memory fallback counter; when full it starts over,
+// which only ever delays a dead-letter, never loses a message.
+const maxLocal = 10000
+
+// NewPoison returns a poison middleware for cfg; cfg is copied, defaulted
+// and validated.
+func NewPoison(cfg PoisonConfig) (*Poison, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &Poison{cfg: cfg, local: map[string]localCount{}}, nil
+}
+
+// Stats returns the middleware's counters.
+func (p *Poison) Stats() PoisonStats {
+	return PoisonStats{
+		Retried:          p.retried.Load(),
+		DeadLettered:     p.deadLettered.Load(),
+		DeadLetterFailed: p.deadLetterFailed.Load(),
+	}
+}
+
+// Middleware wraps h: add it with router.AddMiddleware, before the inbox.
+//
+// A message the adapter could not decode (delivery.DecodeError) never
+// reaches h. A failed attempt is retried or nacked after a backoff; an
+// error that wraps [ErrInFlight] (another delivery holds the key) is
+// nacked without counting, since nothing failed.
+func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if reason := delivery.DecodeErrorOf(msg); reason != "" {
+			now := time.Now()
+			err := Permanent(fmt.Errorf("%w: %s", ErrUndecodable, reason))
+			broker, _ := delivery.AttemptsOf(msg)
+			return nil, p.deadLetter(msg, err, max(broker, 1), now, now)
+		}
+		for try := 0; ; try++ {
+			produced, err := h(msg)
+			if err == nil {
+				p.forget(msg.UUID)
+				return produced, nil
+			}
+			if errors.Is(err, ErrInFlight) {
+				return nil, err
+			}
+			now := time.Now()
+			attempts, first := p.count(msg, err, try, now)
+			if IsPermanent(err) || attempts >= p.cfg.MaxAttempts {
+				return nil, p.deadLetter(msg, err, attempts, first, now)
+			}
+			p.retried.Add(1)
+			if !sleepCtx(msg.Context(), p.backoff(attempts)) {
+				return nil, err
+			}
+			if try >= p.cfg.InProcessRetries {
+				return nil, err
+			}
+		}
+	}
+}
+
+// count returns the number of the attempt that just failed and when the
+// message first failed: the highest of the broker's count, the store's
+// count and the in-memory one.
+func (p *Poison) count(msg *message.Message, err error, try int, now time.Time) (int, time.Time) {
+	p.mu.Lock()
+	lc, ok := p.local[msg.UUID]
+	if !ok {
+		if len(p.local) >= maxLocal {
+			p.local = map[string]localCount{}
+		}
+		lc.first = now
+	}
+	lc.attempts++
+	p.local[msg.UUID] = lc
+	p.mu.Unlock()
+
+	attempts, first := lc.attempts, lc.first
+	if n, ok := delivery.AttemptsOf(msg); ok {
+		attempts = max(attempts, n+try)
+	}
+	if n, at, ok := StoredAttempts(err); ok {
+		attempts = max(attempts, n)
+		if at.Before(first) {
+			first = at
+		}
+	}
+	return attempts, first
+}
+
+func (p *Poison) forget(uuid string) {
+	p.mu.Lock()
+	delete(p.local, uuid)
+	p.mu.Unlock()
+}
+
+// backoff is the wait after the given failed attempt.
+func (p *Poison) backoff(attempts int) time.Duration {
+	d := p.cfg.InitialBackoff
+	for i := 1; i < attempts && d < p.cfg.MaxBackoff; i++ {
+		d *= 2
+	}
+	return min(d, p.cfg.MaxBackoff)
+}
+
+// deadLetter publishes a copy of msg to the dead-letter topic and returns
+// nil, so that the router acks the original, or, when the publish fails, an
+// error wrapping ErrDeadLetter and cause, so that it nacks it.
+func (p *Poison) deadLetter(msg *message.Message, cause error, attempts int, first, last time.Time) error {
+	consumer := p.cfg.Consumer
+	if consumer == "" {
+		consumer = message.HandlerNameFromCtx(msg.Context())
+	}
+	topic := msg.Metadata.Get(delivery.Topic)
+	if topic == "" {
+		topic = message.SubscribeTopicFromCtx(msg.Context())
+	}
+	key, _ := p.cfg.Key(msg)
+
+	dead := message.NewMessage(msg.UUID, msg.Payload)
+	for k, v := range msg.Metadata {
+		dead.Metadata.Set(k, v)
+	}
+	md := dead.Metadata
+	md.Set(delivery.DeadTopic, topic)
+	md.Set(delivery.DeadConsumer, consumer)
+	md.Set(delivery.DeadKey, key)
+	md.Set(delivery.DeadAttempts, strconv.Itoa(attempts))
+	md.Set(delivery.DeadError, cause.Error())
+	md.Set(delivery.DeadPermanent, strconv.FormatBool(IsPermanent(cause)))
+	md.Set(delivery.DeadFirstFailedAt, first.UTC().Format(time.RFC3339Nano))
+	md.Set(delivery.DeadLastFailedAt, last.UTC().Format(time.RFC3339Nano))
+	if v := msg.Metadata.Get(delivery.Partition); v != "" {
+		md.Set(delivery.DeadPartition, v)
+	}
+	if v := msg.Metadata.Get(delivery.Offset); v != "" {
+		md.Set(delivery.DeadOffset, v)
+	}
+	dead.SetContext(context.WithoutCancel(msg.Context()))
+
+	fields := watermill.LogFields{
+		"message_uuid": msg.UUID, "consumer": consumer, "topic": topic, "key": key,
+		"attempts": attempts, "dlq_topic": p.cfg.Topic,
+	}
+	if err := p.cfg.Publisher.Publish(p.cfg.Topic, dead); err != nil {
+		p.deadLetterFailed.Add(1)
+		p.cfg.Logger.Error("Dead-letter publish failed, message nacked", err, fields)
+		sleepCtx(msg.Context(), p.backoff(attempts))
+		return fmt.Errorf("%w: to %q: %w (message failed with: %w)", ErrDeadLetter, p.cfg.Topic, err, cause)
+	}
+	p.deadLettered.Add(1)
+	p.forget(msg.UUID)
+	p.cfg.Logger.Info("Message dead-lettered", fields.Add(watermill.LogFields{"error": cause.Error()}))
+	return nil
+}
+
+// sleepCtx waits d or until ctx is done, and reports whether it waited the
+// whole time.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
