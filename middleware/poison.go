@@ -118,12 +118,18 @@ type PoisonStats struct {
 //
 //	router.AddMiddleware(poison.Middleware, inbox.Middleware)
 //
-// Attempts are counted durably where possible: the broker's own count
+// Attempts are counted durably. When the error comes from an inbox
+// attempt, the inbox store's count ([StoredAttempts]) is used: it counts
+// handler attempts exactly and survives restarts and rebalances, on Kafka
+// too. Otherwise the broker's own count of deliveries is used
 // (delivery.Attempts: SQS ApproximateReceiveCount, RabbitMQ quorum
-// x-delivery-count) or the inbox store's count carried by the error
-// ([StoredAttempts]), whichever is higher. Only without both (Kafka without
-// an inbox, or a store outage before the claim) does it fall back to a
+// x-delivery-count), and only without either (Kafka without an inbox) a
 // counter in memory, which a restart resets.
+//
+// A message that crashes the process never returns an error, so this
+// middleware cannot count it; the broker's own limit stops it (RabbitMQ's
+// delivery_limit with a dead-letter exchange, an SQS redrive policy; see
+// the adapters).
 type Poison struct {
 	cfg PoisonConfig
 
@@ -164,9 +170,10 @@ func (p *Poison) Stats() PoisonStats {
 // Middleware wraps h: add it with router.AddMiddleware, before the inbox.
 //
 // A message the adapter could not decode (delivery.DecodeError) never
-// reaches h. A failed attempt is retried or nacked after a backoff; an
-// error that wraps [ErrInFlight] (another delivery holds the key) is
-// nacked without counting, since nothing failed.
+// reaches h. A failed attempt is retried or nacked after a backoff. An
+// error that wraps [ErrInFlight] (another delivery holds the key), or any
+// error once the message's context is done (the consumer is stopping), is
+// nacked at once and not counted: nothing is wrong with the message.
 func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		if reason := delivery.DecodeErrorOf(msg); reason != "" {
@@ -181,7 +188,9 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				p.forget(msg.UUID)
 				return produced, nil
 			}
-			if errors.Is(err, ErrInFlight) {
+			if errors.Is(err, ErrInFlight) || msg.Context().Err() != nil {
+				// Another delivery holds the key, or the consumer is
+				// stopping: nothing is wrong with the message.
 				return nil, err
 			}
 			now := time.Now()
@@ -216,17 +225,22 @@ func (p *Poison) count(msg *message.Message, err error, try int, now time.Time) 
 	p.local[msg.UUID] = lc
 	p.mu.Unlock()
 
-	attempts, first := lc.attempts, lc.first
+	if n, at, ok := StoredAttempts(err); ok {
+		// The store counts handler attempts, durably and exactly; the
+		// broker counts deliveries, and a consumer shutting down returns
+		// its messages (RabbitMQ counts that as one or two more), so the
+		// store's count is the one that dead-letters at MaxAttempts and not
+		// before.
+		if at.After(lc.first) {
+			at = lc.first
+		}
+		return n, at
+	}
+	attempts := lc.attempts
 	if n, ok := delivery.AttemptsOf(msg); ok {
 		attempts = max(attempts, n+try)
 	}
-	if n, at, ok := StoredAttempts(err); ok {
-		attempts = max(attempts, n)
-		if at.Before(first) {
-			first = at
-		}
-	}
-	return attempts, first
+	return attempts, lc.first
 }
 
 func (p *Poison) forget(uuid string) {
