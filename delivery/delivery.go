@@ -9,6 +9,7 @@ package delivery
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -40,6 +41,19 @@ const (
 	// message must go to the dead-letter queue, not to the handler.
 	DecodeError = "oncemill_decode_error"
 )
+
+// IsDeliveryFact reports whether metadata key k is one an adapter sets on
+// a delivery (Topic, Partition, Offset, Attempts, Redelivered,
+// DecodeError) or the poison middleware adds (the Dead* keys): facts about
+// one delivery that must not travel with a message published again, as a
+// replay from the dead-letter queue does.
+func IsDeliveryFact(k string) bool {
+	switch k {
+	case Topic, Partition, Offset, Attempts, Redelivered, DecodeError:
+		return true
+	}
+	return strings.HasPrefix(k, DeadPrefix)
+}
 
 // AttemptsOf returns the broker's delivery count of msg, if it has one.
 func AttemptsOf(msg *message.Message) (int, bool) {

@@ -33,6 +33,8 @@ const (
 	DefaultInboxTable = "inbox"
 	// DefaultOutboxTable is the name of the outbox table.
 	DefaultOutboxTable = "outbox"
+	// DefaultDLQTable is the name of the dead-letter table.
+	DefaultDLQTable = "dlq"
 )
 
 // identifier is what a schema or table name may be: lower-case, so that it
@@ -50,6 +52,9 @@ type Config struct {
 	// OutboxTable is the name of the outbox table (PostgreSQL only).
 	// Defaults to "outbox".
 	OutboxTable string
+	// DLQTable is the name of the dead-letter table (PostgreSQL only), the
+	// one package dlq writes and reads. Defaults to "dlq".
+	DLQTable string
 }
 
 // WithDefaults returns a copy of c with empty fields set to their defaults.
@@ -62,6 +67,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.OutboxTable == "" {
 		c.OutboxTable = DefaultOutboxTable
+	}
+	if c.DLQTable == "" {
+		c.DLQTable = DefaultDLQTable
 	}
 	return c
 }
@@ -76,7 +84,30 @@ func (c Config) Validate() error {
 	if err := ValidateIdentifier("InboxTable", c.InboxTable); err != nil {
 		return err
 	}
-	return ValidateIdentifier("OutboxTable", c.OutboxTable)
+	if err := ValidateIdentifier("OutboxTable", c.OutboxTable); err != nil {
+		return err
+	}
+	return ValidateIdentifier("DLQTable", c.DLQTable)
+}
+
+// distinctTables reports two PostgreSQL tables of c that share a name: they
+// would be one table, and the second CREATE TABLE IF NOT EXISTS would
+// silently keep the first one's columns. SQLite has only the inbox, so only
+// PostgreSQL is checked.
+func (c Config) distinctTables() error {
+	tables := []struct{ field, name string }{
+		{"InboxTable", c.InboxTable},
+		{"OutboxTable", c.OutboxTable},
+		{"DLQTable", c.DLQTable},
+	}
+	for i := range tables {
+		for j := i + 1; j < len(tables); j++ {
+			if tables[i].name == tables[j].name {
+				return fmt.Errorf("sqlschema: %s and %s are both %q: each table needs its own name", tables[i].field, tables[j].field, tables[i].name)
+			}
+		}
+	}
+	return nil
 }
 
 // ValidateIdentifier checks that value, the value of the config field named
@@ -104,6 +135,11 @@ type Names struct {
 	// OutboxChannel is the LISTEN/NOTIFY channel the outbox notifies on
 	// commit: "<schema>.<outbox table>".
 	OutboxChannel string
+	// DLQ is the quoted, schema-qualified dead-letter table (PostgreSQL
+	// only).
+	DLQ string
+	// DLQName is the bare dead-letter table name.
+	DLQName string
 }
 
 // NamesFor returns the quoted names of cfg for dialect d. cfg must be
@@ -120,6 +156,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 		Outbox:        schema + `."` + cfg.OutboxTable + `"`,
 		OutboxName:    cfg.OutboxTable,
 		OutboxChannel: cfg.Schema + "." + cfg.OutboxTable,
+		DLQ:           schema + `."` + cfg.DLQTable + `"`,
+		DLQName:       cfg.DLQTable,
 	}
 }
 
@@ -147,6 +185,11 @@ func Migrations(d Dialect, cfg Config) ([]Migration, error) {
 	}
 	if d != Postgres && d != SQLite {
 		return nil, fmt.Errorf("sqlschema: unknown dialect %q", d)
+	}
+	if d == Postgres {
+		if err := cfg.distinctTables(); err != nil {
+			return nil, err
+		}
 	}
 	names := NamesFor(d, cfg)
 	entries, err := fs.ReadDir(files, string(d))

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
@@ -37,6 +38,7 @@ func TestMigrationsRender(t *testing.T) {
 	for field, cfg := range map[string]sqlschema.Config{
 		"Schema":     {Schema: `x"; DROP SCHEMA public; --`},
 		"InboxTable": {InboxTable: "Inbox"},
+		"DLQTable":   {DLQTable: "dead letters"},
 	} {
 		_, err = sqlschema.Migrations(sqlschema.Postgres, cfg)
 		require.ErrorContains(t, err, field)
@@ -77,6 +79,157 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 	ms, err := sqlschema.Migrations(sqlschema.Postgres, cfg)
 	require.NoError(t, err)
 	require.Equal(t, len(ms), versions, "each version recorded once")
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'inbox'`, schema).Scan(&tables))
-	require.Equal(t, 1, tables)
+	for _, table := range []string{"inbox", "outbox", "dlq"} {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2`, schema, table).Scan(&tables))
+		require.Equal(t, 1, tables, table)
+	}
+}
+
+func TestMigrationsRenderDLQ(t *testing.T) {
+	t.Parallel()
+	ms, err := sqlschema.Migrations(sqlschema.Postgres, sqlschema.Config{Schema: "billing", DLQTable: "dead"})
+	require.NoError(t, err)
+	require.Len(t, ms, 3)
+	dlq := ms[2]
+	require.Equal(t, 3, dlq.Version)
+	require.Equal(t, "dlq", dlq.Name)
+	require.Contains(t, dlq.Up, `CREATE TABLE IF NOT EXISTS "billing"."dead"`)
+	require.Contains(t, dlq.Up, `"dead_dead_at_idx" ON "billing"."dead" (dead_at)`)
+	require.Contains(t, dlq.Up, `"dead_topic_idx" ON "billing"."dead" (topic, id)`)
+	require.Contains(t, dlq.Up, `"dead_consumer_idx" ON "billing"."dead" (consumer, id)`)
+	require.Equal(t, `DROP TABLE IF EXISTS "billing"."dead";`, dlq.Down)
+	require.NotContains(t, dlq.Up, "{{")
+
+	names := sqlschema.NamesFor(sqlschema.Postgres, sqlschema.Config{Schema: "billing", DLQTable: "dead"}.WithDefaults())
+	require.Equal(t, `"billing"."dead"`, names.DLQ)
+	require.Equal(t, "dead", names.DLQName)
+	require.Equal(t, "dlq", sqlschema.Config{}.WithDefaults().DLQTable)
+
+	lite, err := sqlschema.Migrations(sqlschema.SQLite, sqlschema.Config{})
+	require.NoError(t, err)
+	require.Len(t, lite, 1, "the dead-letter table is PostgreSQL only")
+}
+
+func TestMigrationsRejectSharedTableNames(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		cfg  sqlschema.Config
+		want string
+	}{
+		{sqlschema.Config{DLQTable: "inbox"}, `InboxTable and DLQTable are both "inbox"`},
+		{sqlschema.Config{DLQTable: "outbox"}, `OutboxTable and DLQTable are both "outbox"`},
+		{sqlschema.Config{InboxTable: "events", OutboxTable: "events"}, `InboxTable and OutboxTable are both "events"`},
+	} {
+		_, err := sqlschema.Migrations(sqlschema.Postgres, tc.cfg)
+		require.ErrorContains(t, err, tc.want)
+	}
+	// SQLite has only the inbox: a name the PostgreSQL tables would share
+	// is no conflict there.
+	_, err := sqlschema.Migrations(sqlschema.SQLite, sqlschema.Config{InboxTable: "dlq"})
+	require.NoError(t, err)
+}
+
+// TestMigrateUpgradesToDLQ starts from a schema migrated before the
+// dead-letter table existed (versions 1 and 2 recorded) and checks that
+// Migrate adds version 3 and nothing else, keeping the existing rows.
+func TestMigrateUpgradesToDLQ(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, 2)
+	schema := pgtest.Name(t)
+	ctx := context.Background()
+	qschema := pgx.Identifier{schema}.Sanitize()
+	t.Cleanup(func() {
+		_, err := pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+qschema+` CASCADE`)
+		require.NoError(t, err)
+	})
+	cfg := sqlschema.Config{Schema: schema}
+	ms, err := sqlschema.Migrations(sqlschema.Postgres, cfg)
+	require.NoError(t, err)
+	require.Len(t, ms, 3)
+
+	// What Migrate of the previous release left behind.
+	versions := qschema + `.oncemill_migrations`
+	_, err = pool.Exec(ctx, `CREATE SCHEMA `+qschema)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `CREATE TABLE `+versions+` (
+		version    integer     PRIMARY KEY,
+		name       text        NOT NULL,
+		applied_at timestamptz NOT NULL DEFAULT now()
+	)`)
+	require.NoError(t, err)
+	for _, m := range ms[:2] {
+		_, err = pool.Exec(ctx, m.Up)
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `INSERT INTO `+versions+` (version, name) VALUES ($1, $2)`, m.Version, m.Name)
+		require.NoError(t, err)
+	}
+	_, err = pool.Exec(ctx, `INSERT INTO `+qschema+`.outbox (topic, uuid, partition_key) VALUES ('t', 'u', 'k')`)
+	require.NoError(t, err)
+	require.False(t, tableExists(t, pool, schema, "dlq"))
+
+	require.NoError(t, sqlschema.Migrate(ctx, pool, cfg))
+	require.True(t, tableExists(t, pool, schema, "dlq"))
+	rows, err := pool.Query(ctx, `SELECT version, name FROM `+versions+` ORDER BY version`)
+	require.NoError(t, err)
+	type version struct {
+		Version int
+		Name    string
+	}
+	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[version])
+	require.NoError(t, err)
+	require.Equal(t, []version{{1, "inbox"}, {2, "outbox"}, {3, "dlq"}}, got)
+	var outboxRows int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+qschema+`.outbox`).Scan(&outboxRows))
+	require.Equal(t, 1, outboxRows, "the upgrade keeps existing rows")
+
+	// The defaults and nullability the dlq package relies on.
+	var (
+		id        int64
+		topic     string
+		attempts  int
+		permanent bool
+		metadata  string
+		first     *string
+		partition *int32
+		deadAt    bool
+	)
+	require.NoError(t, pool.QueryRow(ctx, `INSERT INTO `+qschema+`.dlq (uuid) VALUES ('u1')
+		RETURNING id, topic, attempts, permanent, metadata::text, first_failed_at::text, kafka_partition, dead_at IS NOT NULL`).
+		Scan(&id, &topic, &attempts, &permanent, &metadata, &first, &partition, &deadAt))
+	require.Equal(t, int64(1), id)
+	require.Equal(t, "", topic)
+	require.Zero(t, attempts)
+	require.False(t, permanent)
+	require.Equal(t, "{}", metadata)
+	require.Nil(t, first)
+	require.Nil(t, partition)
+	require.True(t, deadAt)
+
+	var indexes []string
+	rows, err = pool.Query(ctx, `SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'dlq' ORDER BY indexname`, schema)
+	require.NoError(t, err)
+	indexes, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"dlq_consumer_idx", "dlq_dead_at_idx", "dlq_pkey", "dlq_topic_idx"}, indexes)
+
+	// Down reverts the step; a second Migrate is a no-op.
+	_, err = pool.Exec(ctx, ms[2].Down)
+	require.NoError(t, err)
+	require.False(t, tableExists(t, pool, schema, "dlq"))
+	_, err = pool.Exec(ctx, `DELETE FROM `+versions+` WHERE version = 3`)
+	require.NoError(t, err)
+	require.NoError(t, sqlschema.Migrate(ctx, pool, cfg))
+	require.NoError(t, sqlschema.Migrate(ctx, pool, cfg))
+	require.True(t, tableExists(t, pool, schema, "dlq"))
+	var recorded int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+versions).Scan(&recorded))
+	require.Equal(t, 3, recorded)
+}
+
+func tableExists(t *testing.T, pool *pgxpool.Pool, schema, table string) bool {
+	t.Helper()
+	var n int
+	require.NoError(t, pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2`, schema, table).Scan(&n))
+	return n == 1
 }

@@ -1,0 +1,373 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// cmd is one run of a dlq subcommand: where it writes and the common flags.
+type cmd struct {
+	name   string
+	env    func(string) string
+	stdout io.Writer
+	stderr io.Writer
+	now    time.Time
+
+	database string
+	schema   string
+	table    string
+	json     bool
+}
+
+// flags returns a flag set with the common flags. It prints nothing: run
+// reports parse errors in one line.
+func (c *cmd) flags() *flag.FlagSet {
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	fs.StringVar(&c.database, "database", "", "PostgreSQL URL (default $DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of the dead-letter table")
+	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "dead-letter table")
+	fs.BoolVar(&c.json, "json", false, "print JSON")
+	return fs
+}
+
+// filterFlags adds the filter flags, which fill f.
+func (c *cmd) filterFlags(fs *flag.FlagSet, f *dlq.Filter) {
+	fs.StringVar(&f.Topic, "topic", "", "original topic")
+	fs.StringVar(&f.Consumer, "consumer", "", "consumer (handler)")
+	fs.StringVar(&f.ErrorContains, "error", "", "last error contains this text, ignoring case")
+	fs.Func("since", "dead-lettered at or after this time", func(s string) (err error) {
+		f.Since, err = parseTime(s, c.now)
+		return err
+	})
+	fs.Func("until", "dead-lettered at or before this time", func(s string) (err error) {
+		f.Until, err = parseTime(s, c.now)
+		return err
+	})
+	fs.IntVar(&f.Limit, "limit", 0, "at most this many entries (0: all)")
+}
+
+// checkFilter reports a filter out of range as a usage error naming the
+// flag or argument.
+func checkFilter(f dlq.Filter) error {
+	if f.Limit < 0 {
+		return usagef("--limit must be 0 (all) or more, got %d", f.Limit)
+	}
+	if !f.Since.IsZero() && !f.Until.IsZero() && f.Since.After(f.Until) {
+		return usagef("--since (%s) is after --until (%s)", f.Since.Format(time.RFC3339), f.Until.Format(time.RFC3339))
+	}
+	if err := f.Validate(); err != nil {
+		return usageError{msg: err.Error()}
+	}
+	return nil
+}
+
+// target checks the database flags and returns the URL and the table's
+// names, before anything connects.
+func (c *cmd) target() (*pgxpool.Config, sqlschema.Config, error) {
+	url := c.database
+	if url == "" {
+		url = c.env("DATABASE_URL")
+	}
+	if url == "" {
+		return nil, sqlschema.Config{}, usagef("--database is required (or set DATABASE_URL)")
+	}
+	if err := sqlschema.ValidateIdentifier("--schema", c.schema); err != nil {
+		return nil, sqlschema.Config{}, usageError{msg: err.Error()}
+	}
+	if err := sqlschema.ValidateIdentifier("--table", c.table); err != nil {
+		return nil, sqlschema.Config{}, usageError{msg: err.Error()}
+	}
+	pcfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		// pgx leaves the password out of its parse errors.
+		return nil, sqlschema.Config{}, usagef("--database: %v", err)
+	}
+	pcfg.MaxConns = 4
+	return pcfg, sqlschema.Config{Schema: c.schema, DLQTable: c.table}, nil
+}
+
+// connect opens the database and the store; closeDB releases them.
+func connect(ctx context.Context, pcfg *pgxpool.Config, cfg sqlschema.Config) (store *dlq.Store, closeDB func(), err error) {
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to the database: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, nil, fmt.Errorf("connect to the database: %w", err)
+	}
+	store, err = dlq.NewStore(pool, cfg)
+	if err != nil {
+		pool.Close()
+		return nil, nil, err
+	}
+	return store, pool.Close, nil
+}
+
+// checkIDs fails, naming them, when some of ids have no entry: an operator
+// who names entries means those entries, and nothing is done without them.
+func checkIDs(ctx context.Context, store *dlq.Store, ids []int64, verb string) error {
+	missing, err := store.Missing(ctx, ids)
+	if err != nil {
+		return err
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	s := make([]string, len(missing))
+	for i, id := range missing {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	noun := "entry"
+	if len(missing) > 1 {
+		noun = "entries"
+	}
+	return fmt.Errorf("no such %s: %s; nothing %s", noun, strings.Join(s, ", "), verb)
+}
+
+// nothingMatched reports an empty selection: on stdout as text, on stderr
+// beside a JSON result.
+func (c *cmd) nothingMatched() {
+	if c.json {
+		fmt.Fprintln(c.stderr, "no entries matched")
+		return
+	}
+	fmt.Fprintln(c.stdout, "no entries matched")
+}
+
+func (c *cmd) list(ctx context.Context, args []string) error {
+	var f dlq.Filter
+	fs := c.flags()
+	c.filterFlags(fs, &f)
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return usagef("unexpected argument %q: list takes no IDs (use show ID, or a filter flag)", pos[0])
+	}
+	if err := checkFilter(f); err != nil {
+		return err
+	}
+	pcfg, cfg, err := c.target()
+	if err != nil {
+		return err
+	}
+	store, closeDB, err := connect(ctx, pcfg, cfg)
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	entries, err := store.List(ctx, f)
+	if err != nil {
+		return err
+	}
+	if len(entries) == 0 {
+		c.nothingMatched()
+		if c.json {
+			return c.writeJSON([]entryView{})
+		}
+		return nil
+	}
+	if c.json {
+		views := make([]entryView, len(entries))
+		for i, e := range entries {
+			views[i] = viewOf(e)
+		}
+		return c.writeJSON(views)
+	}
+	return writeTable(c.stdout, entries)
+}
+
+func (c *cmd) show(ctx context.Context, args []string) error {
+	fs := c.flags()
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(pos) == 0:
+		return usagef("missing ID: show takes one entry ID")
+	case len(pos) > 1:
+		return usagef("unexpected argument %q: show takes one entry ID", pos[1])
+	}
+	ids, err := parseIDs(pos)
+	if err != nil {
+		return err
+	}
+	pcfg, cfg, err := c.target()
+	if err != nil {
+		return err
+	}
+	store, closeDB, err := connect(ctx, pcfg, cfg)
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	e, err := store.Get(ctx, ids[0])
+	if err != nil {
+		return err
+	}
+	if c.json {
+		return c.writeJSON(viewOf(e))
+	}
+	return writeEntry(c.stdout, e)
+}
+
+// selection parses the IDs and flags of replay and purge; it refuses an
+// empty selection.
+func (c *cmd) selection(fs *flag.FlagSet, f *dlq.Filter, args []string) error {
+	c.filterFlags(fs, f)
+	fs.BoolVar(&f.All, "all", false, "act on every entry (with filters: every one they match)")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if f.IDs, err = parseIDs(pos); err != nil {
+		return err
+	}
+	if err := checkFilter(*f); err != nil {
+		return err
+	}
+	if f.IsEmpty() && !f.All {
+		return usagef("nothing selected: give IDs, a filter flag (--topic, --consumer, --error, --since, --until) or --all")
+	}
+	return nil
+}
+
+// replayResult is replay's JSON output.
+type replayResult struct {
+	Matched  int `json:"matched"`
+	Replayed int `json:"replayed"`
+}
+
+func (c *cmd) replay(ctx context.Context, args []string) error {
+	var (
+		f      dlq.Filter
+		broker string
+	)
+	fs := c.flags()
+	fs.StringVar(&broker, "broker", "", "broker URL (default $BROKER_URL)")
+	if err := c.selection(fs, &f, args); err != nil {
+		return err
+	}
+	if broker == "" {
+		broker = c.env("BROKER_URL")
+	}
+	if broker == "" {
+		return usagef("--broker is required (or set BROKER_URL)")
+	}
+	pcfg, cfg, err := c.target()
+	if err != nil {
+		return err
+	}
+	store, closeDB, err := connect(ctx, pcfg, cfg)
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	if err := checkIDs(ctx, store, f.IDs, "replayed"); err != nil {
+		return err
+	}
+	total, err := store.Count(ctx, f)
+	if err != nil {
+		return err
+	}
+	if total == 0 {
+		c.nothingMatched()
+		if c.json {
+			return c.writeJSON(replayResult{})
+		}
+		return nil
+	}
+
+	ps, err := adapters.Open(ctx, broker, adapters.Options{})
+	if errors.Is(err, adapters.ErrUnknownScheme) || errors.Is(err, adapters.ErrBadURL) {
+		return usagef("--broker: %v; nothing replayed", err)
+	}
+	if err != nil {
+		return fmt.Errorf("nothing replayed: %w", err)
+	}
+	var report func(done, total int)
+	bar := newProgress(c.stderr, total, isTerminal(c.stderr))
+	if bar != nil {
+		report = bar.update
+	}
+	n, err := store.Replay(ctx, ps.Publisher, f, report)
+	bar.finish()
+	if closeErr := ps.Close(); closeErr != nil {
+		err = errors.Join(err, fmt.Errorf("close broker: %w", closeErr))
+	}
+	if err != nil {
+		return fmt.Errorf("replayed %d of %d entries, then: %w", n, total, err)
+	}
+	if c.json {
+		return c.writeJSON(replayResult{Matched: total, Replayed: n})
+	}
+	fmt.Fprintf(c.stdout, "replayed %d %s", n, plural(n, "entry", "entries"))
+	if n < total {
+		fmt.Fprintf(c.stdout, " of %d matched (the others were replayed or purged meanwhile)", total)
+	}
+	fmt.Fprintln(c.stdout)
+	return nil
+}
+
+// purgeResult is purge's JSON output.
+type purgeResult struct {
+	Purged int `json:"purged"`
+}
+
+func (c *cmd) purge(ctx context.Context, args []string) error {
+	var f dlq.Filter
+	fs := c.flags()
+	if err := c.selection(fs, &f, args); err != nil {
+		return err
+	}
+	pcfg, cfg, err := c.target()
+	if err != nil {
+		return err
+	}
+	store, closeDB, err := connect(ctx, pcfg, cfg)
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	if err := checkIDs(ctx, store, f.IDs, "purged"); err != nil {
+		return err
+	}
+	n, err := store.Purge(ctx, f)
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		c.nothingMatched()
+	}
+	if c.json {
+		return c.writeJSON(purgeResult{Purged: n})
+	}
+	if n > 0 {
+		fmt.Fprintf(c.stdout, "purged %d %s\n", n, plural(n, "entry", "entries"))
+	}
+	return nil
+}
+
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return one
+	}
+	return many
+}

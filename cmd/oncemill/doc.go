@@ -1,0 +1,45 @@
+// Command oncemill is the operator's tool for oncemill's PostgreSQL
+// dead-letter queue (package dlq): it lists, shows, replays and purges the
+// messages that consumers gave up on.
+//
+// Usage:
+//
+//	oncemill dlq list   [filter flags] [--json]
+//	oncemill dlq show   ID [--json]
+//	oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--json]
+//	oncemill dlq purge  [ID ...] [filter flags] [--all] [--json]
+//
+// Filter flags select entries; they combine with each other and with IDs:
+//
+//	--topic T       the original topic the message was consumed from
+//	--consumer C    the consumer (handler) that gave up on it
+//	--error TEXT    its last error contains TEXT, ignoring case
+//	--since TIME    dead-lettered at or after TIME
+//	--until TIME    dead-lettered at or before TIME
+//	--limit N       the first N matching entries, by id (0: all)
+//
+// TIME is RFC 3339 (2026-03-01T10:00:00Z) or a duration meaning that long
+// ago: 90m, 2h, 7d.
+//
+// Every command takes --database URL (default $DATABASE_URL), --schema
+// (default "oncemill") and --table (default "dlq"), naming the table that
+// sqlschema.Migrate created; --json prints JSON instead of a table. Flags
+// may come before or after the IDs.
+//
+// replay publishes each selected entry to its original topic with its
+// original UUID, payload and metadata, the delivery facts removed,
+// through the broker --broker names (default $BROKER_URL; kafka://, amqp://,
+// sqs://, postgres:// or gochannel://, as adapters.Open takes them), and
+// deletes the entry once the broker has it. It stops at the first entry the
+// broker refuses; that entry and the rest stay. With more than 20 entries
+// and a terminal on stderr it draws a progress bar there. purge deletes the
+// selected entries. Both refuse to run with no selection: give IDs, a
+// filter flag or --all. Named IDs must all exist, or nothing is done.
+//
+// Exit status: 0 on success, also when nothing matched ("no entries
+// matched"); 1 when the work failed (database or broker unreachable, an ID
+// that does not exist, the broker refusing a message); 2 for a usage error
+// (unknown command or flag, a bad ID, time or URL, a missing --database or
+// --broker, no selection), reported in one line that names the flag or
+// argument.
+package main

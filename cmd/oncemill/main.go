@@ -1,0 +1,191 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+const (
+	exitOK      = 0
+	exitFailure = 1
+	exitUsage   = 2
+)
+
+const usage = `Usage:
+  oncemill dlq list   [filter flags] [--json]
+  oncemill dlq show   ID [--json]
+  oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--json]
+  oncemill dlq purge  [ID ...] [filter flags] [--all] [--json]
+
+Filter flags (they combine with each other and with IDs):
+  --topic T       original topic the message was consumed from
+  --consumer C    consumer (handler) that gave up on it
+  --error TEXT    last error contains TEXT, ignoring case
+  --since TIME    dead-lettered at or after TIME
+  --until TIME    dead-lettered at or before TIME
+  --limit N       first N matching entries, by id (default 0: all)
+TIME is RFC 3339 (2026-03-01T10:00:00Z) or a duration ago (90m, 2h, 7d).
+
+Common flags:
+  --database URL  PostgreSQL holding the table (default $DATABASE_URL)
+  --schema NAME   schema of the table (default "oncemill")
+  --table NAME    dead-letter table (default "dlq")
+  --json          print JSON instead of a table
+
+replay publishes each entry to its original topic, with its original UUID,
+payload and metadata (without the oncemill_* facts of the failed delivery), through --broker URL
+(default $BROKER_URL: kafka://, amqp://, sqs://, postgres://, gochannel://),
+then deletes it. replay and purge need IDs, a filter flag or --all.
+
+Exit status: 0 success (also when nothing matched), 1 failure, 2 usage error.
+`
+
+// usageError is a mistake in the command line: exit status 2.
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+func usagef(format string, args ...any) error {
+	return usageError{msg: fmt.Sprintf(format, args...)}
+}
+
+// run is the whole command: args without the program name, env for the
+// environment. It returns the exit status.
+func run(ctx context.Context, args []string, env func(string) string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprintln(stderr, "oncemill: missing command; run 'oncemill -h' for usage")
+		return exitUsage
+	}
+	switch args[0] {
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	case "dlq":
+	default:
+		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq); run 'oncemill -h' for usage\n", args[0])
+		return exitUsage
+	}
+	if len(args) < 2 {
+		fmt.Fprintln(stderr, "oncemill dlq: missing subcommand (list, show, replay or purge); run 'oncemill -h' for usage")
+		return exitUsage
+	}
+	c := &cmd{
+		name:   "oncemill dlq " + args[1],
+		env:    env,
+		stdout: stdout,
+		stderr: stderr,
+		now:    time.Now(),
+	}
+	var do func(context.Context, []string) error
+	switch args[1] {
+	case "list":
+		do = c.list
+	case "show":
+		do = c.show
+	case "replay":
+		do = c.replay
+	case "purge":
+		do = c.purge
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	default:
+		fmt.Fprintf(stderr, "oncemill dlq: unknown subcommand %q (want list, show, replay or purge); run 'oncemill -h' for usage\n", args[1])
+		return exitUsage
+	}
+	err := do(ctx, args[2:])
+	var uerr usageError
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.Is(err, flag.ErrHelp):
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	case errors.As(err, &uerr):
+		fmt.Fprintf(stderr, "%s: %s; run 'oncemill -h' for usage\n", c.name, oneLine(uerr.msg))
+		return exitUsage
+	default:
+		fmt.Fprintf(stderr, "%s: %s\n", c.name, oneLine(err.Error()))
+		return exitFailure
+	}
+}
+
+// oneLine keeps an error message on one line.
+func oneLine(s string) string {
+	return strings.Join(strings.Fields(s), " ")
+}
+
+// parse parses args with fs, letting flags and positional arguments
+// interleave (the flag package stops at the first positional argument),
+// and returns the positional ones. "--" ends the flags.
+func parse(fs *flag.FlagSet, args []string) ([]string, error) {
+	var positional []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, err
+			}
+			return nil, usageError{msg: err.Error()}
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return positional, nil
+		}
+		if consumed := len(args) - len(rest); consumed > 0 && args[consumed-1] == "--" {
+			return append(positional, rest...), nil
+		}
+		positional = append(positional, rest[0])
+		args = rest[1:]
+	}
+}
+
+// parseIDs reads entry IDs: positive integers.
+func parseIDs(args []string) ([]int64, error) {
+	ids := make([]int64, 0, len(args))
+	for _, a := range args {
+		id, err := strconv.ParseInt(a, 10, 64)
+		if err != nil || id <= 0 {
+			return nil, usagef("ID %q is not a positive integer", a)
+		}
+		ids = append(ids, id)
+	}
+	return ids, nil
+}
+
+// parseTime reads a --since or --until value: RFC 3339, or a positive
+// duration (Go syntax, or whole days as "7d") before now.
+func parseTime(s string, now time.Time) (time.Time, error) {
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, nil
+	}
+	var d time.Duration
+	if days, ok := strings.CutSuffix(s, "d"); ok {
+		n, err := strconv.Atoi(days)
+		if err != nil || n < 0 || n > 100000 {
+			return time.Time{}, fmt.Errorf("%q is neither RFC 3339 nor a duration ago like 2h or 7d", s)
+		}
+		d = time.Duration(n) * 24 * time.Hour
+	} else {
+		var err error
+		if d, err = time.ParseDuration(s); err != nil || d < 0 {
+			return time.Time{}, fmt.Errorf("%q is neither RFC 3339 nor a duration ago like 2h or 7d", s)
+		}
+	}
+	return now.Add(-d), nil
+}

@@ -1,0 +1,195 @@
+package main
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/oncemill/oncemill/dlq"
+)
+
+// entryView is an entry as JSON shows it: the payload as text when it is
+// valid UTF-8, else as base64, and which of the two it is.
+type entryView struct {
+	dlq.Entry
+	Payload         string `json:"payload"`
+	PayloadEncoding string `json:"payload_encoding"`
+}
+
+func viewOf(e dlq.Entry) entryView {
+	text, enc := payloadText(e.Payload)
+	return entryView{Entry: e, Payload: text, PayloadEncoding: enc}
+}
+
+// payloadText returns the payload as text, or base64 when it is not valid
+// UTF-8, and the encoding's name.
+func payloadText(p []byte) (string, string) {
+	if utf8.Valid(p) {
+		return string(p), "text"
+	}
+	return base64.StdEncoding.EncodeToString(p), "base64"
+}
+
+func (c *cmd) writeJSON(v any) error {
+	enc := json.NewEncoder(c.stdout)
+	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		return fmt.Errorf("write JSON: %w", err)
+	}
+	return nil
+}
+
+// writeTable prints entries as an aligned table, one line each.
+func writeTable(w io.Writer, entries []dlq.Entry) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tDEAD AT\tTOPIC\tCONSUMER\tKEY\tATTEMPTS\tPERMANENT\tERROR")
+	for _, e := range entries {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d\t%t\t%s\n",
+			e.ID, e.DeadAt.UTC().Format(time.RFC3339), cell(e.Topic, 40), cell(e.Consumer, 30),
+			cell(e.Key, 40), e.Attempts, e.Permanent, cell(e.Error, 60))
+	}
+	if err := tw.Flush(); err != nil {
+		return fmt.Errorf("write table: %w", err)
+	}
+	return nil
+}
+
+// cell makes s fit a table cell: one line, at most width characters, "-"
+// when empty.
+func cell(s string, width int) string {
+	s = strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return ' '
+		}
+		return r
+	}, s)
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return "-"
+	}
+	if utf8.RuneCountInString(s) > width {
+		s = string([]rune(s)[:width-1]) + "…"
+	}
+	return s
+}
+
+// labelWidth aligns show's values: the longest label, "First failed at:",
+// and two spaces.
+const labelWidth = 18
+
+// writeEntry prints every field of e, its metadata and its payload. A value
+// of several lines continues under its first line.
+func writeEntry(w io.Writer, e dlq.Entry) error {
+	optTime := func(t time.Time) string {
+		if t.IsZero() {
+			return "-"
+		}
+		return t.UTC().Format(time.RFC3339Nano)
+	}
+	partition, offset := "-", "-"
+	if e.Partition != nil {
+		partition = strconv.FormatInt(int64(*e.Partition), 10)
+	}
+	if e.Offset != nil {
+		offset = strconv.FormatInt(*e.Offset, 10)
+	}
+	var b strings.Builder
+	for _, f := range [][2]string{
+		{"ID", strconv.FormatInt(e.ID, 10)},
+		{"UUID", e.UUID},
+		{"Topic", e.Topic},
+		{"DLQ topic", e.DLQTopic},
+		{"Consumer", e.Consumer},
+		{"Key", e.Key},
+		{"Attempts", strconv.Itoa(e.Attempts)},
+		{"Permanent", strconv.FormatBool(e.Permanent)},
+		{"Error", e.Error},
+		{"First failed at", optTime(e.FirstFailedAt)},
+		{"Last failed at", optTime(e.LastFailedAt)},
+		{"Kafka partition", partition},
+		{"Kafka offset", offset},
+		{"Dead at", optTime(e.DeadAt)},
+	} {
+		v := f[1]
+		if v == "" {
+			v = "-"
+		}
+		fmt.Fprintf(&b, "%-*s%s\n", labelWidth, f[0]+":", indent(v, labelWidth))
+	}
+	keys := make([]string, 0, len(e.Metadata))
+	for k := range e.Metadata {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	fmt.Fprintf(&b, "Metadata (%d):\n", len(keys))
+	for _, k := range keys {
+		fmt.Fprintf(&b, "  %s = %s\n", k, indent(e.Metadata[k], 2+utf8.RuneCountInString(k)+3))
+	}
+	text, enc := payloadText(e.Payload)
+	fmt.Fprintf(&b, "Payload (%s, %d bytes):\n%s\n", enc, len(e.Payload), text)
+	if _, err := io.WriteString(w, b.String()); err != nil {
+		return fmt.Errorf("write entry: %w", err)
+	}
+	return nil
+}
+
+// indent puts n spaces before every line of s but the first.
+func indent(s string, n int) string {
+	return strings.ReplaceAll(s, "\n", "\n"+strings.Repeat(" ", n))
+}
+
+// progress draws a replay's progress bar on a terminal.
+type progress struct {
+	w     io.Writer
+	drawn bool
+}
+
+// progressMin is the number of entries above which a replay shows progress.
+const progressMin = 20
+
+// newProgress returns a bar on w for a replay of total entries, or nil when
+// w is not a terminal or the replay is small.
+func newProgress(w io.Writer, total int, terminal bool) *progress {
+	if !terminal || total <= progressMin {
+		return nil
+	}
+	return &progress{w: w}
+}
+
+const barWidth = 30
+
+func (p *progress) update(done, total int) {
+	if total <= 0 {
+		return
+	}
+	filled := done * barWidth / total
+	fmt.Fprintf(p.w, "\r[%s%s] %d/%d", strings.Repeat("#", filled), strings.Repeat(".", barWidth-filled), done, total)
+	p.drawn = true
+}
+
+// finish ends the bar's line, so that what follows starts on its own.
+func (p *progress) finish() {
+	if p != nil && p.drawn {
+		fmt.Fprintln(p.w)
+	}
+}
+
+// isTerminal reports whether w is a terminal (a character device).
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+}

@@ -1,0 +1,192 @@
+package dlq
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// Publisher writes dead-lettered messages as rows of the dead-letter table.
+// It implements message.Publisher, is safe for concurrent use and starts no
+// goroutines.
+type Publisher struct {
+	pool   *pgxpool.Pool
+	insert string
+}
+
+var _ message.Publisher = (*Publisher)(nil)
+
+// NewPublisher returns a publisher into the dead-letter table that cfg
+// names (cfg.Schema and cfg.DLQTable, as given to [sqlschema.Migrate]). It
+// does not create the table. The pool stays the caller's: Close does not
+// close it.
+func NewPublisher(pool *pgxpool.Pool, cfg sqlschema.Config) (*Publisher, error) {
+	table, err := tableFor(pool, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Publisher{
+		pool: pool,
+		insert: `INSERT INTO ` + table + ` (uuid, topic, dlq_topic, consumer, key, attempts, error, permanent,
+	first_failed_at, last_failed_at, kafka_partition, kafka_offset, payload, metadata)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)`,
+	}, nil
+}
+
+// tableFor validates what NewPublisher and NewStore are given and returns
+// the quoted dead-letter table.
+func tableFor(pool *pgxpool.Pool, cfg sqlschema.Config) (string, error) {
+	if pool == nil {
+		return "", errors.New("dlq: pool is nil")
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return "", fmt.Errorf("dlq: %w", err)
+	}
+	return sqlschema.NamesFor(sqlschema.Postgres, cfg).DLQ, nil
+}
+
+// Publish writes msgs as one row each, in one transaction: all of them or,
+// on error, none. topic, the topic the publisher was called with, is kept
+// as the entry's DLQTopic; the original topic and the other columns come
+// from the delivery.Dead* metadata. The statements run with the first
+// message's context, as Watermill's SQL publisher does.
+//
+// Text that PostgreSQL cannot store (invalid UTF-8, NUL characters) is
+// stored with U+FFFD in its place; the payload is stored as it is.
+func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	for i, m := range msgs {
+		if m == nil {
+			return fmt.Errorf("dlq: publish to %q: message %d is nil", topic, i)
+		}
+	}
+	batch := &pgx.Batch{}
+	for _, m := range msgs {
+		args, err := insertArgs(topic, m)
+		if err != nil {
+			return fmt.Errorf("dlq: publish %s to %q: %w", m.UUID, topic, err)
+		}
+		batch.Queue(p.insert, args...)
+	}
+	ctx := msgs[0].Context()
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		return tx.SendBatch(ctx, batch).Close()
+	})
+	if err != nil {
+		return wrap(fmt.Sprintf("publish %d messages to %q", len(msgs), topic), err)
+	}
+	return nil
+}
+
+// Close does nothing: the pool belongs to the caller. It returns nil.
+func (p *Publisher) Close() error { return nil }
+
+// insertArgs parses m's dead-letter metadata into the INSERT's arguments.
+// Encoding the cleaned metadata as JSON cannot fail in practice; the error
+// is returned all the same.
+func insertArgs(dlqTopic string, m *message.Message) ([]any, error) {
+	md := make(map[string]string, len(m.Metadata))
+	for k, v := range m.Metadata {
+		md[clean(k)] = clean(v)
+	}
+	mdJSON, err := json.Marshal(md)
+	if err != nil {
+		return nil, fmt.Errorf("encode metadata: %w", err)
+	}
+	payload := []byte(m.Payload)
+	if payload == nil {
+		payload = []byte{}
+	}
+	get := func(key string) string { return md[key] }
+	return []any{
+		clean(m.UUID),
+		get(delivery.DeadTopic),
+		clean(dlqTopic),
+		get(delivery.DeadConsumer),
+		get(delivery.DeadKey),
+		parseAttempts(get(delivery.DeadAttempts)),
+		get(delivery.DeadError),
+		parsePermanent(get(delivery.DeadPermanent)),
+		parseTime(get(delivery.DeadFirstFailedAt)),
+		parseTime(get(delivery.DeadLastFailedAt)),
+		parsePartition(get(delivery.DeadPartition)),
+		parseOffset(get(delivery.DeadOffset)),
+		payload,
+		mdJSON,
+	}, nil
+}
+
+// clean makes s storable as PostgreSQL text and jsonb: invalid UTF-8 and
+// NUL characters, which neither accepts, become U+FFFD.
+func clean(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	return strings.ReplaceAll(s, "\x00", "\uFFFD")
+}
+
+// parseAttempts reads an attempt count; garbage or a negative number is 0.
+func parseAttempts(s string) int32 {
+	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 32)
+	if err != nil || n < 0 {
+		return 0
+	}
+	return int32(n)
+}
+
+// parsePermanent reads a boolean; garbage is false.
+func parsePermanent(s string) bool {
+	b, err := strconv.ParseBool(strings.TrimSpace(s))
+	return err == nil && b
+}
+
+// parseTime reads an RFC 3339 time; garbage is NULL.
+func parseTime(s string) *time.Time {
+	t, err := time.Parse(time.RFC3339Nano, strings.TrimSpace(s))
+	if err != nil {
+		return nil
+	}
+	return &t
+}
+
+// parsePartition reads a Kafka partition; garbage or a negative number is
+// NULL.
+func parsePartition(s string) *int32 {
+	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 32)
+	if err != nil || n < 0 {
+		return nil
+	}
+	p := int32(n)
+	return &p
+}
+
+// parseOffset reads a Kafka offset; garbage or a negative number is NULL.
+func parseOffset(s string) *int64 {
+	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 64)
+	if err != nil || n < 0 {
+		return nil
+	}
+	return &n
+}
+
+// wrap prefixes a database error with the operation, and marks a missing
+// table with ErrNotMigrated.
+func wrap(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+		return fmt.Errorf("dlq: %s: %w: %w", op, ErrNotMigrated, err)
+	}
+	return fmt.Errorf("dlq: %s: %w", op, err)
+}
