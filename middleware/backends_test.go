@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
@@ -43,7 +44,12 @@ func txBackends(t *testing.T, maxConns int32, fn func(t *testing.T, b txBackend)
 
 func postgresBackend(t *testing.T, maxConns int32) txBackend {
 	pool := pgtest.Pool(t, maxConns)
-	schema := pgtest.Schema(t, pool)
+	return postgresBackendIn(t, pool, pgtest.Schema(t, pool))
+}
+
+// postgresBackendIn is the PostgreSQL backend on a schema that pgtest
+// migrated.
+func postgresBackendIn(t *testing.T, pool *pgxpool.Pool, schema string) txBackend {
 	store, err := postgres.New(pool, postgres.Config{Schema: schema})
 	require.NoError(t, err)
 	q := `"` + schema + `"`

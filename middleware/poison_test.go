@@ -14,8 +14,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	dlv "github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/sqlschema"
 )
 
 // poisonRig is a router over GoChannel running poison → inbox → handler,
@@ -361,4 +364,57 @@ func TestPoisonConfigValidate(t *testing.T) {
 		_, err := middleware.NewPoison(tc.cfg)
 		require.ErrorContains(t, err, tc.want)
 	}
+}
+
+// TestPoisonDLQTableReplayOfAppliedEffectIsDuplicate: a message is
+// dead-lettered into the PostgreSQL DLQ table; meanwhile a producer's
+// retry of the same key is applied; the operator's replay of the DLQ entry
+// is then dropped by the inbox as a duplicate, and the entry is gone.
+func TestPoisonDLQTableReplayOfAppliedEffectIsDuplicate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, 8)
+	schema := pgtest.Schema(t, pool)
+	b := postgresBackendIn(t, pool, schema)
+	table, err := dlq.NewPublisher(pool, sqlschema.Config{Schema: schema})
+	require.NoError(t, err)
+	entries, err := dlq.NewStore(pool, sqlschema.Config{Schema: schema})
+	require.NoError(t, err)
+
+	var broken atomic.Bool
+	broken.Store(true)
+	rig := startPoisonRig(t, b, middleware.PoisonConfig{Publisher: table}, func(int32, *message.Message) error {
+		if broken.Load() {
+			return middleware.Permanent(errors.New("schema v2 payload not understood"))
+		}
+		return nil
+	})
+	rig.publish(t, "order-11")
+	require.Eventually(t, func() bool {
+		n, err := entries.Count(ctx, dlq.Filter{All: true})
+		require.NoError(t, err)
+		return n == 1
+	}, 30*time.Second, 10*time.Millisecond)
+	list, err := entries.List(ctx, dlq.Filter{Consumer: "charge"})
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	require.Equal(t, "order-11", list[0].Key)
+	require.Equal(t, poisonTopic, list[0].Topic)
+	require.True(t, list[0].Permanent)
+	require.Contains(t, list[0].Error, "schema v2")
+
+	// The fix ships; the producer's own retry of order-11 is applied.
+	broken.Store(false)
+	rig.publish(t, "order-11")
+	require.Eventually(t, func() bool { return b.effects(t) == 1 }, 30*time.Second, 10*time.Millisecond)
+
+	n, err := entries.Replay(ctx, rig.pubSub, dlq.Filter{IDs: []int64{list[0].ID}}, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.Eventually(t, func() bool { return rig.inbox.Stats().Duplicates == 1 }, 30*time.Second, 10*time.Millisecond,
+		"the replay is dropped by the inbox")
+	require.Equal(t, 1, b.effects(t), "the effect happened once")
+	left, err := entries.Count(ctx, dlq.Filter{All: true})
+	require.NoError(t, err)
+	require.Zero(t, left, "a replayed entry leaves the table")
 }
