@@ -295,7 +295,9 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 		return nil
 	}
 
-	ps, err := adapters.Open(ctx, broker, adapters.Options{})
+	// The command only publishes; the group merely satisfies brokers
+	// whose URL requires one (Kafka), it is never subscribed.
+	ps, err := adapters.Open(ctx, broker, adapters.Options{ConsumerGroup: "oncemill-dlq-replay"})
 	if errors.Is(err, adapters.ErrUnknownScheme) || errors.Is(err, adapters.ErrBadURL) {
 		return usagef("--broker: %v; nothing replayed", err)
 	}
