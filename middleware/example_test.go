@@ -2,12 +2,14 @@ package middleware_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/sqlite"
@@ -95,4 +97,44 @@ func ExampleInbox_Middleware() {
 	// Output:
 	// permanent: true
 	// shipments: 1
+}
+
+// A message that can never succeed is dead-lettered, with the reason, after
+// MaxAttempts attempts, and then acked; here each call of the wrapped
+// handler is one delivery of the message.
+func ExampleNewPoison() {
+	dlqPubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer dlqPubSub.Close()
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{
+		Publisher:   dlqPubSub,
+		Topic:       "payments.dlq",
+		MaxAttempts: 3,
+		Consumer:    "payments",
+	})
+	if err != nil {
+		panic(err)
+	}
+	handler := poison.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		return nil, errors.New("ledger rejected the account")
+	})
+
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"orderId":"A-42"}`))
+	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+	for delivery := 1; delivery <= 3; delivery++ {
+		_, err := handler(msg)
+		fmt.Printf("delivery %d: nacked=%v\n", delivery, err != nil)
+	}
+
+	dead, err := dlqPubSub.Subscribe(context.Background(), "payments.dlq")
+	if err != nil {
+		panic(err)
+	}
+	d := <-dead
+	d.Ack()
+	fmt.Println(d.Metadata.Get("oncemill_dlq_key"), d.Metadata.Get("oncemill_dlq_attempts"), d.Metadata.Get("oncemill_dlq_error"))
+	// Output:
+	// delivery 1: nacked=true
+	// delivery 2: nacked=true
+	// delivery 3: nacked=false
+	// A-42 3 ledger rejected the account
 }
