@@ -32,6 +32,7 @@ type entry struct {
 	expires  time.Time
 
 	firstFailed time.Time
+	doneAt      time.Time
 }
 
 // Store keeps leases in a map. It is safe for concurrent use and starts no
@@ -47,6 +48,8 @@ type Store struct {
 var (
 	_ dedup.LeaseStore = (*Store)(nil)
 	_ dedup.Expirer    = (*Store)(nil)
+	_ dedup.Peeker     = (*Store)(nil)
+	_ dedup.KeyLister  = (*Store)(nil)
 )
 
 // New returns an empty store.
@@ -91,7 +94,7 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 // LeaseComplete marks key done with result if token is still current.
 func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
 	return s.end(ctx, key, token, func(e *entry) {
-		e.status, e.result = done, append([]byte(nil), result...)
+		e.status, e.result, e.doneAt = done, append([]byte(nil), result...), s.now()
 	})
 }
 
@@ -139,4 +142,47 @@ func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) 
 		}
 	}
 	return n, nil
+}
+
+// InboxPeek returns key's record without claiming it.
+func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, error) {
+	if err := ctx.Err(); err != nil {
+		return dedup.Claim{}, err
+	}
+	now := s.now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.keys[key]
+	switch {
+	case e == nil || now.After(e.expires):
+		return dedup.Claim{State: dedup.StateNew}, nil
+	case e.status == done:
+		return dedup.Claim{State: dedup.StateDone, Attempts: e.attempts, Result: e.result, FirstFailedAt: e.firstFailed}, nil
+	case e.status == processing && now.Before(e.until):
+		return dedup.Claim{State: dedup.StateInFlight, Attempts: e.attempts, Until: e.until, FirstFailedAt: e.firstFailed}, nil
+	}
+	return dedup.Claim{State: dedup.StateNew, Attempts: e.attempts, FirstFailedAt: e.firstFailed}, nil
+}
+
+// InboxDoneKeys calls fn with consumer's keys completed at or after since.
+// It copies them first, so fn may call the store.
+func (s *Store) InboxDoneKeys(ctx context.Context, consumer string, since time.Time, fn func(key string) error) error {
+	now := s.now()
+	s.mu.Lock()
+	var keys []string
+	for k, e := range s.keys {
+		if k.Consumer == consumer && e.status == done && !e.doneAt.Before(since) && !now.After(e.expires) {
+			keys = append(keys, k.Key)
+		}
+	}
+	s.mu.Unlock()
+	for _, k := range keys {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := fn(k); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -21,6 +21,7 @@ type DB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
 // Config names the inbox table. The zero value is ready to use.
@@ -66,6 +67,8 @@ var (
 	_ dedup.TxStore    = (*Store)(nil)
 	_ dedup.LeaseStore = (*Store)(nil)
 	_ dedup.Expirer    = (*Store)(nil)
+	_ dedup.Peeker     = (*Store)(nil)
+	_ dedup.KeyLister  = (*Store)(nil)
 )
 
 // New returns a store on db. It does not create the table: run

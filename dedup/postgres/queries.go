@@ -8,6 +8,7 @@ import "strings"
 type queries struct {
 	claim, read, complete, fail, deleteExpired         string
 	leaseClaim, leaseRead, leaseComplete, leaseRelease string
+	peek, doneKeys                                     string
 }
 
 func newQueries(table string) queries {
@@ -47,6 +48,14 @@ SET status = 'failed', attempts = i.attempts + 1, lease_until = NULL,
     last_error = EXCLUDED.last_error, last_failed_at = EXCLUDED.last_failed_at,
     updated_at = now(), expires_at = EXCLUDED.expires_at
 WHERE i.status <> 'done'`),
+
+		// Reads the committed row only; a claim in progress is invisible.
+		peek: r.Replace(`SELECT status, attempts, lease_until, result, first_failed_at,
+	status = 'processing' AND lease_until > clock_timestamp()
+FROM {T} WHERE consumer = $1 AND key = $2 AND expires_at > now()`),
+
+		doneKeys: r.Replace(`SELECT key FROM {T}
+WHERE consumer = $1 AND status = 'done' AND done_at >= $2 AND expires_at > now()`),
 
 		// SKIP LOCKED: a row being claimed right now is not waited for.
 		deleteExpired: r.Replace(`DELETE FROM {T} WHERE (consumer, key) IN (

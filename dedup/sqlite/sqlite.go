@@ -60,8 +60,10 @@ type Store struct {
 }
 
 var (
-	_ dedup.TxStore = (*Store)(nil)
-	_ dedup.Expirer = (*Store)(nil)
+	_ dedup.TxStore   = (*Store)(nil)
+	_ dedup.Expirer   = (*Store)(nil)
+	_ dedup.Peeker    = (*Store)(nil)
+	_ dedup.KeyLister = (*Store)(nil)
 )
 
 // Open opens (creating it if needed) the SQLite database file at path with
@@ -280,6 +282,7 @@ func (t *inboxTx) Rollback(context.Context) error {
 // spliced in.
 type queries struct {
 	claim, read, complete, fail, deleteExpired string
+	peek, doneKeys                             string
 }
 
 func newQueries(cfg Config) queries {
@@ -298,6 +301,14 @@ SET status = 'done', attempts = attempts + 1, lease_until = NULL,
     updated_at = excluded.updated_at, done_at = excluded.done_at, expires_at = excluded.expires_at
 WHERE status <> 'done'
 RETURNING attempts, first_failed_at`),
+
+		// Arguments: consumer, key, now.
+		peek: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T}
+WHERE consumer = ? AND key = ? AND expires_at > ?`),
+
+		// Arguments: consumer, since, now.
+		doneKeys: r.Replace(`SELECT key FROM {T}
+WHERE consumer = ? AND status = 'done' AND done_at >= ? AND expires_at > ?`),
 
 		// Arguments: consumer, key.
 		read: r.Replace(`SELECT status, attempts, result FROM {T} WHERE consumer = ? AND key = ?`),
