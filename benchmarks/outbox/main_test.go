@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
+
+	"github.com/oncemill/oncemill/internal/pgtest"
 )
 
 // TestSmoke runs a tiny benchmark, GoChannel only, against the PostgreSQL
@@ -23,7 +25,7 @@ func TestSmoke(t *testing.T) {
 	defer cancel()
 	conn, err := pgx.Connect(ctx, dsn)
 	if err != nil {
-		t.Skipf("PostgreSQL not reachable: %v", err)
+		pgtest.Unavailable(t, "PostgreSQL", err)
 	}
 	_ = conn.Close(ctx)
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
