@@ -46,7 +46,7 @@ func TestOpenPostgresPubSub(t *testing.T) {
 	t.Parallel()
 	pgtest.Pool(t, 1) // fails under CI, skips elsewhere, when PostgreSQL is down
 	ctx := context.Background()
-	ps, err := adapters.Open(ctx, pgtest.URL()+"&group="+pgtest.Name(t), adapters.Options{})
+	ps, err := adapters.Open(ctx, pgtest.URL(), adapters.Options{ConsumerGroup: pgtest.Name(t)})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, ps.Close()) }()
 

@@ -1,7 +1,7 @@
 // Package delivery names the message metadata that oncemill's broker
-// adapters set on every delivery and that its middlewares read: where a
-// message came from, how often the broker has delivered it, and whether it
-// could be decoded at all.
+// adapters (Kafka, RabbitMQ, SQS) set on every delivery and that its
+// middlewares read: where a message came from, how often the broker has
+// delivered it, and whether it could be decoded at all.
 //
 // Adapters set these keys; they never import the middlewares, and the
 // middlewares never import an adapter: this package is the one both know.
