@@ -18,9 +18,13 @@
 //
 // # Implementations
 //
-// The postgres and sqlite packages implement [TxStore]; postgres and memory
-// implement [LeaseStore]. memory forgets everything on restart and exists as
-// a measured baseline and for tests, never as a record of effects.
+// The postgres and sqlite packages implement [TxStore]; postgres, redis and
+// memory implement [LeaseStore]; twotier is a [TxStore] made of a lease
+// store (Redis) as a fast lock in front of a [TxStore] (PostgreSQL) as the
+// record. All of them implement [Peeker] and [KeyLister] for the Bloom
+// prefilter. memory forgets everything on restart, and Redis alone is not a
+// durable record: they exist as measured baselines and for effects whose
+// own idempotency backs them, never as the only record of effects.
 //
 // # Expiry
 //

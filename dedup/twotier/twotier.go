@@ -1,0 +1,355 @@
+// Package twotier puts a fast lock (a [dedup.LeaseStore], typically
+// dedup/redis) in front of a transactional record (a [dedup.TxStore],
+// typically dedup/postgres), for transactional mode.
+//
+// The record stays the source of truth: every effect commits in the
+// record's transaction together with its claim, exactly as without the
+// lock. The lock only keeps duplicates off the database:
+//
+//   - a key the lock knows is done is answered from the lock alone, with no
+//     database transaction (the lock is marked done only after the record
+//     committed, so its "done" is accurate);
+//   - a key another delivery is applying right now is answered
+//     [dedup.StateInFlight], and the inbox nacks it after its InFlightDelay,
+//     instead of parking a database connection on the row lock;
+//   - only a delivery that wins the lock opens a database transaction.
+//
+// Correctness never rests on the lock. If the lock forgets a key (a Redis
+// failover or restart), the record answers it; if the lock is unreachable,
+// every claim goes to the record alone, which serialises concurrent
+// deliveries on its row as it always does. Use the lock with its default
+// fail-closed policy: an error from it is already treated as "no lock".
+//
+//	lock, err := redis.New(redis.Config{Client: rdb})
+//	record, err := postgres.New(pool, postgres.Config{})
+//	store, err := twotier.New(twotier.Config{Lock: lock, Record: record})
+//	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store})
+//
+// The handler writes its effect through the record's transaction, as
+// without the lock: postgres.Tx(msg.Context()).
+package twotier
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"reflect"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/oncemill/oncemill/dedup"
+)
+
+// DefaultLease is the lock's lease when [Config.Lease] is zero.
+const DefaultLease = 30 * time.Second
+
+// Config configures a [Store].
+type Config struct {
+	// Lock is the fast lock in front of the record, e.g. a dedup/redis
+	// store. Required. It must be a store of its own, not Record.
+	Lock dedup.LeaseStore
+	// Record is the source of truth, e.g. a dedup/postgres store.
+	// Required.
+	Record dedup.TxStore
+	// Lease is how long a claim holds the lock; it must exceed the
+	// handler's longest run, or a duplicate gets past the lock and waits
+	// on the record's row instead. It is also how long duplicates are
+	// nacked as in flight after a process dies holding the lock (a
+	// rollback or a handler error releases it at once). Defaults to
+	// [DefaultLease].
+	Lease time.Duration
+	// Logger receives a line whenever the lock fails and the record is used
+	// alone. Defaults to watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c Config) withDefaults() Config {
+	if c.Lease == 0 {
+		c.Lease = DefaultLease
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+	return c
+}
+
+// Validate reports the first field that is missing or out of range; the
+// error names it.
+func (c Config) Validate() error {
+	switch {
+	case c.Lock == nil:
+		return errors.New("twotier: Config.Lock is required")
+	case c.Record == nil:
+		return errors.New("twotier: Config.Record is required")
+	case sameStore(c.Lock, c.Record):
+		return errors.New("twotier: Config.Lock and Config.Record are the same store: the lock must be a separate store (dedup/redis), or its lease rows would collide with the record's")
+	case c.Lease < 0:
+		return fmt.Errorf("twotier: Config.Lease must not be negative, got %s", c.Lease)
+	}
+	return nil
+}
+
+func sameStore(lock dedup.LeaseStore, record dedup.TxStore) bool {
+	l, r := reflect.ValueOf(lock), reflect.ValueOf(record)
+	return l.Type() == r.Type() && l.Comparable() && l.Equal(r)
+}
+
+// Stats counts what a [Store] did since it was made.
+type Stats struct {
+	// LockHits counts claims answered by the lock alone, done or in
+	// flight, without a database transaction.
+	LockHits int64
+	// Fallbacks counts claims made on the record alone because the lock
+	// failed.
+	Fallbacks int64
+}
+
+// Store is a [dedup.TxStore] made of a lock and a record. It also
+// implements [dedup.Expirer], [dedup.Peeker] and [dedup.KeyLister] by
+// delegating to the record, which returns an error if the record does not.
+// It is safe for concurrent use and starts no goroutines.
+type Store struct {
+	lock   dedup.LeaseStore
+	record dedup.TxStore
+	lease  time.Duration
+	logger watermill.LoggerAdapter
+
+	lockHits, fallbacks atomic.Int64
+}
+
+var (
+	_ dedup.TxStore   = (*Store)(nil)
+	_ dedup.Expirer   = (*Store)(nil)
+	_ dedup.Peeker    = (*Store)(nil)
+	_ dedup.KeyLister = (*Store)(nil)
+)
+
+// New returns a store for cfg; cfg is copied, defaulted and validated.
+func New(cfg Config) (*Store, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &Store{lock: cfg.Lock, record: cfg.Record, lease: cfg.Lease, logger: cfg.Logger}, nil
+}
+
+// Stats returns the store's counters.
+func (s *Store) Stats() Stats {
+	return Stats{LockHits: s.lockHits.Load(), Fallbacks: s.fallbacks.Load()}
+}
+
+// InboxBegin returns a transaction that opens nothing yet: the record's
+// transaction begins only when [dedup.InboxTx.InboxClaim] finds the key new
+// in the lock.
+func (s *Store) InboxBegin(context.Context) (dedup.InboxTx, error) {
+	return &inboxTx{s: s}, nil
+}
+
+// InboxFail records a failed attempt in the record.
+func (s *Store) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
+	if err := s.record.InboxFail(ctx, key, f, window); err != nil {
+		return fmt.Errorf("twotier: record failure: %w", err)
+	}
+	return nil
+}
+
+// InboxDeleteExpired deletes expired records from the record, if it is a
+// [dedup.Expirer]. The lock's records expire on their own.
+func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) {
+	e, ok := s.record.(dedup.Expirer)
+	if !ok {
+		return 0, fmt.Errorf("twotier: delete expired: Record %T does not implement dedup.Expirer", s.record)
+	}
+	n, err := e.InboxDeleteExpired(ctx, limit)
+	if err != nil {
+		return n, fmt.Errorf("twotier: delete expired: %w", err)
+	}
+	return n, nil
+}
+
+// InboxPeek reads key from the record, if it is a [dedup.Peeker].
+func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, error) {
+	p, ok := s.record.(dedup.Peeker)
+	if !ok {
+		return dedup.Claim{}, fmt.Errorf("twotier: peek: Record %T does not implement dedup.Peeker", s.record)
+	}
+	c, err := p.InboxPeek(ctx, key)
+	if err != nil {
+		return dedup.Claim{}, fmt.Errorf("twotier: peek: %w", err)
+	}
+	return c, nil
+}
+
+// InboxDoneKeys lists the record's done keys, if it is a [dedup.KeyLister].
+func (s *Store) InboxDoneKeys(ctx context.Context, consumer string, since time.Time, fn func(key string) error) error {
+	l, ok := s.record.(dedup.KeyLister)
+	if !ok {
+		return fmt.Errorf("twotier: done keys: Record %T does not implement dedup.KeyLister", s.record)
+	}
+	// fn's own error is returned as it is.
+	return l.InboxDoneKeys(ctx, consumer, since, fn)
+}
+
+// lockState is where a transaction stands with the lock.
+type lockState int
+
+const (
+	// unlocked: no lease is held (none taken yet, the lock failed, or it
+	// answered done or in flight).
+	unlocked lockState = iota
+	// held: the lease with token is held and must be completed or released.
+	held
+	// settled: the lease was completed or released.
+	settled
+)
+
+// inboxTx is one claim: the lock first, the record's transaction only when
+// the lock says the key is new. It is used by one goroutine.
+type inboxTx struct {
+	s *Store
+
+	key     dedup.Key
+	claimed bool
+	rec     dedup.InboxTx // nil until the record's transaction begins
+	lock    lockState
+	token   int64
+	result  []byte
+	ended   bool
+}
+
+func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	if t.claimed {
+		return dedup.Claim{}, errors.New("twotier: claim: this transaction already claimed a key")
+	}
+	t.claimed, t.key = true, key
+
+	lc, err := t.s.lock.LeaseClaim(ctx, key, t.s.lease, window)
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return dedup.Claim{}, fmt.Errorf("twotier: lock claim: %w", err)
+	case err != nil:
+		t.s.fallbacks.Add(1)
+		t.s.logger.Error("Inbox lock failed: claiming on the record alone", err, fields(key))
+	case lc.State == dedup.StateDone:
+		t.s.lockHits.Add(1)
+		return dedup.Claim{State: dedup.StateDone, Attempts: lc.Attempts, Result: lc.Result, FirstFailedAt: lc.FirstFailedAt}, nil
+	case lc.State == dedup.StateInFlight:
+		t.s.lockHits.Add(1)
+		return dedup.Claim{State: dedup.StateInFlight, Attempts: lc.Attempts, Until: lc.Until, FirstFailedAt: lc.FirstFailedAt}, nil
+	case lc.State == dedup.StateNew:
+		t.lock, t.token = held, lc.Token
+	default:
+		return dedup.Claim{}, fmt.Errorf("twotier: lock claim: unexpected state %s", lc.State)
+	}
+
+	rec, err := t.s.record.InboxBegin(ctx)
+	if err != nil {
+		return dedup.Claim{}, errors.Join(fmt.Errorf("twotier: record begin: %w", err), t.end(ctx, err))
+	}
+	t.rec = rec
+	rc, err := rec.InboxClaim(ctx, key, window)
+	if err != nil {
+		return dedup.Claim{}, errors.Join(fmt.Errorf("twotier: record claim: %w", err), t.end(ctx, err))
+	}
+	if rc.State == dedup.StateDone {
+		// The lock had forgotten the key, or never learnt it: teach it, so
+		// that the next duplicate stays off the database.
+		t.settle(ctx, func(ctx context.Context) error {
+			return t.s.lock.LeaseComplete(ctx, key, t.token, rc.Result)
+		}, "Inbox lock not updated with a done key")
+	}
+	return rc, nil
+}
+
+func (t *inboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byte) error {
+	if t.rec == nil {
+		return errors.New("twotier: complete: no key was claimed new in this transaction")
+	}
+	if err := t.rec.InboxComplete(ctx, key, result); err != nil {
+		return fmt.Errorf("twotier: complete: %w", err)
+	}
+	t.result = bytes.Clone(result)
+	return nil
+}
+
+func (t *inboxTx) WithTx(ctx context.Context) context.Context {
+	if t.rec == nil {
+		return ctx
+	}
+	return t.rec.WithTx(ctx)
+}
+
+// Commit commits the record's transaction, then marks the key done in the
+// lock. A failure of the lock is only logged: the lease expires, and later
+// duplicates find the key done in the record.
+func (t *inboxTx) Commit(ctx context.Context) error {
+	if t.ended {
+		return nil
+	}
+	t.ended = true
+	if t.rec == nil {
+		return nil // nothing was opened: the lock answered the claim
+	}
+	if err := t.rec.Commit(ctx); err != nil {
+		// Whether or not the commit took effect, the record knows: free
+		// the lock, and the redelivery asks the record.
+		t.releaseLock(ctx, err)
+		return fmt.Errorf("twotier: commit: %w", err)
+	}
+	result := t.result
+	t.settle(ctx, func(ctx context.Context) error {
+		return t.s.lock.LeaseComplete(ctx, t.key, t.token, result)
+	}, "Inbox lock not marked done after commit: the lease expires and duplicates go to the record")
+	return nil
+}
+
+// Rollback rolls the record's transaction back, then releases the lock so
+// that the redelivery can claim the key at once. It is a no-op after Commit
+// or Rollback, and without a claim.
+func (t *inboxTx) Rollback(ctx context.Context) error {
+	if t.ended {
+		return nil
+	}
+	return t.end(ctx, errors.New("record transaction rolled back"))
+}
+
+// end rolls back the record's transaction, if one is open, and releases the
+// lock, if it is held, recording cause.
+func (t *inboxTx) end(ctx context.Context, cause error) error {
+	t.ended = true
+	var err error
+	if t.rec != nil {
+		if rbErr := t.rec.Rollback(ctx); rbErr != nil {
+			err = fmt.Errorf("twotier: rollback: %w", rbErr)
+		}
+	}
+	t.releaseLock(ctx, cause)
+	return err
+}
+
+func (t *inboxTx) releaseLock(ctx context.Context, cause error) {
+	f := dedup.Failure{Err: cause.Error(), At: time.Now()}
+	t.settle(ctx, func(ctx context.Context) error {
+		return t.s.lock.LeaseRelease(ctx, t.key, t.token, f)
+	}, "Inbox lock not released: the next delivery waits for the lease to end")
+}
+
+// settle completes or releases a held lease, best effort: the record has
+// the outcome already, so a failure is only logged. It runs even when ctx
+// is cancelled, since the record's transaction has ended either way.
+func (t *inboxTx) settle(ctx context.Context, op func(context.Context) error, msg string) {
+	if t.lock != held {
+		return
+	}
+	t.lock = settled
+	if err := op(context.WithoutCancel(ctx)); err != nil {
+		t.s.logger.Error(msg, err, fields(t.key))
+	}
+}
+
+func fields(key dedup.Key) watermill.LogFields {
+	return watermill.LogFields{"consumer": key.Consumer, "key": key.Key}
+}
