@@ -282,7 +282,7 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	}
 	result, err := encodeResult(produced)
 	if err == nil {
-		err = in.cfg.LeaseStore.LeaseComplete(ctx, key, claim.Token, result)
+		err = in.complete(ctx, key, claim.Token, result)
 	}
 	if err != nil {
 		// With ErrLeaseLost another delivery took the key over: nack, and
@@ -291,6 +291,26 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	}
 	in.applied.Add(1)
 	return produced, nil
+}
+
+// complete marks the lease done. The effect has happened by now, so a
+// transient failure is retried a few times, even if ctx was cancelled
+// meanwhile: a nack here lets the effect run again once the lease expires.
+func (in *Inbox) complete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	var err error
+	for i := range 4 {
+		if i > 0 && !sleepCtx(ctx, time.Duration(25<<i)*time.Millisecond) {
+			break
+		}
+		err = in.cfg.LeaseStore.LeaseComplete(ctx, key, token, result)
+		if err == nil || errors.Is(err, dedup.ErrLeaseLost) {
+			return err
+		}
+		in.cfg.Logger.Error("Lease complete failed after the effect, retrying", err, watermill.LogFields{"consumer": key.Consumer, "key": key.Key})
+	}
+	return err
 }
 
 // run calls h with the message's context replaced by ctx plus the key, and
