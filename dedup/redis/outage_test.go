@@ -11,6 +11,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/redis"
+	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
 )
 
@@ -31,7 +32,7 @@ func privateStore(t *testing.T, policy redis.Policy, logger watermill.LoggerAdap
 func restart(t *testing.T, srv *redistest.Server, client *goredis.Client) {
 	t.Helper()
 	srv.Start()
-	waitFor(t, "the client to reconnect", func() bool {
+	msgtest.WaitFor(t, "the client to reconnect", func() bool {
 		return client.Ping(context.Background()).Err() == nil
 	})
 }
@@ -46,8 +47,8 @@ func restart(t *testing.T, srv *redistest.Server, client *goredis.Client) {
 // down, so they keep it out.
 func restartBetweenDeliveries(t *testing.T, h *harness, srv *redistest.Server, client *goredis.Client) {
 	t.Helper()
-	h.pause()
-	defer h.resume()
+	h.Pause()
+	defer h.Resume()
 	restart(t, srv, client)
 }
 
@@ -61,25 +62,25 @@ func TestRedisStoppedMidRunFailClosed(t *testing.T) {
 	const n, copies = 20, 3
 	h := newHarness(t, store, copies)
 
-	before := keys("before", n)
-	h.publish(before, copies)
-	h.waitAcked(n * copies)
+	before := msgtest.Keys("before", n)
+	h.Publish(before, copies)
+	h.WaitAcked(n * copies)
 	require.Equal(t, n, h.totalEffects())
 
 	srv.Stop()
-	during := keys("during", n)
-	h.publish(during, copies)
+	during := msgtest.Keys("during", n)
+	h.Publish(during, copies)
 	// Every handler has had deliveries refused, several times over.
-	waitFor(t, "deliveries nacked as unavailable", func() bool { return h.unavailable.Load() >= 10*copies })
-	require.Equal(t, int64(n*copies), h.acked.Load(), "nothing is acked while Redis is down")
+	msgtest.WaitFor(t, "deliveries nacked as unavailable", func() bool { return h.Count(redis.ErrUnavailable) >= 10*copies })
+	require.Equal(t, int64(n*copies), h.Acked(), "nothing is acked while Redis is down")
 	require.Equal(t, n, h.totalEffects(), "nothing is applied while Redis is down")
 	for _, k := range during {
 		require.Zero(t, h.effectsOf(k))
 	}
 
 	restartBetweenDeliveries(t, h, srv, client)
-	h.waitAcked(2 * n * copies)
-	h.requireNoOtherErrors()
+	h.WaitAcked(2 * n * copies)
+	h.RequireNoOtherErrors()
 	for _, k := range before {
 		require.Equal(t, 1, h.effectsOf(k), "key %s", k)
 	}
@@ -114,16 +115,16 @@ func TestRedisStoppedMidRunFailOpenCanDoubleApply(t *testing.T) {
 	const n, copies = 20, 3
 	h := newHarness(t, store, copies)
 
-	before := keys("before", n)
-	h.publish(before, copies)
-	h.waitAcked(n * copies)
+	before := msgtest.Keys("before", n)
+	h.Publish(before, copies)
+	h.WaitAcked(n * copies)
 	require.Equal(t, n, h.totalEffects())
 	require.Equal(t, redis.Stats{}, store.Stats())
 
 	srv.Stop()
-	during := keys("during", n)
-	h.publish(during, copies)
-	h.waitAcked(2 * n * copies)
+	during := msgtest.Keys("during", n)
+	h.Publish(during, copies)
+	h.WaitAcked(2 * n * copies)
 	require.Equal(t, redis.Stats{FailedOpen: n * copies}, store.Stats(), "every delivery while down failed open, once")
 	for _, k := range during {
 		require.Equal(t, copies, h.effectsOf(k), "key %s: every copy was applied, duplicates included", k)
@@ -137,15 +138,15 @@ func TestRedisStoppedMidRunFailOpenCanDoubleApply(t *testing.T) {
 	require.Equal(t, n*copies, failOpenLogs)
 
 	restartBetweenDeliveries(t, h, srv, client)
-	after := keys("after", n)
-	h.publish(after, copies)
-	h.waitAcked(3 * n * copies)
-	h.requireNoOtherErrors()
+	after := msgtest.Keys("after", n)
+	h.Publish(after, copies)
+	h.WaitAcked(3 * n * copies)
+	h.RequireNoOtherErrors()
 	for _, k := range after {
 		require.Equal(t, 1, h.effectsOf(k), "key %s: dedup resumed with Redis", k)
 	}
 	require.Equal(t, redis.Stats{FailedOpen: n * copies}, store.Stats())
-	require.Zero(t, h.unavailable.Load(), "fail-open nacks nothing")
+	require.Zero(t, h.Count(redis.ErrUnavailable), "fail-open nacks nothing")
 
 	// A restart without persistence forgot the keys done before it: the
 	// reason this store is not a source of truth.

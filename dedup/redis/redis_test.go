@@ -15,6 +15,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/redis"
+	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
 	"github.com/oncemill/oncemill/middleware"
 )
@@ -130,7 +131,7 @@ func TestLeaseExpiredIsTakenOverAndZombieIsFenced(t *testing.T) {
 
 	// Claim until the server's clock has passed the lease end.
 	var taker dedup.Claim
-	waitFor(t, "the lease to expire", func() bool {
+	msgtest.WaitFor(t, "the lease to expire", func() bool {
 		taker, err = b.store.LeaseClaim(ctx, key, time.Hour, time.Hour)
 		require.NoError(t, err)
 		if taker.State == dedup.StateInFlight {
@@ -310,7 +311,7 @@ func TestPeek(t *testing.T) {
 	short := dedup.Key{Consumer: "c", Key: "short"}
 	_, err = b.store.LeaseClaim(ctx, short, 20*time.Millisecond, time.Hour)
 	require.NoError(t, err)
-	waitFor(t, "the lease to expire", func() bool {
+	msgtest.WaitFor(t, "the lease to expire", func() bool {
 		p, err = b.store.InboxPeek(ctx, short)
 		require.NoError(t, err)
 		return p.State == dedup.StateNew
@@ -346,7 +347,7 @@ func TestDoneKeys(t *testing.T) {
 	now, err := b.client.Time(ctx).Result()
 	require.NoError(t, err)
 	since := now.Truncate(time.Millisecond).Add(time.Millisecond)
-	waitFor(t, "the server clock to pass since", func() bool {
+	msgtest.WaitFor(t, "the server clock to pass since", func() bool {
 		now, err := b.client.Time(ctx).Result()
 		require.NoError(t, err)
 		return !now.Before(since)
@@ -479,11 +480,11 @@ func TestInboxLeaseModeUnderRouter(t *testing.T) {
 	b := setup(t, redis.Config{})
 	const n, copies = 100, 3
 	h := newHarness(t, b.store, copies)
-	ks := keys("order", n)
-	h.publish(ks, copies)
-	h.waitAcked(n * copies)
+	ks := msgtest.Keys("order", n)
+	h.Publish(ks, copies)
+	h.WaitAcked(n * copies)
 
-	h.requireNoOtherErrors()
+	h.RequireNoOtherErrors()
 	for _, k := range ks {
 		require.Equal(t, 1, h.effectsOf(k), "key %s", k)
 	}
@@ -491,7 +492,7 @@ func TestInboxLeaseModeUnderRouter(t *testing.T) {
 	stats := h.inbox.Stats()
 	require.Equal(t, int64(n), stats.Applied)
 	require.Equal(t, int64(n*copies-n), stats.Duplicates)
-	require.Equal(t, stats.InFlight, h.inFlight.Load(), "in-flight deliveries were nacked and redelivered")
+	require.Equal(t, stats.InFlight, h.Count(middleware.ErrInFlight), "in-flight deliveries were nacked and redelivered")
 }
 
 // TestInboxLeaseModeFailureReleases shows the inbox's failure path on this

@@ -3,15 +3,12 @@ package twotier_test
 import (
 	"context"
 	"errors"
-	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5/pgxpool"
 	goredis "github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -21,6 +18,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/twotier"
+	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
 	"github.com/oncemill/oncemill/middleware"
@@ -157,120 +155,25 @@ func newInbox(t *testing.T, store dedup.TxStore, consumer string) *middleware.In
 }
 
 // harness runs the inbox in transactional mode under a real Watermill
-// router on a GoChannel: several handlers of one consumer, each on a topic
-// of its own, so that copies of one key published to different topics are
-// delivered concurrently. A nacked message is redelivered.
+// router (see msgtest.Harness) and counts the handler's runs.
 type harness struct {
-	t      *testing.T
-	pubSub *gochannel.GoChannel
-	inbox  *middleware.Inbox
-	topics []string
-	runs   atomic.Int64
-
-	acked, inFlight, otherErrs atomic.Int64
-	firstOther                 atomic.Value
-
-	// gate is held for reading by every delivery while it runs, and for
-	// writing by pause.
-	gate sync.RWMutex
+	*msgtest.Harness
+	inbox *middleware.Inbox
+	runs  atomic.Int64
 }
 
 func newHarness(t *testing.T, b bundle, handlers int) *harness {
 	t.Helper()
-	logger := watermill.NopLogger{}
-	h := &harness{t: t, pubSub: gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, logger)}
-	h.inbox = newInbox(t, b.store, "orders")
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	require.NoError(t, err)
-	router.AddMiddleware(h.observe, h.inbox.Middleware)
-	for i := 0; i < handlers; i++ {
-		topic := fmt.Sprintf("orders-%d", i)
-		h.topics = append(h.topics, topic)
-		router.AddConsumerHandler(topic, topic, h.pubSub, func(msg *message.Message) error {
+	h := &harness{inbox: newInbox(t, b.store, "orders")}
+	h.Harness = msgtest.StartHarness(t, msgtest.HarnessConfig{
+		Name:        "orders",
+		Handlers:    handlers,
+		Middlewares: []message.HandlerMiddleware{h.inbox.Middleware},
+		Expected:    []error{middleware.ErrInFlight},
+		Handler: func(msg *message.Message) error {
 			h.runs.Add(1)
 			return b.effect(msg.Context(), middleware.IdempotencyKey(msg.Context()))
-		})
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	routerDone := make(chan error, 1)
-	go func() { routerDone <- router.Run(ctx) }()
-	<-router.Running()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-routerDone)
-		require.NoError(t, router.Close())
-		require.NoError(t, h.pubSub.Close())
+		},
 	})
 	return h
-}
-
-// observe counts how each delivery ended; a failed one pauses a little
-// before its nack, as a retry middleware would.
-func (h *harness) observe(next message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		h.gate.RLock()
-		out, err := next(msg)
-		h.gate.RUnlock()
-		switch {
-		case err == nil:
-			h.acked.Add(1)
-			return out, nil
-		case errors.Is(err, middleware.ErrInFlight):
-			h.inFlight.Add(1)
-		default:
-			h.otherErrs.Add(1)
-			h.firstOther.CompareAndSwap(nil, err.Error())
-		}
-		time.Sleep(2 * time.Millisecond)
-		return nil, err
-	}
-}
-
-// pause waits until no delivery runs and holds new ones back until resume.
-func (h *harness) pause() { h.gate.Lock() }
-
-// resume lets deliveries run again.
-func (h *harness) resume() { h.gate.Unlock() }
-
-// publish publishes copies deliveries of each key, copy c to handler c
-// (modulo the number of handlers).
-func (h *harness) publish(keys []string, copies int) {
-	h.t.Helper()
-	for c := 0; c < copies; c++ {
-		topic := h.topics[c%len(h.topics)]
-		for _, k := range keys {
-			require.NoError(h.t, h.pubSub.Publish(topic, delivery(k)))
-		}
-	}
-}
-
-func (h *harness) waitAcked(n int64) {
-	h.t.Helper()
-	waitFor(h.t, fmt.Sprintf("%d acked deliveries", n), func() bool { return h.acked.Load() >= n })
-}
-
-func (h *harness) requireNoOtherErrors() {
-	h.t.Helper()
-	require.Zero(h.t, h.otherErrs.Load(), "unexpected handler error: %v", h.firstOther.Load())
-}
-
-// waitFor polls cond until it holds, failing the test after a minute: a
-// liveness bound, not a measurement.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-func keys(prefix string, n int) []string {
-	out := make([]string, n)
-	for i := range out {
-		out[i] = fmt.Sprintf("%s-%d", prefix, i)
-	}
-	return out
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/twotier"
+	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
 	"github.com/oncemill/oncemill/middleware"
 )
@@ -135,10 +136,10 @@ func TestRouterWithDuplicates(t *testing.T) {
 	b := setup(t, options{maxConns: 8})
 	const n, copies = 100, 3
 	h := newHarness(t, b, copies)
-	ks := keys("order", n)
-	h.publish(ks, copies)
-	h.waitAcked(n * copies)
-	h.requireNoOtherErrors()
+	ks := msgtest.Keys("order", n)
+	h.Publish(ks, copies)
+	h.WaitAcked(n * copies)
+	h.RequireNoOtherErrors()
 
 	effects := b.effects(t)
 	require.Len(t, effects, n)
@@ -249,16 +250,16 @@ func TestRedisStoppedMidRun(t *testing.T) {
 	const n, copies = 30, 3
 	h := newHarness(t, b, copies)
 
-	before := keys("before", n)
-	h.publish(before, copies)
-	h.waitAcked(n * copies)
+	before := msgtest.Keys("before", n)
+	h.Publish(before, copies)
+	h.WaitAcked(n * copies)
 	require.Zero(t, b.store.Stats().Fallbacks)
 
 	srv.Stop()
-	during := keys("during", n)
-	h.publish(during, copies)
-	h.publish(before, 1) // duplicates of keys done before the stop
-	h.waitAcked(2*n*copies + n)
+	during := msgtest.Keys("during", n)
+	h.Publish(during, copies)
+	h.Publish(before, 1) // duplicates of keys done before the stop
+	h.WaitAcked(2*n*copies + n)
 	require.Equal(t, int64((n*copies)+n), b.store.Stats().Fallbacks, "every delivery while Redis was down went to the record alone")
 	require.NotEmpty(t, logs.Captured()[watermill.ErrorLogLevel], "the lock's failures are logged")
 	effects := b.effects(t)
@@ -268,15 +269,15 @@ func TestRedisStoppedMidRun(t *testing.T) {
 
 	// Bring Redis back (empty) while no delivery runs; see
 	// restartBetweenDeliveries in dedup/redis for why.
-	h.pause()
+	h.Pause()
 	srv.Start()
-	waitFor(t, "the client to reconnect", func() bool { return b.redis.Ping(context.Background()).Err() == nil })
-	h.resume()
+	msgtest.WaitFor(t, "the client to reconnect", func() bool { return b.redis.Ping(context.Background()).Err() == nil })
+	h.Resume()
 
 	all := append(append([]string{}, before...), during...)
-	h.publish(all, 1)
-	h.waitAcked(2*n*copies + n + 2*n)
-	h.requireNoOtherErrors()
+	h.Publish(all, 1)
+	h.WaitAcked(2*n*copies + n + 2*n)
+	h.RequireNoOtherErrors()
 	require.Equal(t, int64(2*n), h.runs.Load(), "the handler ran once per key, Redis or not")
 	effects = b.effects(t)
 	require.Len(t, effects, 2*n)
@@ -286,8 +287,8 @@ func TestRedisStoppedMidRun(t *testing.T) {
 
 	// The restarted lock learnt every key from the record.
 	acquiresBefore := b.acquires()
-	h.publish(all, 1)
-	h.waitAcked(2*n*copies + n + 4*n)
+	h.Publish(all, 1)
+	h.WaitAcked(2*n*copies + n + 4*n)
 	require.Equal(t, acquiresBefore, b.acquires(), "duplicates are answered by the lock again")
 	require.Equal(t, int64((n*copies)+n), b.store.Stats().Fallbacks)
 }
