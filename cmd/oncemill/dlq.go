@@ -271,18 +271,11 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	if broker == "" {
 		return usagef("--broker is required (or set BROKER_URL)")
 	}
-	pcfg, cfg, err := c.target()
-	if err != nil {
-		return err
-	}
-	store, closeDB, err := connect(ctx, pcfg, cfg)
+	store, closeDB, err := c.openSelected(ctx, f, "replayed")
 	if err != nil {
 		return err
 	}
 	defer closeDB()
-	if err := checkIDs(ctx, store, f.IDs, "replayed"); err != nil {
-		return err
-	}
 	total, err := store.Count(ctx, f)
 	if err != nil {
 		return err
@@ -328,6 +321,25 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	return nil
 }
 
+// openSelected connects to the table and checks that every ID f names
+// exists, so that a typo acts on nothing; verb says what would have been
+// done, for the error.
+func (c *cmd) openSelected(ctx context.Context, f dlq.Filter, verb string) (*dlq.Store, func(), error) {
+	pcfg, cfg, err := c.target()
+	if err != nil {
+		return nil, nil, err
+	}
+	store, closeDB, err := connect(ctx, pcfg, cfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := checkIDs(ctx, store, f.IDs, verb); err != nil {
+		closeDB()
+		return nil, nil, err
+	}
+	return store, closeDB, nil
+}
+
 // purgeResult is purge's JSON output.
 type purgeResult struct {
 	Purged int `json:"purged"`
@@ -339,18 +351,11 @@ func (c *cmd) purge(ctx context.Context, args []string) error {
 	if err := c.selection(fs, &f, args); err != nil {
 		return err
 	}
-	pcfg, cfg, err := c.target()
-	if err != nil {
-		return err
-	}
-	store, closeDB, err := connect(ctx, pcfg, cfg)
+	store, closeDB, err := c.openSelected(ctx, f, "purged")
 	if err != nil {
 		return err
 	}
 	defer closeDB()
-	if err := checkIDs(ctx, store, f.IDs, "purged"); err != nil {
-		return err
-	}
 	n, err := store.Purge(ctx, f)
 	if err != nil {
 		return err
