@@ -211,11 +211,25 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 		firstFailed *time.Time
 	)
 	err := t.tx.QueryRow(ctx, t.q.claim, key.Consumer, key.Key, seconds(window)).Scan(&status, &attempts, &result, &firstFailed)
-	if errors.Is(err, pgx.ErrNoRows) || (err == nil && status != "new" && status != "done") {
+	if errors.Is(err, pgx.ErrNoRows) {
 		// A concurrent claimer committed while this statement waited on
-		// the row: the INSERT saw its row, the statement's snapshot did
-		// not (or saw an older version). A new statement sees it.
+		// its row: the INSERT saw the row, the statement's snapshot did
+		// not. A new statement sees it.
 		err = t.tx.QueryRow(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &firstFailed)
+	}
+	if err == nil && status == "failed" {
+		result = nil
+		err = t.tx.QueryRow(ctx, t.q.reclaim, key.Consumer, key.Key, seconds(window)).Scan(&attempts, &firstFailed)
+		if err == nil {
+			status = "new"
+		} else if errors.Is(err, pgx.ErrNoRows) {
+			// Another claimer took it first and committed: read what it
+			// left.
+			err = t.tx.QueryRow(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &firstFailed)
+			if err == nil && status == "failed" {
+				err = fmt.Errorf("key %q of consumer %q is still failed after a concurrent claim", key.Key, key.Consumer)
+			}
+		}
 	}
 	if err != nil {
 		return dedup.Claim{}, interpret("claim", err)

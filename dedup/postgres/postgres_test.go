@@ -176,10 +176,21 @@ func TestRollbackLeavesNothingAndFailureIsRecorded(t *testing.T) {
 
 func TestConcurrentClaimsApplyOnce(t *testing.T) {
 	t.Parallel()
+	// One after the other: each holds 50 connections.
+	t.Run("new key", func(t *testing.T) { testConcurrentClaims(t, false) })
+	// A key whose earlier attempt failed is taken by an UPDATE of its
+	// row instead of the INSERT: still one winner.
+	t.Run("failed key", func(t *testing.T) { testConcurrentClaims(t, true) })
+}
+
+func testConcurrentClaims(t *testing.T, failedBefore bool) {
 	b := setup(t, 52)
 	b.createEffects(t)
 	ctx := context.Background()
 	key := dedup.Key{Consumer: "billing", Key: "order-hot"}
+	if failedBefore {
+		require.NoError(t, b.store.InboxFail(ctx, key, dedup.Failure{Err: "timeout", At: time.Now()}, time.Hour))
+	}
 
 	const n = 50
 	var (

@@ -6,9 +6,9 @@ import "strings"
 // Every statement is parameterised; only the validated table name is
 // spliced in.
 type queries struct {
-	claim, read, complete, fail, deleteExpired         string
-	leaseClaim, leaseRead, leaseComplete, leaseRelease string
-	peek, doneKeys                                     string
+	claim, reclaim, read, complete, fail, deleteExpired string
+	leaseClaim, leaseRead, leaseComplete, leaseRelease  string
+	peek, doneKeys                                      string
 }
 
 func newQueries(table string) queries {
@@ -16,23 +16,31 @@ func newQueries(table string) queries {
 	return queries{
 		// The claim writes the row as 'done' at once: it only becomes
 		// visible when the transaction commits, together with the effect.
-		// A concurrent claimer blocks on the row until then. The outer
-		// SELECT answers a done key in the same round trip; it runs on the
-		// statement's snapshot, so a row committed while the INSERT waited
-		// is read again by the caller.
-		claim: r.Replace(`WITH claim AS (
-	INSERT INTO {T} AS i (consumer, key, status, attempts, done_at, expires_at)
+		// A concurrent claimer waits on the uncommitted row until then.
+		// ON CONFLICT DO NOTHING takes no lock on an existing row, so
+		// duplicates of a done key, the common case, never queue behind
+		// each other; the outer SELECT answers them in the same round
+		// trip. It runs on the statement's snapshot, so a row committed
+		// while the INSERT waited is read again by the caller, and a
+		// failed row is taken with reclaim.
+		claim: r.Replace(`WITH ins AS (
+	INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
 	VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
-	ON CONFLICT (consumer, key) DO UPDATE
-	SET status = 'done', attempts = i.attempts + 1, lease_until = NULL,
-	    updated_at = now(), done_at = now(), expires_at = EXCLUDED.expires_at
-	WHERE i.status <> 'done'
+	ON CONFLICT (consumer, key) DO NOTHING
 	RETURNING attempts, first_failed_at
 )
-SELECT 'new'::text, attempts, NULL::bytea, first_failed_at FROM claim
+SELECT 'new'::text, attempts, NULL::bytea, first_failed_at FROM ins
 UNION ALL
 SELECT status, attempts, result, first_failed_at FROM {T}
-WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claim)`),
+WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
+
+		// Takes a key whose earlier attempts failed. A concurrent claimer
+		// of the same failed key waits on the row lock and, if the first
+		// commits, finds it no longer failed.
+		reclaim: r.Replace(`UPDATE {T} SET status = 'done', attempts = attempts + 1, lease_until = NULL,
+	updated_at = now(), done_at = now(), expires_at = now() + make_interval(secs => $3)
+WHERE consumer = $1 AND key = $2 AND status = 'failed'
+RETURNING attempts, first_failed_at`),
 
 		read: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T} WHERE consumer = $1 AND key = $2`),
 
