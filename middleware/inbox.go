@@ -40,7 +40,9 @@ type InboxConfig struct {
 	Lease time.Duration
 	// InFlightDelay is how long a delivery whose key is held by another
 	// live lease waits before it is nacked, so that it is not redelivered
-	// in a tight loop. It is cut short when the lease ends sooner. Used in
+	// in a tight loop. It is cut short when the lease ends sooner, and
+	// when the holder finishes meanwhile (stores that implement
+	// dedup.Peeker) the delivery is answered as a duplicate. Used in
 	// lease mode, and with transactional stores that keep a lock in front
 	// of their record (dedup/twotier). Defaults to 1 second.
 	InFlightDelay time.Duration
@@ -213,7 +215,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		if err := tx.Rollback(ctx); err != nil {
 			return nil, err
 		}
-		return nil, in.inFlightNack(ctx, key, claim)
+		return in.awaitInFlight(msg, key, claim)
 	}
 
 	txCtx := tx.WithTx(ctx)
@@ -257,7 +259,7 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	case dedup.StateDone:
 		return in.duplicate(msg, key, claim)
 	case dedup.StateInFlight:
-		return nil, in.inFlightNack(ctx, key, claim)
+		return in.awaitInFlight(msg, key, claim)
 	}
 
 	released := false
@@ -336,25 +338,44 @@ func (in *Inbox) duplicate(msg *message.Message, key dedup.Key, claim dedup.Clai
 	return produced, nil
 }
 
-// inFlightNack waits a little before the nack, so that the broker does not
-// redeliver in a tight loop while the lease holder works; the message is
-// never acked, because acking it could commit an offset past a message whose
-// effect is not yet durable.
-func (in *Inbox) inFlightNack(ctx context.Context, key dedup.Key, claim dedup.Claim) error {
+// awaitInFlight handles a key another delivery holds. It waits up to
+// InFlightDelay (less if the lease ends sooner) so that the broker does not
+// redeliver in a tight loop, and, when the store can be read without a
+// claim (dedup.Peeker), looks every few milliseconds whether the holder
+// finished: then this delivery is a plain duplicate, answered with the
+// stored result and acked. Otherwise it is nacked, never acked: acking it
+// could commit an offset past a message whose effect is not yet durable.
+func (in *Inbox) awaitInFlight(msg *message.Message, key dedup.Key, claim dedup.Claim) ([]*message.Message, error) {
+	ctx := msg.Context()
 	in.inFlight.Add(1)
 	wait := in.cfg.InFlightDelay
 	if left := time.Until(claim.Until); left > 0 && left < wait {
 		wait = left
 	}
-	if wait > 0 {
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
+	peeker, _ := in.store().(dedup.Peeker)
+	deadline := time.Now().Add(wait)
+	for step := 5 * time.Millisecond; ; step = min(2*step, 100*time.Millisecond) {
+		left := time.Until(deadline)
+		if left <= 0 || !sleepCtx(ctx, min(step, left)) {
+			break
+		}
+		if peeker == nil {
+			continue
+		}
+		if c, err := peeker.InboxPeek(ctx, key); err == nil && c.State == dedup.StateDone {
+			in.inFlight.Add(-1)
+			return in.duplicate(msg, key, c)
 		}
 	}
-	return fmt.Errorf("%w: consumer %q key %q is leased until %s", ErrInFlight, key.Consumer, key.Key, claim.Until.Format(time.RFC3339Nano))
+	return nil, fmt.Errorf("%w: consumer %q key %q is leased until %s", ErrInFlight, key.Consumer, key.Key, claim.Until.Format(time.RFC3339Nano))
+}
+
+// store is the configured store, of either mode.
+func (in *Inbox) store() any {
+	if in.cfg.TxStore != nil {
+		return in.cfg.TxStore
+	}
+	return in.cfg.LeaseStore
 }
 
 func logFields(msg *message.Message, key dedup.Key) watermill.LogFields {

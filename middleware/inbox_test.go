@@ -18,6 +18,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
@@ -338,6 +339,42 @@ func TestInboxLeaseInFlightDuplicateIsNacked(t *testing.T) {
 		require.Equal(t, "receipt-1", out[0].UUID)
 		require.Equal(t, int32(1), charges.Load())
 		require.Equal(t, middleware.InboxStats{Applied: 1, Duplicates: 1, InFlight: 1}, in.Stats())
+	})
+}
+
+// TestInboxLeaseInFlightDuplicateAnsweredWhenHolderFinishes: a duplicate
+// that arrives while the first delivery runs waits, and when the first
+// completes within InFlightDelay it is answered as a duplicate (acked with
+// the stored result) instead of nacked.
+func TestInboxLeaseInFlightDuplicateAnsweredWhenHolderFinishes(t *testing.T) {
+	t.Parallel()
+	leaseStores(t, func(t *testing.T, store dedup.LeaseStore) {
+		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", InFlightDelay: time.Minute})
+		entered, release := make(chan struct{}), make(chan struct{})
+		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			close(entered)
+			<-release
+			return []*message.Message{message.NewMessage("receipt-2", nil)}, nil
+		})
+		firstDone := make(chan error, 1)
+		go func() {
+			_, err := h(delivery("pay-2", ""))
+			firstDone <- err
+		}()
+		<-entered
+		dupDone := make(chan []*message.Message, 1)
+		go func() {
+			out, err := h(delivery("pay-2", ""))
+			require.NoError(t, err)
+			dupDone <- out
+		}()
+		msgtest.WaitFor(t, "the duplicate to wait", func() bool { return in.Stats().InFlight == 1 })
+		close(release)
+		require.NoError(t, <-firstDone)
+		out := <-dupDone
+		require.Len(t, out, 1)
+		require.Equal(t, "receipt-2", out[0].UUID)
+		require.Equal(t, middleware.InboxStats{Applied: 1, Duplicates: 1}, in.Stats())
 	})
 }
 
