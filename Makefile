@@ -1,7 +1,7 @@
 GO ?= go
 GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 
-.PHONY: test services vet quickstart ci bench-outbox
+.PHONY: test services vet quickstart ci bench-outbox bench-dedup
 
 # Start (or check) the services the integration tests use, then run all tests.
 test: services
@@ -27,3 +27,12 @@ ci: vet test quickstart
 bench-outbox:
 	bash scripts/services.sh postgres
 	$(GO) run ./benchmarks/outbox $(ARGS)
+
+# Deduplication benchmark: every dedup strategy on one generated stream,
+# speed and correctness under crashes, on the PostgreSQL of DATABASE_URL and
+# the Redis of REDIS_URL; writes benchmarks/RESULTS.md,
+# benchmarks/dedup/results.csv and throughput.png. ARGS=-quick for a run
+# under a minute (which writes nothing).
+bench-dedup:
+	bash scripts/services.sh postgres redis
+	$(GO) run ./benchmarks/dedup $(ARGS)

@@ -105,3 +105,9 @@ if r[1] == 'processing' and now < leaseUntil then
 end
 return {'new', attempts, 0, firstFailed}
 `
+
+// ClaimScript returns the Lua source that [Store.LeaseClaim] runs with
+// EVALSHA (KEYS[1] the record, ARGV[1] the lease and ARGV[2] the window, in
+// milliseconds), so that the server's own rate for it can be measured, e.g.
+// with redis-benchmark, and compared with the store's.
+func ClaimScript() string { return claimSource }

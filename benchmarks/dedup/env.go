@@ -1,0 +1,418 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	goredis "github.com/redis/go-redis/v9"
+
+	"github.com/oncemill/oncemill/dedup/postgres"
+	redisstore "github.com/oncemill/oncemill/dedup/redis"
+	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// env is what every measurement of one run shares: the connections, the
+// run's random ID (in every schema, prefix and file name it creates) and a
+// temp dir for the SQLite files.
+type env struct {
+	cfg   Config
+	pool  *pgxpool.Pool
+	rdb   *goredis.Client
+	runID string
+	tmp   string
+	seq   atomic.Int64
+}
+
+// newEnv connects to PostgreSQL and, when needRedis, to Redis, and makes
+// the run's temp dir. close undoes all of it.
+func newEnv(ctx context.Context, cfg Config, needRedis bool) (e *env, closeFn func(), err error) {
+	e = &env{cfg: cfg, runID: randomID()}
+	var closers []func()
+	closeFn = func() {
+		for i := len(closers) - 1; i >= 0; i-- {
+			closers[i]()
+		}
+	}
+	defer func() {
+		if err != nil {
+			closeFn()
+		}
+	}()
+	conns := int32(maxOf(cfg.Concurrency, cfg.CrashWorkers) + 8)
+
+	pcfg, err := pgxpool.ParseConfig(cfg.DSN)
+	if err != nil {
+		return nil, nil, fmt.Errorf("parse PostgreSQL URL: %w", err)
+	}
+	pcfg.MaxConns = conns
+	pcfg.ConnConfig.Tracer = pgTracer{}
+	e.pool, err = pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	closers = append(closers, e.pool.Close)
+	if err := e.pool.Ping(ctx); err != nil {
+		return nil, nil, fmt.Errorf("ping PostgreSQL: %w", err)
+	}
+
+	if needRedis {
+		opts, err := goredis.ParseURL(cfg.RedisURL)
+		if err != nil {
+			return nil, nil, fmt.Errorf("parse Redis URL: %w", err)
+		}
+		opts.PoolSize = int(conns)
+		e.rdb = goredis.NewClient(opts)
+		closers = append(closers, func() { _ = e.rdb.Close() })
+		if err := e.rdb.Ping(ctx).Err(); err != nil {
+			return nil, nil, fmt.Errorf("ping Redis: %w", err)
+		}
+		e.rdb.AddHook(redisHook{})
+	}
+
+	e.tmp, err = os.MkdirTemp("", "oncemill-bench-dedup-")
+	if err != nil {
+		return nil, nil, fmt.Errorf("temp dir: %w", err)
+	}
+	closers = append(closers, func() { _ = os.RemoveAll(e.tmp) })
+	return e, closeFn, nil
+}
+
+// fixture is the durable state one measurement owns, fresh for it and gone
+// after it: a PostgreSQL schema (oncemill's tables, the effects table, the
+// raw baseline's keys table), a Redis key prefix, a SQLite file.
+type fixture struct {
+	e      *env
+	id     string
+	schema string
+	pg     *postgres.Store
+	prefix string
+	redis  *redisstore.Store
+	sqlite *sqlite.Store
+	sqlDir string
+
+	insertEffect, rawClaim string
+}
+
+// sqliteInsertEffect is the effect in the SQLite database.
+const sqliteInsertEffect = `INSERT INTO effects (key, payload) VALUES (?, ?)`
+
+// newFixture creates what strategy d needs. close removes it again.
+func (e *env) newFixture(ctx context.Context, d strategyDef) (_ *fixture, err error) {
+	f := &fixture{e: e, id: fmt.Sprintf("%s_%03d", e.runID, e.seq.Add(1))}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, f.close())
+		}
+	}()
+	if d.Postgres {
+		f.schema = "bench_dedup_" + f.id
+		s := pgx.Identifier{f.schema}.Sanitize()
+		if d.Name == stRaw {
+			if _, err := e.pool.Exec(ctx, `CREATE SCHEMA `+s); err != nil {
+				return nil, fmt.Errorf("create schema %s: %w", f.schema, err)
+			}
+		} else if err := sqlschema.Migrate(ctx, e.pool, sqlschema.Config{Schema: f.schema}); err != nil {
+			return nil, fmt.Errorf("migrate schema %s: %w", f.schema, err)
+		}
+		ddl := `CREATE TABLE ` + s + `.effects (key text NOT NULL, payload bytea NOT NULL);
+CREATE TABLE ` + s + `.raw_keys (key text PRIMARY KEY)`
+		if _, err := e.pool.Exec(ctx, ddl); err != nil {
+			return nil, fmt.Errorf("create effects table: %w", err)
+		}
+		f.insertEffect = `INSERT INTO ` + s + `.effects (key, payload) VALUES ($1, $2)`
+		f.rawClaim = `INSERT INTO ` + s + `.raw_keys (key) VALUES ($1) ON CONFLICT DO NOTHING RETURNING key`
+		if f.pg, err = postgres.New(e.pool, postgres.Config{Schema: f.schema}); err != nil {
+			return nil, fmt.Errorf("postgres store: %w", err)
+		}
+	}
+	if d.Redis {
+		if e.rdb == nil {
+			return nil, errors.New("strategy needs Redis but no client is connected")
+		}
+		f.prefix = "bench-dedup:" + f.id + ":"
+		if f.redis, err = redisstore.New(redisstore.Config{Client: e.rdb, Prefix: f.prefix}); err != nil {
+			return nil, fmt.Errorf("redis store: %w", err)
+		}
+	}
+	if d.SQLite {
+		f.sqlDir = filepath.Join(e.tmp, f.id)
+		if err := os.Mkdir(f.sqlDir, 0o700); err != nil {
+			return nil, fmt.Errorf("sqlite dir: %w", err)
+		}
+		if f.sqlite, err = sqlite.Open(ctx, filepath.Join(f.sqlDir, "inbox.db"), sqlite.Config{}); err != nil {
+			return nil, fmt.Errorf("sqlite store: %w", err)
+		}
+		if _, err := f.sqlite.DB().ExecContext(ctx, `CREATE TABLE effects (key TEXT NOT NULL, payload BLOB NOT NULL)`); err != nil {
+			return nil, fmt.Errorf("sqlite effects table: %w", err)
+		}
+	}
+	return f, nil
+}
+
+// effectCounts is what the effects table holds at the end of a run.
+type effectCounts struct {
+	// Rows counts effect rows; Exactly, Doubles and Keys count keys with
+	// exactly one, more than one, and at least one row.
+	Rows, Exactly, Doubles, Keys int
+}
+
+// countEffects reads the effects table.
+func (f *fixture) countEffects(ctx context.Context) (effectCounts, error) {
+	var c effectCounts
+	var err error
+	if f.sqlite != nil {
+		err = f.sqlite.DB().QueryRowContext(ctx, `SELECT coalesce(sum(n = 1), 0), coalesce(sum(n > 1), 0), count(*), coalesce(sum(n), 0)
+FROM (SELECT key, count(*) AS n FROM effects GROUP BY key)`).Scan(&c.Exactly, &c.Doubles, &c.Keys, &c.Rows)
+	} else {
+		err = f.e.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE n = 1), count(*) FILTER (WHERE n > 1), count(*), coalesce(sum(n), 0)
+FROM (SELECT key, count(*) AS n FROM `+pgx.Identifier{f.schema, "effects"}.Sanitize()+` GROUP BY key) AS per_key`).
+			Scan(&c.Exactly, &c.Doubles, &c.Keys, &c.Rows)
+	}
+	if err != nil {
+		return c, fmt.Errorf("count effects: %w", err)
+	}
+	return c, nil
+}
+
+// close drops the schema, deletes the Redis keys and the SQLite file.
+func (f *fixture) close() error {
+	ctx := context.Background()
+	var errs []error
+	if f.sqlite != nil {
+		errs = append(errs, f.sqlite.Close())
+	}
+	if f.sqlDir != "" {
+		errs = append(errs, os.RemoveAll(f.sqlDir))
+	}
+	if f.schema != "" {
+		if _, err := f.e.pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{f.schema}.Sanitize()+` CASCADE`); err != nil {
+			errs = append(errs, fmt.Errorf("drop schema %s: %w", f.schema, err))
+		}
+	}
+	if f.prefix != "" {
+		if err := deleteKeys(ctx, f.e.rdb, f.prefix); err != nil {
+			errs = append(errs, fmt.Errorf("delete Redis keys %s*: %w", f.prefix, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// deleteKeys deletes every key that starts with prefix, which must hold no
+// glob metacharacter.
+func deleteKeys(ctx context.Context, c *goredis.Client, prefix string) error {
+	var cursor uint64
+	for {
+		keys, next, err := c.Scan(ctx, cursor, prefix+"*", 1000).Result()
+		if err != nil {
+			return err
+		}
+		if len(keys) > 0 {
+			if err := c.Unlink(ctx, keys...).Err(); err != nil {
+				return err
+			}
+		}
+		if next == 0 {
+			return nil
+		}
+		cursor = next
+	}
+}
+
+// warmConnections makes sure the pools hold n connections before the
+// clock starts, so that no measurement pays for dialling.
+func (e *env) warmConnections(ctx context.Context, n int, redis bool) error {
+	conns := make([]*pgxpool.Conn, 0, n)
+	defer func() {
+		for _, c := range conns {
+			c.Release()
+		}
+	}()
+	for range n {
+		c, err := e.pool.Acquire(ctx)
+		if err != nil {
+			return fmt.Errorf("warm PostgreSQL connections: %w", err)
+		}
+		conns = append(conns, c)
+	}
+	if !redis || e.rdb == nil {
+		return nil
+	}
+	var (
+		wg   sync.WaitGroup
+		errs = make([]error, n)
+	)
+	for i := range n {
+		wg.Go(func() {
+			for range 3 {
+				if err := e.rdb.Ping(ctx).Err(); err != nil {
+					errs[i] = err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("warm Redis connections: %w", err)
+	}
+	return nil
+}
+
+// fault is what goes wrong in a delivery.
+type fault int
+
+const (
+	faultNone fault = iota
+	// faultAfterClaim: the process dies in the handler, before the effect
+	// (after the claim, for the strategies that claim).
+	faultAfterClaim
+	// faultAfterEffect: the process dies after the effect, before the
+	// commit or lease completion.
+	faultAfterEffect
+	// faultAfterCommit: the process dies after the handler chain returned
+	// (committed, completed), before the ack.
+	faultAfterCommit
+	// faultHandlerError: the handler returns an error before the effect;
+	// the process lives and the message is redelivered.
+	faultHandlerError
+)
+
+// faults lists the faults of the correctness runs, in report order.
+func faults() []fault {
+	return []fault{faultAfterClaim, faultAfterEffect, faultAfterCommit, faultHandlerError}
+}
+
+func (f fault) String() string {
+	switch f {
+	case faultAfterClaim:
+		return "crash after claim, before effect"
+	case faultAfterEffect:
+		return "crash after effect, before commit/complete"
+	case faultAfterCommit:
+		return "crash after commit, before ack"
+	case faultHandlerError:
+		return "handler error, process lives"
+	}
+	return "none"
+}
+
+// short is the fault's name in the CSV.
+func (f fault) short() string {
+	switch f {
+	case faultAfterClaim:
+		return "after_claim"
+	case faultAfterEffect:
+		return "after_effect"
+	case faultAfterCommit:
+		return "after_commit"
+	case faultHandlerError:
+		return "handler_error"
+	}
+	return "none"
+}
+
+// delivery travels in the message context of one delivery: the fault to
+// inject, and the round trips its store calls made.
+type delivery struct {
+	fault     fault
+	pg, redis atomic.Int64
+}
+
+type deliveryKey struct{}
+
+// deliveryOf returns the delivery in ctx, or an empty one.
+func deliveryOf(ctx context.Context) *delivery {
+	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
+		return d
+	}
+	return &delivery{}
+}
+
+// pgTracer counts every statement sent through the pool (BEGIN, COMMIT and
+// ROLLBACK included) against the delivery in its context.
+type pgTracer struct{}
+
+func (pgTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
+		d.pg.Add(1)
+	}
+	return ctx
+}
+
+func (pgTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// redisHook counts every Redis command, and every pipeline as one round
+// trip, against the delivery in its context.
+type redisHook struct{}
+
+func (redisHook) DialHook(next goredis.DialHook) goredis.DialHook { return next }
+
+func (redisHook) ProcessHook(next goredis.ProcessHook) goredis.ProcessHook {
+	return func(ctx context.Context, cmd goredis.Cmder) error {
+		if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
+			d.redis.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (redisHook) ProcessPipelineHook(next goredis.ProcessPipelineHook) goredis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []goredis.Cmder) error {
+		if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
+			d.redis.Add(1)
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// countingLogger prints the first few errors of a run and counts them all.
+type countingLogger struct {
+	out    io.Writer
+	prefix string
+	max    int64
+	n      *atomic.Int64
+}
+
+func newCountingLogger(out io.Writer, prefix string, maxPrinted int64) countingLogger {
+	return countingLogger{out: out, prefix: prefix, max: maxPrinted, n: new(atomic.Int64)}
+}
+
+func (l countingLogger) Error(msg string, err error, fields watermill.LogFields) {
+	if n := l.n.Add(1); n <= l.max {
+		fmt.Fprintf(l.out, "  %s: logged error: %s: %v %v\n", l.prefix, msg, err, fields)
+	}
+}
+func (countingLogger) Info(string, watermill.LogFields)  {}
+func (countingLogger) Debug(string, watermill.LogFields) {}
+func (countingLogger) Trace(string, watermill.LogFields) {}
+func (l countingLogger) With(watermill.LogFields) watermill.LoggerAdapter {
+	return l
+}
+
+func randomID() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func isNoRows(err error) bool { return errors.Is(err, pgx.ErrNoRows) }
+
+func maxOf(xs []int, more ...int) int {
+	m := 0
+	for _, x := range append(append([]int(nil), xs...), more...) {
+		m = max(m, x)
+	}
+	return m
+}

@@ -1,0 +1,176 @@
+package main
+
+import (
+	"context"
+	"encoding/csv"
+	"image/png"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/redistest"
+)
+
+// watermillCleanup is the goroutine Watermill v1.5.1's
+// NewMapExpiringKeyRepository starts and never stops; every process of the
+// watermill-deduplicator strategy leaves one behind.
+const watermillCleanup = "github.com/ThreeDotsLabs/watermill/message/router/middleware.(*mapExpiringKeyRepository).cleanOutLoop"
+
+// TestSmoke runs a tiny configuration of both halves on three strategies
+// against the real PostgreSQL and Redis, checks that the counts add up and
+// that the postgres inbox neither doubled nor lost an effect, renders every
+// output, and checks that nothing keeps running.
+func TestSmoke(t *testing.T) {
+	// Both fail the test under CI=true when the service is unreachable.
+	pgtest.Pool(t, 1)
+	redistest.Client(t)
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent(), goleak.IgnoreTopFunction(watermillCleanup))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	bench := "redis-benchmark"
+	if _, err := exec.LookPath(bench); err != nil {
+		t.Logf("redis-benchmark not installed (%v): that part is not run", err)
+		bench = ""
+	}
+	var out strings.Builder
+	cfg := Config{
+		DSN: pgtest.URL(), RedisURL: redistest.URL(),
+		N: 80, DupRatios: []float64{0, 0.5}, Concurrency: []int{1, 4},
+		Strategies: []string{stWatermill, stRedis, stPostgres},
+		Seed:       7, CrashN: 70, CrashDupRatio: 0.1, CrashEvery: 7, CrashWorkers: 4, CrashLease: 100 * time.Millisecond,
+		RedisBenchmark: bench, RedisBenchN: 500, RunTimeout: time.Minute, Out: &out,
+	}
+	res, err := Run(ctx, cfg)
+	t.Log(out.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	if want := len(cfg.DupRatios) * len(cfg.Concurrency) * (len(cfg.Strategies) + 1); len(res.Speed) != want {
+		t.Fatalf("got %d speed results, want %d", len(res.Speed), want)
+	}
+	for _, r := range res.Speed {
+		name := r.Strategy + " " + strconv.Itoa(r.DupPct) + "% c=" + strconv.Itoa(r.Concurrency)
+		if r.Keys+r.Dups != r.N || r.Deliveries < r.N || r.MsgsPerSec <= 0 {
+			t.Errorf("%s: N %d, keys %d, dups %d, deliveries %d, %.0f msgs/s", name, r.N, r.Keys, r.Dups, r.Deliveries, r.MsgsPerSec)
+		}
+		if e := r.Effects; e.Keys != r.Keys || e.Exactly+e.Doubles != e.Keys || e.Rows < e.Exactly+2*e.Doubles {
+			t.Errorf("%s: effects %+v do not add up for %d keys", name, e, r.Keys)
+		}
+		if r.Strategy != stRaw && r.RatioRaw <= 0 {
+			t.Errorf("%s: no ratio to the raw baseline", name)
+		}
+		if (r.Strategy == stPostgres || r.Strategy == stRaw) && (r.Effects.Doubles != 0 || r.Effects.Rows != r.Keys) {
+			t.Errorf("%s: %d effect rows for %d keys", name, r.Effects.Rows, r.Keys)
+		}
+		if r.Strategy == stPostgres && r.DupPct == 0 && r.PGRT != 4 {
+			t.Errorf("%s: %.3f round trips per message, want 4 (BEGIN, claim, effect, COMMIT)", name, r.PGRT)
+		}
+	}
+	if bench != "" && len(res.RedisBench) != len(cfg.Concurrency) {
+		t.Errorf("got %d redis-benchmark results, want %d (%s)", len(res.RedisBench), len(cfg.Concurrency), res.RedisBenchSkipped)
+	}
+	for _, r := range res.RedisBench {
+		if r.RPS <= 0 || r.StoreClaimsPerSec <= 0 || !strings.Contains(r.Command, "EVALSHA") {
+			t.Errorf("redis-benchmark c=%d: %+v", r.Concurrency, r)
+		}
+	}
+
+	if want := len(cfg.Strategies) * len(faults()); len(res.Crash) != want {
+		t.Fatalf("got %d correctness results, want %d", len(res.Crash), want)
+	}
+	for _, r := range res.Crash {
+		name := r.Strategy + " / " + r.Fault.String()
+		e := r.Effects
+		if e.Exactly+e.Doubles+r.Lost != r.Keys || e.Keys+r.Lost != r.Keys || e.Rows < e.Exactly+2*e.Doubles {
+			t.Errorf("%s: effects %+v and %d lost do not add up to %d keys", name, e, r.Lost, r.Keys)
+		}
+		if r.Faults != cfg.CrashN/cfg.CrashEvery || r.Deliveries < r.N {
+			t.Errorf("%s: %d faults, %d deliveries for %d messages", name, r.Faults, r.Deliveries, r.N)
+		}
+		if r.Fault != faultHandlerError && r.Processes < 2 {
+			t.Errorf("%s: %d processes: the crashes did not restart it", name, r.Processes)
+		}
+		if r.Strategy == stPostgres && (e.Doubles != 0 || r.Lost != 0) {
+			t.Errorf("%s: %d double, %d lost, want 0 and 0", name, e.Doubles, r.Lost)
+		}
+		if r.Strategy == stWatermill && r.Fault == faultHandlerError && r.Lost == 0 {
+			t.Errorf("%s: no key lost, although a failed delivery's key stays recorded", name)
+		}
+	}
+
+	tables := Markdown(res, cfg)
+	for _, want := range []string{"| postgres-inbox |", "### Correctness under faults", "### Targets", "postgres-inbox: 0 double / 0 lost"} {
+		if !strings.Contains(tables, want) {
+			t.Errorf("report lacks %q:\n%s", want, tables)
+		}
+	}
+	dir := t.TempDir()
+	report := filepath.Join(dir, "RESULTS.md")
+	if err := os.WriteFile(report, []byte("# Results\n\n## Deduplication strategies\n\nold\n\n## Other\n\nkept\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	csvPath, pngPath := filepath.Join(dir, "dedup", "results.csv"), filepath.Join(dir, "dedup", "throughput.png")
+	if err := writeOutputs(res, cfg, Section("note", tables, cfg), report, csvPath, pngPath); err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(report)
+	if s := string(b); strings.Contains(s, "\nold\n") || !strings.Contains(s, "## Other\n\nkept\n") || !strings.Contains(s, "note") {
+		t.Errorf("report not updated as expected:\n%s", s)
+	}
+	f, err := os.Open(csvPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows, err := csv.NewReader(f).ReadAll()
+	_ = f.Close()
+	if want := 1 + len(res.Speed) + len(res.Crash) + len(res.RedisBench); err != nil || len(rows) != want {
+		t.Errorf("CSV: %d rows (%v), want %d", len(rows), err, want)
+	}
+	f, err = os.Open(pngPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := png.Decode(f)
+	_ = f.Close()
+	if err != nil || img.Bounds().Dx() < 500 {
+		t.Errorf("chart: %v, %v", err, img)
+	}
+}
+
+// TestStream checks that a stream is reproducible and has the duplicates
+// it was asked for, each a copy of an earlier key.
+func TestStream(t *testing.T) {
+	a, b := newStream(1000, 0.3, 5), newStream(1000, 0.3, 5)
+	if a.Dups != 300 || a.Keys != 700 {
+		t.Fatalf("got %d keys and %d dups, want 700 and 300", a.Keys, a.Dups)
+	}
+	seen := map[string]bool{}
+	uuids := map[string]bool{}
+	for i, m := range a.Msgs {
+		if b.Msgs[i].UUID != m.UUID || b.Msgs[i].Key != m.Key {
+			t.Fatalf("message %d differs between two streams of the same seed", i)
+		}
+		if m.Dup != seen[m.Key] {
+			t.Fatalf("message %d: Dup %v, but key seen before: %v", i, m.Dup, seen[m.Key])
+		}
+		if uuids[m.UUID] {
+			t.Fatalf("message %d: UUID %s repeated", i, m.UUID)
+		}
+		seen[m.Key], uuids[m.UUID] = true, true
+	}
+	if c := newStream(1000, 0.3, 6); c.Msgs[500].UUID == a.Msgs[500].UUID {
+		t.Error("another seed gave the same stream")
+	}
+	if s := newStream(1, 0.9, 1); s.Keys != 1 || s.Dups != 0 {
+		t.Errorf("one message: %d keys, %d dups", s.Keys, s.Dups)
+	}
+}

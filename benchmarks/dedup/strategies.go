@@ -1,0 +1,438 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/memory"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/dedup/twotier"
+	"github.com/oncemill/oncemill/middleware"
+)
+
+// Strategy names, as they appear in the report.
+const (
+	stNone      = "none"
+	stWatermill = "watermill-deduplicator"
+	stMemory    = "memory-lease"
+	stRedis     = "redis-lease"
+	stPostgres  = "postgres-inbox"
+	stBloom     = "postgres+bloom"
+	stTwoTier   = "redis+postgres"
+	stSQLite    = "sqlite-inbox"
+	// stRaw is the raw-SQL baseline of the speed runs: one claim+effect
+	// transaction through pgx, no middleware.
+	stRaw = "raw-sql"
+)
+
+// consumer scopes every key the inboxes write.
+const consumer = "bench"
+
+// effectKind says where and how a strategy's handler writes its effect.
+type effectKind int
+
+const (
+	// effectPool autocommits the effect through the PostgreSQL pool, outside
+	// any claim: the effect of lease mode and of the baselines.
+	effectPool effectKind = iota + 1
+	// effectPGTx writes it in the inbox's PostgreSQL transaction.
+	effectPGTx
+	// effectSQLiteTx writes it in the inbox's SQLite transaction.
+	effectSQLiteTx
+)
+
+// strategyDef describes one way of deduplicating.
+type strategyDef struct {
+	Name string
+	// What is a one-line description for the report.
+	What string
+	// Baseline marks strategies that are measured for comparison and do
+	// not promise exactly-once effects across crashes.
+	Baseline bool
+	// ExactlyOnce marks the strategies expected to show 0 double and 0 lost
+	// effects under every fault.
+	ExactlyOnce bool
+	// Postgres, Redis and SQLite say which durable state it needs.
+	Postgres, Redis, SQLite bool
+	Effect                  effectKind
+}
+
+// strategies lists every strategy, in report order.
+func strategies() []strategyDef {
+	return []strategyDef{
+		{Name: stNone, Baseline: true, Postgres: true, Effect: effectPool,
+			What: "baseline: the handler alone, no deduplication"},
+		{Name: stWatermill, Baseline: true, Postgres: true, Effect: effectPool,
+			What: "baseline: Watermill's middleware.Deduplicator, in-memory expiring repository, keyed by idempotency_key"},
+		{Name: stMemory, Baseline: true, Postgres: true, Effect: effectPool,
+			What: "baseline: Inbox lease mode on dedup/memory (forgets on restart)"},
+		{Name: stRedis, Redis: true, Postgres: true, Effect: effectPool,
+			What: "Inbox lease mode on dedup/redis; the effect is outside any transaction"},
+		{Name: stPostgres, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
+			What: "Inbox transactional mode on dedup/postgres"},
+		{Name: stBloom, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
+			What: "middleware.Bloom (warmed from the store) in front of the postgres inbox"},
+		{Name: stTwoTier, ExactlyOnce: true, Redis: true, Postgres: true, Effect: effectPGTx,
+			What: "Inbox transactional mode on dedup/twotier: Redis lock, PostgreSQL record"},
+		{Name: stSQLite, ExactlyOnce: true, SQLite: true, Effect: effectSQLiteTx,
+			What: "Inbox transactional mode on dedup/sqlite (a temp file, WAL, synchronous=FULL)"},
+	}
+}
+
+// rawDef is the raw-SQL baseline, run like a strategy in the speed runs.
+func rawDef() strategyDef {
+	return strategyDef{Name: stRaw, Baseline: true, Postgres: true, Effect: effectPool,
+		What: "BEGIN; INSERT INTO keys … ON CONFLICT DO NOTHING RETURNING; if new INSERT effect; COMMIT — through pgx, no middleware"}
+}
+
+// lookupStrategies returns the definitions named, in report order.
+func lookupStrategies(names []string) ([]strategyDef, error) {
+	all := strategies()
+	if len(names) == 0 {
+		return all, nil
+	}
+	var out []strategyDef
+	for _, d := range all {
+		if slices.Contains(names, d.Name) {
+			out = append(out, d)
+		}
+	}
+	for _, n := range names {
+		if !slices.ContainsFunc(all, func(d strategyDef) bool { return d.Name == n }) {
+			return nil, fmt.Errorf("unknown strategy %q", n)
+		}
+	}
+	return out, nil
+}
+
+// errCrashed is what a dead process answers: nothing runs in it any more.
+var errCrashed = errors.New("process crashed")
+
+// errTransient is the handler's error in the "handler error" fault.
+var errTransient = errors.New("transient handler failure (injected)")
+
+// procOptions shape one process.
+type procOptions struct {
+	// Lease is the lease of lease-mode inboxes and of the two-tier lock;
+	// zero keeps the library's default (30 s).
+	Lease time.Duration
+	// Crashable wraps the stores so that a dead process can no longer
+	// reach them (speed runs leave them unwrapped).
+	Crashable bool
+	// ExpectedKeys sizes the Bloom filter.
+	ExpectedKeys uint
+	// Logger receives the middlewares' and stores' log lines.
+	Logger watermill.LoggerAdapter
+}
+
+// process is one consumer process: the strategy's in-memory state and its
+// handler chain over the fixture's durable state. A crash kills it; a
+// restart is a new process on the same fixture.
+type process struct {
+	f       *fixture
+	handler message.HandlerFunc
+	ctx     context.Context
+	cancel  context.CancelFunc
+
+	mu   sync.Mutex // orders crash against ack
+	dead atomic.Bool
+
+	inbox *middleware.Inbox
+	bloom *middleware.Bloom
+	tt    *twotier.Store
+}
+
+// start builds a process of strategy d: fresh in-memory state (a new memory
+// store, a new Watermill repository, a new Bloom filter warmed from the
+// store), as a process that starts, or restarts after a crash, would have.
+func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*process, error) {
+	p := &process{f: f}
+	p.ctx, p.cancel = context.WithCancel(ctx)
+	if o.Logger == nil {
+		o.Logger = watermill.NopLogger{}
+	}
+	effect := p.effectHandler(d.Effect)
+	newInbox := func(cfg middleware.InboxConfig) (message.HandlerFunc, error) {
+		cfg.Consumer, cfg.Lease, cfg.Logger = consumer, o.Lease, o.Logger
+		in, err := middleware.NewInbox(cfg)
+		if err != nil {
+			return nil, fmt.Errorf("new inbox: %w", err)
+		}
+		p.inbox = in
+		return in.Middleware(effect), nil
+	}
+	var err error
+	switch d.Name {
+	case stNone:
+		p.handler = effect
+	case stRaw:
+		p.handler = p.rawHandler()
+	case stWatermill:
+		// The repository starts a cleanup goroutine that nothing stops
+		// (Watermill v1.5.1); a restart leaves the old one behind.
+		repo, rerr := wmw.NewMapExpiringKeyRepository(dedup.DefaultWindow)
+		if rerr != nil {
+			err = fmt.Errorf("watermill repository: %w", rerr)
+			break
+		}
+		dd := &wmw.Deduplicator{
+			KeyFactory: wmw.NewMessageHasherFromMetadataField(middleware.IdempotencyKeyMetadata),
+			Repository: repo,
+			Timeout:    time.Minute,
+		}
+		p.handler = dd.Middleware(effect)
+	case stMemory:
+		p.handler, err = newInbox(middleware.InboxConfig{LeaseStore: p.lease(o, memory.New())})
+	case stRedis:
+		p.handler, err = newInbox(middleware.InboxConfig{LeaseStore: p.lease(o, f.redis)})
+	case stPostgres:
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
+	case stBloom:
+		var inner message.HandlerFunc
+		if inner, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)}); err != nil {
+			break
+		}
+		p.bloom, err = middleware.NewBloom(middleware.BloomConfig{
+			Store: f.pg, Consumer: consumer, ExpectedKeys: o.ExpectedKeys, Logger: o.Logger,
+		})
+		if err != nil {
+			err = fmt.Errorf("new bloom: %w", err)
+			break
+		}
+		if _, werr := p.bloom.Warm(ctx); werr != nil {
+			err = fmt.Errorf("warm bloom: %w", werr)
+			break
+		}
+		p.handler = p.bloom.Middleware(inner)
+	case stTwoTier:
+		p.tt, err = twotier.New(twotier.Config{Lock: p.lease(o, f.redis), Record: p.tx(o, f.pg), Lease: o.Lease, Logger: o.Logger})
+		if err != nil {
+			err = fmt.Errorf("new twotier: %w", err)
+			break
+		}
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tt})
+	case stSQLite:
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.sqlite)})
+	default:
+		err = fmt.Errorf("unknown strategy %q", d.Name)
+	}
+	if err != nil {
+		p.cancel()
+		return nil, fmt.Errorf("%s: start process: %w", d.Name, err)
+	}
+	return p, nil
+}
+
+// stop ends the process's context.
+func (p *process) stop() { p.cancel() }
+
+// crash kills the process: nothing it runs reaches a store or the database
+// any more, its in-flight calls are cancelled (an open transaction dies with
+// its connection), and nothing more is acked.
+func (p *process) crash() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.dead.CompareAndSwap(false, true) {
+		p.cancel()
+	}
+}
+
+// ack calls fn, the ack, unless the process died first; crash and ack are
+// ordered, so that a delivery is either acked or redelivered.
+func (p *process) ack(fn func()) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.dead.Load() {
+		return false
+	}
+	fn()
+	return true
+}
+
+// effectHandler returns the business handler: one INSERT of (key, payload)
+// into the effects table, with the delivery's fault, if any, injected.
+func (p *process) effectHandler(kind effectKind) message.HandlerFunc {
+	f := p.f
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		d := deliveryOf(ctx)
+		switch {
+		case d.fault == faultAfterClaim:
+			p.crash()
+			return nil, errCrashed
+		case d.fault == faultHandlerError:
+			return nil, errTransient
+		case p.dead.Load():
+			return nil, errCrashed
+		}
+		key := msg.Metadata.Get(middleware.IdempotencyKeyMetadata)
+		var err error
+		switch kind {
+		case effectPool:
+			_, err = f.e.pool.Exec(ctx, f.insertEffect, key, []byte(msg.Payload))
+		case effectPGTx:
+			tx := postgres.Tx(ctx)
+			if tx == nil {
+				return nil, errors.New("effect: no PostgreSQL transaction in the context")
+			}
+			_, err = tx.Exec(ctx, f.insertEffect, key, []byte(msg.Payload))
+		case effectSQLiteTx:
+			tx := sqlite.Tx(ctx)
+			if tx == nil {
+				return nil, errors.New("effect: no SQLite transaction in the context")
+			}
+			_, err = tx.ExecContext(ctx, sqliteInsertEffect, key, []byte(msg.Payload))
+		}
+		if err != nil {
+			return nil, fmt.Errorf("effect: %w", err)
+		}
+		if d.fault == faultAfterEffect {
+			p.crash()
+			return nil, errCrashed
+		}
+		return nil, nil
+	}
+}
+
+// rawHandler is the raw-SQL baseline: the claim and the effect of the
+// transactional inbox, written by hand.
+func (p *process) rawHandler() message.HandlerFunc {
+	f := p.f
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		key := msg.Metadata.Get(middleware.IdempotencyKeyMetadata)
+		tx, err := f.e.pool.Begin(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("raw: begin: %w", err)
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+		var got string
+		err = tx.QueryRow(ctx, f.rawClaim, key).Scan(&got)
+		switch {
+		case err == nil:
+			if _, err := tx.Exec(ctx, f.insertEffect, key, []byte(msg.Payload)); err != nil {
+				return nil, fmt.Errorf("raw: effect: %w", err)
+			}
+		case !isNoRows(err):
+			return nil, fmt.Errorf("raw: claim: %w", err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return nil, fmt.Errorf("raw: commit: %w", err)
+		}
+		return nil, nil
+	}
+}
+
+// lease returns s, behind the crash gate when o.Crashable.
+func (p *process) lease(o procOptions, s dedup.LeaseStore) dedup.LeaseStore {
+	if !o.Crashable {
+		return s
+	}
+	return gatedLease{s: s, p: p}
+}
+
+// tx returns s, behind the crash gate when o.Crashable.
+func (p *process) tx(o procOptions, s dedup.TxStore) dedup.TxStore {
+	if !o.Crashable {
+		return s
+	}
+	return gatedTx{s: s, p: p}
+}
+
+// gatedLease is a lease store as seen from a process that may die: once it
+// is dead no call reaches the store (a dead process completes and releases
+// nothing; its leases stay until they expire).
+type gatedLease struct {
+	s dedup.LeaseStore
+	p *process
+}
+
+func (g gatedLease) LeaseClaim(ctx context.Context, key dedup.Key, lease, window time.Duration) (dedup.Claim, error) {
+	if g.p.dead.Load() {
+		return dedup.Claim{}, errCrashed
+	}
+	return g.s.LeaseClaim(ctx, key, lease, window)
+}
+
+func (g gatedLease) LeaseComplete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
+	if g.p.dead.Load() {
+		return errCrashed
+	}
+	return g.s.LeaseComplete(ctx, key, token, result)
+}
+
+func (g gatedLease) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
+	if g.p.dead.Load() {
+		return errCrashed
+	}
+	return g.s.LeaseRelease(ctx, key, token, f)
+}
+
+// gatedTx is a transactional store as seen from a process that may die:
+// once it is dead nothing is claimed, completed, committed or recorded; an
+// open transaction is rolled back, as the database does when the
+// connection of a dead process goes.
+type gatedTx struct {
+	s dedup.TxStore
+	p *process
+}
+
+func (g gatedTx) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
+	if g.p.dead.Load() {
+		return nil, errCrashed
+	}
+	tx, err := g.s.InboxBegin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return gatedInboxTx{InboxTx: tx, p: g.p}, nil
+}
+
+func (g gatedTx) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
+	if g.p.dead.Load() {
+		return errCrashed
+	}
+	return g.s.InboxFail(ctx, key, f, window)
+}
+
+type gatedInboxTx struct {
+	dedup.InboxTx
+	p *process
+}
+
+func (t gatedInboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	if t.p.dead.Load() {
+		return dedup.Claim{}, errors.Join(errCrashed, t.InboxTx.Rollback(context.WithoutCancel(ctx)))
+	}
+	return t.InboxTx.InboxClaim(ctx, key, window)
+}
+
+func (t gatedInboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byte) error {
+	if t.p.dead.Load() {
+		return errors.Join(errCrashed, t.InboxTx.Rollback(context.WithoutCancel(ctx)))
+	}
+	return t.InboxTx.InboxComplete(ctx, key, result)
+}
+
+func (t gatedInboxTx) Commit(ctx context.Context) error {
+	if t.p.dead.Load() {
+		return errors.Join(errCrashed, t.InboxTx.Rollback(context.WithoutCancel(ctx)))
+	}
+	return t.InboxTx.Commit(ctx)
+}
+
+// Rollback always rolls back: the database does it for a dead process.
+func (t gatedInboxTx) Rollback(ctx context.Context) error {
+	return t.InboxTx.Rollback(ctx)
+}
