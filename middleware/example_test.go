@@ -138,3 +138,33 @@ func ExampleNewPoison() {
 	// delivery 3: nacked=false
 	// A-42 3 ledger rejected the account
 }
+
+// A Bloom prefilter in front of a lease-mode inbox: the first delivery of
+// each key goes straight to the inbox, a redelivery is answered by one read
+// of the store without running the handler.
+func ExampleNewBloom() {
+	store := memory.New() // for the example; use the inbox's real store
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{LeaseStore: store, Consumer: "shipping"})
+	if err != nil {
+		panic(err)
+	}
+	bloom, err := middleware.NewBloom(middleware.BloomConfig{Store: store, Consumer: "shipping", ExpectedKeys: 10_000})
+	if err != nil {
+		panic(err)
+	}
+	shipped := 0
+	handler := bloom.Middleware(inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		shipped++
+		return nil, nil
+	}))
+	for _, key := range []string{"order-1", "order-2", "order-1", "order-1"} {
+		msg := message.NewMessage(watermill.NewUUID(), nil)
+		msg.Metadata.Set(middleware.IdempotencyKeyMetadata, key)
+		if _, err := handler(msg); err != nil {
+			panic(err)
+		}
+	}
+	s := bloom.Stats()
+	fmt.Println("shipped:", shipped, "surely new:", s.SurelyNew, "duplicates answered by the filter's read:", s.Duplicates)
+	// Output: shipped: 2 surely new: 2 duplicates answered by the filter's read: 2
+}
