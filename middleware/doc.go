@@ -28,6 +28,25 @@
 // key fails with a [Permanent] error wrapping [ErrKey]: it is never applied
 // unguarded.
 //
+// # Poison messages
+//
+// [Poison] goes in front of the inbox: a failed message is retried with
+// backoff and, after MaxAttempts attempts (counted durably by the inbox's
+// store or the broker) or at once for a [Permanent] error, published to a
+// dead-letter queue with the reason, and only then acked. If the
+// dead-letter publish fails, the message is nacked: nothing is lost.
+//
+//	router.AddMiddleware(poison.Middleware, inbox.Middleware)
+//
+// # Bloom prefilter
+//
+// [Bloom] goes between the two and spares the inbox the cost of
+// duplicates: a key it has surely never seen goes straight to the inbox, a
+// key it may have seen is read from the store first and, if done, answered
+// with its stored result. The filter is never the record.
+//
+//	router.AddMiddleware(poison.Middleware, bloom.Middleware, inbox.Middleware)
+//
 // # Errors
 //
 // Handler errors are returned unchanged (the message is nacked); wrap one
