@@ -4,13 +4,14 @@ import (
 	"encoding/csv"
 	"errors"
 	"fmt"
-	"io/fs"
 	"math"
 	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/mdsection"
 )
 
 // Targets, checked in the report and never asserted.
@@ -18,7 +19,7 @@ const (
 	targetPGvsRaw       = 0.85 // postgres-inbox throughput over raw SQL, at 8 and 32 workers
 	targetBloomSpeedup  = 1.5  // postgres+bloom over postgres-inbox at 50% duplicates
 	targetBloomDupPct   = 50
-	targetRedisVsBench  = 0.70 // redis-lease msgs/s over redis-benchmark's EVALSHA/s
+	targetRedisVsBench  = 0.70 // redis.Store.LeaseClaim/s over redis-benchmark's EVALSHA/s
 	targetBloomReadsDup = 1.0  // round trips per duplicate behind the Bloom filter
 	sectionHead         = "## Deduplication strategies"
 )
@@ -439,27 +440,7 @@ Source: [benchmarks/dedup](dedup/); every measured row is in [dedup/results.csv]
 // UpdateReport replaces (or appends) the report's section in path,
 // keeping every other section.
 func UpdateReport(path, section string) error {
-	old, err := os.ReadFile(path)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
-	content := string(old)
-	if content == "" {
-		content = "# Benchmark results\n\n"
-	}
-	section = strings.TrimRight(section, "\n") + "\n"
-	if i := strings.Index(content, sectionHead+"\n"); i >= 0 {
-		rest := content[i+len(sectionHead)+1:]
-		end := len(content)
-		if j := strings.Index(rest, "\n## "); j >= 0 {
-			end = i + len(sectionHead) + 1 + j + 1
-			section += "\n"
-		}
-		content = content[:i] + section + content[end:]
-	} else {
-		content = strings.TrimRight(content, "\n") + "\n\n" + section
-	}
-	return os.WriteFile(path, []byte(content), 0o644)
+	return mdsection.Replace(path, "# Benchmark results", sectionHead, section)
 }
 
 // csvHeader names the CSV's columns; a cell that does not apply is empty.

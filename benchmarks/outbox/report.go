@@ -1,12 +1,11 @@
 package main
 
 import (
-	"errors"
 	"fmt"
-	"io/fs"
-	"os"
 	"strings"
 	"time"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/mdsection"
 )
 
 const (
@@ -127,25 +126,5 @@ through ` + "`kafka.NewPublisher`" + `). Every run uses a fresh schema / fresh t
 
 // UpdateReadme replaces (or appends) the "Outbox relay" section of path.
 func UpdateReadme(path, section string) error {
-	old, err := os.ReadFile(path)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
-	content := string(old)
-	if content == "" {
-		content = "# Benchmarks\n\n"
-	}
-	section = strings.TrimRight(section, "\n") + "\n"
-	if i := strings.Index(content, sectionHead+"\n"); i >= 0 {
-		rest := content[i+len(sectionHead)+1:]
-		end := len(content)
-		if j := strings.Index(rest, "\n## "); j >= 0 {
-			end = i + len(sectionHead) + 1 + j + 1
-			section += "\n"
-		}
-		content = content[:i] + section + content[end:]
-	} else {
-		content = strings.TrimRight(content, "\n") + "\n\n" + section
-	}
-	return os.WriteFile(path, []byte(content), 0o644)
+	return mdsection.Replace(path, "# Benchmarks", sectionHead, section)
 }
