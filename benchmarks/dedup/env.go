@@ -20,6 +20,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	redisstore "github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/internal/redistest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -202,32 +203,11 @@ func (f *fixture) close() error {
 		}
 	}
 	if f.prefix != "" {
-		if err := deleteKeys(ctx, f.e.rdb, f.prefix); err != nil {
+		if err := redistest.DeleteKeys(ctx, f.e.rdb, f.prefix); err != nil {
 			errs = append(errs, fmt.Errorf("delete Redis keys %s*: %w", f.prefix, err))
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// deleteKeys deletes every key that starts with prefix, which must hold no
-// glob metacharacter.
-func deleteKeys(ctx context.Context, c *goredis.Client, prefix string) error {
-	var cursor uint64
-	for {
-		keys, next, err := c.Scan(ctx, cursor, prefix+"*", 1000).Result()
-		if err != nil {
-			return err
-		}
-		if len(keys) > 0 {
-			if err := c.Unlink(ctx, keys...).Err(); err != nil {
-				return err
-			}
-		}
-		if next == 0 {
-			return nil
-		}
-		cursor = next
-	}
 }
 
 // warmConnections makes sure the pools hold n connections before the

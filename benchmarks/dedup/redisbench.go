@@ -16,6 +16,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/redis"
+	"github.com/oncemill/oncemill/internal/redistest"
 )
 
 // RedisBenchResult is redis-benchmark's rate for EVALSHA of the claim
@@ -45,7 +46,7 @@ func (e *env) redisBenchmark(ctx context.Context, bin string, c int) (r RedisBen
 	r = RedisBenchResult{Concurrency: c, Requests: e.cfg.RedisBenchN}
 	prefix := fmt.Sprintf("bench-dedup:%s_rb%d:", e.runID, c)
 	defer func() {
-		if derr := deleteKeys(context.WithoutCancel(ctx), e.rdb, prefix); derr != nil {
+		if derr := redistest.DeleteKeys(context.WithoutCancel(ctx), e.rdb, prefix); derr != nil {
 			err = errors.Join(err, fmt.Errorf("delete redis-benchmark keys: %w", derr))
 		}
 	}()
