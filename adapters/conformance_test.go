@@ -60,6 +60,21 @@ func chargeHandler(effects string) message.HandlerFunc {
 	}
 }
 
+// effectsDB is a pool of maxConns connections on a fresh schema, the
+// inbox store on it, and the name of an effects table (consumer, key) the
+// handlers write.
+func effectsDB(t *testing.T, maxConns int32) (*pgxpool.Pool, *postgres.Store, string) {
+	t.Helper()
+	pool := pgtest.Pool(t, maxConns)
+	schema := pgtest.Schema(t, pool)
+	store, err := postgres.New(pool, postgres.Config{Schema: schema})
+	require.NoError(t, err)
+	effects := `"` + schema + `".effects`
+	_, err = pool.Exec(context.Background(), `CREATE TABLE `+effects+` (consumer text NOT NULL, key text NOT NULL)`)
+	require.NoError(t, err)
+	return pool, store, effects
+}
+
 // TestConformance runs the same handler, wrapped in the PostgreSQL inbox,
 // over every broker: 300 keys each published 3 times; the first consumer
 // crashes after a commit and before its ack; a new consumer in the same
@@ -67,13 +82,7 @@ func chargeHandler(effects string) message.HandlerFunc {
 // 300 distinct produced UUIDs.
 func TestConformance(t *testing.T) {
 	t.Parallel()
-	pool := pgtest.Pool(t, 24)
-	schema := pgtest.Schema(t, pool)
-	store, err := postgres.New(pool, postgres.Config{Schema: schema})
-	require.NoError(t, err)
-	effects := `"` + schema + `".effects`
-	_, err = pool.Exec(context.Background(), `CREATE TABLE `+effects+` (consumer text NOT NULL, key text NOT NULL)`)
-	require.NoError(t, err)
+	pool, store, effects := effectsDB(t, 24)
 	handler := chargeHandler(effects)
 
 	for _, b := range brokers(t) {

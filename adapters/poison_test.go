@@ -33,13 +33,7 @@ const (
 // nothing unacknowledged at the end.
 func TestPoisonOnBrokers(t *testing.T) {
 	t.Parallel()
-	pool := pgtest.Pool(t, 16)
-	schema := pgtest.Schema(t, pool)
-	store, err := postgres.New(pool, postgres.Config{Schema: schema})
-	require.NoError(t, err)
-	effects := `"` + schema + `".effects`
-	_, err = pool.Exec(context.Background(), `CREATE TABLE `+effects+` (consumer text NOT NULL, key text NOT NULL)`)
-	require.NoError(t, err)
+	pool, store, effects := effectsDB(t, 16)
 
 	for _, b := range []broker{kafkaBroker(t), amqpBroker(t), sqsBroker(t)} {
 		t.Run(b.name, func(t *testing.T) {
