@@ -50,8 +50,9 @@ type PoisonConfig struct {
 	// Consumer names the consumer in dead-letter metadata. Defaults to the
 	// router handler's name.
 	Consumer string
-	// Key reads the message's key for dead-letter metadata; a key error
-	// leaves the field empty. Defaults to [DefaultKey].
+	// Key reads the message's key for dead-letter metadata: give it the
+	// inbox's key function. A key error leaves the field empty. Defaults
+	// to [DefaultKey].
 	Key KeyFunc
 	// Logger receives a line for every message dead-lettered and every
 	// dead-letter publish that failed. Defaults to watermill.NopLogger.

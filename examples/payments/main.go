@@ -2,11 +2,15 @@
 // broker redelivers: the producer publishes some events twice (a retry after
 // a lost ack) and the first consumer crashes after committing a charge and
 // before acknowledging it. A second consumer in the same group takes over.
+// A few events are malformed (not JSON): the poison middleware puts them in
+// the PostgreSQL dead-letter table at their first attempt, with the reason,
+// and the partition goes on.
 //
 // The broker comes from BROKER_URL (default: an embedded Kafka), the inbox
 // and the charges live in PostgreSQL (DATABASE_URL, default the local test
-// database). It prints what was delivered and charged and exits non-zero if
-// any order was charged twice or not at all.
+// database). It prints what was delivered, charged and dead-lettered and
+// exits non-zero if any order was charged twice or not at all, or a
+// malformed event is not in the dead-letter table.
 //
 //	go run ./examples/payments
 //	BROKER_URL=amqp://guest:guest@127.0.0.1:5672/ go run ./examples/payments
@@ -33,6 +37,7 @@ import (
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -103,11 +108,22 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 	topic := "payments_confirmed_" + runID
 	opts := adapters.Options{ConsumerGroup: "charge_" + runID}
 
+	orderKey := middleware.KeyFromJSON("orderId")
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{
 		TxStore:  store,
 		Consumer: "charge-customer",
-		Key:      middleware.KeyFromJSON("orderId"),
+		Key:      orderKey,
 	})
+	if err != nil {
+		return err
+	}
+	// Messages that can never be processed go to the dead-letter table,
+	// where operators list and replay them (go run ./cmd/oncemill dlq).
+	deadLetters, err := dlq.NewPublisher(pool, sqlschema.Config{})
+	if err != nil {
+		return err
+	}
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: deadLetters, Topic: "payments.dlq", MaxAttempts: 5, Key: orderKey})
 	if err != nil {
 		return err
 	}
@@ -133,12 +149,13 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 		return errors.New("BROKER_URL: gochannel:// lives inside one connection; this example needs a broker that consumers reconnect to")
 	}
 	var deliveries atomic.Int64
-	first, err := startConsumer(ctx, brokerURL, opts, topic, charge, inbox, &deliveries, crashAfter)
+	chain := []message.HandlerMiddleware{poison.Middleware, inbox.Middleware}
+	first, err := startConsumer(ctx, brokerURL, opts, topic, charge, chain, &deliveries, crashAfter)
 	if err != nil {
 		return err
 	}
 
-	published := 0
+	published, malformed := 0, 0
 	for i := 1; i <= orders; i++ {
 		ev := PaymentConfirmed{OrderID: fmt.Sprintf("order-%s-%d", runID, i), Amount: int64(1000 + i)}
 		payload, err := json.Marshal(ev)
@@ -157,6 +174,16 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 			}
 			published++
 		}
+		if orders >= 3 && i%(orders/3) == 0 {
+			// A malformed event in the same stream: no orderId to key on.
+			msg := message.NewMessage(watermill.NewUUID(), []byte("PAYMENT OK "+ev.OrderID))
+			msg.Metadata.Set(delivery.PartitionKey, ev.OrderID)
+			if err := producer.Publisher.Publish(topic, msg); err != nil {
+				return fmt.Errorf("publish: %w", err)
+			}
+			published++
+			malformed++
+		}
 	}
 
 	select {
@@ -167,7 +194,7 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 	if err := first.close(); err != nil {
 		return fmt.Errorf("crash the first consumer: %w", err)
 	}
-	second, err := startConsumer(ctx, brokerURL, opts, topic, charge, inbox, &deliveries, 0)
+	second, err := startConsumer(ctx, brokerURL, opts, topic, charge, chain, &deliveries, 0)
 	if err != nil {
 		return err
 	}
@@ -188,7 +215,7 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 		if n := deliveries.Load(); n != last {
 			last, quietSince = n, time.Now()
 		}
-		if distinct == orders && time.Since(quietSince) > 2*time.Second {
+		if distinct == orders && poison.Stats().DeadLettered >= int64(malformed) && time.Since(quietSince) > 2*time.Second {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -211,12 +238,28 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 	if err != nil {
 		return err
 	}
-	fmt.Printf("broker=%s orders=%d events_published=%d deliveries=%d charges=%d charged_twice=%d not_charged=%d duplicates_dropped=%d\n",
-		producer.Scheme, orders, published, deliveries.Load(), rows, twice, never, inbox.Stats().Duplicates)
+	entries, err := dlq.NewStore(pool, sqlschema.Config{})
+	if err != nil {
+		return err
+	}
+	dead, err := entries.Count(ctx, dlq.Filter{Topic: topic})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("broker=%s orders=%d events_published=%d deliveries=%d charges=%d charged_twice=%d not_charged=%d duplicates_dropped=%d malformed=%d dead_lettered=%d\n",
+		producer.Scheme, orders, published, deliveries.Load(), rows, twice, never, inbox.Stats().Duplicates, malformed, dead)
 	if twice != 0 || never != 0 {
 		return fmt.Errorf("NOT charged once: %d orders charged twice, %d not charged", twice, never)
 	}
-	fmt.Println("every order charged once")
+	if dead != malformed {
+		return fmt.Errorf("%d malformed events, %d in the dead-letter table", malformed, dead)
+	}
+	fmt.Println("every order charged once; the malformed events are in the dead-letter table:")
+	hint := "go run ./cmd/oncemill dlq list --topic " + topic
+	if os.Getenv("DATABASE_URL") == "" {
+		hint = "DATABASE_URL='" + dbURL + "' " + hint // the default, local URL: no secret in it
+	}
+	fmt.Println("  " + hint)
 	return nil
 }
 
@@ -237,7 +280,7 @@ func (c *consumer) close() error {
 // the consumer "crashes" after that many charges: the last one is committed
 // but never acknowledged, and nothing more is handled until it is closed.
 func startConsumer(ctx context.Context, brokerURL string, opts adapters.Options, topic string,
-	charge message.NoPublishHandlerFunc, inbox *middleware.Inbox, deliveries *atomic.Int64, crashAfter int) (*consumer, error) {
+	charge message.NoPublishHandlerFunc, chain []message.HandlerMiddleware, deliveries *atomic.Int64, crashAfter int) (*consumer, error) {
 	ps, err := adapters.Open(ctx, brokerURL, opts)
 	if err != nil {
 		return nil, err
@@ -267,7 +310,10 @@ func startConsumer(ctx context.Context, brokerURL string, opts adapters.Options,
 	if err != nil {
 		return nil, errors.Join(err, ps.Close())
 	}
-	router.AddMiddleware(crashPoint, inbox.Middleware)
+	// The crash point is outside the chain: a crash is the process dying,
+	// not an error the poison middleware should count.
+	router.AddMiddleware(crashPoint)
+	router.AddMiddleware(chain...)
 	router.AddConsumerHandler("charge-customer", topic, ps.Subscriber, charge)
 
 	runCtx, cancel := context.WithCancel(ctx)
