@@ -170,7 +170,7 @@ func (b *Bloom) Warm(ctx context.Context) (int, error) {
 	}
 	n := 0
 	err := lister.InboxDoneKeys(ctx, b.cfg.Consumer, b.now().Add(-b.cfg.Window), func(key string) error {
-		b.add(b.cfg.Consumer, key)
+		b.add(entry(b.cfg.Consumer, key))
 		n++
 		return nil
 	})
@@ -193,20 +193,21 @@ func (b *Bloom) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return h(msg) // the inbox reports it
 		}
 		b.checks.Add(1)
-		if !b.test(consumer, key) {
+		e := entry(consumer, key)
+		if !b.test(e) {
 			b.surelyNew.Add(1)
-			return b.run(h, msg, consumer, key)
+			return b.run(h, msg, e)
 		}
 		b.maybeSeen.Add(1)
 		claim, err := b.cfg.Store.InboxPeek(msg.Context(), dedup.Key{Consumer: consumer, Key: key})
 		if err != nil {
 			b.cfg.Logger.Error("Bloom prefilter: store read failed, passing to the inbox", err,
 				watermill.LogFields{"message_uuid": msg.UUID, "consumer": consumer, "key": key})
-			return b.run(h, msg, consumer, key)
+			return b.run(h, msg, e)
 		}
 		if claim.State != dedup.StateDone {
 			b.falsePositives.Add(1)
-			return b.run(h, msg, consumer, key)
+			return b.run(h, msg, e)
 		}
 		produced, err := decodeResult(claim.Result)
 		if err != nil {
@@ -218,31 +219,30 @@ func (b *Bloom) Middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // run calls h and remembers the key once its effect is done.
-func (b *Bloom) run(h message.HandlerFunc, msg *message.Message, consumer, key string) ([]*message.Message, error) {
+func (b *Bloom) run(h message.HandlerFunc, msg *message.Message, e []byte) ([]*message.Message, error) {
 	produced, err := h(msg)
 	if err == nil {
-		b.add(consumer, key)
+		b.add(e)
 	}
 	return produced, err
 }
 
-func (b *Bloom) entry(consumer, key string) []byte {
+// entry is what the filter holds for a key: consumer, NUL, key.
+func entry(consumer, key string) []byte {
 	e := make([]byte, 0, len(consumer)+1+len(key))
 	e = append(e, consumer...)
 	e = append(e, 0) // keys and consumer names hold no NUL
 	return append(e, key...)
 }
 
-func (b *Bloom) test(consumer, key string) bool {
-	e := b.entry(consumer, key)
+func (b *Bloom) test(e []byte) bool {
 	b.maybeRotate()
 	b.mu.RLock()
 	defer b.mu.RUnlock()
 	return b.cur.Test(e) || b.prev.Test(e)
 }
 
-func (b *Bloom) add(consumer, key string) {
-	e := b.entry(consumer, key)
+func (b *Bloom) add(e []byte) {
 	b.maybeRotate()
 	b.mu.Lock()
 	b.cur.Add(e)
