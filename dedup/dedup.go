@@ -29,6 +29,11 @@ const (
 	// until [Claim.Until]; the caller must not apply the effect (lease mode
 	// only).
 	StateInFlight
+	// StateDead means the key was dead-lettered: the poison middleware gave
+	// up on it and its message sits in the dead-letter queue. Later copies
+	// of the key are not run until a replay reopens it
+	// ([Graveyard.InboxReopen]).
+	StateDead
 )
 
 // String returns the state's name.
@@ -40,6 +45,8 @@ func (s State) String() string {
 		return "done"
 	case StateInFlight:
 		return "in_flight"
+	case StateDead:
+		return "dead"
 	default:
 		return "unknown"
 	}
@@ -51,7 +58,8 @@ type Claim struct {
 	State State
 	// Attempts counts the deliveries that claimed the key, this one included
 	// when State is StateNew. Failed attempts are counted durably, so the
-	// count survives restarts.
+	// count survives restarts. [TxStore.InboxStart] counts every attempt
+	// that started, those whose process died before they ended included.
 	Attempts int
 	// Token is the fencing token of a lease (lease mode, StateNew only).
 	Token int64
@@ -74,6 +82,10 @@ type Failure struct {
 	Err string
 	// At is when the attempt failed.
 	At time.Time
+	// Abandoned marks an attempt that did not run its course through no
+	// fault of the message (the consumer shut down): [LeaseStore.LeaseRelease]
+	// frees the key and takes the attempt's count back, recording no error.
+	Abandoned bool
 }
 
 // Key names one record: a message key as seen by one consumer. Two consumers
@@ -92,6 +104,22 @@ type Key struct {
 // the others either block until it ends and then see StateDone, or claim the
 // key themselves if it rolled back.
 type TxStore interface {
+	Graveyard
+
+	// InboxStart records that an attempt of key is about to run, in a
+	// short write of its own that commits at once, outside the handler's
+	// transaction, so that an attempt whose process dies is still counted;
+	// it reads the key's record in the same round trip. It answers
+	// StateDone (with the stored result) or StateDead for a key that must
+	// not run again, and otherwise StateNew with Attempts counting every
+	// attempt started and not completed, this one included. The count is
+	// forgotten when the key commits. It need not survive a crash of the
+	// database server: losing it only delays a dead-letter.
+	InboxStart(ctx context.Context, key Key, window time.Duration) (Claim, error)
+	// InboxUnstart takes back the count of an attempt that did not run its
+	// course through no fault of the message: the consumer was shutting
+	// down, or another delivery held the key.
+	InboxUnstart(ctx context.Context, key Key) error
 	// InboxBegin starts a transaction in which the key is claimed and the
 	// handler's effect is written.
 	InboxBegin(ctx context.Context) (InboxTx, error)
@@ -109,6 +137,10 @@ type InboxTx interface {
 	// committed by an earlier transaction. The record expires window after
 	// the claim.
 	InboxClaim(ctx context.Context, key Key, window time.Duration) (Claim, error)
+	// InboxBury marks the claimed key dead in this transaction, recording
+	// f as its last failure: the message was dead-lettered, and later
+	// copies of the key answer StateDead until it is reopened.
+	InboxBury(ctx context.Context, key Key, f Failure) error
 	// InboxComplete stores result with the claimed key, in this transaction.
 	// A nil result may be skipped by the implementation.
 	InboxComplete(ctx context.Context, key Key, result []byte) error
@@ -125,11 +157,22 @@ type InboxTx interface {
 // LeaseStore claims keys as fenced leases, for effects that live outside the
 // store's database.
 type LeaseStore interface {
+	Graveyard
+
 	// LeaseClaim takes key for lease if it is new, failed, or its lease has
 	// expired, answering StateNew with a fresh token; otherwise it answers
 	// StateDone with the stored result or StateInFlight with the end of the
-	// live lease. The record expires window after the claim.
+	// live lease, or StateDead for a key that was dead-lettered. The record
+	// expires window after the claim. A token is never issued twice for a
+	// key, even after the record expired and was deleted.
 	LeaseClaim(ctx context.Context, key Key, lease, window time.Duration) (Claim, error)
+	// LeaseExtend renews the lease of token to end lease from now and
+	// returns the new end, only if token is current; otherwise it returns
+	// [ErrLeaseLost] and changes nothing.
+	LeaseExtend(ctx context.Context, key Key, token int64, lease time.Duration) (time.Time, error)
+	// LeaseBury marks key dead, recording f, only if token is current;
+	// otherwise it returns [ErrLeaseLost] and changes nothing.
+	LeaseBury(ctx context.Context, key Key, token int64, f Failure) error
 	// LeaseComplete marks key done with result, only if token is current;
 	// otherwise it returns [ErrLeaseLost] and changes nothing.
 	LeaseComplete(ctx context.Context, key Key, token int64, result []byte) error
@@ -139,12 +182,26 @@ type LeaseStore interface {
 	LeaseRelease(ctx context.Context, key Key, token int64, f Failure) error
 }
 
+// Graveyard keeps the dead keys of both modes: a key dead-lettered by the
+// poison middleware stays dead, its later copies acked without running,
+// until the dead letter is replayed.
+type Graveyard interface {
+	// InboxReopen makes a dead key claimable again, with its attempt
+	// counts reset, for the replay of its dead letter. It reports whether
+	// the key was dead.
+	InboxReopen(ctx context.Context, key Key) (bool, error)
+	// InboxDeadCopy counts one more copy of a dead key that arrived and
+	// was acked without running, for operators to see on the dead letter.
+	InboxDeadCopy(ctx context.Context, key Key) error
+}
+
 // Peeker reads a key's record without claiming it: the cheap check a
 // prefilter makes when it may have seen a key before.
 type Peeker interface {
 	// InboxPeek answers StateDone with the stored result when key is done,
 	// StateInFlight with the lease end when a live lease holds it, and
-	// StateNew when it is unknown, failed, or its lease has expired. It
+	// StateDead for a dead key, and StateNew when it is unknown, failed, or
+	// its lease has expired. It
 	// writes nothing, and one call costs one read.
 	InboxPeek(ctx context.Context, key Key) (Claim, error)
 }

@@ -128,6 +128,10 @@ type Names struct {
 	Inbox string
 	// InboxName is the bare inbox table name, for building index names.
 	InboxName string
+	// InboxStarts is the quoted, schema-qualified table that counts the
+	// attempts of an inbox key that started and have not completed
+	// ("<inbox>_starts"); in PostgreSQL it is UNLOGGED.
+	InboxStarts string
 	// Outbox is the quoted, schema-qualified outbox table.
 	Outbox string
 	// OutboxName is the bare outbox table name.
@@ -146,13 +150,14 @@ type Names struct {
 // valid (see [Config.Validate]).
 func NamesFor(d Dialect, cfg Config) Names {
 	if d == SQLite {
-		return Names{Inbox: `"` + cfg.InboxTable + `"`, InboxName: cfg.InboxTable}
+		return Names{Inbox: `"` + cfg.InboxTable + `"`, InboxName: cfg.InboxTable, InboxStarts: `"` + cfg.InboxTable + `_starts"`}
 	}
 	schema := `"` + cfg.Schema + `"`
 	return Names{
 		Schema:        schema,
 		Inbox:         schema + `."` + cfg.InboxTable + `"`,
 		InboxName:     cfg.InboxTable,
+		InboxStarts:   schema + `."` + cfg.InboxTable + `_starts"`,
 		Outbox:        schema + `."` + cfg.OutboxTable + `"`,
 		OutboxName:    cfg.OutboxTable,
 		OutboxChannel: cfg.Schema + "." + cfg.OutboxTable,

@@ -71,8 +71,8 @@ func TestSmoke(t *testing.T) {
 		if (r.Strategy == stPostgres || r.Strategy == stRaw) && (r.Effects.Doubles != 0 || r.Effects.Rows != r.Keys) {
 			t.Errorf("%s: %d effect rows for %d keys", name, r.Effects.Rows, r.Keys)
 		}
-		if r.Strategy == stPostgres && r.DupPct == 0 && r.PGRT != 4 {
-			t.Errorf("%s: %.3f round trips per message, want 4 (BEGIN, claim, effect, COMMIT)", name, r.PGRT)
+		if r.Strategy == stPostgres && r.DupPct == 0 && r.PGRT != 5 {
+			t.Errorf("%s: %.3f round trips per message, want 5 (attempt start, BEGIN, claim, effect, COMMIT)", name, r.PGRT)
 		}
 	}
 	if bench != "" && len(res.RedisBench) != len(cfg.Concurrency) {

@@ -339,7 +339,7 @@ func (p *process) lease(o procOptions, s dedup.LeaseStore) dedup.LeaseStore {
 	if !o.Crashable {
 		return s
 	}
-	return gatedLease{s: s, p: p}
+	return gatedLease{LeaseStore: s, p: p}
 }
 
 // tx returns s, behind the crash gate when o.Crashable.
@@ -347,14 +347,14 @@ func (p *process) tx(o procOptions, s dedup.TxStore) dedup.TxStore {
 	if !o.Crashable {
 		return s
 	}
-	return gatedTx{s: s, p: p}
+	return gatedTx{TxStore: s, p: p}
 }
 
 // gatedLease is a lease store as seen from a process that may die: once it
 // is dead no call reaches the store (a dead process completes and releases
 // nothing; its leases stay until they expire).
 type gatedLease struct {
-	s dedup.LeaseStore
+	dedup.LeaseStore
 	p *process
 }
 
@@ -362,21 +362,28 @@ func (g gatedLease) LeaseClaim(ctx context.Context, key dedup.Key, lease, window
 	if g.p.dead.Load() {
 		return dedup.Claim{}, errCrashed
 	}
-	return g.s.LeaseClaim(ctx, key, lease, window)
+	return g.LeaseStore.LeaseClaim(ctx, key, lease, window)
 }
 
 func (g gatedLease) LeaseComplete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
 	if g.p.dead.Load() {
 		return errCrashed
 	}
-	return g.s.LeaseComplete(ctx, key, token, result)
+	return g.LeaseStore.LeaseComplete(ctx, key, token, result)
+}
+
+func (g gatedLease) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lease time.Duration) (time.Time, error) {
+	if g.p.dead.Load() {
+		return time.Time{}, errCrashed
+	}
+	return g.LeaseStore.LeaseExtend(ctx, key, token, lease)
 }
 
 func (g gatedLease) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
 	if g.p.dead.Load() {
 		return errCrashed
 	}
-	return g.s.LeaseRelease(ctx, key, token, f)
+	return g.LeaseStore.LeaseRelease(ctx, key, token, f)
 }
 
 // gatedTx is a transactional store as seen from a process that may die:
@@ -384,7 +391,7 @@ func (g gatedLease) LeaseRelease(ctx context.Context, key dedup.Key, token int64
 // open transaction is rolled back, as the database does when the
 // connection of a dead process goes.
 type gatedTx struct {
-	s dedup.TxStore
+	dedup.TxStore
 	p *process
 }
 
@@ -392,18 +399,25 @@ func (g gatedTx) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
 	if g.p.dead.Load() {
 		return nil, errCrashed
 	}
-	tx, err := g.s.InboxBegin(ctx)
+	tx, err := g.TxStore.InboxBegin(ctx)
 	if err != nil {
 		return nil, err
 	}
 	return gatedInboxTx{InboxTx: tx, p: g.p}, nil
 }
 
+func (g gatedTx) InboxStart(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	if g.p.dead.Load() {
+		return dedup.Claim{}, errCrashed
+	}
+	return g.TxStore.InboxStart(ctx, key, window)
+}
+
 func (g gatedTx) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
 	if g.p.dead.Load() {
 		return errCrashed
 	}
-	return g.s.InboxFail(ctx, key, f, window)
+	return g.TxStore.InboxFail(ctx, key, f, window)
 }
 
 type gatedInboxTx struct {

@@ -5,6 +5,12 @@
 // redelivery after a restart runs the effect again. It exists as a measured
 // baseline for benchmarks and for unit tests, never as the record of a
 // production consumer.
+//
+// A key buried with [Store.LeaseBury] is dead: claims and peeks answer
+// [dedup.StateDead] until [Store.InboxReopen] makes it claimable again, and
+// it expires with its window like a done key. Tokens come from one counter
+// of the store that never goes back, seeded with the clock in microseconds,
+// so a key whose record was deleted never gets a token it had before.
 package memory
 
 import (
@@ -21,6 +27,7 @@ const (
 	processing status = iota + 1
 	failed
 	done
+	dead
 )
 
 type entry struct {
@@ -32,7 +39,10 @@ type entry struct {
 	expires  time.Time
 
 	firstFailed time.Time
+	lastFailed  time.Time
+	lastErr     string
 	doneAt      time.Time
+	deadCopies  int
 }
 
 // Store keeps leases in a map. It is safe for concurrent use and starts no
@@ -41,8 +51,9 @@ type entry struct {
 type Store struct {
 	now func() time.Time
 
-	mu   sync.Mutex
-	keys map[dedup.Key]*entry
+	mu        sync.Mutex
+	keys      map[dedup.Key]*entry
+	lastToken int64 // the highest token issued, of any key
 }
 
 var (
@@ -64,7 +75,9 @@ func (s *Store) Len() int {
 	return len(s.keys)
 }
 
-// LeaseClaim takes key for lease unless it is done or held by a live lease.
+// LeaseClaim takes key for lease unless it is done, dead or held by a live
+// lease. The token is higher than every token the store issued before, for
+// any key, and at least the current time in microseconds.
 func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window time.Duration) (dedup.Claim, error) {
 	if err := ctx.Err(); err != nil {
 		return dedup.Claim{}, err
@@ -80,12 +93,15 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 	switch {
 	case e.status == done:
 		return dedup.Claim{State: dedup.StateDone, Attempts: e.attempts, Result: e.result}, nil
+	case e.status == dead:
+		return dedup.Claim{State: dedup.StateDead, Attempts: e.attempts, FirstFailedAt: e.firstFailed}, nil
 	case e.status == processing && now.Before(e.until):
 		return dedup.Claim{State: dedup.StateInFlight, Attempts: e.attempts, Until: e.until}, nil
 	}
+	s.lastToken = max(s.lastToken+1, e.token+1, now.UnixMicro())
 	e.status = processing
 	e.attempts++
-	e.token++
+	e.token = s.lastToken
 	e.until = now.Add(lease)
 	e.expires = now.Add(window)
 	return dedup.Claim{State: dedup.StateNew, Attempts: e.attempts, Token: e.token, Until: e.until, FirstFailedAt: e.firstFailed}, nil
@@ -98,14 +114,86 @@ func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, r
 	})
 }
 
-// LeaseRelease marks key failed, claimable at once, if token is still current.
+// LeaseRelease marks key failed, claimable at once, if token is still
+// current. An abandoned attempt ([dedup.Failure.Abandoned]) records no
+// failure, and its count is taken back.
 func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
 	return s.end(ctx, key, token, func(e *entry) {
 		e.status = failed
-		if e.firstFailed.IsZero() {
-			e.firstFailed = f.At
+		if f.Abandoned {
+			e.attempts = max(e.attempts-1, 0)
+			return
 		}
+		e.recordFailure(f)
 	})
+}
+
+// LeaseBury marks key dead, recording f, if token is still current. The
+// record keeps its expiry.
+func (s *Store) LeaseBury(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
+	return s.end(ctx, key, token, func(e *entry) {
+		e.status = dead
+		e.recordFailure(f)
+	})
+}
+
+// recordFailure keeps the first failure's time and sets the last one's.
+func (e *entry) recordFailure(f dedup.Failure) {
+	if e.firstFailed.IsZero() {
+		e.firstFailed = f.At
+	}
+	e.lastFailed, e.lastErr = f.At, f.Err
+}
+
+// LeaseExtend moves the end of token's lease to lease from now, if token
+// is still current, and returns it. The record is kept at least as long as
+// the lease.
+func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lease time.Duration) (time.Time, error) {
+	if err := ctx.Err(); err != nil {
+		return time.Time{}, err
+	}
+	now := s.now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.keys[key]
+	if e == nil || e.token != token || e.status != processing {
+		return time.Time{}, dedup.ErrLeaseLost
+	}
+	e.until = now.Add(lease)
+	if e.expires.Before(e.until) {
+		e.expires = e.until
+	}
+	return e.until, nil
+}
+
+// InboxReopen makes a dead key claimable again, as a failed one with no
+// attempts, and reports whether it was dead.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.keys[key]
+	if e == nil || e.status != dead {
+		return false, nil
+	}
+	e.status, e.attempts = failed, 0
+	return true, nil
+}
+
+// InboxDeadCopy counts a copy of key that arrived while it was dead; it
+// does nothing to a key that is not dead.
+func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if e := s.keys[key]; e != nil && e.status == dead {
+		e.deadCopies++
+	}
+	return nil
 }
 
 func (s *Store) end(ctx context.Context, key dedup.Key, token int64, apply func(*entry)) error {
@@ -158,6 +246,8 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 		return dedup.Claim{State: dedup.StateNew}, nil
 	case e.status == done:
 		return dedup.Claim{State: dedup.StateDone, Attempts: e.attempts, Result: e.result, FirstFailedAt: e.firstFailed}, nil
+	case e.status == dead:
+		return dedup.Claim{State: dedup.StateDead, Attempts: e.attempts, FirstFailedAt: e.firstFailed}, nil
 	case e.status == processing && now.Before(e.until):
 		return dedup.Claim{State: dedup.StateInFlight, Attempts: e.attempts, Until: e.until, FirstFailedAt: e.firstFailed}, nil
 	}

@@ -35,6 +35,8 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 	switch {
 	case status == "done":
 		c.State = dedup.StateDone
+	case status == "dead":
+		c.State, c.Result = dedup.StateDead, nil
 	case leased:
 		c.State, c.Until, c.Result = dedup.StateInFlight, *until, nil
 	default:

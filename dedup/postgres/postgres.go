@@ -82,7 +82,7 @@ func New(db DB, cfg Config) (*Store, error) {
 		return nil, err
 	}
 	names := sqlschema.NamesFor(sqlschema.Postgres, sqlschema.Config{Schema: cfg.Schema, InboxTable: cfg.Table})
-	return &Store{db: db, q: newQueries(names.Inbox)}, nil
+	return &Store{db: db, q: newQueries(names)}, nil
 }
 
 type txKey struct{}
@@ -105,8 +105,63 @@ func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
 	return &inboxTx{tx: tx, q: &s.q}, nil
 }
 
-// InboxFail records a failed attempt outside any transaction. A done key is
-// left alone.
+// InboxStart counts an attempt of key in one statement that commits at
+// once and writes no WAL (the starts table is UNLOGGED), and answers a done
+// or dead key from the same statement.
+func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	var (
+		status      string
+		c           dedup.Claim
+		firstFailed *time.Time
+	)
+	err := s.db.QueryRow(ctx, s.q.start, key.Consumer, key.Key, seconds(window)).
+		Scan(&status, &c.Attempts, &c.Result, &firstFailed)
+	if err != nil {
+		return dedup.Claim{}, interpret("start", err)
+	}
+	if firstFailed != nil {
+		c.FirstFailedAt = *firstFailed
+	}
+	switch status {
+	case "new":
+		c.State = dedup.StateNew
+	case "done":
+		c.State = dedup.StateDone
+	case "dead":
+		c.State, c.Result = dedup.StateDead, nil
+	default:
+		return dedup.Claim{}, fmt.Errorf("postgres: start: unexpected status %q", status)
+	}
+	return c, nil
+}
+
+// InboxUnstart takes back one started attempt of key.
+func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
+	if _, err := s.db.Exec(ctx, s.q.unstart, key.Consumer, key.Key); err != nil {
+		return interpret("unstart", err)
+	}
+	return nil
+}
+
+// InboxReopen makes a dead key claimable again with its counts reset.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
+	tag, err := s.db.Exec(ctx, s.q.reopen, key.Consumer, key.Key)
+	if err != nil {
+		return false, interpret("reopen", err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// InboxDeadCopy counts a copy of a dead key on its record.
+func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
+	if _, err := s.db.Exec(ctx, s.q.deadCopy, key.Consumer, key.Key); err != nil {
+		return interpret("count dead copy", err)
+	}
+	return nil
+}
+
+// InboxFail records a failed attempt outside any transaction. A done or
+// dead key is left alone.
 func (s *Store) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
 	_, err := s.db.Exec(ctx, s.q.fail, key.Consumer, key.Key, f.Err, f.At, seconds(window))
 	if err != nil {
@@ -156,6 +211,8 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 		c.State, c.Token = dedup.StateNew, r.token
 	case "done":
 		c.State, c.Result, c.Until = dedup.StateDone, r.result, time.Time{}
+	case "dead":
+		c.State, c.Until = dedup.StateDead, time.Time{}
 	case "processing", "failed":
 		c.State = dedup.StateInFlight
 	default:
@@ -186,9 +243,43 @@ func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, r
 	return nil
 }
 
-// LeaseRelease marks key failed, claimable at once, if token is still current.
+// LeaseExtend renews the lease of token to end lease from now.
+func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lease time.Duration) (time.Time, error) {
+	var until time.Time
+	err := s.db.QueryRow(ctx, s.q.leaseExtend, key.Consumer, key.Key, token, seconds(lease)).Scan(&until)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return time.Time{}, dedup.ErrLeaseLost
+	}
+	if err != nil {
+		return time.Time{}, interpret("lease extend", err)
+	}
+	return until, nil
+}
+
+// LeaseBury marks key dead if token is still current.
+func (s *Store) LeaseBury(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
+	tag, err := s.db.Exec(ctx, s.q.leaseBury, key.Consumer, key.Key, token, f.Err, f.At)
+	if err != nil {
+		return interpret("lease bury", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return dedup.ErrLeaseLost
+	}
+	return nil
+}
+
+// LeaseRelease marks key failed, claimable at once, if token is still
+// current; an abandoned attempt takes its count back and records no error.
 func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
-	tag, err := s.db.Exec(ctx, s.q.leaseRelease, key.Consumer, key.Key, token, f.Err, f.At)
+	var (
+		tag pgconn.CommandTag
+		err error
+	)
+	if f.Abandoned {
+		tag, err = s.db.Exec(ctx, s.q.leaseAbandon, key.Consumer, key.Key, token)
+	} else {
+		tag, err = s.db.Exec(ctx, s.q.leaseRelease, key.Consumer, key.Key, token, f.Err, f.At)
+	}
 	if err != nil {
 		return interpret("lease release", err)
 	}
@@ -243,9 +334,18 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 		return dedup.Claim{State: dedup.StateNew, Attempts: attempts, FirstFailedAt: first}, nil
 	case "done":
 		return dedup.Claim{State: dedup.StateDone, Attempts: attempts, Result: result, FirstFailedAt: first}, nil
+	case "dead":
+		return dedup.Claim{State: dedup.StateDead, Attempts: attempts, FirstFailedAt: first}, nil
 	default:
 		return dedup.Claim{}, fmt.Errorf("postgres: claim: key %q of consumer %q is %q: it is claimed in lease mode; use one mode per consumer", key.Key, key.Consumer, status)
 	}
+}
+
+func (t *inboxTx) InboxBury(ctx context.Context, key dedup.Key, f dedup.Failure) error {
+	if _, err := t.tx.Exec(ctx, t.q.bury, key.Consumer, key.Key, f.Err, f.At); err != nil {
+		return interpret("bury", err)
+	}
+	return nil
 }
 
 func (t *inboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byte) error {

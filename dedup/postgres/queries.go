@@ -1,19 +1,63 @@
 package postgres
 
-import "strings"
+import (
+	"strings"
+
+	"github.com/oncemill/oncemill/sqlschema"
+)
 
 // queries holds the store's SQL, rendered once for the configured table.
 // Every statement is parameterised; only the validated table name is
 // spliced in.
 type queries struct {
+	start, unstart, bury, reopen, deadCopy              string
 	claim, reclaim, read, complete, fail, deleteExpired string
 	leaseClaim, leaseRead, leaseComplete, leaseRelease  string
+	leaseExtend, leaseBury, leaseAbandon                string
 	peek, doneKeys                                      string
 }
 
-func newQueries(table string) queries {
-	r := strings.NewReplacer("{T}", table)
+func newQueries(names sqlschema.Names) queries {
+	r := strings.NewReplacer("{T}", names.Inbox, "{S}", names.InboxStarts,
+		"{SEQ}", names.Schema+`."`+names.InboxName+`_token_seq"`)
 	return queries{
+		// Counts the attempt in the unlogged starts table, unless the key
+		// is done or dead, which it reads in the same statement: a
+		// duplicate is answered here, without a transaction. It commits on
+		// its own, before the handler's transaction begins.
+		start: r.Replace(`WITH rec AS (
+	SELECT status, attempts, result, first_failed_at FROM {T}
+	WHERE consumer = $1 AND key = $2 AND status IN ('done', 'dead')
+), st AS (
+	INSERT INTO {S} AS s (consumer, key, started, expires_at)
+	SELECT $1, $2, 1, now() + make_interval(secs => $3)
+	WHERE NOT EXISTS (SELECT 1 FROM rec)
+	ON CONFLICT (consumer, key) DO UPDATE SET started = s.started + 1, expires_at = EXCLUDED.expires_at
+	RETURNING started
+)
+SELECT status, attempts, result, first_failed_at FROM rec
+UNION ALL
+SELECT 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
+
+		unstart: r.Replace(`UPDATE {S} SET started = started - 1
+WHERE consumer = $1 AND key = $2 AND started > 0`),
+
+		// Runs in the transaction that claimed the key.
+		// The claim that took the key for burying counted itself as an
+		// attempt; the bury takes that back.
+		bury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), result = NULL, done_at = NULL,
+	attempts = GREATEST(attempts - 1, 0),
+	first_error = COALESCE(first_error, $3), first_failed_at = COALESCE(first_failed_at, $4),
+	last_error = $3, last_failed_at = $4, updated_at = now()
+WHERE consumer = $1 AND key = $2`),
+
+		reopen: r.Replace(`WITH del AS (DELETE FROM {S} WHERE consumer = $1 AND key = $2)
+UPDATE {T} SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, updated_at = now()
+WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
+
+		deadCopy: r.Replace(`UPDATE {T} SET dead_copies = dead_copies + 1
+WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
+
 		// The claim writes the row as 'done' at once: it only becomes
 		// visible when the transaction commits, together with the effect.
 		// A concurrent claimer waits on the uncommitted row until then.
@@ -23,7 +67,12 @@ func newQueries(table string) queries {
 		// trip. It runs on the statement's snapshot, so a row committed
 		// while the INSERT waited is read again by the caller, and a
 		// failed row is taken with reclaim.
-		claim: r.Replace(`WITH ins AS (
+		//
+		// The key's start count goes in the same statement: the delete
+		// commits with the effect, and a rollback (or a crash) keeps it.
+		claim: r.Replace(`WITH del AS (
+	DELETE FROM {S} WHERE consumer = $1 AND key = $2
+), ins AS (
 	INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
 	VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
 	ON CONFLICT (consumer, key) DO NOTHING
@@ -37,7 +86,8 @@ WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
 		// Takes a key whose earlier attempts failed. A concurrent claimer
 		// of the same failed key waits on the row lock and, if the first
 		// commits, finds it no longer failed.
-		reclaim: r.Replace(`UPDATE {T} SET status = 'done', attempts = attempts + 1, lease_until = NULL,
+		reclaim: r.Replace(`WITH del AS (DELETE FROM {S} WHERE consumer = $1 AND key = $2)
+UPDATE {T} SET status = 'done', attempts = attempts + 1, lease_until = NULL,
 	updated_at = now(), done_at = now(), expires_at = now() + make_interval(secs => $3)
 WHERE consumer = $1 AND key = $2 AND status = 'failed'
 RETURNING attempts, first_failed_at`),
@@ -55,7 +105,7 @@ SET status = 'failed', attempts = i.attempts + 1, lease_until = NULL,
     first_failed_at = COALESCE(i.first_failed_at, EXCLUDED.first_failed_at),
     last_error = EXCLUDED.last_error, last_failed_at = EXCLUDED.last_failed_at,
     updated_at = now(), expires_at = EXCLUDED.expires_at
-WHERE i.status <> 'done'`),
+WHERE i.status NOT IN ('done', 'dead')`),
 
 		// Reads the committed row only; a claim in progress is invisible.
 		peek: r.Replace(`SELECT status, attempts, lease_until, result, first_failed_at,
@@ -66,16 +116,23 @@ FROM {T} WHERE consumer = $1 AND key = $2 AND expires_at > now()`),
 WHERE consumer = $1 AND status = 'done' AND done_at >= $2 AND expires_at > now()`),
 
 		// SKIP LOCKED: a row being claimed right now is not waited for.
-		deleteExpired: r.Replace(`DELETE FROM {T} WHERE (consumer, key) IN (
+		// Start counts left behind by a duplicate that lost a race go
+		// with them, in the same statement.
+		deleteExpired: r.Replace(`WITH starts AS (
+	DELETE FROM {S} WHERE (consumer, key) IN (
+		SELECT consumer, key FROM {S} WHERE expires_at < now()
+		LIMIT $1 FOR UPDATE SKIP LOCKED)
+)
+DELETE FROM {T} WHERE (consumer, key) IN (
 	SELECT consumer, key FROM {T} WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED)`),
 
 		leaseClaim: r.Replace(`WITH claim AS (
 	INSERT INTO {T} AS i (consumer, key, status, attempts, token, lease_until, expires_at)
-	VALUES ($1, $2, 'processing', 1, 1, clock_timestamp() + make_interval(secs => $3),
+	VALUES ($1, $2, 'processing', 1, nextval('{SEQ}'), clock_timestamp() + make_interval(secs => $3),
 	        now() + make_interval(secs => $4))
 	ON CONFLICT (consumer, key) DO UPDATE
-	SET status = 'processing', attempts = i.attempts + 1, token = i.token + 1,
+	SET status = 'processing', attempts = i.attempts + 1, token = EXCLUDED.token,
 	    lease_until = EXCLUDED.lease_until, updated_at = now(), expires_at = EXCLUDED.expires_at
 	WHERE i.status = 'failed' OR (i.status = 'processing' AND i.lease_until <= clock_timestamp())
 	RETURNING attempts, token, lease_until, first_failed_at
@@ -90,6 +147,21 @@ WHERE consumer = $1 AND key = $2`),
 
 		leaseComplete: r.Replace(`UPDATE {T} SET status = 'done', result = $4, lease_until = NULL,
 	done_at = now(), updated_at = now()
+WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),
+
+		leaseExtend: r.Replace(`UPDATE {T} SET lease_until = clock_timestamp() + make_interval(secs => $4),
+	expires_at = GREATEST(expires_at, clock_timestamp() + make_interval(secs => $4)), updated_at = now()
+WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'
+RETURNING lease_until`),
+
+		leaseBury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), lease_until = NULL,
+	first_error = COALESCE(first_error, $4), first_failed_at = COALESCE(first_failed_at, $5),
+	last_error = $4, last_failed_at = $5, updated_at = now()
+WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),
+
+		// An abandoned attempt (shutdown) is not counted.
+		leaseAbandon: r.Replace(`UPDATE {T} SET status = 'failed', lease_until = NULL,
+	attempts = GREATEST(attempts - 1, 0), updated_at = now()
 WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),
 
 		leaseRelease: r.Replace(`UPDATE {T} SET status = 'failed', lease_until = NULL,

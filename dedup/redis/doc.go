@@ -10,11 +10,18 @@
 //	store, err := redis.New(redis.Config{Client: rdb})
 //	inbox, err := middleware.NewInbox(middleware.InboxConfig{LeaseStore: store})
 //
-// Each claim, completion and release is one Lua script, run atomically by
-// Redis in one round trip; lease ends are computed from the Redis server's
-// clock (TIME), never from the clients' clocks. Only the holder of the
-// current fencing token can complete or release a key, exactly as with the
-// postgres store's lease mode.
+// Each claim, completion, release, extension and burial is one Lua script,
+// run atomically by Redis in one round trip; lease ends are computed from
+// the Redis server's clock (TIME), never from the clients' clocks. Only the
+// holder of the current fencing token can complete, release, extend or bury
+// a key, exactly as with the postgres store's lease mode. Tokens are the
+// server's time in microseconds (or the last token + 1), so a key whose
+// record expired is never given a token it had before.
+//
+// A buried key is dead: claims and peeks answer [dedup.StateDead], copies
+// that arrive meanwhile are counted with [Store.InboxDeadCopy], and
+// [Store.InboxReopen] makes it claimable again for the replay of its dead
+// letter. A dead record expires with its window, like a done one.
 //
 // # What it risks
 //
@@ -42,7 +49,10 @@
 // consumer is escaped so that it holds no '{', '}' or glob metacharacter:
 // the braces are a cluster hash tag that keeps a consumer's keys in one slot,
 // and two different pairs never share a Redis key. The hash expires (PEXPIRE)
-// the dedup window after the claim that created or took over its lease.
+// the dedup window after the claim that created or took over its lease. Its
+// fields are status (processing, failed, done or dead), token, lease_until,
+// attempts, result, done_at, first_error, first_failed_at, last_error,
+// last_failed_at and dead_copies.
 //
 // The store does not own the client: closing it is the caller's business,
 // and the store has no Close method. It starts no goroutines.

@@ -100,6 +100,12 @@ func TestRedisStoppedMidRunFailClosed(t *testing.T) {
 	require.ErrorIs(t, err, redis.ErrUnavailable)
 	err = store.InboxDoneKeys(context.Background(), "c", time.Time{}, func(string) error { return nil })
 	require.ErrorIs(t, err, redis.ErrUnavailable)
+	_, err = store.LeaseExtend(context.Background(), dedup.Key{Consumer: "c", Key: "k"}, 1, time.Minute)
+	require.ErrorIs(t, err, redis.ErrUnavailable)
+	require.ErrorIs(t, store.LeaseBury(context.Background(), dedup.Key{Consumer: "c", Key: "k"}, 1, dedup.Failure{}), redis.ErrUnavailable)
+	_, err = store.InboxReopen(context.Background(), dedup.Key{Consumer: "c", Key: "k"})
+	require.ErrorIs(t, err, redis.ErrUnavailable)
+	require.ErrorIs(t, store.InboxDeadCopy(context.Background(), dedup.Key{Consumer: "c", Key: "k"}), redis.ErrUnavailable)
 	restart(t, srv, client) // let the pool's reconnect probe end before the leak check
 }
 
@@ -165,17 +171,25 @@ func TestServerRefusalsAreUnavailability(t *testing.T) {
 	require.NoError(t, err)
 	ctx := context.Background()
 	key := dedup.Key{Consumer: "c", Key: "k"}
+	buried := dedup.Key{Consumer: "c", Key: "buried"}
+	c, err := closed.LeaseClaim(ctx, buried, time.Minute, time.Hour)
+	require.NoError(t, err)
+	require.NoError(t, closed.LeaseBury(ctx, buried, c.Token, dedup.Failure{Err: "x"}))
 
 	require.NoError(t, client.ConfigSet(ctx, "maxmemory", "1").Err())
 	_, err = closed.LeaseClaim(ctx, key, time.Minute, time.Hour)
 	require.ErrorIs(t, err, redis.ErrUnavailable)
 	require.ErrorContains(t, err, "OOM")
 	require.Equal(t, redis.Stats{}, closed.Stats())
-	c, err := open.LeaseClaim(ctx, key, time.Minute, time.Hour)
+	c, err = open.LeaseClaim(ctx, key, time.Minute, time.Hour)
 	require.NoError(t, err)
 	require.Equal(t, dedup.Claim{State: dedup.StateNew}, c, "fail-open: new, with token 0")
 	require.NoError(t, open.LeaseComplete(ctx, key, c.Token, nil), "completing token 0 is a no-op")
 	require.NoError(t, open.LeaseRelease(ctx, key, c.Token, dedup.Failure{}), "releasing token 0 is a no-op")
+	require.NoError(t, open.LeaseBury(ctx, key, c.Token, dedup.Failure{}), "burying token 0 is a no-op")
+	until, err := open.LeaseExtend(ctx, key, c.Token, time.Minute)
+	require.NoError(t, err, "extending token 0 is a no-op")
+	require.WithinDuration(t, time.Now().Add(time.Minute), until, time.Minute)
 	require.NoError(t, client.ConfigSet(ctx, "maxmemory", "0").Err())
 
 	// A replica of a master that does not exist: reads work, writes are
@@ -188,11 +202,41 @@ func TestServerRefusalsAreUnavailability(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, dedup.StateNew, c.State)
 	require.Zero(t, c.Token)
+	// Reopening and counting a dead copy never fail open.
+	_, err = open.InboxReopen(ctx, buried)
+	require.ErrorIs(t, err, redis.ErrUnavailable)
+	require.ErrorContains(t, err, "READONLY")
+	require.ErrorIs(t, open.InboxDeadCopy(ctx, buried), redis.ErrUnavailable)
 	require.Equal(t, redis.Stats{FailedOpen: 2}, open.Stats())
 	require.NoError(t, client.ReplicaOf(ctx, "NO", "ONE").Err())
+	reopened, err := open.InboxReopen(ctx, buried)
+	require.NoError(t, err)
+	require.True(t, reopened, "the refused reopen changed nothing")
 
 	c, err = closed.LeaseClaim(ctx, key, time.Minute, time.Hour)
 	require.NoError(t, err)
 	require.Equal(t, dedup.StateNew, c.State)
 	require.NotZero(t, c.Token)
+}
+
+// TestTokensOutliveARestart restarts Redis without persistence: the key's
+// record is gone, and the token of the next claim is still higher than the
+// one issued before, so the old holder cannot complete the new lease.
+func TestTokensOutliveARestart(t *testing.T) {
+	t.Parallel()
+	srv, client, store := privateStore(t, redis.FailClosed, nil)
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "payments", Key: "charge-1"}
+	old, err := store.LeaseClaim(ctx, key, time.Hour, time.Hour)
+	require.NoError(t, err)
+
+	srv.Stop()
+	restart(t, srv, client)
+	fresh, err := store.LeaseClaim(ctx, key, time.Hour, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, fresh.State)
+	require.Equal(t, 1, fresh.Attempts, "the restart forgot the record")
+	require.Greater(t, fresh.Token, old.Token)
+	require.ErrorIs(t, store.LeaseComplete(ctx, key, old.Token, []byte("zombie")), dedup.ErrLeaseLost)
+	require.NoError(t, store.LeaseComplete(ctx, key, fresh.Token, []byte("ok")))
 }

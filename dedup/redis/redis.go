@@ -38,7 +38,8 @@ const (
 	FailClosed Policy = iota
 	// FailOpen lets messages through while Redis is unavailable:
 	// [Store.LeaseClaim] and [Store.InboxPeek] answer [dedup.StateNew]
-	// with token 0, and completing or releasing token 0 does nothing. The
+	// with token 0, and completing, releasing, extending or burying token
+	// 0 does nothing (so a key buried then is not remembered dead). The
 	// effect of every delivery in that time is applied, duplicates
 	// included. Each such answer is counted in [Stats.FailedOpen] and
 	// logged at error level with its cause.
@@ -115,7 +116,8 @@ type Store struct {
 	policy Policy
 	logger watermill.LoggerAdapter
 
-	claim, complete, release, peek *goredis.Script
+	claim, complete, release, bury, extend *goredis.Script
+	peek, reopen, deadCopy                 *goredis.Script
 
 	failedOpen atomic.Int64
 }
@@ -141,7 +143,11 @@ func New(cfg Config) (*Store, error) {
 		claim:    goredis.NewScript(claimSource),
 		complete: goredis.NewScript(completeSource),
 		release:  goredis.NewScript(releaseSource),
+		bury:     goredis.NewScript(burySource),
+		extend:   goredis.NewScript(extendSource),
 		peek:     goredis.NewScript(peekSource),
+		reopen:   goredis.NewScript(reopenSource),
+		deadCopy: goredis.NewScript(deadCopySource),
 	}, nil
 }
 
@@ -150,11 +156,12 @@ func (s *Store) Stats() Stats {
 	return Stats{FailedOpen: s.failedOpen.Load()}
 }
 
-// LeaseClaim takes key for lease unless it is done or held by a live lease.
-// A new claim counts an attempt, issues a token higher than any earlier one
-// of the key, and sets the record to expire window (or lease, if longer)
-// from now. Every answer carries the time of the key's first recorded
-// failure, if any.
+// LeaseClaim takes key for lease unless it is done, dead or held by a live
+// lease. A new claim counts an attempt, issues a token higher than any
+// earlier one of the key (the server's time in microseconds, or the last
+// token + 1 if that is higher), and sets the record to expire window (or
+// lease, if longer) from now. Every answer carries the time of the key's
+// first recorded failure, if any.
 func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window time.Duration) (dedup.Claim, error) {
 	if lease <= 0 || window <= 0 {
 		return dedup.Claim{}, fmt.Errorf("redis: lease claim: lease and window must be positive, got %s and %s", lease, window)
@@ -176,6 +183,8 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 		c.State, c.Until = dedup.StateInFlight, f.time(3)
 	case "done":
 		c.State, c.Result = dedup.StateDone, f.bytes(5)
+	case "dead":
+		c.State = dedup.StateDead
 	default:
 		f.fail(fmt.Errorf("unexpected state %q", state))
 	}
@@ -199,16 +208,77 @@ func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, r
 }
 
 // LeaseRelease marks key failed, claimable at once, if token is still
-// current, and records f; the first failure's text and time are kept.
+// current, and records f; the first failure's text and time are kept. An
+// abandoned attempt ([dedup.Failure.Abandoned]) records no failure, and its
+// count is taken back.
 func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
 	if token == 0 && s.policy == FailOpen {
 		return nil // the claim failed open: there is no lease to release
 	}
-	at := ""
-	if !f.At.IsZero() {
-		at = strconv.FormatInt(f.At.UnixMilli(), 10)
+	abandoned := "0"
+	if f.Abandoned {
+		abandoned = "1"
 	}
-	return s.end(ctx, "lease release", s.release, key, strconv.FormatInt(token, 10), f.Err, at)
+	return s.end(ctx, "lease release", s.release, key, strconv.FormatInt(token, 10), f.Err, failedAt(f), abandoned)
+}
+
+// LeaseBury marks key dead if token is still current, and records f as
+// LeaseRelease does. Claims and peeks answer [dedup.StateDead] until
+// [Store.InboxReopen]; the record keeps its expiry, like a done one.
+func (s *Store) LeaseBury(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
+	if token == 0 && s.policy == FailOpen {
+		return nil // the claim failed open: there is no lease to bury
+	}
+	return s.end(ctx, "lease bury", s.bury, key, strconv.FormatInt(token, 10), f.Err, failedAt(f))
+}
+
+// failedAt is f's time in milliseconds, or "" for the server's time.
+func failedAt(f dedup.Failure) string {
+	if f.At.IsZero() {
+		return ""
+	}
+	return strconv.FormatInt(f.At.UnixMilli(), 10)
+}
+
+// LeaseExtend moves the end of token's lease to lease from now, on the
+// server's clock, if token is still current, and returns it; the record is
+// kept at least until then. Under [FailOpen], token 0 is extended without
+// Redis, on the local clock.
+func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lease time.Duration) (time.Time, error) {
+	if lease <= 0 {
+		return time.Time{}, fmt.Errorf("redis: lease extend: lease must be positive, got %s", lease)
+	}
+	if token == 0 && s.policy == FailOpen {
+		return time.Now().Add(lease), nil // the claim failed open: there is no lease to extend
+	}
+	until, err := s.extend.Run(ctx, s.client, []string{s.recordKey(key)}, strconv.FormatInt(token, 10), millis(lease)).Int64()
+	if err != nil {
+		return time.Time{}, s.wrap(ctx, "lease extend", err)
+	}
+	if until == 0 {
+		return time.Time{}, fmt.Errorf("redis: lease extend: consumer %q key %q: %w", key.Consumer, key.Key, dedup.ErrLeaseLost)
+	}
+	return time.UnixMilli(until), nil
+}
+
+// InboxReopen makes a dead key claimable again, as a failed key with no
+// attempts, and reports whether it was dead. Its failure history and
+// expiry stay. It never fails open.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
+	n, err := s.reopen.Run(ctx, s.client, []string{s.recordKey(key)}).Int64()
+	if err != nil {
+		return false, s.wrap(ctx, "reopen", err)
+	}
+	return n == 1, nil
+}
+
+// InboxDeadCopy counts a copy of a dead key in the record's dead_copies
+// field; it does nothing to a key that is not dead. It never fails open.
+func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
+	if err := s.deadCopy.Run(ctx, s.client, []string{s.recordKey(key)}).Err(); err != nil {
+		return s.wrap(ctx, "dead copy", err)
+	}
+	return nil
 }
 
 func (s *Store) end(ctx context.Context, op string, script *goredis.Script, key dedup.Key, args ...any) error {
@@ -244,6 +314,8 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 		c.State, c.Until = dedup.StateInFlight, f.time(2)
 	case "done":
 		c.State, c.Result = dedup.StateDone, f.bytes(4)
+	case "dead":
+		c.State = dedup.StateDead
 	default:
 		f.fail(fmt.Errorf("unexpected state %q", state))
 	}

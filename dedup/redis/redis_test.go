@@ -366,6 +366,9 @@ func TestDoneKeys(t *testing.T) {
 	f, err := b.store.LeaseClaim(ctx, dedup.Key{Consumer: consumer, Key: "failed"}, time.Hour, time.Hour)
 	require.NoError(t, err)
 	require.NoError(t, b.store.LeaseRelease(ctx, dedup.Key{Consumer: consumer, Key: "failed"}, f.Token, dedup.Failure{Err: "x"}))
+	d, err := b.store.LeaseClaim(ctx, dedup.Key{Consumer: consumer, Key: "dead"}, time.Hour, time.Hour)
+	require.NoError(t, err)
+	require.NoError(t, b.store.LeaseBury(ctx, dedup.Key{Consumer: consumer, Key: "dead"}, d.Token, dedup.Failure{Err: "x"}))
 	complete("ordXers{1}", "other-consumer")
 	complete("ord*ers{1}x", "other-consumer")
 	complete("ord", "other-consumer")
@@ -460,6 +463,13 @@ func TestRealErrorsAreNeitherUnavailableNorFailedOpen(t *testing.T) {
 	_, err = b.store.InboxPeek(ctx, key)
 	require.ErrorContains(t, err, "WRONGTYPE")
 	require.ErrorContains(t, b.store.LeaseComplete(ctx, key, 1, nil), "WRONGTYPE")
+	require.ErrorContains(t, b.store.LeaseBury(ctx, key, 1, dedup.Failure{}), "WRONGTYPE")
+	_, err = b.store.LeaseExtend(ctx, key, 1, time.Minute)
+	require.ErrorContains(t, err, "WRONGTYPE")
+	_, err = b.store.InboxReopen(ctx, key)
+	require.ErrorContains(t, err, "WRONGTYPE")
+	require.NotErrorIs(t, err, redis.ErrUnavailable)
+	require.ErrorContains(t, b.store.InboxDeadCopy(ctx, key), "WRONGTYPE")
 	require.Equal(t, redis.Stats{}, b.store.Stats(), "a real error never fails open")
 	require.Empty(t, logs.Captured()[watermill.ErrorLogLevel])
 
@@ -523,4 +533,220 @@ func TestInboxLeaseModeFailureReleases(t *testing.T) {
 	require.Equal(t, "done", rec["status"])
 	require.Equal(t, "2", rec["attempts"])
 	require.Equal(t, "smtp 451", rec["first_error"])
+}
+
+func TestLeaseExtend(t *testing.T) {
+	t.Parallel()
+	b := setup(t, redis.Config{})
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "payments", Key: "slow-charge"}
+
+	// A lease about to end is extended by its holder; the record is kept
+	// at least as long as the new lease.
+	c, err := b.store.LeaseClaim(ctx, key, 50*time.Millisecond, time.Hour)
+	require.NoError(t, err)
+	until, err := b.store.LeaseExtend(ctx, key, c.Token, 3*time.Hour)
+	require.NoError(t, err)
+	require.WithinDuration(t, time.Now().Add(3*time.Hour), until, time.Minute, "on the server's clock")
+	require.Equal(t, strconv.FormatInt(until.UnixMilli(), 10), b.record(t, key)["lease_until"])
+	ttl, err := b.client.PTTL(ctx, b.recordKey(key)).Result()
+	require.NoError(t, err)
+	require.Greater(t, ttl, 2*time.Hour, "the record outlives the extended lease")
+
+	dup, err := b.store.LeaseClaim(ctx, key, time.Minute, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateInFlight, dup.State, "the extended lease holds the key")
+	require.Equal(t, until, dup.Until)
+
+	// A shorter extension moves the lease end but never shortens the
+	// record's life.
+	until, err = b.store.LeaseExtend(ctx, key, c.Token, time.Minute)
+	require.NoError(t, err)
+	require.WithinDuration(t, time.Now().Add(time.Minute), until, time.Minute)
+	ttl, err = b.client.PTTL(ctx, b.recordKey(key)).Result()
+	require.NoError(t, err)
+	require.Greater(t, ttl, 2*time.Hour)
+
+	before := b.record(t, key)
+	_, err = b.store.LeaseExtend(ctx, key, c.Token-1, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrLeaseLost, "only the current token extends")
+	require.Equal(t, before, b.record(t, key), "a fenced extension changes nothing")
+	require.NoError(t, b.store.LeaseComplete(ctx, key, c.Token, nil))
+	_, err = b.store.LeaseExtend(ctx, key, c.Token, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrLeaseLost, "a done key has no lease")
+	require.NotContains(t, b.record(t, key), "lease_until")
+
+	_, err = b.store.LeaseExtend(ctx, dedup.Key{Consumer: "payments", Key: "ghost"}, 1, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrLeaseLost)
+	require.Equal(t, 1, b.keyCount(t), "a fenced extension writes nothing")
+	_, err = b.store.LeaseExtend(ctx, key, c.Token, 0)
+	require.ErrorContains(t, err, "must be positive")
+}
+
+func TestBuryReopenAndDeadCopies(t *testing.T) {
+	t.Parallel()
+	b := setup(t, redis.Config{})
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "mailer", Key: "poison-1"}
+	firstFailed := time.UnixMilli(time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC).UnixMilli()) // as the store reads it back
+
+	first, err := b.store.LeaseClaim(ctx, key, time.Hour, 2*time.Hour)
+	require.NoError(t, err)
+	require.NoError(t, b.store.LeaseRelease(ctx, key, first.Token, dedup.Failure{Err: "bad json", At: firstFailed}))
+	second, err := b.store.LeaseClaim(ctx, key, time.Hour, 2*time.Hour)
+	require.NoError(t, err)
+	require.ErrorIs(t, b.store.LeaseBury(ctx, key, first.Token, dedup.Failure{Err: "zombie"}), dedup.ErrLeaseLost)
+	require.Equal(t, "processing", b.record(t, key)["status"], "a fenced burial changes nothing")
+	buriedAt := firstFailed.Add(time.Minute)
+	require.NoError(t, b.store.LeaseBury(ctx, key, second.Token, dedup.Failure{Err: "still bad json", At: buriedAt}))
+
+	rec := b.record(t, key)
+	require.Equal(t, "dead", rec["status"])
+	require.Equal(t, "bad json", rec["first_error"], "the first failure is kept")
+	require.Equal(t, strconv.FormatInt(firstFailed.UnixMilli(), 10), rec["first_failed_at"])
+	require.Equal(t, "still bad json", rec["last_error"])
+	require.Equal(t, strconv.FormatInt(buriedAt.UnixMilli(), 10), rec["last_failed_at"])
+	require.Equal(t, "2", rec["attempts"])
+	require.NotContains(t, rec, "lease_until")
+	ttl, err := b.client.PTTL(ctx, b.recordKey(key)).Result()
+	require.NoError(t, err)
+	require.LessOrEqual(t, ttl, 2*time.Hour, "burying keeps the window")
+	require.Greater(t, ttl, 2*time.Hour-time.Minute)
+
+	// A dead key is never claimed, and a claim does not extend its life.
+	want := dedup.Claim{State: dedup.StateDead, Attempts: 2, FirstFailedAt: firstFailed}
+	for i := 0; i < 3; i++ {
+		c, err := b.store.LeaseClaim(ctx, key, time.Millisecond, 10*time.Hour)
+		require.NoError(t, err)
+		require.Equal(t, want, c)
+	}
+	ttl, err = b.client.PTTL(ctx, b.recordKey(key)).Result()
+	require.NoError(t, err)
+	require.LessOrEqual(t, ttl, 2*time.Hour)
+	p, err := b.store.InboxPeek(ctx, key)
+	require.NoError(t, err)
+	require.Equal(t, want, p)
+	require.ErrorIs(t, b.store.LeaseComplete(ctx, key, second.Token, nil), dedup.ErrLeaseLost, "a dead key has no lease")
+	require.ErrorIs(t, b.store.LeaseRelease(ctx, key, second.Token, dedup.Failure{}), dedup.ErrLeaseLost)
+	require.ErrorIs(t, b.store.LeaseBury(ctx, key, second.Token, dedup.Failure{}), dedup.ErrLeaseLost)
+	_, err = b.store.LeaseExtend(ctx, key, second.Token, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrLeaseLost)
+	require.NoError(t, b.store.InboxDoneKeys(ctx, "mailer", time.Time{}, func(k string) error {
+		t.Errorf("dead key %q listed as done", k)
+		return nil
+	}))
+
+	require.NoError(t, b.store.InboxDeadCopy(ctx, key))
+	require.NoError(t, b.store.InboxDeadCopy(ctx, key))
+	require.Equal(t, "2", b.record(t, key)["dead_copies"])
+
+	// Reopening makes it claimable, with its attempts reset; its history
+	// and expiry stay.
+	reopened, err := b.store.InboxReopen(ctx, key)
+	require.NoError(t, err)
+	require.True(t, reopened)
+	rec = b.record(t, key)
+	require.Equal(t, "failed", rec["status"])
+	require.Equal(t, "0", rec["attempts"])
+	require.Equal(t, "bad json", rec["first_error"])
+	ttl, err = b.client.PTTL(ctx, b.recordKey(key)).Result()
+	require.NoError(t, err)
+	require.LessOrEqual(t, ttl, 2*time.Hour)
+	p, err = b.store.InboxPeek(ctx, key)
+	require.NoError(t, err)
+	require.Equal(t, dedup.Claim{State: dedup.StateNew, FirstFailedAt: firstFailed}, p)
+	reopened, err = b.store.InboxReopen(ctx, key)
+	require.NoError(t, err)
+	require.False(t, reopened, "the key is no longer dead")
+	require.NoError(t, b.store.InboxDeadCopy(ctx, key), "a copy of a live key is no error")
+	require.Equal(t, "2", b.record(t, key)["dead_copies"], "and is not counted")
+
+	replay, err := b.store.LeaseClaim(ctx, key, time.Hour, 2*time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, replay.State)
+	require.Equal(t, 1, replay.Attempts)
+	require.Greater(t, replay.Token, second.Token)
+	require.NoError(t, b.store.LeaseComplete(ctx, key, replay.Token, []byte("sent")))
+	reopened, err = b.store.InboxReopen(ctx, key)
+	require.NoError(t, err)
+	require.False(t, reopened, "a done key is not reopened")
+	require.Equal(t, "done", b.record(t, key)["status"])
+
+	ghost := dedup.Key{Consumer: "mailer", Key: "ghost"}
+	reopened, err = b.store.InboxReopen(ctx, ghost)
+	require.NoError(t, err)
+	require.False(t, reopened)
+	require.NoError(t, b.store.InboxDeadCopy(ctx, ghost))
+	require.Equal(t, 1, b.keyCount(t), "neither call created a record")
+}
+
+func TestTokensNeverRepeatAfterExpiry(t *testing.T) {
+	t.Parallel()
+	b := setup(t, redis.Config{})
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "payments", Key: "charge-ttl"}
+
+	// The record expires by itself.
+	old, err := b.store.LeaseClaim(ctx, key, time.Millisecond, time.Millisecond)
+	require.NoError(t, err)
+	msgtest.WaitFor(t, "the record to expire", func() bool {
+		n, err := b.client.Exists(ctx, b.recordKey(key)).Result()
+		require.NoError(t, err)
+		return n == 0
+	})
+	fresh, err := b.store.LeaseClaim(ctx, key, time.Hour, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, fresh.State)
+	require.Equal(t, 1, fresh.Attempts, "the record was forgotten")
+	require.Greater(t, fresh.Token, old.Token)
+	require.ErrorIs(t, b.store.LeaseComplete(ctx, key, old.Token, []byte("zombie")), dedup.ErrLeaseLost)
+	require.ErrorIs(t, b.store.LeaseRelease(ctx, key, old.Token, dedup.Failure{}), dedup.ErrLeaseLost)
+	require.ErrorIs(t, b.store.LeaseBury(ctx, key, old.Token, dedup.Failure{}), dedup.ErrLeaseLost)
+	_, err = b.store.LeaseExtend(ctx, key, old.Token, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrLeaseLost)
+	require.Equal(t, "processing", b.record(t, key)["status"])
+
+	// A record deleted and claimed again at once, many times over: every
+	// token is higher than the one before.
+	prev := fresh.Token
+	for i := 0; i < 200; i++ {
+		require.NoError(t, b.client.Del(ctx, b.recordKey(key)).Err())
+		c, err := b.store.LeaseClaim(ctx, key, time.Hour, time.Hour)
+		require.NoError(t, err)
+		require.Equal(t, dedup.StateNew, c.State)
+		require.Greater(t, c.Token, prev, "claim %d reissued a token", i)
+		require.ErrorIs(t, b.store.LeaseComplete(ctx, key, prev, nil), dedup.ErrLeaseLost)
+		prev = c.Token
+	}
+	require.NoError(t, b.store.LeaseComplete(ctx, key, prev, []byte("ok")))
+}
+
+func TestAbandonedReleaseTakesTheAttemptBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t, redis.Config{})
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "mailer", Key: "deploy"}
+
+	c, err := b.store.LeaseClaim(ctx, key, time.Hour, time.Hour)
+	require.NoError(t, err)
+	require.NoError(t, b.store.LeaseRelease(ctx, key, c.Token, dedup.Failure{Err: "timeout"}))
+	c, err = b.store.LeaseClaim(ctx, key, time.Hour, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, 2, c.Attempts)
+	before := b.record(t, key)
+	require.NoError(t, b.store.LeaseRelease(ctx, key, c.Token, dedup.Failure{Err: "ignored", Abandoned: true}))
+	rec := b.record(t, key)
+	require.Equal(t, "failed", rec["status"], "the key is free at once")
+	require.Equal(t, "1", rec["attempts"], "the abandoned attempt is not counted")
+	require.NotContains(t, rec, "lease_until")
+	for _, f := range []string{"first_error", "first_failed_at", "last_error", "last_failed_at", "token"} {
+		require.Equal(t, before[f], rec[f], "an abandoned attempt records no failure: %s", f)
+	}
+	require.ErrorIs(t, b.store.LeaseRelease(ctx, key, c.Token, dedup.Failure{Abandoned: true}), dedup.ErrLeaseLost)
+
+	next, err := b.store.LeaseClaim(ctx, key, time.Hour, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, next.State)
+	require.Equal(t, 2, next.Attempts)
+	require.Greater(t, next.Token, c.Token)
 }

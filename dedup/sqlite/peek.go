@@ -29,11 +29,13 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 	if firstFailed.Valid {
 		c.FirstFailedAt = time.UnixMicro(firstFailed.Int64)
 	}
-	c.State = dedup.StateNew
-	if status == "done" {
+	switch status {
+	case "done":
 		c.State = dedup.StateDone
-	} else {
-		c.Result = nil
+	case "dead":
+		c.State, c.Result = dedup.StateDead, nil
+	default:
+		c.State, c.Result = dedup.StateNew, nil
 	}
 	return c, nil
 }

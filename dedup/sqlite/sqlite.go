@@ -177,8 +177,69 @@ func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
 	return &inboxTx{tx: tx, q: &s.q}, nil
 }
 
-// InboxFail records a failed attempt outside any transaction. A done key is
-// left alone. A zero f.At is taken as now.
+// InboxStart counts an attempt of key in the starts table, in a statement
+// that commits at once, unless the key is done or dead.
+func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	var (
+		status      string
+		c           dedup.Claim
+		firstFailed sql.NullInt64
+	)
+	err := s.db.QueryRowContext(ctx, s.q.startRead, key.Consumer, key.Key).Scan(&status, &c.Attempts, &c.Result, &firstFailed)
+	switch {
+	case err == nil:
+		if firstFailed.Valid {
+			c.FirstFailedAt = time.UnixMicro(firstFailed.Int64)
+		}
+		c.State = dedup.StateDone
+		if status == "dead" {
+			c.State, c.Result = dedup.StateDead, nil
+		}
+		return c, nil
+	case !errors.Is(err, sql.ErrNoRows):
+		return dedup.Claim{}, interpret("start", err)
+	}
+	if err := s.db.QueryRowContext(ctx, s.q.start, key.Consumer, key.Key, micros(time.Now().Add(window))).Scan(&c.Attempts); err != nil {
+		return dedup.Claim{}, interpret("start", err)
+	}
+	c.State = dedup.StateNew
+	return c, nil
+}
+
+// InboxUnstart takes back one started attempt of key.
+func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
+	if _, err := s.db.ExecContext(ctx, s.q.unstart, key.Consumer, key.Key); err != nil {
+		return interpret("unstart", err)
+	}
+	return nil
+}
+
+// InboxReopen makes a dead key claimable again with its counts reset.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
+	res, err := s.db.ExecContext(ctx, s.q.reopen, micros(time.Now()), key.Consumer, key.Key)
+	if err != nil {
+		return false, interpret("reopen", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("sqlite: reopen: rows affected: %w", err)
+	}
+	if _, err := s.db.ExecContext(ctx, s.q.clearStart, key.Consumer, key.Key); err != nil {
+		return false, interpret("reopen", err)
+	}
+	return n == 1, nil
+}
+
+// InboxDeadCopy counts a copy of a dead key on its record.
+func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
+	if _, err := s.db.ExecContext(ctx, s.q.deadCopy, key.Consumer, key.Key); err != nil {
+		return interpret("count dead copy", err)
+	}
+	return nil
+}
+
+// InboxFail records a failed attempt outside any transaction. A done or
+// dead key is left alone. A zero f.At is taken as now.
 func (s *Store) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
 	now := time.Now()
 	at := f.At
@@ -199,7 +260,11 @@ func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) 
 	if limit <= 0 {
 		return 0, fmt.Errorf("sqlite: delete expired: limit must be positive, got %d", limit)
 	}
-	res, err := s.db.ExecContext(ctx, s.q.deleteExpired, micros(time.Now()), limit)
+	now := micros(time.Now())
+	if _, err := s.db.ExecContext(ctx, s.q.deleteExpiredStarts, now, limit); err != nil {
+		return 0, interpret("delete expired starts", err)
+	}
+	res, err := s.db.ExecContext(ctx, s.q.deleteExpired, now, limit)
 	if err != nil {
 		return 0, interpret("delete expired", err)
 	}
@@ -225,6 +290,10 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 		key.Consumer, key.Key, micros(now), micros(now), micros(now), micros(now.Add(window))).
 		Scan(&attempts, &firstFailed)
 	if err == nil {
+		// The start count commits (is deleted) with the effect.
+		if _, err := t.tx.ExecContext(ctx, t.q.clearStart, key.Consumer, key.Key); err != nil {
+			return dedup.Claim{}, interpret("claim", err)
+		}
 		c := dedup.Claim{State: dedup.StateNew, Attempts: attempts}
 		if firstFailed.Valid {
 			c.FirstFailedAt = time.UnixMicro(firstFailed.Int64)
@@ -243,10 +312,25 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 	if err := t.tx.QueryRowContext(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result); err != nil {
 		return dedup.Claim{}, interpret("claim", err)
 	}
+	if status == "dead" {
+		return dedup.Claim{State: dedup.StateDead, Attempts: attempts}, nil
+	}
 	if status != "done" {
 		return dedup.Claim{}, fmt.Errorf("sqlite: claim: key %q of consumer %q is %q after the claim changed nothing", key.Key, key.Consumer, status)
 	}
 	return dedup.Claim{State: dedup.StateDone, Attempts: attempts, Result: result}, nil
+}
+
+func (t *inboxTx) InboxBury(ctx context.Context, key dedup.Key, f dedup.Failure) error {
+	now := time.Now()
+	at := f.At
+	if at.IsZero() {
+		at = now
+	}
+	if _, err := t.tx.ExecContext(ctx, t.q.bury, f.Err, micros(at), micros(now), key.Consumer, key.Key); err != nil {
+		return interpret("bury", err)
+	}
+	return nil
 }
 
 func (t *inboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byte) error {
@@ -283,12 +367,51 @@ func (t *inboxTx) Rollback(context.Context) error {
 type queries struct {
 	claim, read, complete, fail, deleteExpired string
 	peek, doneKeys                             string
+
+	start, startRead, unstart, clearStart, deleteExpiredStarts string
+	bury, reopen, deadCopy                                     string
 }
 
 func newQueries(cfg Config) queries {
 	names := sqlschema.NamesFor(sqlschema.SQLite, cfg.schema())
-	r := strings.NewReplacer("{T}", names.Inbox)
+	r := strings.NewReplacer("{T}", names.Inbox, "{S}", names.InboxStarts)
 	return queries{
+		// Arguments: consumer, key, expires_at. Run after startRead found
+		// the key neither done nor dead.
+		start: r.Replace(`INSERT INTO {S} (consumer, key, started, expires_at) VALUES (?, ?, 1, ?)
+ON CONFLICT (consumer, key) DO UPDATE SET started = started + 1, expires_at = excluded.expires_at
+RETURNING started`),
+
+		// Arguments: consumer, key.
+		startRead: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T}
+WHERE consumer = ? AND key = ? AND status IN ('done', 'dead')`),
+
+		// Arguments: consumer, key.
+		unstart: r.Replace(`UPDATE {S} SET started = started - 1 WHERE consumer = ? AND key = ? AND started > 0`),
+
+		// Arguments: consumer, key.
+		clearStart: r.Replace(`DELETE FROM {S} WHERE consumer = ? AND key = ?`),
+
+		// Arguments: now, limit.
+		deleteExpiredStarts: r.Replace(`DELETE FROM {S} WHERE rowid IN (
+	SELECT rowid FROM {S} WHERE expires_at < ? LIMIT ?)`),
+
+		// Arguments: error, failed_at, now, consumer, key.
+		// The claim that took the key for burying counted itself as an
+		// attempt; the bury takes that back.
+		bury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = ?3, result = NULL, done_at = NULL,
+	attempts = MAX(attempts - 1, 0),
+	first_error = COALESCE(first_error, ?1), first_failed_at = COALESCE(first_failed_at, ?2),
+	last_error = ?1, last_failed_at = ?2, updated_at = ?3
+WHERE consumer = ?4 AND key = ?5`),
+
+		// Arguments: now, consumer, key.
+		reopen: r.Replace(`UPDATE {T} SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, updated_at = ?
+WHERE consumer = ? AND key = ? AND status = 'dead'`),
+
+		// Arguments: consumer, key.
+		deadCopy: r.Replace(`UPDATE {T} SET dead_copies = dead_copies + 1 WHERE consumer = ? AND key = ? AND status = 'dead'`),
+
 		// The claim writes the row as 'done' at once: it only becomes
 		// visible when the transaction commits, together with the effect.
 		// No row returned means the key was done already.
@@ -299,7 +422,7 @@ VALUES (?, ?, 'done', 1, ?, ?, ?, ?)
 ON CONFLICT (consumer, key) DO UPDATE
 SET status = 'done', attempts = attempts + 1, lease_until = NULL,
     updated_at = excluded.updated_at, done_at = excluded.done_at, expires_at = excluded.expires_at
-WHERE status <> 'done'
+WHERE status NOT IN ('done', 'dead')
 RETURNING attempts, first_failed_at`),
 
 		// Arguments: consumer, key, now.
@@ -328,7 +451,7 @@ SET status = 'failed', attempts = attempts + 1, lease_until = NULL,
     first_failed_at = COALESCE(first_failed_at, excluded.first_failed_at),
     last_error = excluded.last_error, last_failed_at = excluded.last_failed_at,
     updated_at = excluded.updated_at, expires_at = excluded.expires_at
-WHERE status <> 'done'`),
+WHERE status NOT IN ('done', 'dead')`),
 
 		// Arguments: now, limit.
 		deleteExpired: r.Replace(`DELETE FROM {T} WHERE rowid IN (

@@ -177,3 +177,23 @@ func newHarness(t *testing.T, b bundle, handlers int) *harness {
 	})
 	return h
 }
+
+// deadCopies reads the PostgreSQL record's count of dead copies.
+func (b bundle) deadCopies(t *testing.T, key dedup.Key) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT dead_copies FROM "`+b.schema+`".inbox WHERE consumer = $1 AND key = $2`,
+		key.Consumer, key.Key).Scan(&n))
+	return n
+}
+
+// claim opens a transaction of b's store and claims key in it.
+func (b bundle) claim(t *testing.T, key dedup.Key) (dedup.InboxTx, dedup.Claim) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.store.InboxBegin(ctx)
+	require.NoError(t, err)
+	c, err := tx.InboxClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	return tx, c
+}

@@ -14,6 +14,13 @@
 //     instead of parking a database connection on the row lock;
 //   - only a delivery that wins the lock opens a database transaction.
 //
+// Dead keys are the record's alone. Burying a key and reopening it go to
+// the record, and the lock never holds a dead mark: after a burial the lock
+// is released, not completed, so a dead key reaches the record, which
+// answers [dedup.StateDead], and a reopened key is claimable at once
+// without the lock being told. [Store.InboxStart] answers a key the lock
+// knows is done from the lock, and asks the record otherwise.
+//
 // Correctness never rests on the lock. If the lock forgets a key (a Redis
 // failover or restart), the record answers it; if the lock is unreachable,
 // every claim goes to the record alone, which serialises concurrent
@@ -99,18 +106,19 @@ func sameStore(lock dedup.LeaseStore, record dedup.TxStore) bool {
 
 // Stats counts what a [Store] did since it was made.
 type Stats struct {
-	// LockHits counts claims answered by the lock alone, done or in
-	// flight, without a database transaction.
+	// LockHits counts starts and claims answered by the lock alone, done
+	// or in flight, without a database round trip.
 	LockHits int64
-	// Fallbacks counts claims made on the record alone because the lock
-	// failed.
+	// Fallbacks counts the starts and claims made on the record alone
+	// because the lock failed: one or two per delivery.
 	Fallbacks int64
 }
 
-// Store is a [dedup.TxStore] made of a lock and a record. It also
-// implements [dedup.Expirer], [dedup.Peeker] and [dedup.KeyLister] by
-// delegating to the record, which returns an error if the record does not.
-// It is safe for concurrent use and starts no goroutines.
+// Store is a [dedup.TxStore] made of a lock and a record. Its
+// [dedup.Graveyard] methods delegate to the record. It also implements
+// [dedup.Expirer], [dedup.Peeker] and [dedup.KeyLister] by delegating to the
+// record, which returns an error if the record does not. It is safe for
+// concurrent use and starts no goroutines.
 type Store struct {
 	lock   dedup.LeaseStore
 	record dedup.TxStore
@@ -146,6 +154,82 @@ func (s *Store) Stats() Stats {
 // in the lock.
 func (s *Store) InboxBegin(context.Context) (dedup.InboxTx, error) {
 	return &inboxTx{s: s}, nil
+}
+
+// InboxStart counts an attempt of key in the record, which answers a done
+// or dead key. When the lock is a [dedup.Peeker] (dedup/redis is), it is
+// read first: a key it knows is done is answered from the lock alone, with
+// no database round trip and no attempt counted, since the lock's "done"
+// is accurate; any other answer goes to the record, which also decides
+// about dead keys. A key the record answers done and the lock did not know
+// is taught to the lock, so that the next duplicate stays off the
+// database. If the lock fails, the record is used alone.
+func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	teach := false
+	if p, ok := s.lock.(dedup.Peeker); ok {
+		lc, err := p.InboxPeek(ctx, key)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return dedup.Claim{}, fmt.Errorf("twotier: start: lock peek: %w", err)
+		case err != nil:
+			s.fallbacks.Add(1)
+			s.logger.Error("Inbox lock failed: starting on the record alone", err, fields(key))
+		case lc.State == dedup.StateDone:
+			s.lockHits.Add(1)
+			return dedup.Claim{State: dedup.StateDone, Attempts: lc.Attempts, Result: lc.Result, FirstFailedAt: lc.FirstFailedAt}, nil
+		case lc.State == dedup.StateNew:
+			teach = true
+		}
+	}
+	c, err := s.record.InboxStart(ctx, key, window)
+	if err != nil {
+		return dedup.Claim{}, fmt.Errorf("twotier: start: %w", err)
+	}
+	if teach && c.State == dedup.StateDone {
+		s.teach(ctx, key, window, c.Result)
+	}
+	return c, nil
+}
+
+// teach marks a key the record answered done as done in the lock, best
+// effort: a failure is only logged, and a lock that another delivery holds
+// right now is left to it.
+func (s *Store) teach(ctx context.Context, key dedup.Key, window time.Duration, result []byte) {
+	ctx = context.WithoutCancel(ctx)
+	lc, err := s.lock.LeaseClaim(ctx, key, s.lease, window)
+	if err == nil && lc.State == dedup.StateNew {
+		err = s.lock.LeaseComplete(ctx, key, lc.Token, result)
+	}
+	if err != nil {
+		s.logger.Error("Inbox lock not updated with a done key", err, fields(key))
+	}
+}
+
+// InboxUnstart takes back an attempt counted in the record.
+func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
+	if err := s.record.InboxUnstart(ctx, key); err != nil {
+		return fmt.Errorf("twotier: unstart: %w", err)
+	}
+	return nil
+}
+
+// InboxReopen reopens a dead key in the record and reports whether it was
+// dead. The lock needs no change: it holds no dead mark, and a dead key
+// was never marked done in it.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
+	reopened, err := s.record.InboxReopen(ctx, key)
+	if err != nil {
+		return false, fmt.Errorf("twotier: reopen: %w", err)
+	}
+	return reopened, nil
+}
+
+// InboxDeadCopy counts a copy of a dead key in the record.
+func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
+	if err := s.record.InboxDeadCopy(ctx, key); err != nil {
+		return fmt.Errorf("twotier: dead copy: %w", err)
+	}
+	return nil
 }
 
 // InboxFail records a failed attempt in the record.
@@ -218,6 +302,10 @@ type inboxTx struct {
 	token   int64
 	result  []byte
 	ended   bool
+	// buried is set by InboxBury, with the failure it recorded: the
+	// commit then releases the lock instead of completing it.
+	buried  bool
+	failure dedup.Failure
 }
 
 func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
@@ -241,6 +329,9 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 		return dedup.Claim{State: dedup.StateInFlight, Attempts: lc.Attempts, Until: lc.Until, FirstFailedAt: lc.FirstFailedAt}, nil
 	case lc.State == dedup.StateNew:
 		t.lock, t.token = held, lc.Token
+	case lc.State == dedup.StateDead:
+		// The lock is never buried by this store, and a dead mark in it
+		// is not trusted: the record decides, without the lock.
 	default:
 		return dedup.Claim{}, fmt.Errorf("twotier: lock claim: unexpected state %s", lc.State)
 	}
@@ -254,14 +345,33 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 	if err != nil {
 		return dedup.Claim{}, errors.Join(fmt.Errorf("twotier: record claim: %w", err), t.end(ctx, err))
 	}
-	if rc.State == dedup.StateDone {
+	switch rc.State {
+	case dedup.StateDone:
 		// The lock had forgotten the key, or never learnt it: teach it, so
 		// that the next duplicate stays off the database.
 		t.settle(ctx, func(ctx context.Context) error {
 			return t.s.lock.LeaseComplete(ctx, key, t.token, rc.Result)
 		}, "Inbox lock not updated with a done key")
+	case dedup.StateDead:
+		// Free the lock at once, never marking it done: the next copy
+		// asks the record again, which answers dead until it is reopened.
+		t.releaseLock(ctx, errors.New("key is dead in the record"))
 	}
 	return rc, nil
+}
+
+// InboxBury buries the key in the record's transaction. The lock is
+// released when the transaction ends, never completed, so that later
+// copies reach the record and find the key dead.
+func (t *inboxTx) InboxBury(ctx context.Context, key dedup.Key, f dedup.Failure) error {
+	if t.rec == nil {
+		return errors.New("twotier: bury: no key was claimed new in this transaction")
+	}
+	if err := t.rec.InboxBury(ctx, key, f); err != nil {
+		return fmt.Errorf("twotier: bury: %w", err)
+	}
+	t.buried, t.failure = true, f
+	return nil
 }
 
 func (t *inboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byte) error {
@@ -283,8 +393,9 @@ func (t *inboxTx) WithTx(ctx context.Context) context.Context {
 }
 
 // Commit commits the record's transaction, then marks the key done in the
-// lock. A failure of the lock is only logged: the lease expires, and later
-// duplicates find the key done in the record.
+// lock, or releases the lock if the key was buried. A failure of the lock
+// is only logged: the lease expires, and later duplicates find the key done
+// (or dead) in the record.
 func (t *inboxTx) Commit(ctx context.Context) error {
 	if t.ended {
 		return nil
@@ -298,6 +409,13 @@ func (t *inboxTx) Commit(ctx context.Context) error {
 		// the lock, and the redelivery asks the record.
 		t.releaseLock(ctx, err)
 		return fmt.Errorf("twotier: commit: %w", err)
+	}
+	if t.buried {
+		f := t.failure
+		t.settle(ctx, func(ctx context.Context) error {
+			return t.s.lock.LeaseRelease(ctx, t.key, t.token, f)
+		}, "Inbox lock not released after burying: the next copy waits for the lease to end")
+		return nil
 	}
 	result := t.result
 	t.settle(ctx, func(ctx context.Context) error {
