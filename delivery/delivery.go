@@ -40,6 +40,10 @@ const (
 	// record into a message; the payload then holds the raw bytes. The
 	// message must go to the dead-letter queue, not to the handler.
 	DecodeError = "oncemill_decode_error"
+	// Replay is set on a message republished from the dead-letter queue
+	// (to the dead-letter entry's id): the inbox reopens the dead key for
+	// it, and for no other copy.
+	Replay = "oncemill_replay"
 )
 
 // IsDeliveryFact reports whether metadata key k is one an adapter sets on
@@ -49,7 +53,7 @@ const (
 // replay from the dead-letter queue does.
 func IsDeliveryFact(k string) bool {
 	switch k {
-	case Topic, Partition, Offset, Attempts, Redelivered, DecodeError:
+	case Topic, Partition, Offset, Attempts, Redelivered, DecodeError, Replay:
 		return true
 	}
 	return strings.HasPrefix(k, DeadPrefix)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -72,7 +73,9 @@ type Entry struct {
 // payload, and its metadata without the facts of the failed delivery
 // ([delivery.IsDeliveryFact]: the dead-letter fields, and the topic,
 // partition, offset, attempt count and decode error the adapter set), so
-// that the replay is counted and decoded afresh.
+// that the replay is counted and decoded afresh. It carries
+// [delivery.Replay] with the entry's id: the consumer's inbox reopens the
+// dead key for this message, and for no other copy of the key.
 func (e Entry) Message() *message.Message {
 	msg := message.NewMessage(e.UUID, append([]byte(nil), e.Payload...))
 	for k, v := range e.Metadata {
@@ -80,6 +83,7 @@ func (e Entry) Message() *message.Message {
 			msg.Metadata.Set(k, v)
 		}
 	}
+	msg.Metadata.Set(delivery.Replay, strconv.FormatInt(e.ID, 10))
 	return msg
 }
 

@@ -27,6 +27,10 @@ type txBackend struct {
 	effects func(t *testing.T) int
 	// attempts reads the recorded attempts of a key, or -1 if no row.
 	attempts func(t *testing.T, consumer, key string) int
+	// status reads the status of a key's record, or "" if no row.
+	status func(t *testing.T, consumer, key string) string
+	// starts reads the started-and-unfinished attempts of a key, 0 if none.
+	starts func(t *testing.T, consumer, key string) int
 }
 
 // txBackends runs fn once per transactional store, each on its own fresh
@@ -78,6 +82,22 @@ func postgresBackendIn(t *testing.T, pool *pgxpool.Pool, schema string) txBacken
 			}
 			return n
 		},
+		status: func(t *testing.T, consumer, key string) string {
+			var st string
+			err := pool.QueryRow(context.Background(), `SELECT status FROM `+q+`.inbox WHERE consumer = $1 AND key = $2`, consumer, key).Scan(&st)
+			if !errors.Is(err, pgx.ErrNoRows) {
+				require.NoError(t, err)
+			}
+			return st
+		},
+		starts: func(t *testing.T, consumer, key string) int {
+			var n int
+			err := pool.QueryRow(context.Background(), `SELECT started FROM `+q+`.inbox_starts WHERE consumer = $1 AND key = $2`, consumer, key).Scan(&n)
+			if !errors.Is(err, pgx.ErrNoRows) {
+				require.NoError(t, err)
+			}
+			return n
+		},
 	}
 }
 
@@ -107,6 +127,22 @@ func sqliteBackend(t *testing.T) txBackend {
 		attempts: func(t *testing.T, consumer, key string) int {
 			n := -1
 			err := db.QueryRowContext(ctx, `SELECT attempts FROM inbox WHERE consumer = ? AND key = ?`, consumer, key).Scan(&n)
+			if !errors.Is(err, sql.ErrNoRows) {
+				require.NoError(t, err)
+			}
+			return n
+		},
+		status: func(t *testing.T, consumer, key string) string {
+			var st string
+			err := db.QueryRowContext(ctx, `SELECT status FROM inbox WHERE consumer = ? AND key = ?`, consumer, key).Scan(&st)
+			if !errors.Is(err, sql.ErrNoRows) {
+				require.NoError(t, err)
+			}
+			return st
+		},
+		starts: func(t *testing.T, consumer, key string) int {
+			var n int
+			err := db.QueryRowContext(ctx, `SELECT started FROM inbox_starts WHERE consumer = ? AND key = ?`, consumer, key).Scan(&n)
 			if !errors.Is(err, sql.ErrNoRows) {
 				require.NoError(t, err)
 			}

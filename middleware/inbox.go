@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/delivery"
 )
 
 // InboxConfig configures an [Inbox]. Exactly one of TxStore and LeaseStore
@@ -35,9 +36,20 @@ type InboxConfig struct {
 	// time in which the broker may redeliver. Defaults to 72 hours.
 	Window time.Duration
 	// Lease is how long a lease-mode claim holds the key before another
-	// delivery may take it over; it must exceed the handler's longest
-	// run. Lease mode only. Defaults to 30 seconds.
+	// delivery may take it over. While the handler runs, the inbox renews
+	// the lease every Lease/3; when it cannot, the handler's context is
+	// cancelled before the lease ends, and nothing the attempt did is
+	// recorded. It must be shorter than Window. Lease mode only. Defaults
+	// to 30 seconds.
 	Lease time.Duration
+	// FinishTimeout bounds the commit, complete or release that ends an
+	// attempt whose handler has returned. It runs on a context detached
+	// from the message's, so that work finished when the consumer begins
+	// to shut down is committed, not rolled back; keep the router's
+	// CloseTimeout plus this within the platform's grace period (30 s by
+	// default in Kubernetes' terminationGracePeriodSeconds). Defaults to 5
+	// seconds.
+	FinishTimeout time.Duration
 	// InFlightDelay is how long a delivery whose key is held by another
 	// live lease waits before it is nacked, so that it is not redelivered
 	// in a tight loop. It is cut short when the lease ends sooner, and
@@ -69,6 +81,9 @@ func (c *InboxConfig) setDefaults() {
 	if c.Lease == 0 {
 		c.Lease = 30 * time.Second
 	}
+	if c.FinishTimeout == 0 {
+		c.FinishTimeout = 5 * time.Second
+	}
 	if c.InFlightDelay == 0 {
 		c.InFlightDelay = time.Second
 	}
@@ -88,6 +103,10 @@ func (c InboxConfig) Validate() error {
 		return fmt.Errorf("middleware: InboxConfig.Window must be at least 1m, got %s", c.Window)
 	case c.Lease < 10*time.Millisecond:
 		return fmt.Errorf("middleware: InboxConfig.Lease must be at least 10ms, got %s", c.Lease)
+	case c.Lease >= c.Window:
+		return fmt.Errorf("middleware: InboxConfig.Lease (%s) must be shorter than Window (%s): a record must outlive its lease", c.Lease, c.Window)
+	case c.FinishTimeout < 0:
+		return fmt.Errorf("middleware: InboxConfig.FinishTimeout must not be negative, got %s", c.FinishTimeout)
 	case c.Outbox != nil && c.TxStore == nil:
 		return errors.New("middleware: InboxConfig.Outbox needs TxStore: the outbox is written in the claim's transaction")
 	case c.InFlightDelay < 0:
@@ -104,8 +123,19 @@ type InboxStats struct {
 	Duplicates int64
 	// InFlight counts deliveries nacked because another held the key.
 	InFlight int64
-	// Failed counts handler runs that returned an error.
+	// Failed counts handler runs that returned an error or panicked.
 	Failed int64
+	// Panicked counts handler runs that panicked (counted in Failed too).
+	Panicked int64
+	// Abandoned counts attempts cut short by shutdown: rolled back and
+	// not counted toward the poison middleware's MaxAttempts.
+	Abandoned int64
+	// CrashLooped counts deliveries stopped before the handler ran because
+	// the key's earlier attempts all started and never finished.
+	CrashLooped int64
+	// DeadCopies counts deliveries of a dead-lettered key acked without
+	// running.
+	DeadCopies int64
 }
 
 // Inbox is a router middleware that applies each message key's effect
@@ -113,7 +143,8 @@ type InboxStats struct {
 type Inbox struct {
 	cfg InboxConfig
 
-	applied, duplicates, inFlight, failed atomic.Int64
+	applied, duplicates, inFlight, failed         atomic.Int64
+	panicked, abandonedN, crashLooped, deadCopies atomic.Int64
 }
 
 // NewInbox returns an inbox for cfg; cfg is copied, defaulted and validated.
@@ -132,6 +163,11 @@ func (in *Inbox) Stats() InboxStats {
 		Duplicates: in.duplicates.Load(),
 		InFlight:   in.inFlight.Load(),
 		Failed:     in.failed.Load(),
+		Panicked:   in.panicked.Load(),
+		Abandoned:  in.abandonedN.Load(),
+
+		CrashLooped: in.crashLooped.Load(),
+		DeadCopies:  in.deadCopies.Load(),
 	}
 }
 
@@ -143,6 +179,22 @@ type keyCtxKey struct{}
 func IdempotencyKey(ctx context.Context) string {
 	k, _ := ctx.Value(keyCtxKey{}).(string)
 	return k
+}
+
+type tokenCtxKey struct{}
+
+// LeaseToken returns the fencing token of the lease under which the
+// message is being handled (lease mode), for fencing the effect
+// downstream: a system that remembers the highest token it accepted for a
+// key can refuse a zombie whose lease was taken over. Tokens grow for a
+// key and are never issued twice. It is 0 outside a lease-mode inbox.
+func LeaseToken(ctx context.Context) int64 {
+	t, _ := ctx.Value(tokenCtxKey{}).(int64)
+	return t
+}
+
+func withToken(ctx context.Context, token int64) context.Context {
+	return context.WithValue(ctx, tokenCtxKey{}, token)
 }
 
 // Middleware wraps h: add it with router.AddMiddleware or to one handler.
@@ -157,10 +209,15 @@ func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			return nil, err
 		}
-		if in.cfg.TxStore != nil {
-			return in.handleTx(msg, key, h)
+		if slot := slotOf(msg.Context()); slot != nil {
+			// The poison middleware in front dead-letters through this
+			// inbox, with its key and consumer.
+			slot.inbox, slot.key = in, key
 		}
-		return in.handleLease(msg, key, h)
+		if in.cfg.TxStore != nil {
+			return in.handleTx(msg, key, h, false)
+		}
+		return in.handleLease(msg, key, h, false)
 	}
 }
 
@@ -179,112 +236,137 @@ func (in *Inbox) keyOf(msg *message.Message) (dedup.Key, error) {
 	return dedup.Key{Consumer: consumer, Key: k}, nil
 }
 
-func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.HandlerFunc) (produced []*message.Message, err error) {
-	ctx := msg.Context()
-	tx, err := in.cfg.TxStore.InboxBegin(ctx)
+func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool) ([]*message.Message, error) {
+	base := msg.Context()
+	store := in.cfg.TxStore
+	start, err := store.InboxStart(base, key, in.cfg.Window)
 	if err != nil {
 		return nil, err
 	}
-	ended := false
-	defer func() {
-		// Reached without ending the transaction only when h panicked:
-		// undo the claim and the effect, then let the panic go on.
-		if !ended {
-			if err := tx.Rollback(context.WithoutCancel(ctx)); err != nil {
-				in.cfg.Logger.Error("Rollback after handler panic failed", err, logFields(msg, key))
-			}
-		}
-	}()
+	switch start.State {
+	case dedup.StateDone:
+		return in.duplicate(msg, key, start)
+	case dedup.StateDead:
+		return in.deadCopy(msg, key, h, reopened)
+	}
+	if err := in.crashLoop(msg, key, start); err != nil {
+		return nil, err
+	}
 
-	claim, err := tx.InboxClaim(ctx, key, in.cfg.Window)
+	// From here the attempt is counted. Whatever ends it without running
+	// the handler to its end through the message's own fault (shutdown,
+	// another holder, the store) takes the count back.
+	tx, err := store.InboxBegin(base)
 	if err != nil {
-		ended = true
-		return nil, errors.Join(err, tx.Rollback(ctx))
+		return nil, in.unstart(base, key, err)
+	}
+	claim, err := tx.InboxClaim(base, key, in.cfg.Window)
+	if err != nil {
+		return nil, in.unstart(base, key, errors.Join(err, in.rollback(base, tx)))
 	}
 	switch claim.State {
 	case dedup.StateDone:
-		ended = true
-		if err := tx.Rollback(ctx); err != nil {
+		if err := in.rollback(base, tx); err != nil {
 			return nil, err
 		}
 		return in.duplicate(msg, key, claim)
+	case dedup.StateDead:
+		if err := in.rollback(base, tx); err != nil {
+			return nil, err
+		}
+		return in.deadCopy(msg, key, h, true)
 	case dedup.StateInFlight:
 		// A store with a lock in front of its record (two-tier) answers
 		// this when another delivery holds the key right now.
-		ended = true
-		if err := tx.Rollback(ctx); err != nil {
+		if err := in.unstart(base, key, in.rollback(base, tx)); err != nil {
 			return nil, err
 		}
 		return in.awaitInFlight(msg, key, claim)
 	}
 
-	txCtx := tx.WithTx(ctx)
-	produced, err = in.run(txCtx, msg, key, h)
+	produced, err := in.run(tx.WithTx(base), msg, key, h)
+
+	// The handler has returned: what it did is committed, or rolled back
+	// and recorded, even if the consumer is shutting down meanwhile.
+	finish, cancel := in.finishContext(base)
+	defer cancel()
 	if err == nil && in.cfg.Outbox != nil && len(produced) > 0 {
-		if err = in.cfg.Outbox(txCtx, produced); err == nil {
+		if err = in.callOutbox(tx.WithTx(finish), produced); err == nil {
 			produced = nil // committed with the effect; the relay publishes them
 		}
 	}
 	if err != nil {
-		ended = true
-		rbErr := tx.Rollback(ctx)
+		rbErr := in.rollback(finish, tx)
+		if stopping(base) {
+			return nil, in.abandoned(finish, msg, key, errors.Join(err, rbErr))
+		}
 		in.failed.Add(1)
 		f := dedup.Failure{Err: err.Error(), At: time.Now()}
-		failErr := in.cfg.TxStore.InboxFail(context.WithoutCancel(ctx), key, f, in.cfg.Window)
-		return nil, attempted(errors.Join(err, rbErr, failErr), claim, f.At)
+		failErr := store.InboxFail(finish, key, f, in.cfg.Window)
+		return nil, attempted(errors.Join(err, rbErr, failErr), dedup.Claim{Attempts: start.Attempts, FirstFailedAt: claim.FirstFailedAt}, f.At)
 	}
 
 	result, err := encodeResult(produced)
 	if err == nil {
-		err = tx.InboxComplete(ctx, key, result)
+		err = tx.InboxComplete(finish, key, result)
 	}
-	ended = true
 	if err == nil {
-		err = tx.Commit(ctx)
+		err = tx.Commit(finish)
 	}
 	if err != nil {
-		return nil, errors.Join(err, tx.Rollback(ctx))
+		return nil, errors.Join(err, in.rollback(finish, tx))
 	}
 	in.applied.Add(1)
 	return produced, nil
 }
 
-func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.HandlerFunc) (produced []*message.Message, err error) {
-	ctx := msg.Context()
-	claim, err := in.cfg.LeaseStore.LeaseClaim(ctx, key, in.cfg.Lease, in.cfg.Window)
+func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool) ([]*message.Message, error) {
+	base := msg.Context()
+	store := in.cfg.LeaseStore
+	claim, err := store.LeaseClaim(base, key, in.cfg.Lease, in.cfg.Window)
 	if err != nil {
 		return nil, err
 	}
 	switch claim.State {
 	case dedup.StateDone:
 		return in.duplicate(msg, key, claim)
+	case dedup.StateDead:
+		return in.deadCopy(msg, key, h, reopened)
 	case dedup.StateInFlight:
 		return in.awaitInFlight(msg, key, claim)
 	}
+	if err := in.crashLoop(msg, key, claim); err != nil {
+		// Free the key for the dead-lettering, which claims it again.
+		finish, cancel := in.finishContext(base)
+		defer cancel()
+		f := dedup.Failure{Err: err.Error(), At: time.Now()}
+		return nil, errors.Join(err, ignoreLost(store.LeaseRelease(finish, key, claim.Token, f)))
+	}
 
-	released := false
-	defer func() {
-		// Reached without completing or releasing only when h panicked:
-		// free the key for the next delivery, then let the panic go on.
-		if !released {
-			f := dedup.Failure{Err: "handler panicked", At: time.Now()}
-			if err := in.cfg.LeaseStore.LeaseRelease(context.WithoutCancel(ctx), key, claim.Token, f); err != nil {
-				in.cfg.Logger.Error("Lease release after handler panic failed", err, logFields(msg, key))
-			}
-		}
-	}()
+	held, release := in.holdLease(base, key, claim)
+	produced, err := in.run(withToken(held, claim.Token), msg, key, h)
+	lost := release()
 
-	produced, err = in.run(ctx, msg, key, h)
-	released = true
+	finish, cancel := in.finishContext(base)
+	defer cancel()
+	if lost != nil {
+		// The lease could not be renewed and may belong to another
+		// delivery now: nothing this attempt did may be recorded.
+		return nil, errors.Join(lost, err)
+	}
 	if err != nil {
+		if stopping(base) {
+			relErr := ignoreLost(store.LeaseRelease(finish, key, claim.Token, dedup.Failure{Abandoned: true}))
+			return nil, in.abandoned(finish, msg, key, errors.Join(err, relErr))
+		}
 		in.failed.Add(1)
 		f := dedup.Failure{Err: err.Error(), At: time.Now()}
-		relErr := in.cfg.LeaseStore.LeaseRelease(context.WithoutCancel(ctx), key, claim.Token, f)
+		relErr := store.LeaseRelease(finish, key, claim.Token, f)
 		return nil, attempted(errors.Join(err, relErr), claim, f.At)
 	}
 	result, err := encodeResult(produced)
 	if err == nil {
-		err = in.complete(ctx, key, claim.Token, result)
+		err = in.complete(finish, key, claim.Token, result)
 	}
 	if err != nil {
 		// With ErrLeaseLost another delivery took the key over: nack, and
@@ -295,12 +377,110 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	return produced, nil
 }
 
-// complete marks the lease done. The effect has happened by now, so a
-// transient failure is retried a few times, even if ctx was cancelled
-// meanwhile: a nack here lets the effect run again once the lease expires.
-func (in *Inbox) complete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+// crashLoop stops an attempt before its handler runs when every one of
+// the key's last MaxAttempts attempts (as the poison middleware in front
+// counts them) started and none finished: their process died in them, or
+// their dead-lettering failed. The error makes the poison middleware
+// dead-letter the message at once.
+func (in *Inbox) crashLoop(msg *message.Message, key dedup.Key, c dedup.Claim) error {
+	slot := slotOf(msg.Context())
+	if slot == nil || slot.maxAttempts < 1 || c.Attempts <= slot.maxAttempts {
+		return nil
+	}
+	in.crashLooped.Add(1)
+	ran := c.Attempts - 1
+	err := Permanent(fmt.Errorf("%w: consumer %q key %q: %d attempts started and none finished", ErrCrashLoop, key.Consumer, key.Key, ran))
+	in.cfg.Logger.Error("Message stops every attempt, dead-lettering it without running the handler", err, logFields(msg, key).Add(watermill.LogFields{"attempts": ran}))
+	return attempted(err, dedup.Claim{Attempts: ran, FirstFailedAt: c.FirstFailedAt}, time.Now())
+}
+
+// abandoned reports an attempt cut short by the consumer shutting down: it
+// is not counted, so that deploys never push a message toward the DLQ.
+func (in *Inbox) abandoned(ctx context.Context, msg *message.Message, key dedup.Key, err error) error {
+	in.abandonedN.Add(1)
+	if in.cfg.TxStore != nil {
+		if uerr := in.cfg.TxStore.InboxUnstart(ctx, key); uerr != nil {
+			err = errors.Join(err, uerr)
+		}
+	}
+	in.cfg.Logger.Debug("Attempt cut short by shutdown, not counted", logFields(msg, key))
+	return fmt.Errorf("%w: %w", ErrShutdown, err)
+}
+
+// unstart takes back the count of an attempt that stopped before its
+// handler ran, and returns cause.
+func (in *Inbox) unstart(base context.Context, key dedup.Key, cause error) error {
+	ctx, cancel := in.finishContext(base)
 	defer cancel()
+	if err := in.cfg.TxStore.InboxUnstart(ctx, key); err != nil {
+		return errors.Join(cause, err)
+	}
+	return cause
+}
+
+func (in *Inbox) rollback(base context.Context, tx dedup.InboxTx) error {
+	ctx, cancel := in.finishContext(base)
+	defer cancel()
+	return tx.Rollback(ctx)
+}
+
+// finishContext is what ends an attempt whose handler has returned:
+// detached from the message's cancellation (a shutdown must not throw
+// finished work away), bounded by FinishTimeout (a hung store must not
+// hang the shutdown).
+func (in *Inbox) finishContext(base context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(base), in.cfg.FinishTimeout)
+}
+
+// callOutbox writes produced into the outbox, a panic in it being a failure
+// like the handler's.
+func (in *Inbox) callOutbox(ctx context.Context, produced []*message.Message) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = panicError(r)
+		}
+	}()
+	return in.cfg.Outbox(ctx, produced)
+}
+
+// deadCopy answers a delivery of a dead key. A replay of its dead letter
+// reopens the key and runs once; any other copy is acked without running
+// and counted on the key's record: its message already sits in the
+// dead-letter queue, and running it could apply an effect that an
+// operator is compensating by hand.
+func (in *Inbox) deadCopy(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool) ([]*message.Message, error) {
+	ctx := msg.Context()
+	store := in.graveyard()
+	if !reopened && msg.Metadata.Get(delivery.Replay) != "" {
+		if _, err := store.InboxReopen(ctx, key); err != nil {
+			return nil, err
+		}
+		in.cfg.Logger.Info("Dead key reopened for its replay", logFields(msg, key))
+		if in.cfg.TxStore != nil {
+			return in.handleTx(msg, key, h, true)
+		}
+		return in.handleLease(msg, key, h, true)
+	}
+	in.deadCopies.Add(1)
+	if err := store.InboxDeadCopy(ctx, key); err != nil {
+		in.cfg.Logger.Error("Could not count a copy of a dead key", err, logFields(msg, key))
+	}
+	in.cfg.Logger.Info("Copy of a dead-lettered key acked without running", logFields(msg, key))
+	return nil, nil
+}
+
+func (in *Inbox) graveyard() dedup.Graveyard {
+	if in.cfg.TxStore != nil {
+		return in.cfg.TxStore
+	}
+	return in.cfg.LeaseStore
+}
+
+// complete marks the lease done. The effect has happened by now, so a
+// transient failure is retried a few times within ctx, which the message's
+// cancellation does not end: a nack here lets the effect run again once
+// the lease expires.
+func (in *Inbox) complete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
 	var err error
 	for i := range 4 {
 		if i > 0 && !sleepCtx(ctx, time.Duration(25<<i)*time.Millisecond) {
@@ -317,11 +497,21 @@ func (in *Inbox) complete(ctx context.Context, key dedup.Key, token int64, resul
 
 // run calls h with the message's context replaced by ctx plus the key, and
 // puts the original context back afterwards: the transaction in it is dead
-// once the inbox commits.
-func (in *Inbox) run(ctx context.Context, msg *message.Message, key dedup.Key, h message.HandlerFunc) ([]*message.Message, error) {
+// once the inbox commits. A panic in h is recovered here and returned as an
+// error wrapping [ErrPanicked], so that the attempt is rolled back and
+// counted like any failure: Watermill's router would recover it too, but
+// only to nack, and the message would come back forever.
+func (in *Inbox) run(ctx context.Context, msg *message.Message, key dedup.Key, h message.HandlerFunc) (produced []*message.Message, err error) {
 	orig := msg.Context()
 	msg.SetContext(context.WithValue(ctx, keyCtxKey{}, key.Key))
 	defer msg.SetContext(orig)
+	defer func() {
+		if r := recover(); r != nil {
+			in.panicked.Add(1)
+			produced, err = nil, panicError(r)
+			in.cfg.Logger.Error("Handler panicked", err, logFields(msg, key))
+		}
+	}()
 	return h(msg)
 }
 
@@ -380,4 +570,77 @@ func (in *Inbox) store() any {
 
 func logFields(msg *message.Message, key dedup.Key) watermill.LogFields {
 	return watermill.LogFields{"message_uuid": msg.UUID, "consumer": key.Consumer, "key": key.Key}
+}
+
+// buryOutcome is what dead-lettering under the key's claim came to.
+type buryOutcome int
+
+const (
+	buryFailed      buryOutcome = iota // nothing changed; nack
+	buried                             // in the dead-letter queue, key dead; ack
+	buryApplied                        // another delivery applied the key meanwhile; ack, no dead letter
+	buryAlreadyDead                    // another delivery dead-lettered it meanwhile; ack
+)
+
+// bury dead-letters the message of key while holding the key's claim, so
+// that no other delivery applies it meanwhile: publish sends the dead
+// letter (with the claim's transaction in its context in transactional
+// mode, for a dead-letter publisher on the same database to join), then
+// the key is marked dead and the claim committed. It runs detached from
+// the message's cancellation, bounded by FinishTimeout.
+func (in *Inbox) bury(base context.Context, key dedup.Key, f dedup.Failure, publish func(ctx context.Context) error) (buryOutcome, error) {
+	ctx, cancel := in.finishContext(base)
+	defer cancel()
+	if in.cfg.TxStore != nil {
+		tx, err := in.cfg.TxStore.InboxBegin(ctx)
+		if err != nil {
+			return buryFailed, err
+		}
+		undo := func(o buryOutcome, err error) (buryOutcome, error) {
+			return o, errors.Join(err, tx.Rollback(ctx))
+		}
+		claim, err := tx.InboxClaim(ctx, key, in.cfg.Window)
+		if err != nil {
+			return undo(buryFailed, err)
+		}
+		switch claim.State {
+		case dedup.StateDone:
+			return undo(buryApplied, nil)
+		case dedup.StateDead:
+			return undo(buryAlreadyDead, nil)
+		case dedup.StateInFlight:
+			return undo(buryFailed, fmt.Errorf("%w: consumer %q key %q: cannot dead-letter it now", ErrInFlight, key.Consumer, key.Key))
+		}
+		if err := publish(tx.WithTx(ctx)); err != nil {
+			return undo(buryFailed, err)
+		}
+		if err := tx.InboxBury(ctx, key, f); err != nil {
+			return undo(buryFailed, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return undo(buryFailed, err)
+		}
+		return buried, nil
+	}
+
+	store := in.cfg.LeaseStore
+	claim, err := store.LeaseClaim(ctx, key, in.cfg.Lease, in.cfg.Window)
+	if err != nil {
+		return buryFailed, err
+	}
+	switch claim.State {
+	case dedup.StateDone:
+		return buryApplied, nil
+	case dedup.StateDead:
+		return buryAlreadyDead, nil
+	case dedup.StateInFlight:
+		return buryFailed, fmt.Errorf("%w: consumer %q key %q: cannot dead-letter it now", ErrInFlight, key.Consumer, key.Key)
+	}
+	if err := publish(ctx); err != nil {
+		return buryFailed, errors.Join(err, ignoreLost(store.LeaseRelease(ctx, key, claim.Token, dedup.Failure{Abandoned: true})))
+	}
+	if err := store.LeaseBury(ctx, key, claim.Token, f); err != nil {
+		return buryFailed, err
+	}
+	return buried, nil
 }

@@ -170,7 +170,11 @@ func TestInboxHandlerErrorRollsBackAndCountsAttempt(t *testing.T) {
 	})
 }
 
-func TestInboxHandlerPanicRollsBack(t *testing.T) {
+// TestInboxHandlerPanicIsAFailedAttempt: a panic in the handler is
+// recovered by the inbox, rolls the effect back and is recorded as a failed
+// attempt with the panic value, so that the poison middleware can count it;
+// the router's own recovery would only nack it, forever.
+func TestInboxHandlerPanicIsAFailedAttempt(t *testing.T) {
 	t.Parallel()
 	txBackends(t, 4, func(t *testing.T, b txBackend) {
 		in := newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "billing"})
@@ -184,13 +188,21 @@ func TestInboxHandlerPanicRollsBack(t *testing.T) {
 			}
 			return nil, nil
 		})
-		require.PanicsWithValue(t, "nil map in handler", func() { _, _ = h(delivery("o-3", "pay")) })
+		_, err := h(delivery("o-3", "pay"))
+		require.ErrorIs(t, err, middleware.ErrPanicked)
+		require.ErrorContains(t, err, "nil map in handler")
 		require.Equal(t, 0, b.effects(t))
+		require.Equal(t, 1, b.attempts(t, "billing", "o-3"), "the panic is a recorded attempt")
+		require.Equal(t, "failed", b.status(t, "billing", "o-3"))
+		n, _, ok := middleware.StoredAttempts(err)
+		require.True(t, ok)
+		require.Equal(t, 1, n)
 
 		panics = false
-		_, err := h(delivery("o-3", "pay"))
+		_, err = h(delivery("o-3", "pay"))
 		require.NoError(t, err, "the key was not left claimed")
 		require.Equal(t, 1, b.effects(t))
+		require.Equal(t, middleware.InboxStats{Applied: 1, Failed: 1, Panicked: 1}, in.Stats())
 	})
 }
 
@@ -283,6 +295,8 @@ func TestInboxConfigValidate(t *testing.T) {
 		{middleware.InboxConfig{LeaseStore: store, Window: time.Second}, "InboxConfig.Window"},
 		{middleware.InboxConfig{LeaseStore: store, Lease: time.Nanosecond}, "InboxConfig.Lease"},
 		{middleware.InboxConfig{LeaseStore: store, InFlightDelay: -time.Second}, "InboxConfig.InFlightDelay"},
+		{middleware.InboxConfig{LeaseStore: store, Lease: time.Hour, Window: time.Hour}, "InboxConfig.Lease (1h0m0s) must be shorter than Window"},
+		{middleware.InboxConfig{LeaseStore: store, FinishTimeout: -time.Second}, "InboxConfig.FinishTimeout"},
 	}
 	for _, tc := range cases {
 		cfg := tc.cfg
@@ -381,19 +395,23 @@ func TestInboxLeaseInFlightDuplicateAnsweredWhenHolderFinishes(t *testing.T) {
 func TestInboxLeaseExpiredIsTakenOverAndZombieCannotComplete(t *testing.T) {
 	t.Parallel()
 	leaseStores(t, func(t *testing.T, store dedup.LeaseStore) {
+		// The zombie's process cannot reach the store to renew its lease
+		// (a partition, a long pause) and ignores its cancelled context.
+		zombie := newInbox(t, middleware.InboxConfig{LeaseStore: slowLease{store, errors.New("partitioned")}, Consumer: "payments", Lease: 100 * time.Millisecond})
 		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", Lease: 100 * time.Millisecond})
 		var runs atomic.Int32
 		zombieIn, zombieGo := make(chan struct{}), make(chan struct{})
-		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		handler := func(msg *message.Message) ([]*message.Message, error) {
 			if runs.Add(1) == 1 {
 				close(zombieIn)
 				<-zombieGo // outlives its lease
 			}
 			return nil, nil
-		})
+		}
+		h := in.Middleware(handler)
 		zombieErr := make(chan error, 1)
 		go func() {
-			_, err := h(delivery("pay-2", ""))
+			_, err := zombie.Middleware(handler)(delivery("pay-2", ""))
 			zombieErr <- err
 		}()
 		<-zombieIn

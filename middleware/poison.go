@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/delivery"
 )
 
@@ -47,12 +48,14 @@ type PoisonConfig struct {
 	// an in-process retry and before a nack, so that the broker does not
 	// redeliver in a tight loop. Default to 100ms and 10s.
 	InitialBackoff, MaxBackoff time.Duration
-	// Consumer names the consumer in dead-letter metadata. Defaults to the
-	// router handler's name.
+	// Consumer names the consumer in dead-letter metadata when no inbox
+	// runs behind this middleware; with one, the inbox's consumer is used.
+	// Defaults to the router handler's name.
 	Consumer string
-	// Key reads the message's key for dead-letter metadata: give it the
-	// inbox's key function. A key error leaves the field empty. Defaults
-	// to [DefaultKey].
+	// Key reads the message's key for dead-letter metadata when no inbox
+	// runs behind this middleware (or the inbox could not read a key);
+	// with one, the inbox's key is used, so the two cannot disagree. A
+	// key error leaves the field empty. Defaults to [DefaultKey].
 	Key KeyFunc
 	// Logger receives a line for every message dead-lettered and every
 	// dead-letter publish that failed. Defaults to watermill.NopLogger.
@@ -107,6 +110,14 @@ type PoisonStats struct {
 	// DeadLetterFailed counts dead-letter publishes that failed; their
 	// messages were nacked.
 	DeadLetterFailed int64
+	// Panicked counts attempts whose handler panicked outside an inbox
+	// (the inbox counts its own).
+	Panicked int64
+	// AppliedMeanwhile counts messages that were due for the dead-letter
+	// queue but whose key another delivery applied meanwhile: they were
+	// acked as duplicates instead, so a key is never both applied and
+	// dead.
+	AppliedMeanwhile int64
 }
 
 // Poison is a router middleware that keeps a message that cannot be
@@ -127,14 +138,28 @@ type PoisonStats struct {
 // x-delivery-count), and only without either (Kafka without an inbox) a
 // counter in memory, which a restart resets.
 //
-// A message that crashes the process never returns an error, so this
-// middleware cannot count it; the broker's own limit stops it (RabbitMQ's
-// delivery_limit with a dead-letter exchange, an SQS redrive policy; see
-// the adapters).
+// What counts as a failed attempt: an error, a panic (recovered here or in
+// the inbox, wrapped in [ErrPanicked]) and a deadline exceeded, such as
+// Watermill's Timeout middleware sets. What does not: the consumer shutting
+// down (the context it subscribed with is cancelled), another delivery
+// holding the key ([ErrInFlight]) and a lost lease; those are nacked and
+// come back. A message whose deliveries kill the process is counted by the
+// inbox, which records every attempt before the handler runs: after
+// MaxAttempts such attempts the next delivery is dead-lettered without
+// running the handler ([ErrCrashLoop]).
+//
+// With an inbox behind it, dead-lettering is done under the key's claim:
+// if another delivery applied the key meanwhile, the message is acked as
+// a duplicate and not dead-lettered; otherwise the key is recorded dead
+// in the inbox's store, in the same transaction as the claim and after
+// the dead-letter publish succeeded (a crash between the two leaves the
+// message in the DLQ and the key not dead: its redelivery is attempted
+// again, never lost). Later copies of a dead key are acked without
+// running until its dead letter is replayed.
 type Poison struct {
 	cfg PoisonConfig
 
-	retried, deadLettered, deadLetterFailed atomic.Int64
+	retried, deadLettered, deadLetterFailed, panicked, appliedMeanwhile atomic.Int64
 
 	mu    sync.Mutex
 	local map[string]localCount // by message UUID; bounded by maxLocal
@@ -165,6 +190,8 @@ func (p *Poison) Stats() PoisonStats {
 		Retried:          p.retried.Load(),
 		DeadLettered:     p.deadLettered.Load(),
 		DeadLetterFailed: p.deadLetterFailed.Load(),
+		Panicked:         p.panicked.Load(),
+		AppliedMeanwhile: p.appliedMeanwhile.Load(),
 	}
 }
 
@@ -172,35 +199,40 @@ func (p *Poison) Stats() PoisonStats {
 //
 // A message the adapter could not decode (delivery.DecodeError) never
 // reaches h. A failed attempt is retried or nacked after a backoff. An
-// error that wraps [ErrInFlight] (another delivery holds the key), or any
-// error once the message's context is done (the consumer is stopping), is
-// nacked at once and not counted: nothing is wrong with the message.
+// attempt that says nothing about the message (see [Poison]) is nacked at
+// once and not counted.
 func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
+		base := msg.Context()
+		defer msg.SetContext(base)
 		if reason := delivery.DecodeErrorOf(msg); reason != "" {
 			now := time.Now()
 			err := Permanent(fmt.Errorf("%w: %s", ErrUndecodable, reason))
 			broker, _ := delivery.AttemptsOf(msg)
-			return nil, p.deadLetter(msg, err, max(broker, 1), now, now)
+			return nil, p.deadLetter(msg, nil, err, max(broker, 1), now, now)
 		}
 		for try := 0; ; try++ {
-			produced, err := h(msg)
+			// Every try starts from the delivery's own context: a Timeout
+			// middleware behind this one leaves its cancelled context on
+			// the message.
+			slot := &attemptSlot{maxAttempts: p.cfg.MaxAttempts}
+			msg.SetContext(withSlot(base, slot))
+			produced, err := p.call(h, msg)
 			if err == nil {
 				p.forget(msg.UUID)
 				return produced, nil
 			}
-			if errors.Is(err, ErrInFlight) || msg.Context().Err() != nil {
-				// Another delivery holds the key, or the consumer is
-				// stopping: nothing is wrong with the message.
+			if uncounted(base, err) {
 				return nil, err
 			}
 			now := time.Now()
 			attempts, first := p.count(msg, err, try, now)
 			if IsPermanent(err) || attempts >= p.cfg.MaxAttempts {
-				return nil, p.deadLetter(msg, err, attempts, first, now)
+				msg.SetContext(base)
+				return nil, p.deadLetter(msg, slot, err, attempts, first, now)
 			}
 			p.retried.Add(1)
-			if !sleepCtx(msg.Context(), p.backoff(attempts)) {
+			if !sleepCtx(base, p.backoff(attempts)) {
 				return nil, err
 			}
 			if try >= p.cfg.InProcessRetries {
@@ -208,6 +240,18 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 		}
 	}
+}
+
+// call runs h, turning a panic into an error wrapping [ErrPanicked], so that
+// a chain without an inbox counts it too.
+func (p *Poison) call(h message.HandlerFunc, msg *message.Message) (produced []*message.Message, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			p.panicked.Add(1)
+			produced, err = nil, panicError(r)
+		}
+	}()
+	return h(msg)
 }
 
 // count returns the number of the attempt that just failed and when the
@@ -262,7 +306,7 @@ func (p *Poison) backoff(attempts int) time.Duration {
 // deadLetter publishes a copy of msg to the dead-letter topic and returns
 // nil, so that the router acks the original, or, when the publish fails, an
 // error wrapping ErrDeadLetter and cause, so that it nacks it.
-func (p *Poison) deadLetter(msg *message.Message, cause error, attempts int, first, last time.Time) error {
+func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error, attempts int, first, last time.Time) error {
 	consumer := p.cfg.Consumer
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(msg.Context())
@@ -271,7 +315,12 @@ func (p *Poison) deadLetter(msg *message.Message, cause error, attempts int, fir
 	if topic == "" {
 		topic = message.SubscribeTopicFromCtx(msg.Context())
 	}
-	key, _ := p.cfg.Key(msg)
+	var key string
+	if slot != nil && slot.inbox != nil {
+		consumer, key = slot.key.Consumer, slot.key.Key
+	} else {
+		key, _ = p.cfg.Key(msg)
+	}
 
 	dead := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
@@ -292,13 +341,34 @@ func (p *Poison) deadLetter(msg *message.Message, cause error, attempts int, fir
 	if v := msg.Metadata.Get(delivery.Offset); v != "" {
 		md.Set(delivery.DeadOffset, v)
 	}
-	dead.SetContext(context.WithoutCancel(msg.Context()))
 
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "consumer": consumer, "topic": topic, "key": key,
 		"attempts": attempts, "dlq_topic": p.cfg.Topic,
 	}
-	if err := p.cfg.Publisher.Publish(p.cfg.Topic, dead); err != nil {
+	publish := func(ctx context.Context) error {
+		dead.SetContext(ctx)
+		return p.cfg.Publisher.Publish(p.cfg.Topic, dead)
+	}
+	var err error
+	if slot != nil && slot.inbox != nil {
+		var outcome buryOutcome
+		outcome, err = slot.inbox.bury(msg.Context(), slot.key, dedup.Failure{Err: cause.Error(), At: last}, publish)
+		switch outcome {
+		case buryApplied:
+			p.appliedMeanwhile.Add(1)
+			p.forget(msg.UUID)
+			p.cfg.Logger.Info("Message not dead-lettered: another delivery applied its key meanwhile", fields)
+			return nil
+		case buryAlreadyDead:
+			p.forget(msg.UUID)
+			p.cfg.Logger.Info("Message not dead-lettered again: its key is dead already", fields)
+			return nil
+		}
+	} else {
+		err = publish(context.WithoutCancel(msg.Context()))
+	}
+	if err != nil {
 		p.deadLetterFailed.Add(1)
 		p.cfg.Logger.Error("Dead-letter publish failed, message nacked", err, fields)
 		sleepCtx(msg.Context(), p.backoff(attempts))

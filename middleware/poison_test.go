@@ -366,11 +366,13 @@ func TestPoisonConfigValidate(t *testing.T) {
 	}
 }
 
-// TestPoisonDLQTableReplayOfAppliedEffectIsDuplicate: a message is
-// dead-lettered into the PostgreSQL DLQ table; meanwhile a producer's
-// retry of the same key is applied; the operator's replay of the DLQ entry
-// is then dropped by the inbox as a duplicate, and the entry is gone.
-func TestPoisonDLQTableReplayOfAppliedEffectIsDuplicate(t *testing.T) {
+// TestPoisonDeadKeyStaysDeadUntilReplayed: a message is dead-lettered into
+// the PostgreSQL DLQ table, and its key is recorded dead; a producer's
+// retry of the same key (another UUID) is acked without running, even
+// though the handler would now succeed, and counted on the dead key; the
+// operator's replay reopens the key and applies it once; a copy after
+// that is a plain duplicate. The key is never both applied and dead.
+func TestPoisonDeadKeyStaysDeadUntilReplayed(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := pgtest.Pool(t, 8)
@@ -404,17 +406,33 @@ func TestPoisonDLQTableReplayOfAppliedEffectIsDuplicate(t *testing.T) {
 	require.Contains(t, list[0].Error, "schema v2")
 
 	// The fix ships; the producer's own retry of order-11 is applied.
+	deadCopies := func() (n int) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT dead_copies FROM "`+schema+`".inbox WHERE consumer = 'charge' AND key = 'order-11'`).Scan(&n))
+		return n
+	}
+	require.Equal(t, "dead", b.status(t, "charge", "order-11"))
+
+	// The fix ships, and the producer's own retry of order-11 arrives: it
+	// is not run, since its message sits in the DLQ for an operator.
 	broken.Store(false)
 	rig.publish(t, "order-11")
-	require.Eventually(t, func() bool { return b.effects(t) == 1 }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return rig.inbox.Stats().DeadCopies == 1 }, 30*time.Second, 10*time.Millisecond,
+		"the copy of the dead key is acked without running")
+	require.Equal(t, 0, b.effects(t), "nothing applied while the key is dead")
+	require.Equal(t, 1, deadCopies(), "the copy is counted on the dead key")
+	require.Equal(t, int32(1), rig.calls.Load(), "the handler ran for the first delivery only")
 
 	n, err := entries.Replay(ctx, rig.pubSub, dlq.Filter{IDs: []int64{list[0].ID}}, nil)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	require.Eventually(t, func() bool { return rig.inbox.Stats().Duplicates == 1 }, 30*time.Second, 10*time.Millisecond,
-		"the replay is dropped by the inbox")
-	require.Equal(t, 1, b.effects(t), "the effect happened once")
+	require.Eventually(t, func() bool { return b.effects(t) == 1 }, 30*time.Second, 10*time.Millisecond,
+		"the replay reopens the key and applies it")
+	require.Equal(t, "done", b.status(t, "charge", "order-11"))
 	left, err := entries.Count(ctx, dlq.Filter{All: true})
 	require.NoError(t, err)
 	require.Zero(t, left, "a replayed entry leaves the table")
+
+	rig.publish(t, "order-11")
+	require.Eventually(t, func() bool { return rig.inbox.Stats().Duplicates == 1 }, 30*time.Second, 10*time.Millisecond)
+	require.Equal(t, 1, b.effects(t), "the effect happened once")
 }

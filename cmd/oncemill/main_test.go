@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -426,7 +427,11 @@ func requireReplayed(t *testing.T, want *message.Message, got *message.Message) 
 	require.NotNil(t, got, "message %s not replayed", want.UUID)
 	require.Equal(t, want.UUID, got.UUID)
 	require.Equal(t, string(want.Payload), string(got.Payload))
-	require.Equal(t, original(want), map[string]string(got.Metadata), "original metadata, no oncemill_dlq_* keys")
+	md := map[string]string(got.Metadata)
+	require.NotEmpty(t, md[delivery.Replay], "marked as a replay")
+	md = maps.Clone(md)
+	delete(md, delivery.Replay)
+	require.Equal(t, original(want), md, "original metadata, no oncemill_dlq_* keys")
 	for k := range got.Metadata {
 		require.False(t, strings.HasPrefix(k, "oncemill_dlq_"), k)
 	}
