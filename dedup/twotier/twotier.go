@@ -53,6 +53,11 @@ import (
 // DefaultLease is the lock's lease when [Config.Lease] is zero.
 const DefaultLease = 30 * time.Second
 
+// settleTimeout bounds the best-effort lock updates that run after the
+// record's transaction ended, detached from the caller's cancellation, so
+// that a hung Redis cannot hang a consumer's shutdown.
+const settleTimeout = 5 * time.Second
+
 // Config configures a [Store].
 type Config struct {
 	// Lock is the fast lock in front of the record, e.g. a dedup/redis
@@ -195,7 +200,8 @@ func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Durat
 // effort: a failure is only logged, and a lock that another delivery holds
 // right now is left to it.
 func (s *Store) teach(ctx context.Context, key dedup.Key, window time.Duration, result []byte) {
-	ctx = context.WithoutCancel(ctx)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	defer cancel()
 	lc, err := s.lock.LeaseClaim(ctx, key, s.lease, window)
 	if err == nil && lc.State == dedup.StateNew {
 		err = s.lock.LeaseComplete(ctx, key, lc.Token, result)
@@ -463,7 +469,9 @@ func (t *inboxTx) settle(ctx context.Context, op func(context.Context) error, ms
 		return
 	}
 	t.lock = settled
-	if err := op(context.WithoutCancel(ctx)); err != nil {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	defer cancel()
+	if err := op(ctx); err != nil {
 		t.s.logger.Error(msg, err, fields(t.key))
 	}
 }
