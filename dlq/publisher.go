@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -58,7 +59,11 @@ func tableFor(pool *pgxpool.Pool, cfg sqlschema.Config) (string, error) {
 }
 
 // Publish writes msgs as one row each, in one transaction: all of them or,
-// on error, none. topic, the topic the publisher was called with, is kept
+// on error, none. When the first message's context carries an inbox
+// transaction on the same database (postgres.Tx), as the poison
+// middleware's dead-lettering under a key's claim does, the rows are
+// written in that transaction, so that the dead letter and the key's dead
+// mark commit together. topic, the topic the publisher was called with, is kept
 // as the entry's DLQTopic; the original topic and the other columns come
 // from the delivery.Dead* metadata. The statements run with the first
 // message's context, as Watermill's SQL publisher does.
@@ -83,6 +88,15 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		batch.Queue(p.insert, args...)
 	}
 	ctx := msgs[0].Context()
+	if tx := postgres.Tx(ctx); tx != nil && p.sameDatabase(tx.Conn()) {
+		// Dead-lettered under an inbox claim in this database (the poison
+		// middleware puts the claim's transaction in the context): the row
+		// commits or rolls back with the key's dead mark.
+		if err := tx.SendBatch(ctx, batch).Close(); err != nil {
+			return wrap(fmt.Sprintf("publish %d messages to %q in the inbox's transaction", len(msgs), topic), err)
+		}
+		return nil
+	}
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
 		return tx.SendBatch(ctx, batch).Close()
 	})
@@ -90,6 +104,16 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		return wrap(fmt.Sprintf("publish %d messages to %q", len(msgs), topic), err)
 	}
 	return nil
+}
+
+// sameDatabase reports whether conn is connected to the pool's server and
+// database, where the dead-letter table is.
+func (p *Publisher) sameDatabase(conn *pgx.Conn) bool {
+	if conn == nil {
+		return false
+	}
+	a, b := p.pool.Config().ConnConfig, conn.Config()
+	return a.Host == b.Host && a.Port == b.Port && a.Database == b.Database
 }
 
 // Close does nothing: the pool belongs to the caller. It returns nil.

@@ -17,9 +17,11 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	dlv "github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/sqlschema"
 )
 
 // chain is a router over GoChannel running the given middlewares around a
@@ -362,4 +364,58 @@ func TestLeaseTokensNeverRepeat(t *testing.T) {
 	require.Equal(t, dedup.StateNew, fresh.State)
 	require.Greater(t, fresh.Token, old.Token)
 	require.ErrorIs(t, store.LeaseComplete(ctx, key, old.Token, nil), dedup.ErrLeaseLost)
+}
+
+// buryFails fails the first n burials of its store.
+type buryFails struct {
+	dedup.TxStore
+	left *atomic.Int32
+}
+
+func (b buryFails) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
+	tx, err := b.TxStore.InboxBegin(ctx)
+	return buryFailsTx{InboxTx: tx, left: b.left}, err
+}
+
+type buryFailsTx struct {
+	dedup.InboxTx
+	left *atomic.Int32
+}
+
+func (t buryFailsTx) InboxBury(ctx context.Context, key dedup.Key, f dedup.Failure) error {
+	if t.left.Add(-1) >= 0 {
+		return errors.New("connection reset while marking the key dead")
+	}
+	return t.InboxTx.InboxBury(ctx, key, f)
+}
+
+// TestDeadLetterRowCommitsWithDeadMark: with the dead-letter table on the
+// inbox's database, the dead letter is written in the claim's transaction:
+// when marking the key dead fails, the dead-letter row goes too (the
+// message is nacked and tried again), so the table never holds a message
+// whose key is not dead; once it succeeds there is exactly one row.
+func TestDeadLetterRowCommitsWithDeadMark(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, 8)
+	schema := pgtest.Schema(t, pool)
+	b := postgresBackendIn(t, pool, schema)
+	left := &atomic.Int32{}
+	left.Store(2)
+	b.store = buryFails{TxStore: b.store, left: left}
+	table, err := dlq.NewPublisher(pool, sqlschema.Config{Schema: schema})
+	require.NoError(t, err)
+	rows := func() (n int) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM "`+schema+`".dlq`).Scan(&n))
+		return n
+	}
+	rig := startPoisonRig(t, b, middleware.PoisonConfig{Publisher: table}, func(int32, *message.Message) error {
+		return middleware.Permanent(errors.New("unknown currency XTS"))
+	})
+	rig.publish(t, "order-x")
+	require.Eventually(t, func() bool { return b.status(t, "charge", "order-x") == "dead" }, 30*time.Second, 5*time.Millisecond)
+	require.Equal(t, 1, rows(), "one dead letter, the failed burials' rows rolled back")
+	require.Equal(t, int64(2), rig.poison.Stats().DeadLetterFailed)
+	require.Equal(t, int64(1), rig.poison.Stats().DeadLettered)
+	require.Equal(t, 0, b.effects(t))
 }
