@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/delivery"
@@ -121,6 +122,7 @@ func scanEntry(row pgx.CollectableRow) (Entry, error) {
 type Store struct {
 	pool  *pgxpool.Pool
 	table string
+	inbox string
 }
 
 // NewStore returns a store on the dead-letter table that cfg names
@@ -131,7 +133,27 @@ func NewStore(pool *pgxpool.Pool, cfg sqlschema.Config) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Store{pool: pool, table: table}, nil
+	inbox := sqlschema.NamesFor(sqlschema.Postgres, cfg.WithDefaults()).Inbox
+	return &Store{pool: pool, table: table, inbox: inbox}, nil
+}
+
+// CopiesSince returns how many copies of e's key reached e's consumer
+// after it was dead-lettered: the inbox acks them without running and
+// counts them on the dead key, in the inbox table that cfg names beside
+// the dead-letter table. ok is false when there is no such record: the
+// inbox table is elsewhere, or the key is no longer dead (replayed, or
+// expired after its window).
+func (s *Store) CopiesSince(ctx context.Context, e Entry) (n int, ok bool, err error) {
+	err = s.pool.QueryRow(ctx, `SELECT dead_copies FROM `+s.inbox+` WHERE consumer = $1 AND key = $2 AND status = 'dead'`,
+		e.Consumer, e.Key).Scan(&n)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.Is(err, pgx.ErrNoRows), errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42703"):
+		return 0, false, nil // no such key, table or column here
+	case err != nil:
+		return 0, false, wrap(fmt.Sprintf("copies of entry %d", e.ID), err)
+	}
+	return n, true, nil
 }
 
 // List returns the entries f selects, ordered by id.

@@ -420,6 +420,10 @@ func TestPoisonDeadKeyStaysDeadUntilReplayed(t *testing.T) {
 		"the copy of the dead key is acked without running")
 	require.Equal(t, 0, b.effects(t), "nothing applied while the key is dead")
 	require.Equal(t, 1, deadCopies(), "the copy is counted on the dead key")
+	copies, ok, err := entries.CopiesSince(ctx, list[0])
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Equal(t, 1, copies, "the operator sees the copy on the dead letter")
 	require.Equal(t, int32(1), rig.calls.Load(), "the handler ran for the first delivery only")
 
 	n, err := entries.Replay(ctx, rig.pubSub, dlq.Filter{IDs: []int64{list[0].ID}}, nil)

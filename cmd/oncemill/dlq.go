@@ -222,10 +222,18 @@ func (c *cmd) show(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	if c.json {
-		return c.writeJSON(viewOf(e))
+	var copies *int
+	if n, ok, err := store.CopiesSince(ctx, e); err != nil {
+		return err
+	} else if ok {
+		copies = &n
 	}
-	return writeEntry(c.stdout, e)
+	if c.json {
+		v := viewOf(e)
+		v.CopiesSince = copies
+		return c.writeJSON(v)
+	}
+	return writeEntry(c.stdout, e, copies)
 }
 
 // selection parses the IDs and flags of replay and purge; it refuses an

@@ -23,6 +23,10 @@ type entryView struct {
 	dlq.Entry
 	Payload         string `json:"payload"`
 	PayloadEncoding string `json:"payload_encoding"`
+	// CopiesSince counts the copies of the key that arrived after the
+	// entry was written and were acked without running; absent when the
+	// inbox table is not beside the dead-letter table.
+	CopiesSince *int `json:"copies_since,omitempty"`
 }
 
 func viewOf(e dlq.Entry) entryView {
@@ -89,7 +93,7 @@ const labelWidth = 18
 
 // writeEntry prints every field of e, its metadata and its payload. A value
 // of several lines continues under its first line.
-func writeEntry(w io.Writer, e dlq.Entry) error {
+func writeEntry(w io.Writer, e dlq.Entry, copiesSince *int) error {
 	optTime := func(t time.Time) string {
 		if t.IsZero() {
 			return "-"
@@ -119,6 +123,7 @@ func writeEntry(w io.Writer, e dlq.Entry) error {
 		{"Kafka partition", partition},
 		{"Kafka offset", offset},
 		{"Dead at", optTime(e.DeadAt)},
+		{"Copies since", optInt(copiesSince)},
 	} {
 		v := f[1]
 		if v == "" {
@@ -192,4 +197,11 @@ func isTerminal(w io.Writer) bool {
 	}
 	fi, err := f.Stat()
 	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+}
+
+func optInt(n *int) string {
+	if n == nil {
+		return "-"
+	}
+	return strconv.Itoa(*n)
 }
