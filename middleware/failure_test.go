@@ -419,3 +419,32 @@ func TestDeadLetterRowCommitsWithDeadMark(t *testing.T) {
 	require.Equal(t, int64(1), rig.poison.Stats().DeadLettered)
 	require.Equal(t, 0, b.effects(t))
 }
+
+// TestInboxSkipAttemptRecord: without the attempt record the inbox still
+// applies each key once and counts failures, but writes nothing before the
+// transaction.
+func TestInboxSkipAttemptRecord(t *testing.T) {
+	t.Parallel()
+	txBackends(t, 4, func(t *testing.T, b txBackend) {
+		in := newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "billing", SkipAttemptRecord: true})
+		fail := true
+		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			if fail {
+				return nil, errors.New("ledger busy")
+			}
+			return nil, b.effect(msg.Context(), "o-9")
+		})
+		_, err := h(delivery("o-9", "pay"))
+		n, _, ok := middleware.StoredAttempts(err)
+		require.True(t, ok)
+		require.Equal(t, 1, n)
+		require.Equal(t, 0, b.starts(t, "billing", "o-9"), "no attempt record")
+		fail = false
+		for range 3 {
+			_, err := h(delivery("o-9", "pay"))
+			require.NoError(t, err)
+		}
+		require.Equal(t, 1, b.effects(t))
+		require.Equal(t, middleware.InboxStats{Applied: 1, Duplicates: 2, Failed: 1}, in.Stats())
+	})
+}

@@ -18,6 +18,7 @@ import (
 const (
 	targetPGvsRaw       = 0.85 // postgres-inbox throughput over raw SQL, at 8 and 32 workers
 	targetBloomSpeedup  = 1.5  // postgres+bloom over postgres-inbox at 50% duplicates
+	targetStartCost     = 0.95 // postgres-inbox over postgres-inbox-no-start, new keys: the attempt-start record costs at most 5%
 	targetBloomDupPct   = 50
 	targetRedisVsBench  = 0.70 // redis.Store.LeaseClaim/s over redis-benchmark's EVALSHA/s
 	targetBloomReadsDup = 1.0  // round trips per duplicate behind the Bloom filter
@@ -280,6 +281,22 @@ func Targets(res *Results, cfg Config) []Target {
 					Pass: r.RatioRaw >= targetPGvsRaw,
 				})
 			}
+		}
+	}
+	for _, d := range dupPcts {
+		for _, c := range concs {
+			pg, ok1 := findSpeed(res.Speed, stPostgres, d, c)
+			ns, ok2 := findSpeed(res.Speed, stPGNoStart, d, c)
+			if !ok1 || !ok2 || ns.MsgsPerSec == 0 {
+				continue
+			}
+			x := pg.MsgsPerSec / ns.MsgsPerSec
+			t := Target{
+				Text: fmt.Sprintf("the attempt-start record (crash-loop count) costs ≤ %.0f%%, %d%% dups, %s: postgres-inbox %.0f vs %.0f msgs/s without it = %.2f×",
+					(1-targetStartCost)*100, d, workers(c), pg.MsgsPerSec, ns.MsgsPerSec, x),
+				Pass: x >= targetStartCost,
+			}
+			ts = append(ts, t)
 		}
 	}
 	for _, c := range concs {

@@ -28,6 +28,10 @@ const (
 	stMemory    = "memory-lease"
 	stRedis     = "redis-lease"
 	stPostgres  = "postgres-inbox"
+	// stPGNoStart is the postgres inbox without the attempt-start record
+	// that counts attempts whose process died: what the crash-loop
+	// protection costs is the gap between the two.
+	stPGNoStart = "postgres-inbox-no-start"
 	stBloom     = "postgres+bloom"
 	stTwoTier   = "redis+postgres"
 	stSQLite    = "sqlite-inbox"
@@ -81,6 +85,8 @@ func strategies() []strategyDef {
 			What: "Inbox lease mode on dedup/redis; the effect is outside any transaction"},
 		{Name: stPostgres, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "Inbox transactional mode on dedup/postgres"},
+		{Name: stPGNoStart, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
+			What: "the postgres inbox with SkipAttemptRecord: no statement before the transaction, so no crash-loop count, and duplicates go through BEGIN, claim, ROLLBACK"},
 		{Name: stBloom, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "middleware.Bloom (warmed from the store) in front of the postgres inbox"},
 		{Name: stTwoTier, ExactlyOnce: true, Redis: true, Postgres: true, Effect: effectPGTx,
@@ -198,6 +204,8 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{LeaseStore: p.lease(o, f.redis)})
 	case stPostgres:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
+	case stPGNoStart:
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), SkipAttemptRecord: true})
 	case stBloom:
 		var inner message.HandlerFunc
 		if inner, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)}); err != nil {
@@ -450,3 +458,4 @@ func (t gatedInboxTx) Commit(ctx context.Context) error {
 func (t gatedInboxTx) Rollback(ctx context.Context) error {
 	return t.InboxTx.Rollback(ctx)
 }
+
