@@ -458,4 +458,3 @@ func (t gatedInboxTx) Commit(ctx context.Context) error {
 func (t gatedInboxTx) Rollback(ctx context.Context) error {
 	return t.InboxTx.Rollback(ctx)
 }
-
