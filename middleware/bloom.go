@@ -206,8 +206,10 @@ func (b *Bloom) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return b.run(h, msg, e)
 		}
 		if claim.State != dedup.StateDone {
-			b.falsePositives.Add(1)
-			return b.run(h, msg, e)
+			if claim.State == dedup.StateNew {
+				b.falsePositives.Add(1)
+			}
+			return b.run(h, msg, e) // the inbox answers a dead or in-flight key
 		}
 		produced, err := decodeResult(claim.Result)
 		if err != nil {

@@ -38,6 +38,24 @@
 //
 //	router.AddMiddleware(poison.Middleware, inbox.Middleware)
 //
+// # Failures other than an error
+//
+// A panic is recovered by the inbox (or by Poison when there is no inbox)
+// and counted as a failed attempt wrapping [ErrPanicked]. A deadline
+// exceeded, such as Watermill's Timeout middleware sets, is counted too;
+// only the consumer shutting down is not ([ErrShutdown]): work that
+// finished is committed on a context detached from the message's
+// cancellation and bounded by [InboxConfig.FinishTimeout], and an attempt
+// cut short is rolled back without counting. The inbox records each
+// attempt before its handler runs, so a message whose deliveries kill the
+// process is dead-lettered after MaxAttempts without running again
+// ([ErrCrashLoop]). In lease mode the lease is renewed while the handler
+// runs, and [LeaseToken] hands its fencing token to the effect.
+//
+// When Poison dead-letters a key that went through the inbox, the key is
+// recorded dead; later copies are acked without running until the dead
+// letter is replayed.
+//
 // # Bloom prefilter
 //
 // [Bloom] goes between the two and spares the inbox the cost of
