@@ -410,7 +410,7 @@ func (in *Inbox) crashLoop(msg *message.Message, key dedup.Key, c dedup.Claim) e
 	}
 	in.crashLooped.Add(1)
 	ran := c.Attempts - 1
-	err := Permanent(fmt.Errorf("%w: consumer %q key %q: %d attempts started and none finished", ErrCrashLoop, key.Consumer, key.Key, ran))
+	err := Permanent(fmt.Errorf("%w: consumer %q key %q: the last %d attempts all died or failed before they finished (a process killed mid-handler leaves no error of its own)", ErrCrashLoop, key.Consumer, key.Key, ran))
 	in.cfg.Logger.Error("Message stops every attempt, dead-lettering it without running the handler", err, logFields(msg, key).Add(watermill.LogFields{"attempts": ran}))
 	return attempted(err, dedup.Claim{Attempts: ran, FirstFailedAt: c.FirstFailedAt}, time.Now())
 }
