@@ -59,6 +59,7 @@ func amqpBroker(t *testing.T) broker {
 	}
 	return broker{
 		name: "amqp",
+		url:  amqpURL(),
 		open: func(t *testing.T, group string) *adapters.PubSub {
 			ps, err := adapters.Open(context.Background(), amqpURL(), adapters.Options{ConsumerGroup: group})
 			require.NoError(t, err)
@@ -198,6 +199,7 @@ func kafkaBroker(t *testing.T) broker {
 	url := "kafka://" + strings.Join(brokers, ",")
 	return broker{
 		name: "kafka",
+		url:  url,
 		open: func(t *testing.T, group string) *adapters.PubSub {
 			ps, err := adapters.Open(context.Background(), url, adapters.Options{ConsumerGroup: group})
 			require.NoError(t, err)
@@ -259,6 +261,7 @@ func sqsBroker(t *testing.T) broker {
 	url := "sqs://test:test@us-east-1?create=true&endpoint=" + endpoint
 	return broker{
 		name: "sqs",
+		url:  url,
 		open: func(t *testing.T, _ string) *adapters.PubSub {
 			ps, err := adapters.Open(context.Background(), url, adapters.Options{})
 			if err != nil {

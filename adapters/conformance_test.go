@@ -32,6 +32,9 @@ const (
 // broker is one row of the conformance table.
 type broker struct {
 	name string
+	// url opens the broker with adapters.Open, from this process or a
+	// child one; empty for a broker only this process can reach.
+	url string
 	// open opens a fresh connection to the broker, as a new process
 	// would, consuming as group.
 	open func(t *testing.T, group string) *adapters.PubSub
