@@ -325,6 +325,11 @@ func TestShow(t *testing.T) {
 	binary := dead("orders", "charge", "undecodable")
 	binary.Payload = []byte{0xde, 0xad, 0xbe, 0xef}
 	ids := f.seed(t, text, binary)
+	// The inbox beside the table holds text's key dead, with two copies
+	// acked since it was dead-lettered; binary's key has no record.
+	_, err := f.pool.Exec(context.Background(), `INSERT INTO `+pgx.Identifier{f.schema, "inbox"}.Sanitize()+
+		` (consumer, key, status, dead_copies, expires_at) VALUES ('charge', $1, 'dead', 2, now() + interval '1 day')`, "key-"+text.UUID)
+	require.NoError(t, err)
 
 	r := f.dlq(t, "show", strconv.FormatInt(ids[0], 10))
 	require.Equal(t, exitOK, r.code, r.stderr)
@@ -343,6 +348,7 @@ func TestShow(t *testing.T) {
 		"Kafka partition:  3\n",
 		"Kafka offset:     -\n",
 		"Dead at:          ",
+		"Copies since:     2\n",
 		fmt.Sprintf("Metadata (%d):\n", len(text.Metadata)),
 		"  oncemill_dlq_topic = orders\n",
 		"  oncemill_dlq_error = card declined\n" + strings.Repeat(" ", len("  oncemill_dlq_error = ")) + "by issuer\n",
@@ -361,10 +367,12 @@ func TestShow(t *testing.T) {
 	require.Equal(t, base64.StdEncoding.EncodeToString([]byte{0xde, 0xad, 0xbe, 0xef}), shown["payload"])
 	require.Equal(t, "base64", shown["payload_encoding"])
 	require.Equal(t, "undecodable", shown["metadata"].(map[string]any)[delivery.DeadError])
+	require.NotContains(t, shown, "copies_since", "no inbox record for the key")
 
 	r = f.dlq(t, "show", strconv.FormatInt(ids[1], 10))
 	require.Equal(t, exitOK, r.code, r.stderr)
 	require.Contains(t, r.stdout, "Payload (base64, 4 bytes):\n3q2+7w==\n")
+	require.Contains(t, r.stdout, "Copies since:     -\n")
 
 	r = f.dlq(t, "show", "abc")
 	require.Equal(t, exitUsage, r.code)
