@@ -3,6 +3,7 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 )
 
@@ -14,6 +15,35 @@ const DefaultWindow = 72 * time.Hour
 // [LeaseStore.LeaseRelease] when the token is no longer the current one: the
 // lease expired and another delivery took the key over, or the key is done.
 var ErrLeaseLost = errors.New("dedup: lease lost: token is not the current one")
+
+// Errors of the infrastructure, not of the message: a store wraps them in
+// what it returns so that the inbox and the poison middleware nack the
+// message without counting an attempt, whatever the driver. Test with
+// errors.Is.
+var (
+	// ErrUnavailable means the store could not be reached or could not
+	// serve: connection refused or reset, pool closed, server shutting
+	// down or out of connections.
+	ErrUnavailable = errors.New("dedup: store unavailable")
+	// ErrAmbiguous means a commit's outcome is unknown: the connection
+	// failed while the commit was in flight. The effect may or may not
+	// have committed; the redelivery finds out. It also wraps
+	// ErrUnavailable.
+	ErrAmbiguous = fmt.Errorf("dedup: commit outcome unknown: %w", ErrUnavailable)
+	// ErrConflict means the transaction lost to a concurrent one
+	// (serialization failure, deadlock) and can be run again at once.
+	ErrConflict = errors.New("dedup: transaction conflict; retry")
+)
+
+// Classifier is implemented by stores that can tell their driver's
+// infrastructure errors apart in errors that did not come from the store
+// itself, such as those the handler returns after writing its effect
+// through the store's transaction.
+type Classifier interface {
+	// InboxClassify returns err wrapped with ErrUnavailable, ErrAmbiguous
+	// or ErrConflict when it is one of those, else err unchanged.
+	InboxClassify(err error) error
+}
 
 // State is what a claim found.
 type State int

@@ -74,10 +74,24 @@ func stopping(base context.Context) bool {
 	return errors.Is(base.Err(), context.Canceled)
 }
 
+// IsInfrastructure reports whether err is the infrastructure's fault, not
+// the message's: a store that could not be reached or could not serve
+// (dedup.ErrUnavailable, which the stores wrap around their drivers'
+// connection errors), a commit whose outcome is unknown
+// (dedup.ErrAmbiguous), a transaction that kept losing conflicts
+// (dedup.ErrConflict), or a dead-letter publish that failed
+// ([ErrDeadLetter]). Such errors are never counted as attempts and never
+// dead-lettered: the poison middleware nacks the message after a backoff,
+// and it comes back, in its order, when the infrastructure does. Like
+// pgconn.SafeToRetry, it looks only at the error.
+func IsInfrastructure(err error) bool {
+	return errors.Is(err, dedup.ErrUnavailable) || errors.Is(err, dedup.ErrConflict) || errors.Is(err, ErrDeadLetter)
+}
+
 // uncounted reports whether err ends an attempt that says nothing about the
 // message: the consumer is stopping, another delivery holds the key, or
-// the lease was lost to another delivery. Such attempts are nacked, never
-// counted or dead-lettered.
+// the lease was lost to another delivery. Such attempts are nacked at once,
+// never counted or dead-lettered.
 func uncounted(base context.Context, err error) bool {
 	return stopping(base) || errors.Is(err, ErrShutdown) || errors.Is(err, ErrInFlight) || errors.Is(err, dedup.ErrLeaseLost)
 }

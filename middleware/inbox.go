@@ -151,6 +151,13 @@ type InboxStats struct {
 	// DeadCopies counts deliveries of a dead-lettered key acked without
 	// running.
 	DeadCopies int64
+	// Infrastructure counts attempts that ended for the infrastructure's
+	// fault (the store unavailable, a commit whose outcome is unknown,
+	// conflicts that kept losing): nacked and not counted.
+	Infrastructure int64
+	// ConflictRetries counts transactions run again at once after losing
+	// a conflict (serialization failure, deadlock).
+	ConflictRetries int64
 }
 
 // Inbox is a router middleware that applies each message key's effect
@@ -160,6 +167,7 @@ type Inbox struct {
 
 	applied, duplicates, inFlight, failed         atomic.Int64
 	panicked, abandonedN, crashLooped, deadCopies atomic.Int64
+	infra, conflictRetries                        atomic.Int64
 }
 
 // NewInbox returns an inbox for cfg; cfg is copied, defaulted and validated.
@@ -181,8 +189,10 @@ func (in *Inbox) Stats() InboxStats {
 		Panicked:   in.panicked.Load(),
 		Abandoned:  in.abandonedN.Load(),
 
-		CrashLooped: in.crashLooped.Load(),
-		DeadCopies:  in.deadCopies.Load(),
+		CrashLooped:     in.crashLooped.Load(),
+		DeadCopies:      in.deadCopies.Load(),
+		Infrastructure:  in.infra.Load(),
+		ConflictRetries: in.conflictRetries.Load(),
 	}
 }
 
@@ -253,11 +263,10 @@ func (in *Inbox) keyOf(msg *message.Message) (dedup.Key, error) {
 
 func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool) ([]*message.Message, error) {
 	base := msg.Context()
-	store := in.cfg.TxStore
 	var start dedup.Claim
 	if !in.cfg.SkipAttemptRecord {
 		var err error
-		if start, err = store.InboxStart(base, key, in.cfg.Window); err != nil {
+		if start, err = in.cfg.TxStore.InboxStart(base, key, in.cfg.Window); err != nil {
 			return nil, err
 		}
 		switch start.State {
@@ -270,17 +279,48 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			return nil, err
 		}
 	}
-
 	// From here the attempt is counted. Whatever ends it without running
 	// the handler to its end through the message's own fault (shutdown,
-	// another holder, the store) takes the count back.
+	// another holder, the infrastructure) takes the count back.
+	for try := 1; ; try++ {
+		produced, err := in.attemptTx(msg, key, h, start)
+		if !errors.Is(err, dedup.ErrConflict) {
+			return produced, err
+		}
+		// A serialization failure or deadlock: the transaction lost to
+		// another one, which says nothing about the message. Run it again
+		// at once, a few times, then nack without counting.
+		if try >= maxConflictRetries || stopping(base) || !sleepCtx(base, time.Duration(try)*conflictBackoff) {
+			return nil, in.unstart(base, key, err)
+		}
+		in.conflictRetries.Add(1)
+	}
+}
+
+// maxConflictRetries bounds the runs of an attempt whose transaction loses a
+// conflict (SQLSTATE 40001, 40P01), and conflictBackoff spaces them.
+const (
+	maxConflictRetries = 3
+	conflictBackoff    = 5 * time.Millisecond
+)
+
+// attemptTx runs one transaction of an attempt: claim, handler, commit. An
+// error wrapping dedup.ErrConflict leaves the attempt's count for the
+// caller, which runs it again.
+func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, start dedup.Claim) ([]*message.Message, error) {
+	base := msg.Context()
+	store := in.cfg.TxStore
 	tx, err := store.InboxBegin(base)
 	if err != nil {
 		return nil, in.unstart(base, key, err)
 	}
 	claim, err := tx.InboxClaim(base, key, in.cfg.Window)
 	if err != nil {
-		return nil, in.unstart(base, key, errors.Join(err, in.rollback(base, tx)))
+		err = errors.Join(err, in.rollback(base, tx))
+		if errors.Is(err, dedup.ErrConflict) {
+			return nil, err
+		}
+		return nil, in.unstart(base, key, err)
 	}
 	if in.cfg.SkipAttemptRecord {
 		start.Attempts = claim.Attempts // the failed attempts, this one included
@@ -316,29 +356,45 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			produced = nil // committed with the effect; the relay publishes them
 		}
 	}
-	if err != nil {
-		rbErr := in.rollback(finish, tx)
-		if stopping(base) {
-			return nil, in.abandoned(finish, msg, key, errors.Join(err, rbErr))
+	if err == nil {
+		var result []byte
+		if result, err = encodeResult(produced); err == nil {
+			err = tx.InboxComplete(finish, key, result)
 		}
-		in.failed.Add(1)
-		f := dedup.Failure{Err: err.Error(), At: time.Now()}
-		failErr := store.InboxFail(finish, key, f, in.cfg.Window)
-		return nil, attempted(errors.Join(err, rbErr, failErr), dedup.Claim{Attempts: start.Attempts, FirstFailedAt: claim.FirstFailedAt}, f.At)
+		if err == nil {
+			if err = tx.Commit(finish); err == nil {
+				in.applied.Add(1)
+				return produced, nil
+			}
+		}
 	}
+	err = errors.Join(in.classify(err), in.rollback(finish, tx))
+	switch {
+	case stopping(base):
+		return nil, in.abandoned(finish, msg, key, err)
+	case errors.Is(err, dedup.ErrConflict):
+		return nil, err
+	case IsInfrastructure(err):
+		// The store, not the message: an outage, or a commit whose outcome
+		// is unknown (its redelivery finds the key done, or applies it
+		// once). Not counted.
+		in.infra.Add(1)
+		return nil, in.unstart(finish, key, err)
+	}
+	in.failed.Add(1)
+	f := dedup.Failure{Err: err.Error(), At: time.Now()}
+	failErr := store.InboxFail(finish, key, f, in.cfg.Window)
+	return nil, attempted(errors.Join(err, failErr), dedup.Claim{Attempts: start.Attempts, FirstFailedAt: claim.FirstFailedAt}, f.At)
+}
 
-	result, err := encodeResult(produced)
-	if err == nil {
-		err = tx.InboxComplete(finish, key, result)
+// classify marks the infrastructure's errors among those the handler or
+// the store's transaction returned, when the store can tell them
+// (dedup.Classifier).
+func (in *Inbox) classify(err error) error {
+	if c, ok := in.store().(dedup.Classifier); ok {
+		return c.InboxClassify(err)
 	}
-	if err == nil {
-		err = tx.Commit(finish)
-	}
-	if err != nil {
-		return nil, errors.Join(err, in.rollback(finish, tx))
-	}
-	in.applied.Add(1)
-	return produced, nil
+	return err
 }
 
 func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool) ([]*message.Message, error) {
@@ -485,10 +541,10 @@ func (in *Inbox) deadCopy(msg *message.Message, key dedup.Key, h message.Handler
 		}
 		return in.handleLease(msg, key, h, true)
 	}
-	in.deadCopies.Add(1)
 	if err := store.InboxDeadCopy(ctx, key); err != nil {
 		in.cfg.Logger.Error("Could not count a copy of a dead key", err, logFields(msg, key))
 	}
+	in.deadCopies.Add(1)
 	in.cfg.Logger.Info("Copy of a dead-lettered key acked without running", logFields(msg, key))
 	return nil, nil
 }

@@ -113,6 +113,9 @@ type PoisonStats struct {
 	// Panicked counts attempts whose handler panicked outside an inbox
 	// (the inbox counts its own).
 	Panicked int64
+	// Infrastructure counts attempts nacked for the infrastructure's fault
+	// ([IsInfrastructure]): never counted toward MaxAttempts.
+	Infrastructure int64
 	// AppliedMeanwhile counts messages that were due for the dead-letter
 	// queue but whose key another delivery applied meanwhile: they were
 	// acked as duplicates instead, so a key is never both applied and
@@ -160,6 +163,9 @@ type Poison struct {
 	cfg PoisonConfig
 
 	retried, deadLettered, deadLetterFailed, panicked, appliedMeanwhile atomic.Int64
+	infrastructure                                                      atomic.Int64
+	// outages counts the infrastructure failures in a row, for the backoff.
+	outages atomic.Int64
 
 	mu    sync.Mutex
 	local map[string]localCount // by message UUID; bounded by maxLocal
@@ -192,6 +198,7 @@ func (p *Poison) Stats() PoisonStats {
 		DeadLetterFailed: p.deadLetterFailed.Load(),
 		Panicked:         p.panicked.Load(),
 		AppliedMeanwhile: p.appliedMeanwhile.Load(),
+		Infrastructure:   p.infrastructure.Load(),
 	}
 }
 
@@ -220,10 +227,14 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			produced, err := p.call(h, msg)
 			if err == nil {
 				p.forget(msg.UUID)
+				p.outages.Store(0)
 				return produced, nil
 			}
 			if uncounted(base, err) {
 				return nil, err
+			}
+			if IsInfrastructure(err) {
+				return nil, p.outage(msg, err)
 			}
 			now := time.Now()
 			attempts, first := p.count(msg, err, try, now)
@@ -240,6 +251,19 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 		}
 	}
+}
+
+// outage nacks a message whose attempt failed for the infrastructure's fault,
+// without counting it, after a backoff that grows while the failures go on
+// in a row (across messages), so that a consumer does not spin on a store
+// or broker that is down.
+func (p *Poison) outage(msg *message.Message, err error) error {
+	p.infrastructure.Add(1)
+	n := p.outages.Add(1)
+	p.cfg.Logger.Error("Infrastructure unavailable, message nacked without counting an attempt", err,
+		watermill.LogFields{"message_uuid": msg.UUID, "failures_in_a_row": n})
+	sleepCtx(msg.Context(), p.backoff(int(min(n, 32))))
+	return err
 }
 
 // call runs h, turning a panic into an error wrapping [ErrPanicked], so that

@@ -4,10 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/puddle/v2"
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -69,6 +74,7 @@ var (
 	_ dedup.Expirer    = (*Store)(nil)
 	_ dedup.Peeker     = (*Store)(nil)
 	_ dedup.KeyLister  = (*Store)(nil)
+	_ dedup.Classifier = (*Store)(nil)
 )
 
 // New returns a store on db. It does not create the table: run
@@ -100,7 +106,7 @@ func Tx(ctx context.Context) pgx.Tx {
 func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
 	tx, err := s.db.Begin(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("postgres: begin: %w", err)
+		return nil, interpret("begin", err)
 	}
 	return &inboxTx{tx: tx, q: &s.q}, nil
 }
@@ -362,11 +368,19 @@ func (t *inboxTx) WithTx(ctx context.Context) context.Context {
 	return context.WithValue(ctx, txKey{}, t.tx)
 }
 
+// Commit commits. An error that is not the server's answer (the
+// connection broke while COMMIT was in flight) is ambiguous: the
+// transaction may have committed.
 func (t *inboxTx) Commit(ctx context.Context) error {
-	if err := t.tx.Commit(ctx); err != nil {
-		return interpret("commit", err)
+	err := t.tx.Commit(ctx)
+	if err == nil {
+		return nil
 	}
-	return nil
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) && connectionError(err) && !pgconn.SafeToRetry(err) {
+		return fmt.Errorf("postgres: commit: %w: %w", dedup.ErrAmbiguous, err)
+	}
+	return interpret("commit", err)
 }
 
 func (t *inboxTx) Rollback(ctx context.Context) error {
@@ -378,13 +392,69 @@ func (t *inboxTx) Rollback(ctx context.Context) error {
 }
 
 // interpret translates driver errors in one place: a missing table gets a
-// hint for the fix.
+// hint for the fix, and the infrastructure's errors wrap the dedup
+// sentinels (see [classify]).
 func interpret(op string, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
 		return fmt.Errorf("postgres: %s: %w: %w", op, ErrNotMigrated, err)
 	}
+	if class := classify(err); class != nil {
+		return fmt.Errorf("postgres: %s: %w: %w", op, class, err)
+	}
 	return fmt.Errorf("postgres: %s: %w", op, err)
+}
+
+// classify returns the dedup sentinel for an infrastructure error, or nil
+// for an error of the statement or the message: a serialization failure or
+// deadlock is a conflict to retry; a server shutting down, out of
+// connections or with a broken connection, and a connection that failed
+// ([connectionError]), is unavailability. The caller's own cancellation or
+// deadline is neither.
+func classify(err error) error {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch {
+		case pgErr.Code == "40001", pgErr.Code == "40P01": // serialization_failure, deadlock_detected
+			return dedup.ErrConflict
+		case strings.HasPrefix(pgErr.Code, "08"), // connection_exception
+			pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03", // admin/crash shutdown, cannot_connect_now
+			pgErr.Code == "53300", pgErr.Code == "53400": // too_many_connections, configuration_limit_exceeded
+			return dedup.ErrUnavailable
+		}
+		return nil
+	}
+	if connectionError(err) {
+		return dedup.ErrUnavailable
+	}
+	return nil
+}
+
+// connectionError reports whether err says the connection to the server
+// failed, as opposed to an error of the statement, the message or the
+// caller: nothing was sent (pgconn.SafeToRetry), the connect failed, the
+// socket broke or was closed, the pool was closed.
+func connectionError(err error) bool {
+	var (
+		connectErr *pgconn.ConnectError
+		netErr     net.Error
+	)
+	return pgconn.SafeToRetry(err) || errors.As(err, &connectErr) || errors.As(err, &netErr) ||
+		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, puddle.ErrClosedPool) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE)
+}
+
+// InboxClassify marks the infrastructure's errors among those the handler
+// returned after writing through the inbox's transaction.
+func (s *Store) InboxClassify(err error) error {
+	if class := classify(err); class != nil && !errors.Is(err, class) {
+		return fmt.Errorf("%w: %w", class, err)
+	}
+	return err
 }
 
 func seconds(d time.Duration) float64 { return d.Seconds() }

@@ -25,7 +25,16 @@ const DefaultPrefix = "oncemill:"
 // [Store.InboxDoneKeys] under either policy. The message should be nacked
 // and retried later. Errors that are not wrapped with it (a script error, a
 // key of the wrong type, a refused password) will not go away by retrying.
-var ErrUnavailable = errors.New("redis: server unavailable")
+var ErrUnavailable error = unavailableError{}
+
+// unavailableError is [ErrUnavailable]: it also matches
+// dedup.ErrUnavailable, so that the middlewares see an outage whatever the
+// store.
+type unavailableError struct{}
+
+func (unavailableError) Error() string { return "redis: server unavailable" }
+
+func (unavailableError) Is(target error) bool { return target == dedup.ErrUnavailable }
 
 // Policy says what the store does while Redis is unavailable.
 type Policy int

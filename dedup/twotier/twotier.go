@@ -476,6 +476,15 @@ func (t *inboxTx) settle(ctx context.Context, op func(context.Context) error, ms
 	}
 }
 
+// InboxClassify lets the record store mark its driver's infrastructure
+// errors among those the handler returned.
+func (s *Store) InboxClassify(err error) error {
+	if c, ok := s.record.(dedup.Classifier); ok {
+		return c.InboxClassify(err)
+	}
+	return err
+}
+
 func fields(key dedup.Key) watermill.LogFields {
 	return watermill.LogFields{"consumer": key.Consumer, "key": key.Key}
 }
