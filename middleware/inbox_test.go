@@ -262,6 +262,14 @@ func TestKeyFuncs(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "idem-1", k)
 
+	// A key the producer set empty is an error, not the UUID: two
+	// retries of such a message would carry two UUIDs and apply twice.
+	empty := message.NewMessage("uuid-3", nil)
+	empty.Metadata.Set("idempotency_key", "")
+	_, err = middleware.DefaultKey(empty)
+	require.ErrorIs(t, err, middleware.ErrEmptyKey)
+	require.True(t, middleware.IsPermanent(err))
+
 	k, err = middleware.KeyFromJSON("orderId")(msg)
 	require.NoError(t, err)
 	require.Equal(t, "1234567890123", k, "large numbers keep every digit")

@@ -29,10 +29,15 @@ const MaxKeyBytes = 512
 type KeyFunc func(msg *message.Message) (string, error)
 
 // DefaultKey reads metadata "idempotency_key" and falls back to the
-// message UUID. Prefer a producer-set key: a UUID is only stable if the
-// producer reuses it when it retries.
+// message UUID when the field is absent. Prefer a producer-set key: a UUID
+// is only stable if the producer reuses it when it retries. A field that is
+// present but empty is a permanent key error, not a fallback: the producer
+// meant to set a key and did not, and its retries would carry new UUIDs.
 func DefaultKey(msg *message.Message) (string, error) {
-	if k := msg.Metadata.Get(IdempotencyKeyMetadata); k != "" {
+	if k, ok := msg.Metadata[IdempotencyKeyMetadata]; ok {
+		if k == "" {
+			return "", keyError(ErrEmptyKey, "metadata %q is present but empty", IdempotencyKeyMetadata)
+		}
 		return k, nil
 	}
 	if msg.UUID == "" {
