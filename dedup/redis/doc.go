@@ -37,7 +37,11 @@
 // With [FailOpen], messages are processed without any dedup while Redis is
 // unreachable: every delivery in that time applies its effect, duplicates
 // included. [FailClosed], the default, nacks them instead, so the broker
-// redelivers once Redis is back.
+// redelivers once Redis is back. Under FailOpen a circuit breaker keeps a
+// Redis that is down from slowing every delivery down: after
+// [Config.BreakerFailures] unavailable claims or peeks in a row they fail
+// open at once, without Redis, but for one probe per [Config.BreakerProbe],
+// until Redis answers again.
 //
 // This store is therefore not a source of truth. When the effect lives in
 // PostgreSQL, use dedup/twotier: Redis as a fast lock in front of the

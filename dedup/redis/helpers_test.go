@@ -3,6 +3,7 @@ package redis_test
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -122,4 +123,39 @@ func (h *harness) totalEffects() int {
 		n += c
 	}
 	return n
+}
+
+// callCounter is a go-redis hook that counts the commands the client tries
+// to send, those that fail to dial included.
+type callCounter struct{ n atomic.Int64 }
+
+func (c *callCounter) DialHook(next goredis.DialHook) goredis.DialHook { return next }
+
+func (c *callCounter) ProcessHook(next goredis.ProcessHook) goredis.ProcessHook {
+	return func(ctx context.Context, cmd goredis.Cmder) error {
+		c.n.Add(1)
+		return next(ctx, cmd)
+	}
+}
+
+func (c *callCounter) ProcessPipelineHook(next goredis.ProcessPipelineHook) goredis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []goredis.Cmder) error {
+		c.n.Add(int64(len(cmds)))
+		return next(ctx, cmds)
+	}
+}
+
+// waitBreakerClosed makes peeks, which may probe Redis, until the store's
+// breaker is closed, and returns how long that took; it fails the test
+// after within. Each peek made while the breaker is open fails open.
+func waitBreakerClosed(t *testing.T, store *redis.Store, within time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	require.Eventually(t, func() bool {
+		if _, err := store.InboxPeek(context.Background(), dedup.Key{Consumer: "probe", Key: "probe"}); err != nil {
+			t.Errorf("peek under FailOpen: %v", err)
+		}
+		return !store.Stats().BreakerOpen
+	}, within, 10*time.Millisecond, "the breaker closes once Redis answers a probe")
+	return time.Since(start)
 }

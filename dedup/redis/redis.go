@@ -13,11 +13,18 @@ import (
 	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/internal/breaker"
 )
 
 // DefaultPrefix starts every Redis key the store writes when
 // [Config.Prefix] is empty.
 const DefaultPrefix = "oncemill:"
+
+// DefaultBreakerFailures is [Config.BreakerFailures] when it is zero.
+const DefaultBreakerFailures = 3
+
+// DefaultBreakerProbe is [Config.BreakerProbe] when it is zero.
+const DefaultBreakerProbe = time.Second
 
 // ErrUnavailable is wrapped by the errors returned while Redis cannot be
 // reached or cannot serve the command (connection refused or lost, timeout,
@@ -52,6 +59,13 @@ const (
 	// effect of every delivery in that time is applied, duplicates
 	// included. Each such answer is counted in [Stats.FailedOpen] and
 	// logged at error level with its cause.
+	//
+	// A Redis that is down is not waited for on every claim: after
+	// [Config.BreakerFailures] claims and peeks in a row found it
+	// unavailable, a circuit breaker opens and they fail open at once,
+	// without calling Redis, but for one per [Config.BreakerProbe] that
+	// is let through to see whether Redis answers again; the first answer
+	// closes the breaker.
 	FailOpen
 )
 
@@ -79,14 +93,30 @@ type Config struct {
 	// Policy says what to do while Redis is unavailable. Defaults to
 	// [FailClosed].
 	Policy Policy
-	// Logger receives a line for every fail-open answer. Defaults to
-	// watermill.NopLogger.
+	// BreakerFailures is, under [FailOpen], how many claims and peeks in a
+	// row must find Redis unavailable (not the caller's own cancellation)
+	// before the breaker opens and they fail open without calling Redis.
+	// [FailClosed] calls Redis every time. Defaults to
+	// [DefaultBreakerFailures].
+	BreakerFailures int
+	// BreakerProbe is, under [FailOpen], how often one claim or peek is
+	// let through to Redis while the breaker is open. Defaults to
+	// [DefaultBreakerProbe].
+	BreakerProbe time.Duration
+	// Logger receives a line for every fail-open answer, and when the
+	// breaker opens or closes. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
 
 func (c Config) withDefaults() Config {
 	if c.Prefix == "" {
 		c.Prefix = DefaultPrefix
+	}
+	if c.BreakerFailures == 0 {
+		c.BreakerFailures = DefaultBreakerFailures
+	}
+	if c.BreakerProbe == 0 {
+		c.BreakerProbe = DefaultBreakerProbe
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -104,6 +134,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("redis: Config.Prefix must not contain '{' or '}', got %q", c.Prefix)
 	case c.Policy != FailClosed && c.Policy != FailOpen:
 		return fmt.Errorf("redis: Config.Policy must be FailClosed or FailOpen, got %s", c.Policy)
+	case c.BreakerFailures < 0:
+		return fmt.Errorf("redis: Config.BreakerFailures must not be negative, got %d", c.BreakerFailures)
+	case c.BreakerProbe < 0:
+		return fmt.Errorf("redis: Config.BreakerProbe must not be negative, got %s", c.BreakerProbe)
 	}
 	return nil
 }
@@ -111,8 +145,18 @@ func (c Config) Validate() error {
 // Stats counts what a [Store] did since it was made.
 type Stats struct {
 	// FailedOpen counts the claims and peeks answered [dedup.StateNew]
-	// without Redis under [FailOpen].
+	// without Redis under [FailOpen], those the breaker skipped included.
 	FailedOpen int64
+	// Skipped counts the claims and peeks that failed open without
+	// calling Redis because the breaker was open; they are also counted
+	// in FailedOpen.
+	Skipped int64
+	// BreakerOpens counts the times the breaker opened.
+	BreakerOpens int64
+	// BreakerOpen reports whether the breaker is open now: claims and
+	// peeks fail open without Redis but for one probe per
+	// [Config.BreakerProbe].
+	BreakerOpen bool
 }
 
 // Store keeps one Redis hash per (consumer, key). It implements
@@ -127,6 +171,11 @@ type Store struct {
 
 	claim, complete, release, bury, extend *goredis.Script
 	peek, reopen, deadCopy                 *goredis.Script
+
+	// breaker guards claims and peeks under FailOpen; openErr is the cause
+	// logged for the answers it fails open.
+	breaker *breaker.Breaker
+	openErr error
 
 	failedOpen atomic.Int64
 }
@@ -157,12 +206,59 @@ func New(cfg Config) (*Store, error) {
 		peek:     goredis.NewScript(peekSource),
 		reopen:   goredis.NewScript(reopenSource),
 		deadCopy: goredis.NewScript(deadCopySource),
+		breaker:  breaker.New(cfg.BreakerFailures, cfg.BreakerProbe),
+		openErr: fmt.Errorf("redis: circuit breaker open after %d unavailable calls in a row, Redis probed every %s: %w",
+			cfg.BreakerFailures, cfg.BreakerProbe, ErrUnavailable),
 	}, nil
 }
 
 // Stats returns the store's counters.
 func (s *Store) Stats() Stats {
-	return Stats{FailedOpen: s.failedOpen.Load()}
+	open, opens, skipped := s.breaker.State()
+	return Stats{FailedOpen: s.failedOpen.Load(), Skipped: skipped, BreakerOpens: opens, BreakerOpen: open}
+}
+
+// allow asks the breaker whether a claim or peek may call Redis, under
+// FailOpen; under FailClosed every call does.
+func (s *Store) allow() (pass, probe bool) {
+	if s.policy != FailOpen {
+		return true, false
+	}
+	return s.breaker.Allow(time.Now())
+}
+
+// observe gives the breaker, under FailOpen, the outcome of a claim or
+// peek that called Redis and ended with err, and logs its change, if any.
+func (s *Store) observe(ctx context.Context, probe bool, err error) {
+	if s.policy != FailOpen {
+		return
+	}
+	o := breaker.Answered
+	switch {
+	case err == nil:
+	case ctx.Err() != nil:
+		o = breaker.Inconclusive
+	case unavailable(err):
+		o = breaker.Unreachable
+	}
+	switch s.breaker.Record(time.Now(), probe, o) {
+	case breaker.Opened:
+		s.logger.Error("Redis unavailable: circuit breaker open, claims and peeks fail open without calling Redis", err, watermill.LogFields{
+			"failures_in_a_row": s.breaker.Failures(), "probe_every": s.breaker.Probe().String(),
+		})
+	case breaker.Closed:
+		s.logger.Info("Redis answers again: circuit breaker closed", nil)
+	}
+}
+
+// skipped answers a claim or peek that the open breaker kept from Redis,
+// as failOpen does.
+func (s *Store) skipped(op string, key dedup.Key) dedup.Claim {
+	s.failedOpen.Add(1)
+	s.logger.Error("Redis unavailable: failing open, the message is processed without dedup", s.openErr, watermill.LogFields{
+		"op": op, "consumer": key.Consumer, "key": key.Key, "breaker": "open",
+	})
+	return dedup.Claim{State: dedup.StateNew}
 }
 
 // LeaseClaim takes key for lease unless it is done, dead or held by a live
@@ -176,7 +272,12 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 		return dedup.Claim{}, fmt.Errorf("redis: lease claim: lease and window must be positive, got %s and %s", lease, window)
 	}
 	ttl := max(window, lease) // a record must outlive its lease, or a zombie's token could be reissued
+	pass, probe := s.allow()
+	if !pass {
+		return s.skipped("lease claim", key), nil
+	}
 	reply, err := s.claim.Run(ctx, s.client, []string{s.recordKey(key)}, millis(lease), millis(ttl)).Slice()
+	s.observe(ctx, probe, err)
 	if err != nil {
 		if s.failOpen(ctx, "lease claim", key, err) {
 			return dedup.Claim{State: dedup.StateNew}, nil
@@ -307,7 +408,12 @@ func (s *Store) end(ctx context.Context, op string, script *goredis.Script, key 
 // writes nothing. Under [FailOpen] an unavailable Redis answers
 // [dedup.StateNew].
 func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, error) {
+	pass, probe := s.allow()
+	if !pass {
+		return s.skipped("peek", key), nil
+	}
 	reply, err := s.peek.Run(ctx, s.client, []string{s.recordKey(key)}).Slice()
+	s.observe(ctx, probe, err)
 	if err != nil {
 		if s.failOpen(ctx, "peek", key, err) {
 			return dedup.Claim{State: dedup.StateNew}, nil

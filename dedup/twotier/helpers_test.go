@@ -42,6 +42,8 @@ type options struct {
 	maxConns int32
 	lease    time.Duration
 	logger   watermill.LoggerAdapter
+	// breakerProbe is the store's Config.BreakerProbe.
+	breakerProbe time.Duration
 	// server, when set, is the Redis server of the lock instead of the
 	// shared one.
 	server *redistest.Server
@@ -71,7 +73,7 @@ func setup(t *testing.T, o options) bundle {
 	_, err = b.pool.Exec(context.Background(), `CREATE TABLE "`+b.schema+`".effects (key text NOT NULL)`)
 	require.NoError(t, err)
 
-	b.store, err = twotier.New(twotier.Config{Lock: b.lock, Record: b.record, Lease: o.lease, Logger: o.logger})
+	b.store, err = twotier.New(twotier.Config{Lock: b.lock, Record: b.record, Lease: o.lease, Logger: o.logger, BreakerProbe: o.breakerProbe})
 	require.NoError(t, err)
 	return b
 }
@@ -164,7 +166,14 @@ type harness struct {
 
 func newHarness(t *testing.T, b bundle, handlers int) *harness {
 	t.Helper()
-	h := &harness{inbox: newInbox(t, b.store, "orders")}
+	return newHarnessOn(t, b.store, b, handlers)
+}
+
+// newHarnessOn is newHarness on store, which writes its effects into b's
+// effects table through a postgres transaction.
+func newHarnessOn(t *testing.T, store dedup.TxStore, b bundle, handlers int) *harness {
+	t.Helper()
+	h := &harness{inbox: newInbox(t, store, "orders")}
 	h.Harness = msgtest.StartHarness(t, msgtest.HarnessConfig{
 		Name:        "orders",
 		Handlers:    handlers,
@@ -196,4 +205,60 @@ func (b bundle) claim(t *testing.T, key dedup.Key) (dedup.InboxTx, dedup.Claim) 
 	c, err := tx.InboxClaim(ctx, key, time.Hour)
 	require.NoError(t, err)
 	return tx, c
+}
+
+// callCounter is a go-redis hook that counts the commands the client tries
+// to send, those that fail to dial included.
+type callCounter struct{ n atomic.Int64 }
+
+func (c *callCounter) DialHook(next goredis.DialHook) goredis.DialHook { return next }
+
+func (c *callCounter) ProcessHook(next goredis.ProcessHook) goredis.ProcessHook {
+	return func(ctx context.Context, cmd goredis.Cmder) error {
+		c.n.Add(1)
+		return next(ctx, cmd)
+	}
+}
+
+func (c *callCounter) ProcessPipelineHook(next goredis.ProcessPipelineHook) goredis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []goredis.Cmder) error {
+		c.n.Add(int64(len(cmds)))
+		return next(ctx, cmds)
+	}
+}
+
+// countCalls counts the commands b's Redis client sends from now on.
+func (b bundle) countCalls() *callCounter {
+	c := &callCounter{}
+	b.redis.AddHook(c)
+	return c
+}
+
+// postgresOnly is a store of PostgreSQL alone, in a schema of its own
+// with an effects table, for comparison with the two-tier store.
+func postgresOnly(t *testing.T, b bundle) (*postgres.Store, bundle) {
+	t.Helper()
+	pb := bundle{pool: b.pool, schema: pgtest.Schema(t, b.pool)}
+	store, err := postgres.New(pb.pool, postgres.Config{Schema: pb.schema})
+	require.NoError(t, err)
+	_, err = pb.pool.Exec(context.Background(), `CREATE TABLE "`+pb.schema+`".effects (key text NOT NULL)`)
+	require.NoError(t, err)
+	pb.record = store
+	return store, pb
+}
+
+// waitBreakerClosed makes calls that may probe the lock, a start of a key
+// already done, until the store's breaker is closed, and returns how long
+// that took; it fails the test after within.
+func waitBreakerClosed(t *testing.T, store *twotier.Store, key dedup.Key, within time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	require.Eventually(t, func() bool {
+		c, err := store.InboxStart(context.Background(), key, time.Hour)
+		if err != nil || c.State != dedup.StateDone {
+			t.Errorf("start of the done key %s: state %s, error %v; want done, lock or not", key.Key, c.State, err)
+		}
+		return !store.Stats().BreakerOpen
+	}, within, 10*time.Millisecond, "the breaker closes once the lock answers a probe")
+	return time.Since(start)
 }

@@ -27,6 +27,18 @@
 // deliveries on its row as it always does. Use the lock with its default
 // fail-closed policy: an error from it is already treated as "no lock".
 //
+// A lock that is down is skipped at once rather than waited for on every
+// call. After [Config.BreakerFailures] calls in a row fail with
+// [dedup.ErrUnavailable], a circuit breaker opens: the store stops calling
+// the lock and the record decides alone. Every [Config.BreakerProbe], one
+// call is let through to the lock; the first answer closes the breaker.
+// The breaker probes on the calls that come, with no goroutine of its own,
+// and [Stats] counts its openings and the calls it skipped. A lease taken
+// just before the lock failed may outlive the outage in the lock, held by
+// nobody, for a key the record completed meanwhile: for one [Config.Lease]
+// after the lock last failed, an in-flight answer of the lock is checked
+// against the record, which answers a key it holds done or dead.
+//
 //	lock, err := redis.New(redis.Config{Client: rdb})
 //	record, err := postgres.New(pool, postgres.Config{})
 //	store, err := twotier.New(twotier.Config{Lock: lock, Record: record})
@@ -48,10 +60,17 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/internal/breaker"
 )
 
 // DefaultLease is the lock's lease when [Config.Lease] is zero.
 const DefaultLease = 30 * time.Second
+
+// DefaultBreakerFailures is [Config.BreakerFailures] when it is zero.
+const DefaultBreakerFailures = 3
+
+// DefaultBreakerProbe is [Config.BreakerProbe] when it is zero.
+const DefaultBreakerProbe = time.Second
 
 // settleTimeout bounds the best-effort lock updates that run after the
 // record's transaction ended, detached from the caller's cancellation, so
@@ -73,14 +92,31 @@ type Config struct {
 	// rollback or a handler error releases it at once). Defaults to
 	// [DefaultLease].
 	Lease time.Duration
-	// Logger receives a line whenever the lock fails and the record is used
-	// alone. Defaults to watermill.NopLogger.
+	// BreakerFailures is how many lock calls in a row must fail with an
+	// error wrapping [dedup.ErrUnavailable] (not the caller's own
+	// cancellation) before the breaker opens and the lock is skipped.
+	// Defaults to [DefaultBreakerFailures].
+	BreakerFailures int
+	// BreakerProbe is how often, while the breaker is open, one call is
+	// let through to the lock to see whether it answers again; the others
+	// go to the record alone. Defaults to [DefaultBreakerProbe].
+	BreakerProbe time.Duration
+	// Logger receives a line whenever a lock call fails and the record is
+	// used alone, and when the breaker opens or closes; the calls the
+	// breaker skips are not logged one by one. Defaults to
+	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
 
 func (c Config) withDefaults() Config {
 	if c.Lease == 0 {
 		c.Lease = DefaultLease
+	}
+	if c.BreakerFailures == 0 {
+		c.BreakerFailures = DefaultBreakerFailures
+	}
+	if c.BreakerProbe == 0 {
+		c.BreakerProbe = DefaultBreakerProbe
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -100,6 +136,10 @@ func (c Config) Validate() error {
 		return errors.New("twotier: Config.Lock and Config.Record are the same store: the lock must be a separate store (dedup/redis), or its lease rows would collide with the record's")
 	case c.Lease < 0:
 		return fmt.Errorf("twotier: Config.Lease must not be negative, got %s", c.Lease)
+	case c.BreakerFailures < 0:
+		return fmt.Errorf("twotier: Config.BreakerFailures must not be negative, got %d", c.BreakerFailures)
+	case c.BreakerProbe < 0:
+		return fmt.Errorf("twotier: Config.BreakerProbe must not be negative, got %s", c.BreakerProbe)
 	}
 	return nil
 }
@@ -115,8 +155,22 @@ type Stats struct {
 	// or in flight, without a database round trip.
 	LockHits int64
 	// Fallbacks counts the starts and claims made on the record alone
-	// because the lock failed: one or two per delivery.
+	// because the lock failed or its breaker was open: one or two per
+	// delivery.
 	Fallbacks int64
+	// Skipped counts the lock calls the open breaker did not make: the
+	// starts and claims among them went to the record alone, and are also
+	// counted in Fallbacks.
+	Skipped int64
+	// BreakerOpens counts the times the breaker opened.
+	BreakerOpens int64
+	// BreakerOpen reports whether the breaker is open now: the lock is
+	// skipped but for one probe per [Config.BreakerProbe].
+	BreakerOpen bool
+	// InFlightChecks counts the in-flight answers of the lock that were
+	// checked against the record, because they came less than a lease
+	// after the lock failed and their lease may be stale.
+	InFlightChecks int64
 }
 
 // Store is a [dedup.TxStore] made of a lock and a record. Its
@@ -125,12 +179,19 @@ type Stats struct {
 // record, which returns an error if the record does not. It is safe for
 // concurrent use and starts no goroutines.
 type Store struct {
-	lock   dedup.LeaseStore
-	record dedup.TxStore
-	lease  time.Duration
-	logger watermill.LoggerAdapter
+	lock    dedup.LeaseStore
+	record  dedup.TxStore
+	lease   time.Duration
+	logger  watermill.LoggerAdapter
+	breaker *breaker.Breaker
 
-	lockHits, fallbacks atomic.Int64
+	// epoch is when the store was made; doubtUntil, in nanoseconds since
+	// epoch on the monotonic clock, is when the last lease that a failed
+	// lock call may have left behind ends.
+	epoch      time.Time
+	doubtUntil atomic.Int64
+
+	lockHits, fallbacks, inFlightChecks atomic.Int64
 }
 
 var (
@@ -146,12 +207,82 @@ func New(cfg Config) (*Store, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Store{lock: cfg.Lock, record: cfg.Record, lease: cfg.Lease, logger: cfg.Logger}, nil
+	return &Store{
+		lock:    cfg.Lock,
+		record:  cfg.Record,
+		lease:   cfg.Lease,
+		logger:  cfg.Logger,
+		breaker: breaker.New(cfg.BreakerFailures, cfg.BreakerProbe),
+		epoch:   time.Now(),
+	}, nil
 }
 
 // Stats returns the store's counters.
 func (s *Store) Stats() Stats {
-	return Stats{LockHits: s.lockHits.Load(), Fallbacks: s.fallbacks.Load()}
+	open, opens, skipped := s.breaker.State()
+	return Stats{
+		LockHits:       s.lockHits.Load(),
+		Fallbacks:      s.fallbacks.Load(),
+		Skipped:        skipped,
+		BreakerOpens:   opens,
+		BreakerOpen:    open,
+		InFlightChecks: s.inFlightChecks.Load(),
+	}
+}
+
+// guard runs op on the lock unless the breaker skips it, and gives the
+// breaker its outcome. It reports whether op ran.
+func (s *Store) guard(ctx context.Context, op func(context.Context) error) (bool, error) {
+	pass, probe := s.breaker.Allow(time.Now())
+	if !pass {
+		return false, nil
+	}
+	err := op(ctx)
+	s.observe(ctx, probe, err)
+	return true, err
+}
+
+// observe gives the breaker the outcome of a lock call that ended with err
+// and logs the breaker's change, if any.
+func (s *Store) observe(ctx context.Context, probe bool, err error) {
+	o := breaker.Answered
+	switch {
+	case err == nil:
+	case ctx.Err() != nil:
+		o = breaker.Inconclusive
+	case errors.Is(err, dedup.ErrUnavailable):
+		o = breaker.Unreachable
+	}
+	switch s.breaker.Record(time.Now(), probe, o) {
+	case breaker.Opened:
+		s.logger.Error("Inbox lock unavailable: circuit breaker open, the record decides alone", err, watermill.LogFields{
+			"failures_in_a_row": s.breaker.Failures(), "probe_every": s.breaker.Probe().String(),
+		})
+	case breaker.Closed:
+		s.logger.Info("Inbox lock answers again: circuit breaker closed", nil)
+	}
+}
+
+// doubtLeases notes that a lock call that takes or settles a lease failed
+// now: the lock may hold a lease that nobody will settle, until it ends
+// one lease from now.
+func (s *Store) doubtLeases(err error) {
+	if errors.Is(err, dedup.ErrLeaseLost) {
+		return // the lock answered: another delivery holds the key
+	}
+	until := int64(time.Since(s.epoch) + s.lease)
+	for {
+		cur := s.doubtUntil.Load()
+		if cur >= until || s.doubtUntil.CompareAndSwap(cur, until) {
+			return
+		}
+	}
+}
+
+// leasesDoubted reports whether a lease in the lock may be one that a
+// failed call left behind.
+func (s *Store) leasesDoubted() bool {
+	return int64(time.Since(s.epoch)) < s.doubtUntil.Load()
 }
 
 // InboxBegin returns a transaction that opens nothing yet: the record's
@@ -168,12 +299,20 @@ func (s *Store) InboxBegin(context.Context) (dedup.InboxTx, error) {
 // is accurate; any other answer goes to the record, which also decides
 // about dead keys. A key the record answers done and the lock did not know
 // is taught to the lock, so that the next duplicate stays off the
-// database. If the lock fails, the record is used alone.
+// database. If the lock fails, or its breaker is open, the record is used
+// alone.
 func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
 	teach := false
 	if p, ok := s.lock.(dedup.Peeker); ok {
-		lc, err := p.InboxPeek(ctx, key)
+		var lc dedup.Claim
+		called, err := s.guard(ctx, func(ctx context.Context) error {
+			var err error
+			lc, err = p.InboxPeek(ctx, key)
+			return err
+		})
 		switch {
+		case !called:
+			s.fallbacks.Add(1)
 		case err != nil && ctx.Err() != nil:
 			return dedup.Claim{}, fmt.Errorf("twotier: start: lock peek: %w", err)
 		case err != nil:
@@ -198,15 +337,19 @@ func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Durat
 
 // teach marks a key the record answered done as done in the lock, best
 // effort: a failure is only logged, and a lock that another delivery holds
-// right now is left to it.
+// right now is left to it. The open breaker skips it.
 func (s *Store) teach(ctx context.Context, key dedup.Key, window time.Duration, result []byte) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
-	lc, err := s.lock.LeaseClaim(ctx, key, s.lease, window)
-	if err == nil && lc.State == dedup.StateNew {
-		err = s.lock.LeaseComplete(ctx, key, lc.Token, result)
-	}
-	if err != nil {
+	called, err := s.guard(ctx, func(ctx context.Context) error {
+		lc, err := s.lock.LeaseClaim(ctx, key, s.lease, window)
+		if err == nil && lc.State == dedup.StateNew {
+			err = s.lock.LeaseComplete(ctx, key, lc.Token, result)
+		}
+		return err
+	})
+	if called && err != nil {
+		s.doubtLeases(err)
 		s.logger.Error("Inbox lock not updated with a done key", err, fields(key))
 	}
 }
@@ -287,8 +430,8 @@ func (s *Store) InboxDoneKeys(ctx context.Context, consumer string, since time.T
 type lockState int
 
 const (
-	// unlocked: no lease is held (none taken yet, the lock failed, or it
-	// answered done or in flight).
+	// unlocked: no lease is held (none taken yet, the lock failed or its
+	// breaker skipped it, or it answered done or in flight).
 	unlocked lockState = iota
 	// held: the lease with token is held and must be completed or released.
 	held
@@ -320,8 +463,20 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 	}
 	t.claimed, t.key = true, key
 
-	lc, err := t.s.lock.LeaseClaim(ctx, key, t.s.lease, window)
+	var lc dedup.Claim
+	called, err := t.s.guard(ctx, func(ctx context.Context) error {
+		var err error
+		lc, err = t.s.lock.LeaseClaim(ctx, key, t.s.lease, window)
+		return err
+	})
+	if err != nil {
+		// The claim may have taken a lease that its reply did not bring
+		// back.
+		t.s.doubtLeases(err)
+	}
 	switch {
+	case !called:
+		t.s.fallbacks.Add(1) // the breaker is open: the record decides alone
 	case err != nil && ctx.Err() != nil:
 		return dedup.Claim{}, fmt.Errorf("twotier: lock claim: %w", err)
 	case err != nil:
@@ -331,6 +486,9 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 		t.s.lockHits.Add(1)
 		return dedup.Claim{State: dedup.StateDone, Attempts: lc.Attempts, Result: lc.Result, FirstFailedAt: lc.FirstFailedAt}, nil
 	case lc.State == dedup.StateInFlight:
+		if c, ok, err := t.checkInFlight(ctx, key); err != nil || ok {
+			return c, err
+		}
 		t.s.lockHits.Add(1)
 		return dedup.Claim{State: dedup.StateInFlight, Attempts: lc.Attempts, Until: lc.Until, FirstFailedAt: lc.FirstFailedAt}, nil
 	case lc.State == dedup.StateNew:
@@ -364,6 +522,29 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 		t.releaseLock(ctx, errors.New("key is dead in the record"))
 	}
 	return rc, nil
+}
+
+// checkInFlight asks the record about a key the lock answered in flight,
+// when that answer may come from a lease a failed lock call left behind
+// (less than a lease after the failure): the delivery that took it may
+// have ended, and the key been completed in the record meanwhile, by a
+// delivery that went to the record alone. It reports the record's answer
+// when the record holds the key done or dead; otherwise the lock's answer
+// stands. A record that cannot peek is not asked.
+func (t *inboxTx) checkInFlight(ctx context.Context, key dedup.Key) (dedup.Claim, bool, error) {
+	p, ok := t.s.record.(dedup.Peeker)
+	if !ok || !t.s.leasesDoubted() {
+		return dedup.Claim{}, false, nil
+	}
+	t.s.inFlightChecks.Add(1)
+	rc, err := p.InboxPeek(ctx, key)
+	if err != nil {
+		return dedup.Claim{}, false, fmt.Errorf("twotier: record peek of a key in flight in the lock: %w", err)
+	}
+	if rc.State != dedup.StateDone && rc.State != dedup.StateDead {
+		return dedup.Claim{}, false, nil
+	}
+	return dedup.Claim{State: rc.State, Attempts: rc.Attempts, Result: rc.Result, FirstFailedAt: rc.FirstFailedAt}, true, nil
 }
 
 // InboxBury buries the key in the record's transaction. The lock is
@@ -463,7 +644,9 @@ func (t *inboxTx) releaseLock(ctx context.Context, cause error) {
 
 // settle completes or releases a held lease, best effort: the record has
 // the outcome already, so a failure is only logged. It runs even when ctx
-// is cancelled, since the record's transaction has ended either way.
+// is cancelled, since the record's transaction has ended either way, and
+// even when the breaker is open: a lease left held answers its key in
+// flight until it ends.
 func (t *inboxTx) settle(ctx context.Context, op func(context.Context) error, msg string) {
 	if t.lock != held {
 		return
@@ -471,7 +654,10 @@ func (t *inboxTx) settle(ctx context.Context, op func(context.Context) error, ms
 	t.lock = settled
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
-	if err := op(ctx); err != nil {
+	err := op(ctx)
+	t.s.observe(ctx, false, err)
+	if err != nil {
+		t.s.doubtLeases(err)
 		t.s.logger.Error(msg, err, fields(t.key))
 	}
 }

@@ -282,6 +282,10 @@ func TestRedisStoppedMidRun(t *testing.T) {
 	srv.Start()
 	msgtest.WaitFor(t, "the client to reconnect", func() bool { return b.redis.Ping(context.Background()).Err() == nil })
 	h.Resume()
+	// The breaker, open since the stop, closes on its next probe; the
+	// starts made meanwhile went to the record alone.
+	waitBreakerClosed(t, b.store, dedup.Key{Consumer: "orders", Key: before[0]}, 10*twotier.DefaultBreakerProbe)
+	fallbacks = b.store.Stats().Fallbacks
 
 	all := append(append([]string{}, before...), during...)
 	h.Publish(all, 1)
