@@ -8,9 +8,22 @@ import (
 
 // openGoChannel opens an in-process GoChannel: publisher and subscriber are
 // one value. persistent=true keeps every message for later subscribers, the
-// closest it comes to a broker's redelivery after a restart.
+// closest it comes to a broker's redelivery after a restart. group and
+// connect_timeout are accepted, so that a URL switches between brokers by
+// its scheme alone, and checked, but GoChannel has neither groups nor
+// connections.
 func openGoChannel(u *url.URL, opts Options) (*PubSub, error) {
-	persistent, err := boolParam(u, "persistent", false)
+	q, err := query(u, "persistent")
+	if err != nil {
+		return nil, err
+	}
+	if _, err := group(q, opts); err != nil {
+		return nil, err
+	}
+	if _, err := connectTimeout(q, opts); err != nil {
+		return nil, err
+	}
+	persistent, err := boolParam(q, "persistent", false)
 	if err != nil {
 		return nil, err
 	}

@@ -2,10 +2,13 @@ package adapters
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/url"
+	"os"
 	"strings"
 	"time"
 
@@ -14,54 +17,37 @@ import (
 )
 
 // openKafka opens Kafka through Sarama with commit-after-ack and the
-// idempotent producer. kafka://h1:9092,h2:9092?group=g&offset=oldest|newest.
+// idempotent producer: kafka://h1:9092,h2:9092?group=g. Parameters:
+// group (required, here or in Options), offset=oldest|newest,
+// connect_timeout, and the client's read_timeout, session_timeout and
+// rebalance_timeout (Go durations; see [kafka.SubscriberConfig]).
 // kafka:// with no host starts an embedded in-process broker that lives as
 // long as the PubSub: for development only, since no other process can
 // reach it (start one with the embedded package to share it).
 func openKafka(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
-	q := u.Query()
-	offset := kafka.Oldest
-	switch v := q.Get("offset"); v {
-	case "", "oldest":
-	case "newest":
-		offset = kafka.Newest
-	default:
-		return nil, fmt.Errorf("%w: parameter offset=%q: use oldest or newest", ErrBadURL, v)
+	pcfg, scfg, timeout, err := kafkaConfigs(u, opts)
+	if err != nil {
+		return nil, err
 	}
 	ps := &PubSub{}
-	var brokers []string
 	if u.Host == "" {
 		cluster, err := embedded.Start(embedded.Config{})
 		if err != nil {
 			return nil, fmt.Errorf("start embedded kafka: %w", err)
 		}
 		ps.closers = append(ps.closers, cluster.Close)
-		brokers = cluster.Addrs()
-	} else {
-		for _, b := range strings.Split(u.Host, ",") {
-			if _, _, err := net.SplitHostPort(b); err != nil {
-				return nil, fmt.Errorf("%w: broker %q is not host:port", ErrBadURL, b)
-			}
-			brokers = append(brokers, b)
-		}
-		if err := reachable(ctx, brokers); err != nil {
-			return nil, err
-		}
+		pcfg.Brokers, scfg.Brokers = cluster.Addrs(), cluster.Addrs()
+	} else if err := probeKafka(ctx, pcfg.Brokers, timeout); err != nil {
+		return nil, err
 	}
 	fail := func(err error) (*PubSub, error) { return nil, errors.Join(err, ps.Close()) }
 
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers}, opts.Logger)
+	pub, err := kafka.NewPublisher(pcfg, opts.Logger)
 	if err != nil {
 		return fail(err)
 	}
 	ps.Publisher = pub
-	grp := group(u, opts)
-	if grp == "" {
-		// A subscriber without a group commits nothing, so a restarted
-		// consumer would not resume where it stopped.
-		return fail(fmt.Errorf("%w: kafka needs a consumer group: add ?group=<name> or set Options.ConsumerGroup", ErrBadURL))
-	}
-	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: grp, InitialOffset: offset}, opts.Logger)
+	sub, err := kafka.NewSubscriber(scfg, opts.Logger)
 	if err != nil {
 		return fail(err)
 	}
@@ -69,17 +55,165 @@ func openKafka(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
 	return ps, nil
 }
 
-// reachable dials the brokers until one answers, so that a wrong address
-// fails at Open rather than in Sarama's retry loop.
-func reachable(ctx context.Context, brokers []string) error {
-	d := net.Dialer{Timeout: 3 * time.Second}
-	var errs []error
+// kafkaConfigs reads a kafka:// URL and opts into the publisher and
+// subscriber configs and the connect timeout, all checked. The brokers
+// are left empty for the embedded broker.
+func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.SubscriberConfig, time.Duration, error) {
+	var (
+		pcfg kafka.PublisherConfig
+		scfg kafka.SubscriberConfig
+	)
+	fail := func(err error) (kafka.PublisherConfig, kafka.SubscriberConfig, time.Duration, error) {
+		return kafka.PublisherConfig{}, kafka.SubscriberConfig{}, 0, err
+	}
+	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout")
+	if err != nil {
+		return fail(err)
+	}
+	switch v := q.Get("offset"); v {
+	case "", "oldest":
+		scfg.InitialOffset = kafka.Oldest
+	case "newest":
+		scfg.InitialOffset = kafka.Newest
+	default:
+		return fail(fmt.Errorf("%w: parameter offset=%q: use oldest or newest", ErrBadURL, v))
+	}
+	if scfg.ConsumerGroup, err = group(q, opts); err != nil {
+		return fail(err)
+	}
+	if scfg.ConsumerGroup == "" {
+		// A subscriber without a group commits nothing, so a restarted
+		// consumer would not resume where it stopped.
+		return fail(fmt.Errorf("%w: kafka needs a consumer group: add ?group=<name> or set Options.ConsumerGroup", ErrBadURL))
+	}
+	timeout, err := connectTimeout(q, opts)
+	if err != nil {
+		return fail(err)
+	}
+	pcfg.DialTimeout, scfg.DialTimeout = timeout, timeout
+	for _, p := range []struct {
+		name string
+		to   *time.Duration
+	}{
+		{"read_timeout", &scfg.ReadTimeout},
+		{"session_timeout", &scfg.SessionTimeout},
+		{"rebalance_timeout", &scfg.RebalanceTimeout},
+	} {
+		if *p.to, err = durationParam(q, p.name, false); err != nil {
+			return fail(err)
+		}
+	}
+	pcfg.ReadTimeout = scfg.ReadTimeout
+	if scfg.ReadTimeout != 0 {
+		rebalance, what := scfg.RebalanceTimeout, "rebalance_timeout"
+		if rebalance == 0 {
+			rebalance, what = kafka.DefaultRebalanceTimeout, "the default rebalance timeout"
+		}
+		if scfg.ReadTimeout <= rebalance {
+			return fail(fmt.Errorf("%w: parameter read_timeout=%s must be longer than %s (%s): the broker holds a JoinGroup request for up to the rebalance timeout",
+				ErrBadURL, q.Get("read_timeout"), what, rebalance))
+		}
+	}
+	if u.Host != "" {
+		for _, b := range strings.Split(u.Host, ",") {
+			if _, _, err := net.SplitHostPort(b); err != nil {
+				return fail(fmt.Errorf("%w: broker %q is not host:port", ErrBadURL, b))
+			}
+			pcfg.Brokers = append(pcfg.Brokers, b)
+		}
+		scfg.Brokers = pcfg.Brokers
+		if err := pcfg.Validate(); err != nil {
+			return fail(fmt.Errorf("%w: %w", ErrBadURL, err))
+		}
+		if err := scfg.Validate(); err != nil {
+			return fail(fmt.Errorf("%w: %w", ErrBadURL, err))
+		}
+	}
+	return pcfg, scfg, timeout, nil
+}
+
+// probeKafka asks every seed broker at once for its API versions and
+// returns when one answers, so that a wrong address, or a host that
+// accepts connections and does not answer, fails at Open within the
+// connect timeout, naming the brokers, rather than in Sarama's retries.
+func probeKafka(ctx context.Context, brokers []string, timeout time.Duration) error {
+	timeout = within(ctx, timeout)
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	results := make(chan error, len(brokers))
 	for _, b := range brokers {
-		conn, err := d.DialContext(ctx, "tcp", b)
+		go func() { results <- askAPIVersions(ctx, b, timeout) }()
+	}
+	var errs []error
+	for range brokers {
+		err := <-results
 		if err == nil {
-			return conn.Close()
+			// The others end at cancel; wait for them so that none
+			// outlives Open.
+			cancel()
+			for range len(brokers) - len(errs) - 1 {
+				<-results
+			}
+			return nil
 		}
 		errs = append(errs, err)
 	}
-	return fmt.Errorf("unreachable: %w", errors.Join(errs...))
+	return fmt.Errorf("kafka unreachable: %w", errors.Join(errs...))
+}
+
+// askAPIVersions sends an ApiVersions v0 request, which every Kafka broker
+// since 0.10 answers before any other request, to addr and reads the
+// response header.
+func askAPIVersions(ctx context.Context, addr string, timeout time.Duration) error {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return brokerError(ctx, addr, timeout, err)
+	}
+	defer conn.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		if err := conn.SetDeadline(dl); err != nil {
+			return fmt.Errorf("broker %s: %w", addr, err)
+		}
+	}
+	// Cancellation before the deadline (another broker answered, or the
+	// caller gave up) interrupts the read too.
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })
+	defer stop()
+
+	const (
+		apiVersionsKey = 18
+		correlationID  = 1
+		clientID       = "oncemill"
+	)
+	req := binary.BigEndian.AppendUint32(nil, uint32(2+2+4+2+len(clientID)))
+	req = binary.BigEndian.AppendUint16(req, apiVersionsKey)
+	req = binary.BigEndian.AppendUint16(req, 0) // version
+	req = binary.BigEndian.AppendUint32(req, correlationID)
+	req = binary.BigEndian.AppendUint16(req, uint16(len(clientID)))
+	req = append(req, clientID...)
+	var resp [8]byte // size, correlation id
+	if _, err = conn.Write(req); err == nil {
+		_, err = io.ReadFull(conn, resp[:])
+	}
+	if err != nil {
+		return brokerError(ctx, addr, timeout, err)
+	}
+	if binary.BigEndian.Uint32(resp[4:]) != correlationID {
+		return fmt.Errorf("broker %s answered, but not in the Kafka protocol", addr)
+	}
+	return nil
+}
+
+// brokerError describes err, from talking to the broker at addr under ctx.
+// The connection's deadline is ctx's, and may pass an instant before ctx
+// ends: a network timeout counts as ctx's deadline.
+func brokerError(ctx context.Context, addr string, timeout time.Duration, err error) error {
+	switch {
+	case errors.Is(ctx.Err(), context.Canceled):
+		return fmt.Errorf("broker %s: %w", addr, ctx.Err())
+	case errors.Is(ctx.Err(), context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded):
+		return noAnswer(addr, timeout, err)
+	}
+	return fmt.Errorf("broker %s: %w", addr, err)
 }

@@ -67,3 +67,87 @@ func TestOpenPostgresPubSub(t *testing.T) {
 		t.Fatal("no message from the postgres subscriber")
 	}
 }
+
+// TestOpenStrictURLs checks that Open rejects, before it connects to
+// anything, a parameter its scheme does not know, a value that is not
+// valid, and a group or connect timeout that contradicts Options; every
+// error wraps ErrBadURL and names the parameter.
+func TestOpenStrictURLs(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// Nothing listens on port 1: a case that reached the network would
+	// fail with another error than ErrBadURL.
+	cases := []struct {
+		url  string
+		opts adapters.Options
+		want []string
+	}{
+		// Unknown parameters, named and listed with the known ones.
+		{url: "amqp://guest:hunter2@127.0.0.1:1/?delivery_limt=5&prefech=3",
+			want: []string{`unknown parameters "delivery_limt", "prefech" for amqp://`, "known parameters:", "delivery_limit", "prefetch", "connect_timeout", "group"}},
+		{url: "amqp://guest:hunter2@127.0.0.1:1/?connection_timeout=500", want: []string{`"connection_timeout"`, "connect_timeout"}},
+		{url: "kafka://127.0.0.1:1?group=g&ofset=newest", want: []string{`unknown parameter "ofset" for kafka://`, "offset", "read_timeout", "rebalance_timeout", "session_timeout"}},
+		{url: "kafka://?group=g&read_timout=90s", want: []string{`"read_timout"`, "read_timeout"}},
+		{url: "sqs://test:hunter2@us-east-1?endpoint=http://127.0.0.1:1&visibilty_timeout=30s", want: []string{`"visibilty_timeout"`, "visibility_timeout", "endpoint", "create"}},
+		{url: "postgres://oncemill:hunter2@127.0.0.1:1/test?sslmdoe=disable", want: []string{`"sslmdoe"`, "sslmode", "pool_max_conns"}},
+		{url: "gochannel://?persistant=true", want: []string{`"persistant"`, "persistent"}},
+		{url: "gochannel://?persistent=true&persistent=false", want: []string{"parameter persistent is given 2 times"}},
+		{url: "gochannel://?persistent=true;x", want: []string{"query"}},
+
+		// Invalid values.
+		{url: "kafka://127.0.0.1:1?group=g&read_timeout=soon", want: []string{`read_timeout="soon"`}},
+		{url: "kafka://127.0.0.1:1?group=g&read_timeout=90", want: []string{`read_timeout="90"`, "Go duration"}},
+		{url: "kafka://127.0.0.1:1?group=g&session_timeout=-6s", want: []string{`session_timeout="-6s"`}},
+		{url: "kafka://127.0.0.1:1?group=g&rebalance_timeout=0s", want: []string{`rebalance_timeout="0s"`}},
+		{url: "kafka://127.0.0.1:1?group=g&read_timeout=30s", want: []string{"read_timeout=30s must be longer than the default rebalance timeout (1m0s)"}},
+		{url: "kafka://127.0.0.1:1?group=g&read_timeout=20s&rebalance_timeout=20s", want: []string{"read_timeout=20s must be longer than rebalance_timeout (20s)"}},
+		{url: "kafka://127.0.0.1:1?group=g&offset=latest", want: []string{`offset="latest"`}},
+		{url: "kafka://127.0.0.1:1", want: []string{"kafka needs a consumer group"}},
+		{url: "kafka://127.0.0.1:1?group=g&connect_timeout=0", want: []string{`connect_timeout="0"`}},
+		{url: "amqp://guest:hunter2@127.0.0.1:1/?connect_timeout=-1s", want: []string{`connect_timeout="-1s"`}},
+		{url: "amqp://guest:hunter2@127.0.0.1:1/?prefetch=many", want: []string{`prefetch="many"`}},
+		{url: "postgres://oncemill:hunter2@127.0.0.1:1/test?connect_timeout=soon", want: []string{`connect_timeout="soon"`}},
+		{url: "sqs://us-east-1?connect_timeout=1x", want: []string{`connect_timeout="1x"`}},
+		{url: "sqs://us-east-1?visibility_timeout=1500ms", want: []string{"visibility_timeout=1500ms", "whole seconds from 1s to 12h0m0s"}},
+		{url: "sqs://us-east-1?visibility_timeout=13h", want: []string{"visibility_timeout=13h"}},
+		{url: "sqs://us-east-1?visibility_timeout=0", want: []string{`visibility_timeout="0"`}},
+		{url: "sqs://us-east-1?create=sometimes", want: []string{`create="sometimes"`}},
+		{url: "gochannel://?connect_timeout=forever", want: []string{`connect_timeout="forever"`}},
+
+		// The URL and Options disagree.
+		{url: "kafka://127.0.0.1:1?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a" and Options.ConsumerGroup "b" differ`}},
+		{url: "amqp://guest:hunter2@127.0.0.1:1/?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a"`}},
+		{url: "postgres://oncemill:hunter2@127.0.0.1:1/test?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a"`}},
+		{url: "sqs://us-east-1?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a"`}},
+		{url: "gochannel://?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a"`}},
+		{url: "kafka://127.0.0.1:1?group=g&connect_timeout=2s", opts: adapters.Options{ConnectTimeout: 3 * time.Second}, want: []string{"connect_timeout=2s and Options.ConnectTimeout 3s differ"}},
+		{url: "gochannel://", opts: adapters.Options{ConnectTimeout: -time.Second}, want: []string{"Options.ConnectTimeout is -1s"}},
+	}
+	for _, tc := range cases {
+		_, err := adapters.Open(ctx, tc.url, tc.opts)
+		require.ErrorIs(t, err, adapters.ErrBadURL, tc.url)
+		for _, w := range tc.want {
+			require.ErrorContains(t, err, w, tc.url)
+		}
+		require.NotContains(t, err.Error(), "hunter2", "credentials never appear in errors")
+	}
+}
+
+// TestOpenAgreeingOptions opens URLs whose group and connect timeout
+// Options repeat: the same value in both places is not a conflict.
+func TestOpenAgreeingOptions(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		url  string
+		opts adapters.Options
+	}{
+		{"gochannel://?group=billing&connect_timeout=2s", adapters.Options{ConsumerGroup: "billing", ConnectTimeout: 2 * time.Second}},
+		{"gochannel://?connect_timeout=2", adapters.Options{ConnectTimeout: 2 * time.Second}},
+		{"kafka://?group=billing", adapters.Options{ConsumerGroup: "billing"}},
+	} {
+		ps, err := adapters.Open(context.Background(), tc.url, tc.opts)
+		require.NoError(t, err, tc.url)
+		require.NoError(t, ps.Close())
+	}
+}

@@ -4,28 +4,53 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
+	"strconv"
+	"strings"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // openPostgres opens watermill-sql v4 on PostgreSQL through pgx: one table
-// per topic, offsets per consumer group. The URL's own parameters (group)
-// are removed before the rest reaches pgx.
+// per topic, offsets per consumer group. Parameters: group,
+// connect_timeout (which bounds each connection of the pool, not only the
+// first), and those of pgx (see postgresParams); the URL's own are removed
+// before the rest reaches pgx.
 func openPostgres(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
-	grp := group(u, opts)
+	q, err := query(u, postgresParams()...)
+	if err != nil {
+		return nil, err
+	}
+	grp, err := group(q, opts)
+	if err != nil {
+		return nil, err
+	}
+	timeout, err := connectTimeout(q, opts)
+	if err != nil {
+		return nil, err
+	}
 	dsn := *u
-	q := dsn.Query()
 	q.Del("group")
+	q.Del("connect_timeout")
 	dsn.RawQuery = q.Encode()
 
-	pool, err := pgxpool.New(ctx, dsn.String())
+	cfg, err := pgxpool.ParseConfig(dsn.String())
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrBadURL, err)
 	}
+	cfg.ConnConfig.ConnectTimeout = timeout
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrBadURL, err)
+	}
+	bound := within(ctx, timeout)
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
+		if errors.Is(err, context.DeadlineExceeded) {
+			err = noAnswer(postgresHosts(cfg), bound, err)
+		}
 		return nil, fmt.Errorf("postgres unreachable: %w", err)
 	}
 	closePool := func() error { pool.Close(); return nil }
@@ -52,4 +77,45 @@ func openPostgres(ctx context.Context, u *url.URL, opts Options) (*PubSub, error
 		return nil, errors.Join(fmt.Errorf("watermill-sql subscriber: %w", err), pub.Close(), closePool())
 	}
 	return &PubSub{Publisher: pub, Subscriber: sub, closers: []func() error{closePool}}, nil
+}
+
+// postgresParams are the URL parameters pgx reads: pgconn's connection
+// settings, pgx's statement caches and query mode, and pgxpool's pool
+// settings, with the server settings most often given in a URL. Any other
+// server setting goes in options, as with libpq:
+// options=-c%20statement_timeout%3D5s.
+func postgresParams() []string {
+	return []string{
+		// pgconn
+		"host", "port", "dbname", "user", "password", "passfile",
+		"sslmode", "ssl", "sslkey", "sslcert", "sslcertmode", "sslrootcert",
+		"sslnegotiation", "sslpassword", "sslsni", "krbspn", "krbsrvname",
+		"target_session_attrs", "service", "servicefile",
+		"min_protocol_version", "max_protocol_version", "channel_binding", "require_auth",
+		// pgx
+		"statement_cache_capacity", "description_cache_capacity", "default_query_exec_mode",
+		// pgxpool
+		"pool_max_conns", "pool_min_conns", "pool_min_idle_conns",
+		"pool_max_conn_lifetime", "pool_max_conn_idle_time", "pool_max_conn_lifetime_jitter",
+		"pool_health_check_period", "pool_ping_timeout",
+		// server settings sent at connect
+		"application_name", "client_encoding", "options", "search_path", "timezone",
+	}
+}
+
+// postgresHosts names the servers cfg connects to, as host:port.
+func postgresHosts(cfg *pgxpool.Config) string {
+	addr := func(host string, port uint16) string {
+		if strings.HasPrefix(host, "/") {
+			return host // a Unix socket directory
+		}
+		return net.JoinHostPort(host, strconv.Itoa(int(port)))
+	}
+	hosts := []string{addr(cfg.ConnConfig.Host, cfg.ConnConfig.Port)}
+	for _, f := range cfg.ConnConfig.Fallbacks {
+		if a := addr(f.Host, f.Port); a != hosts[len(hosts)-1] {
+			hosts = append(hosts, a)
+		}
+	}
+	return strings.Join(hosts, ", ")
 }

@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"net/url"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/credentials"
 
@@ -15,45 +18,118 @@ import (
 // openSQS opens Amazon SQS: sqs://region?endpoint=…&create=true. Access
 // keys come from the URL's user info (sqs://KEY:SECRET@region, handy for
 // emulators) or else the AWS default chain. A topic is a queue; create=true
-// creates missing queues.
+// creates missing queues. Parameters: endpoint, create,
+// visibility_timeout (whole seconds, 1s to 12h; see
+// [sqs.SubscriberConfig]), connect_timeout, and group, which is accepted
+// and ignored: every subscriber of a queue competes for its messages.
 func openSQS(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
-	if u.Host == "" {
-		return nil, fmt.Errorf("%w: sqs needs a region: sqs://us-east-1", ErrBadURL)
-	}
-	create, err := boolParam(u, "create", false)
+	pcfg, scfg, timeout, err := sqsConfigs(u, opts)
 	if err != nil {
 		return nil, err
 	}
+	if pcfg.Endpoint != "" {
+		if err := probeEndpoint(ctx, pcfg.Endpoint, timeout); err != nil {
+			return nil, err
+		}
+	}
+	pub, err := sqs.NewPublisher(pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrBadURL, err)
+	}
+	sub, err := sqs.NewSubscriber(scfg)
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("%w: %w", ErrBadURL, err), pub.Close())
+	}
+	return &PubSub{Publisher: pub, Subscriber: sub}, nil
+}
+
+// sqsConfigs reads an sqs:// URL and opts into the publisher and
+// subscriber configs and the connect timeout, all checked.
+func sqsConfigs(u *url.URL, opts Options) (sqs.PublisherConfig, sqs.SubscriberConfig, time.Duration, error) {
+	fail := func(err error) (sqs.PublisherConfig, sqs.SubscriberConfig, time.Duration, error) {
+		return sqs.PublisherConfig{}, sqs.SubscriberConfig{}, 0, err
+	}
+	q, err := query(u, "endpoint", "create", "visibility_timeout")
+	if err != nil {
+		return fail(err)
+	}
+	if u.Host == "" {
+		return fail(fmt.Errorf("%w: sqs needs a region: sqs://us-east-1", ErrBadURL))
+	}
+	if _, err := group(q, opts); err != nil {
+		return fail(err)
+	}
+	timeout, err := connectTimeout(q, opts)
+	if err != nil {
+		return fail(err)
+	}
+	create, err := boolParam(q, "create", false)
+	if err != nil {
+		return fail(err)
+	}
+	visibility, err := durationParam(q, "visibility_timeout", false)
+	if err != nil {
+		return fail(err)
+	}
+	if visibility != 0 && (visibility < time.Second || visibility > sqs.MaxVisibilityTimeout || visibility%time.Second != 0) {
+		return fail(fmt.Errorf("%w: parameter visibility_timeout=%s: want whole seconds from 1s to %s", ErrBadURL, q.Get("visibility_timeout"), sqs.MaxVisibilityTimeout))
+	}
 	cfg := sqs.Config{
 		Region:               u.Hostname(),
-		Endpoint:             u.Query().Get("endpoint"),
+		Endpoint:             q.Get("endpoint"),
 		CreateQueueIfMissing: create,
+		ConnectTimeout:       timeout,
 		Logger:               opts.Logger,
 	}
 	if cfg.Endpoint != "" {
-		ep, err := url.Parse(cfg.Endpoint)
-		if err != nil || ep.Host == "" {
-			return nil, fmt.Errorf("%w: parameter endpoint=%q is not an http(s) URL", ErrBadURL, cfg.Endpoint)
-		}
-		host := ep.Host
-		if ep.Port() == "" {
-			host = net.JoinHostPort(ep.Hostname(), map[bool]string{true: "443", false: "80"}[ep.Scheme == "https"])
-		}
-		if err := reachable(ctx, []string{host}); err != nil {
-			return nil, fmt.Errorf("sqs endpoint: %w", err)
+		if ep, err := url.Parse(cfg.Endpoint); err != nil || ep.Host == "" || (ep.Scheme != "http" && ep.Scheme != "https") {
+			return fail(fmt.Errorf("%w: parameter endpoint=%q is not an http(s) URL", ErrBadURL, cfg.Endpoint))
 		}
 	}
 	if u.User != nil {
 		secret, _ := u.User.Password()
 		cfg.Credentials = credentials.NewStaticCredentialsProvider(u.User.Username(), secret, "")
 	}
-	pub, err := sqs.NewPublisher(sqs.PublisherConfig{Config: cfg})
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrBadURL, err)
+	pcfg := sqs.PublisherConfig{Config: cfg}
+	scfg := sqs.SubscriberConfig{Config: cfg, VisibilityTimeout: visibility}
+	if err := scfg.Validate(); err != nil {
+		return fail(fmt.Errorf("%w: %w", ErrBadURL, err))
 	}
-	sub, err := sqs.NewSubscriber(sqs.SubscriberConfig{Config: cfg})
+	return pcfg, scfg, timeout, nil
+}
+
+// probeEndpoint sends one HTTP request to an SQS endpoint and returns once
+// anything answers, whatever the status, so that an emulator that is down
+// or hung fails at Open within the connect timeout, naming its address,
+// rather than in the first receive.
+func probeEndpoint(ctx context.Context, endpoint string, timeout time.Duration) error {
+	ep, err := url.Parse(endpoint)
 	if err != nil {
-		return nil, errors.Join(fmt.Errorf("%w: %w", ErrBadURL, err), pub.Close())
+		return fmt.Errorf("%w: parameter endpoint=%q: %w", ErrBadURL, endpoint, err)
 	}
-	return &PubSub{Publisher: pub, Subscriber: sub}, nil
+	addr := ep.Host
+	if ep.Port() == "" {
+		addr = net.JoinHostPort(ep.Hostname(), map[bool]string{true: "443", false: "80"}[ep.Scheme == "https"])
+	}
+	timeout = within(ctx, timeout)
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint, nil)
+	if err != nil {
+		return fmt.Errorf("%w: parameter endpoint=%q: %w", ErrBadURL, endpoint, err)
+	}
+	// A client of its own, keeping no connection: nothing outlives Open.
+	client := &http.Client{
+		Transport:     &http.Transport{Proxy: http.ProxyFromEnvironment, DisableKeepAlives: true},
+		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+	}
+	resp, err := client.Do(req)
+	switch {
+	case err != nil && (errors.Is(ctx.Err(), context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)):
+		return fmt.Errorf("sqs endpoint: %w", noAnswer(addr, timeout, err))
+	case err != nil:
+		return fmt.Errorf("sqs endpoint %s unreachable: %w", addr, err)
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+	return resp.Body.Close()
 }

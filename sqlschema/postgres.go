@@ -5,9 +5,20 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"net"
+	"strconv"
+	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
+
+// DefaultConnectTimeout bounds the first step of [Migrate], taking a
+// connection and beginning the transaction, when ctx has no deadline, so
+// that a server that does not answer fails Migrate instead of hanging it.
+const DefaultConnectTimeout = 10 * time.Second
 
 // Beginner is what [Migrate] needs of a PostgreSQL connection: a
 // *pgxpool.Pool, a *pgx.Conn or a pgx.Tx (a nested transaction is a savepoint).
@@ -20,6 +31,12 @@ type Beginner interface {
 // all steps run in one transaction under an advisory lock keyed by the
 // schema name, and applied versions are recorded in
 // <schema>.oncemill_migrations.
+//
+// When ctx has no deadline, taking the connection and beginning the
+// transaction is bounded by [DefaultConnectTimeout], and the error then
+// names the server; the migration itself, which may wait for the lock or
+// rewrite large tables, is not bounded. Give ctx a deadline for another
+// bound, or set connect_timeout on the pool.
 func Migrate(ctx context.Context, db Beginner, cfg Config) error {
 	cfg = cfg.WithDefaults()
 	migrations, err := Migrations(Postgres, cfg)
@@ -28,9 +45,9 @@ func Migrate(ctx context.Context, db Beginner, cfg Config) error {
 	}
 	names := NamesFor(Postgres, cfg)
 
-	tx, err := db.Begin(ctx)
+	tx, err := begin(ctx, db)
 	if err != nil {
-		return fmt.Errorf("sqlschema: begin migration: %w", err)
+		return err
 	}
 	err = migrate(ctx, tx, cfg, names, migrations)
 	if err == nil {
@@ -43,6 +60,46 @@ func Migrate(ctx context.Context, db Beginner, cfg Config) error {
 		return fmt.Errorf("sqlschema: migrate schema %s: %w", cfg.Schema, err)
 	}
 	return nil
+}
+
+// begin begins the migration's transaction, within DefaultConnectTimeout
+// when ctx has no deadline. The transaction does not keep the context it
+// began with: its statements run under ctx.
+func begin(ctx context.Context, db Beginner) (pgx.Tx, error) {
+	beginCtx, bounded := ctx, false
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		beginCtx, cancel = context.WithTimeout(ctx, DefaultConnectTimeout)
+		defer cancel()
+		bounded = true
+	}
+	tx, err := db.Begin(beginCtx)
+	switch {
+	case err == nil:
+		return tx, nil
+	case bounded && errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil:
+		return nil, fmt.Errorf("sqlschema: begin migration on %s: no answer within %s: %w", server(db), DefaultConnectTimeout, err)
+	}
+	return nil, fmt.Errorf("sqlschema: begin migration on %s: %w", server(db), err)
+}
+
+// server names the PostgreSQL server db connects to, as host:port, for
+// error messages.
+func server(db Beginner) string {
+	var cc *pgconn.Config
+	switch db := db.(type) {
+	case *pgxpool.Pool:
+		cc = &db.Config().ConnConfig.Config
+	case *pgx.Conn:
+		cc = &db.Config().Config
+	}
+	if cc == nil {
+		return "the database"
+	}
+	if strings.HasPrefix(cc.Host, "/") {
+		return cc.Host // a Unix socket directory
+	}
+	return net.JoinHostPort(cc.Host, strconv.Itoa(int(cc.Port)))
 }
 
 func migrate(ctx context.Context, tx pgx.Tx, cfg Config, names Names, migrations []Migration) error {

@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"strconv"
 	"strings"
+	"time"
 
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -17,6 +19,8 @@ const (
 	DefaultPrefetch = 16
 	// DefaultPublishChannels is the default [Config.PublishChannels].
 	DefaultPublishChannels = 8
+	// DefaultConnectTimeout is the default [Config.ConnectTimeout].
+	DefaultConnectTimeout = 10 * time.Second
 )
 
 // maxPrefetch is the largest prefetch count AMQP 0.9.1 can carry (a short).
@@ -112,6 +116,13 @@ type Config struct {
 	// open and shares between concurrent Publish calls; each waits for its
 	// publisher confirm. Zero means [DefaultPublishChannels].
 	PublishChannels int
+
+	// ConnectTimeout bounds each connection attempt, the first and every
+	// reconnection: the TCP connect and the TLS and AMQP handshakes
+	// (amqp091's connection_timeout URL parameter, which WatermillConfig
+	// sets). Zero means the URL's connection_timeout (milliseconds) if it
+	// has one, else [DefaultConnectTimeout]; setting both is an error.
+	ConnectTimeout time.Duration
 }
 
 // withDefaults returns a copy of c with zero fields set to their defaults.
@@ -147,6 +158,12 @@ func (c Config) Validate() error {
 	}
 	if c.PublishChannels < 0 || c.PublishChannels > maxPublishChannels {
 		return fmt.Errorf("%w: PublishChannels must be between 0 and %d, got %d", ErrInvalidConfig, maxPublishChannels, c.PublishChannels)
+	}
+	if c.ConnectTimeout < 0 || (c.ConnectTimeout > 0 && c.ConnectTimeout < time.Millisecond) {
+		return fmt.Errorf("%w: ConnectTimeout must be at least 1ms, or 0 for the default, got %s", ErrInvalidConfig, c.ConnectTimeout)
+	}
+	if c.ConnectTimeout != 0 && urlConnectionTimeout(c.URL) {
+		return fmt.Errorf("%w: ConnectTimeout is set and the URL has connection_timeout; set one of them", ErrInvalidConfig)
 	}
 	for _, f := range []struct{ name, value string }{
 		{"ConsumerGroup", c.ConsumerGroup},
@@ -208,8 +225,9 @@ func (c Config) WatermillConfig() (wamqp.Config, error) {
 	return wamqp.Config{
 		// No AmqpConfig: amqp091 writes into its Properties table on every
 		// dial, and reconnecting publishers and subscribers that share one
-		// wamqp.Config would race on it.
-		Connection: wamqp.ConnectionConfig{AmqpURI: c.URL},
+		// wamqp.Config would race on it. The connect timeout goes in the
+		// URL instead.
+		Connection: wamqp.ConnectionConfig{AmqpURI: c.uriWithTimeout()},
 		Marshaler:  Marshaler{},
 		Exchange: wamqp.ExchangeConfig{
 			GenerateName: c.ExchangeName,
@@ -233,6 +251,40 @@ func (c Config) WatermillConfig() (wamqp.Config, error) {
 		},
 		TopologyBuilder: &wamqp.DefaultTopologyBuilder{},
 	}, nil
+}
+
+// urlConnectionTimeout reports whether rawURL sets amqp091's
+// connection_timeout parameter.
+func urlConnectionTimeout(rawURL string) bool {
+	u, err := url.Parse(rawURL)
+	return err == nil && u.Query().Has("connection_timeout")
+}
+
+// uriWithTimeout returns c.URL with connection_timeout set to
+// c.ConnectTimeout, or to [DefaultConnectTimeout] when neither is set. The
+// parameter is appended to the URL's text, which is otherwise kept as
+// written.
+func (c Config) uriWithTimeout() string {
+	if c.ConnectTimeout == 0 && urlConnectionTimeout(c.URL) {
+		return c.URL
+	}
+	timeout := c.ConnectTimeout
+	if timeout == 0 {
+		timeout = DefaultConnectTimeout
+	}
+	base, fragment, hasFragment := strings.Cut(c.URL, "#")
+	sep := "?"
+	if strings.Contains(base, "?") {
+		sep = "&"
+		if strings.HasSuffix(base, "?") || strings.HasSuffix(base, "&") {
+			sep = ""
+		}
+	}
+	uri := base + sep + "connection_timeout=" + strconv.FormatInt(timeout.Milliseconds(), 10)
+	if hasFragment {
+		uri += "#" + fragment
+	}
+	return uri
 }
 
 // redactURL returns rawURL with its password replaced by "xxxxx", or a

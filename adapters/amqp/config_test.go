@@ -2,6 +2,7 @@ package amqp_test
 
 import (
 	"testing"
+	"time"
 
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -26,6 +27,10 @@ func TestConfigValidate(t *testing.T) {
 		"dlx routing key":   {amqp.Config{URL: u, DeadLetterRoutingKey: "rk"}, "DeadLetterRoutingKey"},
 		"publish channels":  {amqp.Config{URL: u, PublishChannels: -1}, "PublishChannels"},
 		"long group":        {amqp.Config{URL: u, ConsumerGroup: string(make([]byte, 256))}, "ConsumerGroup"},
+		"connect timeout":   {amqp.Config{URL: u, ConnectTimeout: -time.Second}, "ConnectTimeout"},
+		"connect timeout twice": {
+			amqp.Config{URL: u + "?connection_timeout=500", ConnectTimeout: time.Second}, "ConnectTimeout is set and the URL has connection_timeout",
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			err := tc.cfg.Validate()
@@ -44,6 +49,37 @@ func TestConfigValidate(t *testing.T) {
 	valid := amqp.Config{URL: u, DeliveryLimit: -1, DeadLetterExchange: "dlx", DeadLetterRoutingKey: "rk"}
 	require.NoError(t, valid.Validate())
 	require.NoError(t, amqp.Config{URL: "amqps://h/vhost"}.Validate())
+}
+
+// TestConnectTimeoutInURI checks that the connect timeout reaches amqp091
+// as the connection_timeout of the URI, the rest of the URL as written.
+func TestConnectTimeoutInURI(t *testing.T) {
+	for _, tc := range []struct {
+		cfg  amqp.Config
+		want string
+	}{
+		{amqp.Config{URL: "amqp://guest:p%40ss@127.0.0.1:5672/"}, "amqp://guest:p%40ss@127.0.0.1:5672/?connection_timeout=10000"},
+		{amqp.Config{URL: "amqp://guest:guest@127.0.0.1:5672/vh?heartbeat=5", ConnectTimeout: 1500 * time.Millisecond}, "amqp://guest:guest@127.0.0.1:5672/vh?heartbeat=5&connection_timeout=1500"},
+		{amqp.Config{URL: "amqps://h/vh?", ConnectTimeout: time.Second}, "amqps://h/vh?connection_timeout=1000"},
+		{amqp.Config{URL: "amqp://h/?connection_timeout=500"}, "amqp://h/?connection_timeout=500"},
+	} {
+		w, err := tc.cfg.WatermillConfig()
+		require.NoError(t, err, tc.cfg.URL)
+		require.Equal(t, tc.want, w.Connection.AmqpURI)
+		uri, err := amqp091.ParseURI(w.Connection.AmqpURI)
+		require.NoError(t, err)
+		require.Positive(t, uri.ConnectionTimeout)
+	}
+}
+
+// TestValidateKeepsPasswordText checks that hiding a password of one
+// common letter hides the user info only: the rest of the message stays
+// readable.
+func TestValidateKeepsPasswordText(t *testing.T) {
+	err := amqp.Config{URL: "http://user:e@host/vhost"}.Validate()
+	require.ErrorIs(t, err, amqp.ErrInvalidConfig)
+	require.NotContains(t, err.Error(), "user:e@")
+	require.Contains(t, err.Error(), "amqp: invalid config: URL http://user:xxxxx@host/vhost is not an AMQP URL: AMQP scheme must be either 'amqp://' or 'amqps://'")
 }
 
 func TestWatermillConfig(t *testing.T) {

@@ -17,8 +17,8 @@ type redacted struct {
 func (e *redacted) Error() string { return e.msg }
 func (e *redacted) Unwrap() error { return e.err }
 
-// redactErr returns err with every occurrence of rawURL and of its password
-// removed from its text.
+// redactErr returns err with every occurrence of rawURL and of its user
+// info removed from its text.
 func redactErr(err error, rawURL string) error {
 	if err == nil {
 		return nil
@@ -26,20 +26,35 @@ func redactErr(err error, rawURL string) error {
 	return &redacted{msg: scrub(err.Error(), rawURL), err: err}
 }
 
-// scrub removes rawURL, and the password it contains in raw and decoded
-// form, from s.
+// scrub removes rawURL, and its user info (user name and password) in the
+// spellings a client may quote it (as written, re-escaped, and decoded),
+// from s. Only the user info followed by its '@' is replaced, never the
+// password's text alone, which may be a common word or a single letter.
 func scrub(s, rawURL string) string {
 	if rawURL == "" {
 		return s
 	}
 	s = strings.ReplaceAll(s, rawURL, redactURL(rawURL))
-	if u, err := url.Parse(rawURL); err == nil && u.User != nil {
-		if pw, ok := u.User.Password(); ok && pw != "" {
-			s = strings.ReplaceAll(s, pw, "xxxxx")
-			if esc := url.PathEscape(pw); esc != pw {
-				s = strings.ReplaceAll(s, esc, "xxxxx")
-			}
+	u, err := url.Parse(rawURL)
+	if err != nil || u.User == nil {
+		return s
+	}
+	pw, ok := u.User.Password()
+	if !ok {
+		return s
+	}
+	safe := url.UserPassword(u.User.Username(), "xxxxx").String() + "@"
+	forms := []string{u.User.String() + "@", u.User.Username() + ":" + pw + "@"}
+	if _, rest, ok := strings.Cut(rawURL, "://"); ok {
+		if end := strings.IndexAny(rest, "/?#"); end >= 0 {
+			rest = rest[:end]
 		}
+		if at := strings.LastIndex(rest, "@"); at >= 0 {
+			forms = append(forms, rest[:at+1])
+		}
+	}
+	for _, f := range forms {
+		s = strings.ReplaceAll(s, f, safe)
 	}
 	return s
 }

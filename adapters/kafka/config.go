@@ -26,6 +26,29 @@ var (
 // NoSleep, as NackResendSleep or ReconnectRetrySleep, means no sleep.
 const NoSleep = wkafka.NoSleep
 
+// Defaults of the timeouts of [SubscriberConfig] and [PublisherConfig].
+const (
+	// DefaultDialTimeout is the default DialTimeout.
+	DefaultDialTimeout = 10 * time.Second
+	// DefaultReadTimeout is the default [PublisherConfig.ReadTimeout], and
+	// the least default [SubscriberConfig.ReadTimeout].
+	DefaultReadTimeout = 30 * time.Second
+	// DefaultSessionTimeout is the default
+	// [SubscriberConfig.SessionTimeout], Sarama's.
+	DefaultSessionTimeout = 10 * time.Second
+	// DefaultRebalanceTimeout is the default
+	// [SubscriberConfig.RebalanceTimeout], Sarama's.
+	DefaultRebalanceTimeout = 60 * time.Second
+	// JoinGroupMargin is how much longer than the rebalance timeout the
+	// default [SubscriberConfig.ReadTimeout] is, as the Java client waits
+	// for a JoinGroup response.
+	JoinGroupMargin = 5 * time.Second
+)
+
+// maxHeartbeatInterval is Sarama's default heartbeat interval, kept while
+// it is at most a third of the session timeout.
+const maxHeartbeatInterval = 3 * time.Second
+
 // InitialOffset is where a consumer group starts reading a partition for
 // which it has no committed offset.
 type InitialOffset int8
@@ -108,14 +131,49 @@ type SubscriberConfig struct {
 	TopicPartitions        int32
 	TopicReplicationFactor int16
 
+	// DialTimeout bounds each connection to a broker, TCP connect and TLS
+	// handshake (Sarama's Net.DialTimeout). Defaults to
+	// [DefaultDialTimeout].
+	DialTimeout time.Duration
+
+	// ReadTimeout is how long the client waits for a broker's response
+	// (Sarama's Net.ReadTimeout). With a ConsumerGroup it must be longer
+	// than RebalanceTimeout: the group coordinator holds a JoinGroup
+	// request open until every member has rejoined, for up to the
+	// rebalance timeout, and a client that gives up sooner fails the join
+	// and starts over, so a rebalance that waits for a slow member never
+	// completes. Defaults to RebalanceTimeout plus [JoinGroupMargin], and
+	// at least [DefaultReadTimeout]: 65s with the default rebalance
+	// timeout.
+	ReadTimeout time.Duration
+
+	// SessionTimeout is how long the group coordinator waits for a
+	// member's heartbeat before it drops the member and rebalances
+	// (Sarama's Consumer.Group.Session.Timeout). Brokers accept 6s to 30m
+	// unless configured otherwise (group.min.session.timeout.ms and
+	// group.max.session.timeout.ms). Defaults to
+	// [DefaultSessionTimeout]. The heartbeat interval is a third of it, at
+	// most 3s.
+	SessionTimeout time.Duration
+
+	// RebalanceTimeout is how long the group coordinator waits, in a
+	// rebalance, for every member to rejoin (Sarama's
+	// Consumer.Group.Rebalance.Timeout): long enough for the handlers of
+	// revoked partitions to finish and their offsets to be committed.
+	// Defaults to [DefaultRebalanceTimeout].
+	RebalanceTimeout time.Duration
+
 	// Sarama, when set, adjusts the Sarama config after this package's
-	// defaults (Version 2.3.0.0, ClientID "oncemill", Sarama's own
-	// defaults otherwise), for TLS, SASL, Version, ClientID or timeouts.
-	// Version must be at least 0.11.0.0, for record headers; against the
-	// embedded broker it must stay below 2.4.0.0 (see package embedded).
-	// The settings that carry the guarantees are applied after it:
-	// Consumer.Offsets.Initial and AutoCommit come from the fields
-	// above, and Consumer.Return.Errors is true.
+	// defaults (Version 2.3.0.0, ClientID "oncemill", the timeouts above,
+	// Sarama's own defaults otherwise), for TLS, SASL, Version, ClientID
+	// or other timeouts. Version must be at least 0.11.0.0, for record
+	// headers; against the embedded broker it must stay below 2.4.0.0
+	// (see package embedded). When ReadTimeout is zero and the hook leaves
+	// Net.ReadTimeout alone, the default read timeout follows the hook's
+	// Consumer.Group.Rebalance.Timeout. The settings that carry the
+	// guarantees are applied after it: Consumer.Offsets.Initial and
+	// AutoCommit come from the fields above, and Consumer.Return.Errors is
+	// true.
 	Sarama func(*sarama.Config)
 }
 
@@ -140,7 +198,41 @@ func (c SubscriberConfig) Validate() error {
 	case c.TopicReplicationFactor < 0:
 		return fmt.Errorf("%w: SubscriberConfig.TopicReplicationFactor is %d, want >= 0", ErrInvalidConfig, c.TopicReplicationFactor)
 	}
+	if err := validateTimeouts("SubscriberConfig", []timeout{
+		{"DialTimeout", c.DialTimeout},
+		{"ReadTimeout", c.ReadTimeout},
+		{"SessionTimeout", c.SessionTimeout},
+		{"RebalanceTimeout", c.RebalanceTimeout},
+	}); err != nil {
+		return err
+	}
+	if rebalance := c.withDefaults().RebalanceTimeout; c.ConsumerGroup != "" && c.ReadTimeout != 0 && c.ReadTimeout <= rebalance {
+		return fmt.Errorf("%w: SubscriberConfig.ReadTimeout is %s, want longer than RebalanceTimeout (%s): the broker holds a JoinGroup request for up to the rebalance timeout",
+			ErrInvalidConfig, c.ReadTimeout, rebalance)
+	}
 	return nil
+}
+
+// timeout is a timeout field of a config, for validateTimeouts.
+type timeout struct {
+	field string
+	value time.Duration
+}
+
+// validateTimeouts reports the first negative timeout of config.
+func validateTimeouts(config string, timeouts []timeout) error {
+	for _, t := range timeouts {
+		if t.value < 0 {
+			return fmt.Errorf("%w: %s.%s is %s, want > 0, or 0 for the default", ErrInvalidConfig, config, t.field, t.value)
+		}
+	}
+	return nil
+}
+
+// readTimeoutFor returns the default read timeout of a subscriber whose
+// rebalance timeout is rebalance.
+func readTimeoutFor(rebalance time.Duration) time.Duration {
+	return max(DefaultReadTimeout, rebalance+JoinGroupMargin)
 }
 
 // withDefaults returns a copy of c with defaults applied; c is unchanged.
@@ -161,6 +253,18 @@ func (c SubscriberConfig) withDefaults() SubscriberConfig {
 	if c.TopicReplicationFactor == 0 {
 		c.TopicReplicationFactor = 1
 	}
+	if c.DialTimeout == 0 {
+		c.DialTimeout = DefaultDialTimeout
+	}
+	if c.SessionTimeout == 0 {
+		c.SessionTimeout = DefaultSessionTimeout
+	}
+	if c.RebalanceTimeout == 0 {
+		c.RebalanceTimeout = DefaultRebalanceTimeout
+	}
+	if c.ReadTimeout == 0 {
+		c.ReadTimeout = readTimeoutFor(c.RebalanceTimeout)
+	}
 	return c
 }
 
@@ -179,6 +283,7 @@ func (c SubscriberConfig) WatermillConfig() (wkafka.SubscriberConfig, error) {
 	if err := c.Validate(); err != nil {
 		return wkafka.SubscriberConfig{}, err
 	}
+	readDefault := c.ReadTimeout == 0
 	c = c.withDefaults()
 
 	sc := sarama.NewConfig()
@@ -192,8 +297,16 @@ func (c SubscriberConfig) WatermillConfig() (wkafka.SubscriberConfig, error) {
 	// subscriber uses needs a later version.
 	sc.Version = sarama.V2_3_0_0
 	sc.ClientID = "oncemill"
+	sc.Net.DialTimeout = c.DialTimeout
+	sc.Net.ReadTimeout = c.ReadTimeout
+	sc.Consumer.Group.Session.Timeout = c.SessionTimeout
+	sc.Consumer.Group.Heartbeat.Interval = min(maxHeartbeatInterval, c.SessionTimeout/3)
+	sc.Consumer.Group.Rebalance.Timeout = c.RebalanceTimeout
 	if c.Sarama != nil {
 		c.Sarama(sc)
+		if readDefault && sc.Net.ReadTimeout == c.ReadTimeout {
+			sc.Net.ReadTimeout = readTimeoutFor(sc.Consumer.Group.Rebalance.Timeout)
+		}
 	}
 	sc.Consumer.Return.Errors = true
 	sc.Consumer.Offsets.Initial = c.InitialOffset.sarama()
@@ -201,6 +314,10 @@ func (c SubscriberConfig) WatermillConfig() (wkafka.SubscriberConfig, error) {
 	sc.Consumer.Offsets.AutoCommit.Interval = c.CommitInterval
 	if err := checkSarama("SubscriberConfig", "record headers", sc); err != nil {
 		return wkafka.SubscriberConfig{}, err
+	}
+	if c.ConsumerGroup != "" && sc.Net.ReadTimeout <= sc.Consumer.Group.Rebalance.Timeout {
+		return wkafka.SubscriberConfig{}, fmt.Errorf("%w: SubscriberConfig.Sarama left Net.ReadTimeout %s, want longer than Consumer.Group.Rebalance.Timeout (%s): the broker holds a JoinGroup request for up to the rebalance timeout",
+			ErrInvalidConfig, sc.Net.ReadTimeout, sc.Consumer.Group.Rebalance.Timeout)
 	}
 
 	return wkafka.SubscriberConfig{
@@ -228,10 +345,20 @@ type PublisherConfig struct {
 	// a retry never writes a record twice.
 	MaxRetries int
 
+	// DialTimeout bounds each connection to a broker, TCP connect and TLS
+	// handshake (Sarama's Net.DialTimeout). Defaults to
+	// [DefaultDialTimeout].
+	DialTimeout time.Duration
+
+	// ReadTimeout is how long the producer waits for a broker's response
+	// (Sarama's Net.ReadTimeout). Defaults to [DefaultReadTimeout].
+	ReadTimeout time.Duration
+
 	// Sarama, when set, adjusts the Sarama config after this package's
-	// defaults (Version 2.3.0.0, ClientID "oncemill", the
-	// [NewKeyPartitioner] partitioner, Sarama's own defaults otherwise),
-	// for TLS, SASL, Version, ClientID, timeouts or the partitioner.
+	// defaults (Version 2.3.0.0, ClientID "oncemill", the timeouts above,
+	// the [NewKeyPartitioner] partitioner, Sarama's own defaults
+	// otherwise), for TLS, SASL, Version, ClientID, other timeouts or the
+	// partitioner.
 	// Version must be at least 0.11.0.0, for record headers and the
 	// idempotent producer. The settings that carry the guarantees are
 	// applied after it: Producer.Idempotent, RequiredAcks = WaitForAll,
@@ -250,7 +377,10 @@ func (c PublisherConfig) Validate() error {
 	if c.MaxRetries < 0 {
 		return fmt.Errorf("%w: PublisherConfig.MaxRetries is %d, want >= 0", ErrInvalidConfig, c.MaxRetries)
 	}
-	return nil
+	return validateTimeouts("PublisherConfig", []timeout{
+		{"DialTimeout", c.DialTimeout},
+		{"ReadTimeout", c.ReadTimeout},
+	})
 }
 
 // withDefaults returns a copy of c with defaults applied; c is unchanged.
@@ -258,6 +388,12 @@ func (c PublisherConfig) withDefaults() PublisherConfig {
 	c.Brokers = slices.Clone(c.Brokers)
 	if c.MaxRetries == 0 {
 		c.MaxRetries = 10
+	}
+	if c.DialTimeout == 0 {
+		c.DialTimeout = DefaultDialTimeout
+	}
+	if c.ReadTimeout == 0 {
+		c.ReadTimeout = DefaultReadTimeout
 	}
 	return c
 }
@@ -277,6 +413,8 @@ func (c PublisherConfig) WatermillConfig() (wkafka.PublisherConfig, error) {
 	// idempotent producer needs 0.11.
 	sc.Version = sarama.V2_3_0_0
 	sc.ClientID = "oncemill"
+	sc.Net.DialTimeout = c.DialTimeout
+	sc.Net.ReadTimeout = c.ReadTimeout
 	sc.Producer.Partitioner = NewKeyPartitioner
 	if c.Sarama != nil {
 		c.Sarama(sc)

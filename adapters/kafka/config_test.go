@@ -23,6 +23,16 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		"SubscriberConfig.ReconnectRetrySleep":    func(c *kafka.SubscriberConfig) { c.ReconnectRetrySleep = -2 },
 		"SubscriberConfig.TopicPartitions":        func(c *kafka.SubscriberConfig) { c.TopicPartitions = -1 },
 		"SubscriberConfig.TopicReplicationFactor": func(c *kafka.SubscriberConfig) { c.TopicReplicationFactor = -1 },
+		"SubscriberConfig.DialTimeout":            func(c *kafka.SubscriberConfig) { c.DialTimeout = -time.Second },
+		"SubscriberConfig.ReadTimeout is -1s":     func(c *kafka.SubscriberConfig) { c.ReadTimeout = -time.Second },
+		"SubscriberConfig.SessionTimeout":         func(c *kafka.SubscriberConfig) { c.SessionTimeout = -time.Second },
+		"SubscriberConfig.RebalanceTimeout":       func(c *kafka.SubscriberConfig) { c.RebalanceTimeout = -time.Second },
+		"SubscriberConfig.ReadTimeout is 30s, want longer than RebalanceTimeout (1m0s)": func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.ReadTimeout = "g", 30*time.Second
+		},
+		"SubscriberConfig.ReadTimeout is 20s, want longer than RebalanceTimeout (20s)": func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.ReadTimeout, c.RebalanceTimeout = "g", 20*time.Second, 20*time.Second
+		},
 	} {
 		t.Run(field, func(t *testing.T) {
 			c := ok
@@ -106,6 +116,8 @@ func TestPublisherConfigValidate(t *testing.T) {
 		"PublisherConfig.Brokers is empty": func(c *kafka.PublisherConfig) { c.Brokers = []string{} },
 		"PublisherConfig.Brokers[0]":       func(c *kafka.PublisherConfig) { c.Brokers = []string{""} },
 		"PublisherConfig.MaxRetries":       func(c *kafka.PublisherConfig) { c.MaxRetries = -1 },
+		"PublisherConfig.DialTimeout":      func(c *kafka.PublisherConfig) { c.DialTimeout = -1 },
+		"PublisherConfig.ReadTimeout":      func(c *kafka.PublisherConfig) { c.ReadTimeout = -1 },
 		"PublisherConfig.Sarama":           func(c *kafka.PublisherConfig) { c.Sarama = func(sc *sarama.Config) { sc.Version = sarama.V0_10_0_0 } },
 	} {
 		t.Run(field, func(t *testing.T) {
@@ -153,6 +165,82 @@ func TestPublisherConfigDefaults(t *testing.T) {
 	want, err := kafka.NewKeyPartitioner("t").Partition(key, 1000)
 	require.NoError(t, err)
 	require.Equal(t, want, got, "the key partitioner")
+}
+
+// TestSubscriberConfigTimeouts checks the Sarama timeouts the fields and
+// their defaults give: the read timeout outlasts the rebalance timeout, as
+// a JoinGroup request may wait that long for its response.
+func TestSubscriberConfigTimeouts(t *testing.T) {
+	brokers := []string{"localhost:9092"}
+	sarama0 := sarama.NewConfig()
+	require.LessOrEqual(t, sarama0.Net.ReadTimeout, sarama0.Consumer.Group.Rebalance.Timeout,
+		"Sarama's own defaults would time out a JoinGroup the broker holds open; this package's must not")
+
+	w, err := kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g"}.WatermillConfig()
+	require.NoError(t, err)
+	sc := w.OverwriteSaramaConfig
+	require.Equal(t, kafka.DefaultDialTimeout, sc.Net.DialTimeout)
+	require.Equal(t, kafka.DefaultSessionTimeout, sc.Consumer.Group.Session.Timeout)
+	require.Equal(t, 3*time.Second, sc.Consumer.Group.Heartbeat.Interval)
+	require.Equal(t, kafka.DefaultRebalanceTimeout, sc.Consumer.Group.Rebalance.Timeout)
+	require.Equal(t, kafka.DefaultRebalanceTimeout+kafka.JoinGroupMargin, sc.Net.ReadTimeout)
+	require.Greater(t, sc.Net.ReadTimeout, sc.Consumer.Group.Rebalance.Timeout)
+
+	c := kafka.SubscriberConfig{
+		Brokers:          brokers,
+		ConsumerGroup:    "g",
+		DialTimeout:      2 * time.Second,
+		ReadTimeout:      45 * time.Second,
+		SessionTimeout:   7500 * time.Millisecond,
+		RebalanceTimeout: 40 * time.Second,
+	}
+	orig := c
+	w, err = c.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, orig, c, "the caller's config is not modified")
+	sc = w.OverwriteSaramaConfig
+	require.Equal(t, 2*time.Second, sc.Net.DialTimeout)
+	require.Equal(t, 45*time.Second, sc.Net.ReadTimeout)
+	require.Equal(t, 7500*time.Millisecond, sc.Consumer.Group.Session.Timeout)
+	require.Equal(t, 2500*time.Millisecond, sc.Consumer.Group.Heartbeat.Interval, "a third of the session timeout")
+	require.Equal(t, 40*time.Second, sc.Consumer.Group.Rebalance.Timeout)
+
+	// A short rebalance timeout keeps the read timeout at its floor.
+	w, err = kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g", RebalanceTimeout: 3 * time.Second}.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, kafka.DefaultReadTimeout, w.OverwriteSaramaConfig.Net.ReadTimeout)
+
+	// Without a group there is no JoinGroup: any read timeout will do.
+	_, err = kafka.SubscriberConfig{Brokers: brokers, ReadTimeout: time.Second}.WatermillConfig()
+	require.NoError(t, err)
+
+	// The default read timeout follows a rebalance timeout the hook sets.
+	w, err = kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g", Sarama: func(sc *sarama.Config) {
+		sc.Consumer.Group.Rebalance.Timeout = 5 * time.Minute
+	}}.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, 5*time.Minute+kafka.JoinGroupMargin, w.OverwriteSaramaConfig.Net.ReadTimeout)
+
+	// A hook that sets both, the wrong way round, is refused.
+	_, err = kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g", Sarama: func(sc *sarama.Config) {
+		sc.Net.ReadTimeout = 30 * time.Second
+		sc.Consumer.Group.Rebalance.Timeout = time.Minute
+	}}.WatermillConfig()
+	require.ErrorIs(t, err, kafka.ErrInvalidConfig)
+	require.ErrorContains(t, err, "SubscriberConfig.Sarama left Net.ReadTimeout 30s, want longer than Consumer.Group.Rebalance.Timeout (1m0s)")
+}
+
+func TestPublisherConfigTimeouts(t *testing.T) {
+	brokers := []string{"localhost:9092"}
+	w, err := kafka.PublisherConfig{Brokers: brokers}.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, kafka.DefaultDialTimeout, w.OverwriteSaramaConfig.Net.DialTimeout)
+	require.Equal(t, kafka.DefaultReadTimeout, w.OverwriteSaramaConfig.Net.ReadTimeout)
+
+	w, err = kafka.PublisherConfig{Brokers: brokers, DialTimeout: time.Second, ReadTimeout: 90 * time.Second}.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, time.Second, w.OverwriteSaramaConfig.Net.DialTimeout)
+	require.Equal(t, 90*time.Second, w.OverwriteSaramaConfig.Net.ReadTimeout)
 }
 
 func TestBrokersFromEnv(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"net"
 	"net/http"
 	"slices"
 	"sync"
@@ -68,15 +69,29 @@ func newClient(cfg Config) (*client, error) {
 	}
 
 	c := &client{cfg: cfg, logger: cfg.Logger, urls: map[string]string{}}
+	// The SDK's own client (none in AWSConfig, or the one
+	// LoadDefaultConfig built) gets the default connect timeout; one the
+	// caller configured only an explicit ConnectTimeout.
+	connectTimeout := cfg.ConnectTimeout
+	if connectTimeout == 0 && (cfg.AWSConfig == nil || cfg.AWSConfig.HTTPClient == nil) {
+		connectTimeout = DefaultConnectTimeout
+	}
+	withTimeout := func(b *awshttp.BuildableClient) *awshttp.BuildableClient {
+		if connectTimeout == 0 {
+			return b
+		}
+		return b.WithDialerOptions(func(d *net.Dialer) { d.Timeout = connectTimeout }).
+			WithTransportOptions(func(t *http.Transport) { t.TLSHandshakeTimeout = connectTimeout })
+	}
 	// The SDK's default HTTP client keeps idle connections (and their
 	// goroutines) until the process ends. Use a client with the same
 	// transport settings whose connections Close can release.
 	switch hc := awsCfg.HTTPClient.(type) {
 	case nil:
-		c.transport = awshttp.NewBuildableClient().GetTransport()
+		c.transport = withTimeout(awshttp.NewBuildableClient()).GetTransport()
 		awsCfg.HTTPClient = ownHTTPClient(c.transport, 0)
 	case *awshttp.BuildableClient:
-		c.transport = hc.GetTransport()
+		c.transport = withTimeout(hc).GetTransport()
 		awsCfg.HTTPClient = ownHTTPClient(c.transport, hc.GetTimeout())
 	}
 

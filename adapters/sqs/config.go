@@ -13,6 +13,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
 )
 
@@ -33,6 +34,8 @@ const (
 	DefaultNackBackoffMin = time.Second
 	// DefaultNackBackoffMax caps [DefaultNackBackoff].
 	DefaultNackBackoffMax = 5 * time.Minute
+	// DefaultConnectTimeout is the default [Config.ConnectTimeout].
+	DefaultConnectTimeout = 10 * time.Second
 )
 
 // Limits of SQS that the configuration is checked against.
@@ -98,6 +101,14 @@ type Config struct {
 	// credentials.NewStaticCredentialsProvider("test", "test", "").
 	Credentials aws.CredentialsProvider
 
+	// ConnectTimeout bounds each connection the client opens to SQS: the
+	// TCP connect and the TLS handshake. Zero means
+	// [DefaultConnectTimeout] for the HTTP client the SDK would build, and
+	// leaves an HTTP client of AWSConfig unchanged. A non-zero value
+	// applies to an AWSConfig HTTP client only if it is the SDK's
+	// (*awshttp.BuildableClient); for another, set its timeouts there.
+	ConnectTimeout time.Duration
+
 	// ClientOptions are applied to the SQS client's options after
 	// everything else, for settings this Config does not name (retryer,
 	// API options).
@@ -153,6 +164,14 @@ func (c Config) Validate() error {
 	for k := range c.QueueAttributes {
 		if k == "" {
 			return fmt.Errorf("%w: QueueAttributes has an empty attribute name", ErrInvalidConfig)
+		}
+	}
+	if c.ConnectTimeout < 0 {
+		return fmt.Errorf("%w: ConnectTimeout must be > 0, or 0 for the default, got %s", ErrInvalidConfig, c.ConnectTimeout)
+	}
+	if c.ConnectTimeout != 0 && c.AWSConfig != nil && c.AWSConfig.HTTPClient != nil {
+		if _, ok := c.AWSConfig.HTTPClient.(*awshttp.BuildableClient); !ok {
+			return fmt.Errorf("%w: ConnectTimeout cannot be applied to AWSConfig.HTTPClient of type %T; set the timeout on that client", ErrInvalidConfig, c.AWSConfig.HTTPClient)
 		}
 	}
 	return nil

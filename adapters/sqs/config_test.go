@@ -1,10 +1,13 @@
 package sqs_test
 
 import (
+	"net/http"
 	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -80,6 +83,28 @@ func TestPublisherConfigValidate(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, pub.Close())
 	require.NoError(t, pub.Close(), "Close is idempotent")
+}
+
+func TestConfigConnectTimeout(t *testing.T) {
+	t.Parallel()
+	cfg := sqs.Config{Region: "eu-west-1", ConnectTimeout: -time.Second}
+	err := cfg.Validate()
+	require.ErrorIs(t, err, sqs.ErrInvalidConfig)
+	assert.Contains(t, err.Error(), "ConnectTimeout")
+
+	// A timeout cannot be put into an HTTP client the SDK did not build.
+	cfg = sqs.Config{Region: "eu-west-1", ConnectTimeout: time.Second, AWSConfig: &aws.Config{HTTPClient: &http.Client{}}}
+	err = cfg.Validate()
+	require.ErrorIs(t, err, sqs.ErrInvalidConfig)
+	assert.Contains(t, err.Error(), "ConnectTimeout cannot be applied to AWSConfig.HTTPClient of type *http.Client")
+	cfg.ConnectTimeout = 0
+	require.NoError(t, cfg.Validate(), "without ConnectTimeout, the caller's client is used as it is")
+	cfg.ConnectTimeout = time.Second
+	cfg.AWSConfig = &aws.Config{HTTPClient: awshttp.NewBuildableClient()}
+	require.NoError(t, cfg.Validate())
+	pub, err := sqs.NewPublisher(sqs.PublisherConfig{Config: cfg})
+	require.NoError(t, err)
+	require.NoError(t, pub.Close())
 }
 
 // TestNewPublisherWithoutRegion cannot run in parallel: it clears the

@@ -1,0 +1,147 @@
+package adapters
+
+import (
+	"errors"
+	"net/url"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/adapters/kafka"
+)
+
+func mustParse(t *testing.T, rawURL string) *url.URL {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	require.NoError(t, err)
+	return u
+}
+
+// TestKafkaURLTimeouts checks that the Kafka timeouts of the URL reach the
+// Sarama configs, and the defaults when it has none: a read timeout
+// longer than the rebalance timeout, so that a JoinGroup the broker holds
+// open does not time out in the client.
+func TestKafkaURLTimeouts(t *testing.T) {
+	pcfg, scfg, timeout, err := kafkaConfigs(mustParse(t, "kafka://a:9092,b:9092?group=g&offset=newest&connect_timeout=2s&read_timeout=90s&session_timeout=6s&rebalance_timeout=20s"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Second, timeout)
+	require.Equal(t, []string{"a:9092", "b:9092"}, scfg.Brokers)
+	require.Equal(t, kafka.Newest, scfg.InitialOffset)
+	sw, err := scfg.WatermillConfig()
+	require.NoError(t, err)
+	sc := sw.OverwriteSaramaConfig
+	require.Equal(t, 2*time.Second, sc.Net.DialTimeout)
+	require.Equal(t, 90*time.Second, sc.Net.ReadTimeout)
+	require.Equal(t, 6*time.Second, sc.Consumer.Group.Session.Timeout)
+	require.Equal(t, 2*time.Second, sc.Consumer.Group.Heartbeat.Interval, "a third of the session timeout")
+	require.Equal(t, 20*time.Second, sc.Consumer.Group.Rebalance.Timeout)
+	pw, err := pcfg.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Second, pw.OverwriteSaramaConfig.Net.DialTimeout)
+	require.Equal(t, 90*time.Second, pw.OverwriteSaramaConfig.Net.ReadTimeout)
+
+	pcfg, scfg, timeout, err = kafkaConfigs(mustParse(t, "kafka://a:9092"), Options{ConsumerGroup: "g", ConnectTimeout: 3 * time.Second})
+	require.NoError(t, err)
+	require.Equal(t, 3*time.Second, timeout)
+	require.Equal(t, "g", scfg.ConsumerGroup)
+	sw, err = scfg.WatermillConfig()
+	require.NoError(t, err)
+	sc = sw.OverwriteSaramaConfig
+	require.Equal(t, 3*time.Second, sc.Net.DialTimeout)
+	require.Equal(t, kafka.DefaultRebalanceTimeout, sc.Consumer.Group.Rebalance.Timeout)
+	require.Greater(t, sc.Net.ReadTimeout, sc.Consumer.Group.Rebalance.Timeout)
+	pw, err = pcfg.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, kafka.DefaultReadTimeout, pw.OverwriteSaramaConfig.Net.ReadTimeout)
+
+	// A longer rebalance timeout takes the default read timeout along.
+	_, scfg, _, err = kafkaConfigs(mustParse(t, "kafka://a:9092?group=g&rebalance_timeout=5m"), Options{})
+	require.NoError(t, err)
+	sw, err = scfg.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, 5*time.Minute+kafka.JoinGroupMargin, sw.OverwriteSaramaConfig.Net.ReadTimeout)
+
+	_, _, timeout, err = kafkaConfigs(mustParse(t, "kafka://?group=g"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, DefaultConnectTimeout, timeout)
+}
+
+// TestSQSURLParameters checks that visibility_timeout and connect_timeout
+// reach the SQS configs.
+func TestSQSURLParameters(t *testing.T) {
+	pcfg, scfg, timeout, err := sqsConfigs(mustParse(t, "sqs://KEY:SECRET@eu-west-1?endpoint=http://127.0.0.1:4566&create=true&visibility_timeout=2m&connect_timeout=3s"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 3*time.Second, timeout)
+	require.Equal(t, 2*time.Minute, scfg.VisibilityTimeout)
+	require.Equal(t, 3*time.Second, scfg.ConnectTimeout)
+	require.Equal(t, 3*time.Second, pcfg.ConnectTimeout)
+	require.Equal(t, "eu-west-1", pcfg.Region)
+	require.Equal(t, "http://127.0.0.1:4566", pcfg.Endpoint)
+	require.True(t, pcfg.CreateQueueIfMissing)
+
+	_, scfg, _, err = sqsConfigs(mustParse(t, "sqs://eu-west-1"), Options{})
+	require.NoError(t, err)
+	require.Zero(t, scfg.VisibilityTimeout, "the subscriber's default")
+	require.Equal(t, DefaultConnectTimeout, scfg.ConnectTimeout)
+}
+
+// TestAMQPURLParameters checks that this package's parameters leave the
+// URL, amqp091's stay in it, and connect_timeout becomes its
+// connection_timeout.
+func TestAMQPURLParameters(t *testing.T) {
+	cfg, err := amqpConfig(mustParse(t, "amqp://guest:guest@127.0.0.1:5672/vh?group=billing&prefetch=4&delivery_limit=5&dead_letter_exchange=dlx&connect_timeout=2s&heartbeat=5"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, "billing", cfg.ConsumerGroup)
+	require.Equal(t, 4, cfg.Prefetch)
+	require.Equal(t, 5, cfg.DeliveryLimit)
+	require.Equal(t, "dlx", cfg.DeadLetterExchange)
+	require.Equal(t, 2*time.Second, cfg.ConnectTimeout)
+	require.Equal(t, "amqp://guest:guest@127.0.0.1:5672/vh?heartbeat=5", cfg.URL)
+	w, err := cfg.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, "amqp://guest:guest@127.0.0.1:5672/vh?heartbeat=5&connection_timeout=2000", w.Connection.AmqpURI)
+
+	cfg, err = amqpConfig(mustParse(t, "amqp://guest:guest@127.0.0.1:5672/"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, DefaultConnectTimeout, cfg.ConnectTimeout)
+}
+
+// TestScrubKeepsPasswordText checks that scrubbing replaces the user info,
+// in each spelling a driver may quote it, and leaves alone the password's
+// text elsewhere: with the password "e", the rest of the message is kept
+// letter for letter.
+func TestScrubKeepsPasswordText(t *testing.T) {
+	for _, tc := range []struct{ raw, quoted, want string }{
+		{
+			raw:    "postgres://oncemill:e@db.example:5432/test",
+			quoted: "server error: password authentication failed for user oncemill (postgres://oncemill:e@db.example:5432/test)",
+			want:   "server error: password authentication failed for user oncemill (postgres://oncemill:xxxxx@db.example:5432/test)",
+		},
+		{
+			// As written, re-escaped, and decoded.
+			raw:    "amqp://guest:p%40ss%2Fe@rabbit:5672/",
+			quoted: "dial amqp://guest:p%40ss%2Fe@rabbit:5672/, then guest:p%40ss%2Fe@rabbit, then guest:p@ss/e@rabbit: the end",
+			want:   "dial amqp://guest:xxxxx@rabbit:5672/, then guest:xxxxx@rabbit, then guest:xxxxx@rabbit: the end",
+		},
+		{
+			raw:    "sqs://KEY:e@us-east-1",
+			quoted: "the request was refused",
+			want:   "the request was refused",
+		},
+	} {
+		u := mustParse(t, tc.raw)
+		cause := errors.New(tc.quoted)
+		err := scrub(cause, tc.raw, u)
+		require.Equal(t, tc.want, err.Error())
+		require.ErrorIs(t, err, cause, "the driver's error is still wrapped")
+	}
+
+	// The same through Open's own message: the redacted URL and the
+	// parameter error keep every "e".
+	_, err := openGoChannel(mustParse(t, "gochannel://?persistent=yes"), Options{})
+	require.Error(t, err)
+	msg := scrub(err, "gochannel://u:e@?persistent=yes", mustParse(t, "gochannel://u:e@?persistent=yes")).Error()
+	require.Equal(t, err.Error(), msg)
+	require.Contains(t, msg, `bad broker URL: parameter persistent="yes" is not a boolean`)
+}
