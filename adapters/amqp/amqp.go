@@ -7,34 +7,6 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 )
 
-// NewPublisher connects to the broker at cfg.URL and returns a
-// watermill-amqp publisher configured by [Config.WatermillConfig]: it
-// declares the topic's durable fanout exchange on first use, publishes
-// persistent messages and returns from Publish only after the broker has
-// confirmed each message (publisher confirms).
-//
-// It starts a goroutine that watches the connection and reconnects with
-// backoff when it drops; the publisher's Close stops it and closes the
-// connection. A nil logger logs nothing.
-//
-// The error wraps [ErrInvalidConfig] for a bad cfg and [ErrConnect] when the
-// broker cannot be reached; it never contains the URL's password.
-func NewPublisher(cfg Config, logger watermill.LoggerAdapter) (*wamqp.Publisher, error) {
-	wcfg, err := cfg.WatermillConfig()
-	if err != nil {
-		return nil, err
-	}
-	if logger == nil {
-		logger = watermill.NopLogger{}
-	}
-	pub, err := wamqp.NewPublisher(wcfg, logger)
-	if err != nil {
-		return nil, connectError("publisher", cfg.URL, err)
-	}
-	logger.Debug("AMQP publisher connected", watermill.LogFields{"url": redactURL(cfg.URL)})
-	return pub, nil
-}
-
 // NewSubscriber connects to the broker at cfg.URL and returns a
 // watermill-amqp subscriber configured by [Config.WatermillConfig]. Subscribe
 // (or SubscribeInitialize) declares the topic's durable fanout exchange and

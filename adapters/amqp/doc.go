@@ -14,9 +14,12 @@
 // needs no change on the publishing side.
 //
 // A fanout exchange drops what it cannot route: a message published before
-// any queue is bound is lost although the publisher confirm succeeds. Declare
-// each group's queue before publishing, with the subscriber's
-// SubscribeInitialize(topic) at deployment or start-up.
+// any queue is bound is lost, and a plain client still gets a confirm for
+// it. This package's [Publisher] publishes with mandatory and fails such a
+// publish with [ErrUnroutable] instead, so the outbox relay and dlq replays
+// keep it; producers in other languages still lose it. Declare each group's
+// queue before producers start, with [Declare] or `oncemill amqp declare`
+// in the deploy pipeline.
 //
 // # Guarantees
 //
@@ -24,8 +27,8 @@
 // effects.
 //
 //   - A published message is persistent and routed to durable, replicated
-//     quorum queues; Publish returns only after the broker confirms it
-//     (publisher confirms), so a nil error means the broker has it.
+//     quorum queues; Publish returns nil only after the broker confirmed
+//     the message and routed it to at least one queue.
 //   - A subscription hands the handler one message at a time and
 //     acknowledges it to the broker only after the handler acks it. The
 //     broker keeps up to [Config.Prefetch] unacknowledged messages in flight

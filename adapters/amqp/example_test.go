@@ -34,7 +34,10 @@ func Example() {
 	}
 	defer sub.Close()
 	// Declare the queue "orders.billing" before anything is published: the
-	// fanout exchange drops messages while no queue is bound to it.
+	// fanout exchange drops messages while no queue is bound to it (the
+	// publisher reports them as amqp.ErrUnroutable; other producers lose
+	// them). amqp.Declare, or "oncemill amqp declare", does the same from a
+	// deploy pipeline.
 	if err := sub.SubscribeInitialize("orders"); err != nil {
 		log.Fatal(err)
 	}

@@ -85,9 +85,12 @@
 // key, else the idempotency key), else its UUID, and its
 // MessageDeduplicationId to its idempotency key, else its UUID; an ID that
 // SQS would reject (over 128 characters, or characters other than ASCII
-// letters, digits and punctuation) is replaced by its SHA-256 in hex. SQS
-// then drops a message published again with the same idempotency key
-// within 5 minutes, and delivers the messages of a group in order, one
+// letters, digits and punctuation) is replaced by its SHA-256 in hex. A
+// replay of a dead letter (delivery.Replay) and a dead-lettered copy
+// (delivery.DeadConsumer, delivery.DeadLastFailedAt) get an ID of their
+// own, a hash of the key and those fields, so that SQS does not drop them
+// as retries of the original. SQS then drops a message published again
+// with the same idempotency key within 5 minutes, and delivers the messages of a group in order, one
 // group member in flight at a time. The subscriber keeps that order: after
 // a nack, the messages of the same group received in the same batch are
 // made visible again rather than handed out, so they follow the nacked one

@@ -2,6 +2,7 @@ package sqs
 
 import (
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"strconv"
@@ -86,7 +87,12 @@ type entry struct {
 // [delivery.PartitionKeyOf] the message, else its UUID, and its
 // MessageDeduplicationId is its delivery.IdempotencyKey metadata, else its
 // UUID; an ID longer than 128 characters or with characters SQS does not
-// accept is replaced by its SHA-256 in hex.
+// accept is replaced by its SHA-256 in hex. A replay from the dead-letter
+// queue (metadata delivery.Replay) and a dead-lettered copy (the
+// delivery.Dead* fields) get a deduplication ID of their own, derived from
+// the key and those fields, so that SQS does not drop them as copies of the
+// original within its five-minute deduplication window, while a retry of
+// the same publish is still dropped.
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.RLock()
 	if p.closed {
@@ -147,9 +153,54 @@ func newEntry(msg *message.Message, fifo bool) (entry, error) {
 	}
 	if fifo {
 		e.groupID = fifoID(delivery.PartitionKeyOf(msg), msg.UUID)
-		e.dedupID = fifoID(msg.Metadata.Get(delivery.IdempotencyKey), msg.UUID)
+		e.dedupID = dedupID(msg)
 	}
 	return e, nil
+}
+
+// dedupID returns msg's MessageDeduplicationId. SQS drops a message whose
+// ID it has seen in the last five minutes, so the ID names one logical
+// publish: the same for a producer's retries of it, different for another
+// publish of the same message. A message that is neither a replay nor a
+// dead letter has its idempotency key, else its UUID, as [fifoID] makes it.
+// A replay from the dead-letter queue (delivery.Replay, the entry's id) and
+// a dead-lettered copy (delivery.DeadConsumer and delivery.DeadLastFailedAt,
+// which differ between two dead-letterings of one message) are publishes of
+// their own: their ID is the SHA-256, in hex, of the key and those fields,
+// after as much of the key as fits in 128 characters when SQS accepts its
+// characters.
+func dedupID(msg *message.Message) string {
+	key := msg.Metadata.Get(delivery.IdempotencyKey)
+	if key == "" {
+		key = msg.UUID
+	}
+	extra := []string{
+		msg.Metadata.Get(delivery.Replay),
+		msg.Metadata.Get(delivery.DeadConsumer),
+		msg.Metadata.Get(delivery.DeadLastFailedAt),
+	}
+	if extra[0] == "" && extra[1] == "" && extra[2] == "" {
+		return fifoID(key)
+	}
+	h := sha256.New()
+	for _, f := range append([]string{key}, extra...) {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(f)))
+		h.Write(n[:])
+		h.Write([]byte(f))
+	}
+	sum := hex.EncodeToString(h.Sum(nil))
+	if !validFIFOID(key) {
+		return sum
+	}
+	return key[:min(len(key), maxFIFOIDLength-len(sum)-1)] + ":" + sum
+}
+
+// validFIFOID reports whether SQS accepts id's characters in a
+// MessageGroupId or MessageDeduplicationId: ASCII letters, digits and
+// punctuation, at least one.
+func validFIFOID(id string) bool {
+	return id != "" && strings.IndexFunc(id, func(r rune) bool { return r < 0x21 || r > 0x7e }) < 0
 }
 
 // fifoID returns the first non-empty of ids as a MessageGroupId or
@@ -161,7 +212,7 @@ func fifoID(ids ...string) string {
 		if id == "" {
 			continue
 		}
-		if len(id) <= maxFIFOIDLength && strings.IndexFunc(id, func(r rune) bool { return r < 0x21 || r > 0x7e }) < 0 {
+		if len(id) <= maxFIFOIDLength && validFIFOID(id) {
 			return id
 		}
 		sum := sha256.Sum256([]byte(id))

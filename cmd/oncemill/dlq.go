@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -279,6 +280,9 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	if broker == "" {
 		return usagef("--broker is required (or set BROKER_URL)")
 	}
+	if err := checkDurable(broker); err != nil {
+		return err
+	}
 	store, closeDB, err := c.openSelected(ctx, f, "replayed")
 	if err != nil {
 		return err
@@ -297,8 +301,13 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	}
 
 	// The command only publishes; the group merely satisfies brokers
-	// whose URL requires one (Kafka), it is never subscribed.
-	ps, err := adapters.Open(ctx, broker, adapters.Options{ConsumerGroup: "oncemill-dlq-replay"})
+	// whose URL requires one (Kafka), it is never subscribed. A group the
+	// URL names is taken as it is.
+	var opts adapters.Options
+	if u, perr := url.Parse(broker); perr != nil || u.Query().Get("group") == "" {
+		opts.ConsumerGroup = "oncemill-dlq-replay"
+	}
+	ps, err := adapters.Open(ctx, broker, opts)
 	if errors.Is(err, adapters.ErrUnknownScheme) || errors.Is(err, adapters.ErrBadURL) {
 		return usagef("--broker: %v; nothing replayed", err)
 	}
@@ -327,6 +336,19 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	}
 	fmt.Fprintln(c.stdout)
 	return nil
+}
+
+// checkDurable refuses, as a usage error, a broker whose subscribers are
+// not durable: an in-process gochannel:// broker lives only as long as this
+// command, so a replay through it would delete the entries and deliver them
+// to nobody. A URL that does not parse is left to adapters.Open to report.
+func checkDurable(broker string) error {
+	u, err := url.Parse(broker)
+	if err != nil || u.Scheme != "gochannel" {
+		return nil
+	}
+	return usagef("--broker: gochannel:// has no durable subscribers: the replayed messages would be lost " +
+		"when this command exits; give the broker the consumers read from; nothing replayed")
 }
 
 // openSelected connects to the table and checks that every ID f names

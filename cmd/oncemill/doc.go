@@ -1,6 +1,7 @@
 // Command oncemill is the operator's tool for oncemill's PostgreSQL
 // dead-letter queue (package dlq): it lists, shows, replays and purges the
-// messages that consumers gave up on.
+// messages that consumers gave up on. It also declares RabbitMQ topology
+// ahead of the consumers, for deploy pipelines.
 //
 // Usage:
 //
@@ -8,6 +9,8 @@
 //	oncemill dlq show   ID [--json]
 //	oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--json]
 //	oncemill dlq purge  [ID ...] [filter flags] [--all] [--json]
+//	oncemill amqp declare --topic T [--topic T ...] [--group G] [--url URL]
+//	                      [--delivery-limit N] [--dead-letter-exchange X]
 //
 // Filter flags select entries; they combine with each other and with IDs:
 //
@@ -21,7 +24,7 @@
 // TIME is RFC 3339 (2026-03-01T10:00:00Z) or a duration meaning that long
 // ago: 90m, 2h, 7d.
 //
-// Every command takes --database URL (default $DATABASE_URL), --schema
+// Every dlq command takes --database URL (default $DATABASE_URL), --schema
 // (default "oncemill") and --table (default "dlq"), naming the table that
 // sqlschema.Migrate created; --json prints JSON instead of a table. Flags
 // may come before or after the IDs.
@@ -29,17 +32,34 @@
 // replay publishes each selected entry to its original topic with its
 // original UUID, payload and metadata, the delivery facts removed,
 // through the broker --broker names (default $BROKER_URL; kafka://, amqp://,
-// sqs://, postgres:// or gochannel://, as adapters.Open takes them), and
-// deletes the entry once the broker has it. It stops at the first entry the
-// broker refuses; that entry and the rest stay. With more than 20 entries
-// and a terminal on stderr it draws a progress bar there. purge deletes the
-// selected entries. Both refuse to run with no selection: give IDs, a
-// filter flag or --all. Named IDs must all exist, or nothing is done.
+// sqs:// or postgres://, as adapters.Open takes them), and deletes the entry
+// once the broker has it. It stops at the first entry the broker refuses
+// (on RabbitMQ also one whose topic has no queue bound: unroutable); that
+// entry and the rest stay. gochannel:// is refused as a usage error before
+// any entry is read: its subscribers live in this process only, so the
+// replayed messages would be lost. With more than 20 entries and a terminal
+// on stderr it draws a progress bar there. purge deletes the selected
+// entries. Both refuse to run with no selection: give IDs, a filter flag or
+// --all. Named IDs must all exist, or nothing is done.
+//
+// amqp declare creates on RabbitMQ, for each --topic, the topology a
+// subscriber of consumer group --group declares when it subscribes (see
+// adapters/amqp.Declare): the topic's durable fanout exchange, named after
+// the topic, the durable quorum queue "<topic>.<group>" ("<topic>" without a
+// group) and the binding between them. Run it before producers start,
+// Go or not: RabbitMQ drops what is published while no queue is bound.
+// --url (default $BROKER_URL) is an amqp:// or amqps:// URL; its group,
+// delivery_limit, dead_letter_exchange and connect_timeout parameters are
+// read as adapters.Open reads them. --group, --delivery-limit and
+// --dead-letter-exchange set the same as the first three, and must not
+// differ from them when both are given. The queue arguments must be those
+// the consumers use: the broker refuses to redeclare a queue with others.
+// Declaring what exists with the same settings changes nothing.
 //
 // Exit status: 0 on success, also when nothing matched ("no entries
 // matched"); 1 when the work failed (database or broker unreachable, an ID
 // that does not exist, the broker refusing a message); 2 for a usage error
-// (unknown command or flag, a bad ID, time or URL, a missing --database or
-// --broker, no selection), reported in one line that names the flag or
-// argument.
+// (unknown command or flag, a bad ID, time or URL, a missing --database,
+// --broker, --url or --topic, a gochannel:// broker for replay, no
+// selection), reported in one line that names the flag or argument.
 package main

@@ -32,6 +32,8 @@ const usage = `Usage:
   oncemill dlq show   ID [--json]
   oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--json]
   oncemill dlq purge  [ID ...] [filter flags] [--all] [--json]
+  oncemill amqp declare --topic T [--topic T ...] [--group G] [--url URL]
+                        [--delivery-limit N] [--dead-letter-exchange X]
 
 Filter flags (they combine with each other and with IDs):
   --topic T       original topic the message was consumed from
@@ -50,8 +52,27 @@ Common flags:
 
 replay publishes each entry to its original topic, with its original UUID,
 payload and metadata (without the oncemill_* facts of the failed delivery), through --broker URL
-(default $BROKER_URL: kafka://, amqp://, sqs://, postgres://, gochannel://),
-then deletes it. replay and purge need IDs, a filter flag or --all.
+(default $BROKER_URL: kafka://, amqp://, sqs://, postgres://), then deletes it.
+gochannel:// is refused: it has no durable subscribers, so the replayed
+messages would be lost when the command exits. replay and purge need IDs,
+a filter flag or --all.
+
+amqp declare creates on RabbitMQ, for each --topic, what a subscriber of
+consumer group --group declares: the topic's durable fanout exchange (named
+after the topic), the durable quorum queue "<topic>.<group>" ("<topic>"
+without a group) and the binding between them. Run it before producers
+start: RabbitMQ drops messages published while no queue is bound.
+  --url URL                 amqp:// or amqps:// broker (default $BROKER_URL);
+                            its group, delivery_limit, dead_letter_exchange
+                            and connect_timeout parameters are read as
+                            adapters.Open reads them
+  --group G                 consumer group (or the URL's group)
+  --delivery-limit N        queue argument x-delivery-limit (or delivery_limit)
+  --dead-letter-exchange X  queue argument x-dead-letter-exchange (or
+                            dead_letter_exchange)
+A flag and the URL's parameter must not differ.
+Queue arguments must be those the consumers use: the broker refuses to
+declare an existing queue with other arguments.
 
 Exit status: 0 success (also when nothing matched), 1 failure, 2 usage error.
 `
@@ -77,23 +98,30 @@ func run(ctx context.Context, args []string, env func(string) string, stdout, st
 		fmt.Fprint(stdout, usage)
 		return exitOK
 	case "dlq":
+		return runDLQ(ctx, args[1:], env, stdout, stderr)
+	case "amqp":
+		return runAMQP(ctx, args[1:], env, stdout, stderr)
 	default:
-		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq); run 'oncemill -h' for usage\n", args[0])
+		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq or amqp); run 'oncemill -h' for usage\n", args[0])
 		return exitUsage
 	}
-	if len(args) < 2 {
+}
+
+// runDLQ runs "oncemill dlq": args start with the subcommand.
+func runDLQ(ctx context.Context, args []string, env func(string) string, stdout, stderr io.Writer) int {
+	if len(args) < 1 {
 		fmt.Fprintln(stderr, "oncemill dlq: missing subcommand (list, show, replay or purge); run 'oncemill -h' for usage")
 		return exitUsage
 	}
 	c := &cmd{
-		name:   "oncemill dlq " + args[1],
+		name:   "oncemill dlq " + args[0],
 		env:    env,
 		stdout: stdout,
 		stderr: stderr,
 		now:    time.Now(),
 	}
 	var do func(context.Context, []string) error
-	switch args[1] {
+	switch args[0] {
 	case "list":
 		do = c.list
 	case "show":
@@ -106,10 +134,15 @@ func run(ctx context.Context, args []string, env func(string) string, stdout, st
 		fmt.Fprint(stdout, usage)
 		return exitOK
 	default:
-		fmt.Fprintf(stderr, "oncemill dlq: unknown subcommand %q (want list, show, replay or purge); run 'oncemill -h' for usage\n", args[1])
+		fmt.Fprintf(stderr, "oncemill dlq: unknown subcommand %q (want list, show, replay or purge); run 'oncemill -h' for usage\n", args[0])
 		return exitUsage
 	}
-	err := do(ctx, args[2:])
+	return exit(c.name, do(ctx, args[1:]), stdout, stderr)
+}
+
+// exit reports err, from the command called name, and returns the exit
+// status.
+func exit(name string, err error, stdout, stderr io.Writer) int {
 	var uerr usageError
 	switch {
 	case err == nil:
@@ -118,10 +151,10 @@ func run(ctx context.Context, args []string, env func(string) string, stdout, st
 		fmt.Fprint(stdout, usage)
 		return exitOK
 	case errors.As(err, &uerr):
-		fmt.Fprintf(stderr, "%s: %s; run 'oncemill -h' for usage\n", c.name, oneLine(uerr.msg))
+		fmt.Fprintf(stderr, "%s: %s; run 'oncemill -h' for usage\n", name, oneLine(uerr.msg))
 		return exitUsage
 	default:
-		fmt.Fprintf(stderr, "%s: %s\n", c.name, oneLine(err.Error()))
+		fmt.Fprintf(stderr, "%s: %s\n", name, oneLine(err.Error()))
 		return exitFailure
 	}
 }

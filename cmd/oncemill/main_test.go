@@ -166,7 +166,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"dlq", "replay", "--limit", "5", "--database", db, "--broker", "gochannel://"}, "nothing selected"},
 		{[]string{"dlq", "replay", "3", "x1", "--database", db, "--broker", "gochannel://"}, `ID "x1" is not a positive integer`},
 		{[]string{"dlq", "replay", "3", "--database", db}, "--broker is required (or set BROKER_URL)"},
-		{[]string{"dlq", "replay", "--all", "--broker", "gochannel://"}, "--database is required"},
+		{[]string{"dlq", "replay", "--all", "--broker", "amqp://guest:guest@127.0.0.1:1/"}, "--database is required"},
+		{[]string{"dlq", "replay", "--all", "--broker", "gochannel://", "--database", db}, "--broker: gochannel:// has no durable subscribers"},
 		{[]string{"dlq", "purge", "--database", db}, "oncemill dlq purge: nothing selected"},
 		{[]string{"dlq", "purge", "-5", "--database", db}, "flag provided but not defined: -5"},
 		{[]string{"dlq", "purge", "0", "--database", db}, `ID "0" is not a positive integer`},
@@ -527,7 +528,7 @@ func TestReplayAndPurgeUnknownIDs(t *testing.T) {
 	ids := f.seed(t, dead("orders", "c", "e"), dead("orders", "c", "e"))
 	a, b := strconv.FormatInt(ids[1]+100, 10), strconv.FormatInt(ids[1]+7, 10)
 
-	r := f.dlq(t, "replay", strconv.FormatInt(ids[0], 10), a, b, "--broker", "gochannel://")
+	r := f.dlq(t, "replay", strconv.FormatInt(ids[0], 10), a, b, "--broker", "amqp://guest:guest@127.0.0.1:1/")
 	require.Equal(t, exitFailure, r.code, r.stderr)
 	require.Equal(t, "oncemill dlq replay: no such entries: "+b+", "+a+"; nothing replayed\n", r.stderr)
 	r = f.dlq(t, "purge", a, strconv.FormatInt(ids[1], 10))
