@@ -34,8 +34,9 @@ var (
 	// ErrInvalidConfig is wrapped by every error that [Config.Validate]
 	// returns; the message names the field.
 	ErrInvalidConfig = errors.New("amqp: invalid config")
-	// ErrConnect is wrapped by the error [NewPublisher] and [NewSubscriber]
-	// return when the broker cannot be reached or refuses the connection.
+	// ErrConnect is wrapped by the error [NewPublisher], [NewSubscriber]
+	// and [Declare] return when the broker cannot be reached or refuses
+	// the connection, and by Publisher.Publish while it reconnects.
 	ErrConnect = errors.New("amqp: cannot connect to broker")
 )
 
@@ -51,8 +52,10 @@ var (
 //
 // A message published while no queue is bound to the topic's exchange is
 // dropped by the broker (it is unroutable, and publisher confirms still ack
-// it): call the subscriber's SubscribeInitialize for each topic and group at
-// deployment or start-up, before anything is published.
+// it). This package's [Publisher] publishes with mandatory and fails such a
+// publish with [ErrUnroutable]; producers in other languages are not told.
+// Declare each topic and group with [Declare] (or `oncemill amqp declare`)
+// at deployment, before anything is published.
 //
 // Queue arguments (x-queue-type, x-delivery-limit, x-dead-letter-*) are fixed
 // when a queue is first declared: declaring the same queue again with other
@@ -215,7 +218,9 @@ func (c Config) QueueArguments() amqp091.Table {
 // acknowledgement after the handler, basic.qos with Prefetch, persistent
 // messages through [Marshaler], and publisher confirms on a pool of
 // PublishChannels channels. Use it to build a watermill-amqp publisher or
-// subscriber on a shared connection.
+// subscriber on a shared connection; a watermill-amqp publisher built from
+// it neither sets mandatory nor looks at returns, so an unroutable publish
+// is confirmed and lost: prefer [NewPublisher].
 func (c Config) WatermillConfig() (wamqp.Config, error) {
 	if err := c.Validate(); err != nil {
 		return wamqp.Config{}, err
