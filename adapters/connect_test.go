@@ -2,11 +2,9 @@ package adapters_test
 
 import (
 	"context"
-	"io"
 	"net"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	"github.com/oncemill/oncemill/internal/netfault"
 	"github.com/oncemill/oncemill/internal/pgtest"
 )
 
@@ -23,49 +22,6 @@ import (
 // never answers: well above the connect timeouts used here (1s to 2s, and
 // the 10s default), far below the minutes a client without one can wait.
 const openBound = 20 * time.Second
-
-// silentServer listens on a random loopback port and accepts every
-// connection, reads what the client sends and never answers, like a host
-// whose service hangs. It returns host:port.
-func silentServer(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	var (
-		mu      sync.Mutex
-		conns   []net.Conn
-		readers sync.WaitGroup
-	)
-	accepted := make(chan struct{})
-	go func() {
-		defer close(accepted)
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			readers.Add(1)
-			go func() {
-				defer readers.Done()
-				_, _ = io.Copy(io.Discard, c)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		require.NoError(t, l.Close())
-		<-accepted
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		readers.Wait()
-	})
-	return l.Addr().String()
-}
 
 // refusedAddr returns a loopback host:port that refuses connections.
 func refusedAddr(t *testing.T) string {
@@ -121,14 +77,14 @@ func TestOpenConnectTimeout(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			addr := silentServer(t)
+			addr := netfault.Silent(t)
 			requireNoAnswer(t, context.Background(), strings.ReplaceAll(tc.url, "%s", addr), addr, tc.opts)
 		})
 	}
 
 	t.Run("kafka several brokers", func(t *testing.T) {
 		t.Parallel()
-		silent, refused := silentServer(t), refusedAddr(t)
+		silent, refused := netfault.Silent(t), refusedAddr(t)
 		err := requireNoAnswer(t, context.Background(), "kafka://"+refused+","+silent+"?group=g&connect_timeout=1s", silent, adapters.Options{})
 		require.ErrorContains(t, err, refused, "every broker's failure is reported")
 		require.ErrorContains(t, err, "connection refused")
@@ -139,7 +95,7 @@ func TestOpenConnectTimeout(t *testing.T) {
 		// A context that ends before the default connect timeout bounds
 		// the attempts too, even of clients that take no context.
 		for _, rawURL := range []string{"kafka://%s?group=g", "amqp://guest:hunter2@%s/", "postgres://oncemill:hunter2@%s/test", "sqs://us-east-1?endpoint=http://%s"} {
-			addr := silentServer(t)
+			addr := netfault.Silent(t)
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 			requireNoAnswer(t, ctx, strings.ReplaceAll(rawURL, "%s", addr), addr, adapters.Options{})
 			cancel()
@@ -154,7 +110,7 @@ func TestOpenScrubsOnlyUserinfo(t *testing.T) {
 	t.Parallel()
 	t.Run("postgres", func(t *testing.T) {
 		t.Parallel()
-		addr := silentServer(t)
+		addr := netfault.Silent(t)
 		_, err := adapters.Open(context.Background(), "postgres://oncemill:e@"+addr+"/test?sslmode=disable&connect_timeout=1", adapters.Options{})
 		require.Error(t, err)
 		msg := err.Error()

@@ -2,60 +2,15 @@ package sqlschema_test
 
 import (
 	"context"
-	"io"
-	"net"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/oncemill/oncemill/internal/netfault"
 	"github.com/oncemill/oncemill/sqlschema"
 )
-
-// silentServer listens on a random loopback port and accepts every
-// connection, reads what the client sends and never answers, like a
-// database host that hangs. It returns host:port.
-func silentServer(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	var (
-		mu      sync.Mutex
-		conns   []net.Conn
-		readers sync.WaitGroup
-	)
-	accepted := make(chan struct{})
-	go func() {
-		defer close(accepted)
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			readers.Add(1)
-			go func() {
-				defer readers.Done()
-				_, _ = io.Copy(io.Discard, c)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		require.NoError(t, l.Close())
-		<-accepted
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		readers.Wait()
-	})
-	return l.Addr().String()
-}
 
 // TestMigrateServerDoesNotAnswer migrates through a pool, without
 // connect_timeout, to a server that accepts connections and never answers:
@@ -76,7 +31,7 @@ func TestMigrateServerDoesNotAnswer(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			addr := silentServer(t)
+			addr := netfault.Silent(t)
 			pool, err := pgxpool.New(context.Background(), "postgres://oncemill@"+addr+"/test?sslmode=disable")
 			require.NoError(t, err)
 			// Registered after the server, so it runs first: closing the
