@@ -26,7 +26,7 @@ func TestFailOpenBreakerSkipsADownRedis(t *testing.T) {
 	logs := watermill.NewCaptureLogger()
 	srv := redistest.StartServer(t)
 	client := srv.Client(t)
-	calls := &callCounter{}
+	calls := &redistest.CallCounter{}
 	client.AddHook(calls)
 	store, err := redis.New(redis.Config{Client: client, Policy: redis.FailOpen, Logger: logs})
 	require.NoError(t, err)
@@ -60,14 +60,14 @@ func TestFailOpenBreakerSkipsADownRedis(t *testing.T) {
 	require.Equal(t, int64(n), stats.FailedOpen)
 
 	during := msgtest.Keys("during", m)
-	callsBefore := calls.n.Load()
+	callsBefore := calls.Calls()
 	start := time.Now()
 	h.Publish(during, copies)
 	acked += m * copies
 	h.WaitAcked(acked)
 	elapsed := time.Since(start)
 	deliveries := int64(m * copies)
-	redisCalls := calls.n.Load() - callsBefore
+	redisCalls := calls.Calls() - callsBefore
 	after := store.Stats()
 	// One claim per delivery: a probe, which fails, or a skip; both fail
 	// open.

@@ -3,7 +3,6 @@ package redis_test
 import (
 	"context"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -123,26 +122,6 @@ func (h *harness) totalEffects() int {
 		n += c
 	}
 	return n
-}
-
-// callCounter is a go-redis hook that counts the commands the client tries
-// to send, those that fail to dial included.
-type callCounter struct{ n atomic.Int64 }
-
-func (c *callCounter) DialHook(next goredis.DialHook) goredis.DialHook { return next }
-
-func (c *callCounter) ProcessHook(next goredis.ProcessHook) goredis.ProcessHook {
-	return func(ctx context.Context, cmd goredis.Cmder) error {
-		c.n.Add(1)
-		return next(ctx, cmd)
-	}
-}
-
-func (c *callCounter) ProcessPipelineHook(next goredis.ProcessPipelineHook) goredis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []goredis.Cmder) error {
-		c.n.Add(int64(len(cmds)))
-		return next(ctx, cmds)
-	}
 }
 
 // waitBreakerClosed makes peeks, which may probe Redis, until the store's

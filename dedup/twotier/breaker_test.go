@@ -64,14 +64,14 @@ func TestBreakerSkipsRedisWhileDown(t *testing.T) {
 
 	// With the breaker open: m keys, copies times each.
 	during := msgtest.Keys("during", m)
-	callsBefore, skippedBefore := calls.n.Load(), stats.Skipped
+	callsBefore, skippedBefore := calls.Calls(), stats.Skipped
 	start = time.Now()
 	h.Publish(during, copies)
 	acked += m * copies
 	h.WaitAcked(acked)
 	elapsed := time.Since(start)
 	deliveries := int64(m * copies)
-	redisCalls := calls.n.Load() - callsBefore
+	redisCalls := calls.Calls() - callsBefore
 	skipped := b.store.Stats().Skipped - skippedBefore
 	// At most one probe per interval (1 s) reaches Redis, each one
 	// command; every other start and claim is skipped.

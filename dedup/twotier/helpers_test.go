@@ -207,29 +207,9 @@ func (b bundle) claim(t *testing.T, key dedup.Key) (dedup.InboxTx, dedup.Claim) 
 	return tx, c
 }
 
-// callCounter is a go-redis hook that counts the commands the client tries
-// to send, those that fail to dial included.
-type callCounter struct{ n atomic.Int64 }
-
-func (c *callCounter) DialHook(next goredis.DialHook) goredis.DialHook { return next }
-
-func (c *callCounter) ProcessHook(next goredis.ProcessHook) goredis.ProcessHook {
-	return func(ctx context.Context, cmd goredis.Cmder) error {
-		c.n.Add(1)
-		return next(ctx, cmd)
-	}
-}
-
-func (c *callCounter) ProcessPipelineHook(next goredis.ProcessPipelineHook) goredis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []goredis.Cmder) error {
-		c.n.Add(int64(len(cmds)))
-		return next(ctx, cmds)
-	}
-}
-
 // countCalls counts the commands b's Redis client sends from now on.
-func (b bundle) countCalls() *callCounter {
-	c := &callCounter{}
+func (b bundle) countCalls() *redistest.CallCounter {
+	c := &redistest.CallCounter{}
 	b.redis.AddHook(c)
 	return c
 }

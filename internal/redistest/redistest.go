@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -212,4 +213,31 @@ func freePort() (int, error) {
 		return 0, fmt.Errorf("unexpected listener address %v", l.Addr())
 	}
 	return addr.Port, nil
+}
+
+// CallCounter is a go-redis hook that counts the commands a client tries to
+// send, those that fail to dial included (a pipeline counts each command).
+// Add it with client.AddHook.
+type CallCounter struct{ n atomic.Int64 }
+
+// Calls returns how many commands were tried so far.
+func (c *CallCounter) Calls() int64 { return c.n.Load() }
+
+// DialHook passes dials through.
+func (c *CallCounter) DialHook(next goredis.DialHook) goredis.DialHook { return next }
+
+// ProcessHook counts a command.
+func (c *CallCounter) ProcessHook(next goredis.ProcessHook) goredis.ProcessHook {
+	return func(ctx context.Context, cmd goredis.Cmder) error {
+		c.n.Add(1)
+		return next(ctx, cmd)
+	}
+}
+
+// ProcessPipelineHook counts the commands of a pipeline.
+func (c *CallCounter) ProcessPipelineHook(next goredis.ProcessPipelineHook) goredis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []goredis.Cmder) error {
+		c.n.Add(int64(len(cmds)))
+		return next(ctx, cmds)
+	}
 }
