@@ -33,35 +33,45 @@ func (in *Inbox) holdLease(base context.Context, key dedup.Key, claim dedup.Clai
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		ends := time.Now().Add(lease - margin) // the claim was sent a little before now
-		timer := time.NewTimer(interval)
-		defer timer.Stop()
+		// stopAt is when the handler must stop unless the lease is renewed
+		// first: a margin before the lease ends by this process's clock,
+		// counted from when the claim (a little before now) or the
+		// renewal was sent.
+		stopAt := time.Now().Add(lease - 2*margin)
+		renew := time.NewTimer(interval)
+		defer renew.Stop()
+		expiry := time.NewTimer(time.Until(stopAt))
+		defer expiry.Stop()
+		var lastErr error
 		for {
 			select {
 			case <-done:
 				return
 			case <-ctx.Done():
 				return
-			case <-timer.C:
+			case <-expiry.C:
+				cancel(fmt.Errorf("consumer %q key %q: %w: not renewed before it ends (last renewal: %v)", key.Consumer, key.Key, dedup.ErrLeaseLost, lastErr))
+				return
+			case <-renew.C:
 			}
 			sent := time.Now()
-			_, err := in.cfg.LeaseStore.LeaseExtend(ctx, key, claim.Token, lease)
+			// A renewal that hangs must not outlive the lease either.
+			callCtx, cancelCall := context.WithDeadline(ctx, stopAt)
+			_, err := in.cfg.LeaseStore.LeaseExtend(callCtx, key, claim.Token, lease)
+			cancelCall()
 			switch {
 			case err == nil:
-				ends = sent.Add(lease)
-				timer.Reset(interval)
-				continue
+				stopAt = sent.Add(lease - margin)
+				expiry.Reset(time.Until(stopAt))
+				renew.Reset(interval)
 			case errors.Is(err, dedup.ErrLeaseLost):
 				cancel(fmt.Errorf("consumer %q key %q: %w", key.Consumer, key.Key, err))
 				return
+			default:
+				lastErr = err
+				in.cfg.Logger.Error("Lease renewal failed, retrying", err, watermill.LogFields{"consumer": key.Consumer, "key": key.Key})
+				renew.Reset(interval/4 + time.Millisecond)
 			}
-			left := time.Until(ends) - margin
-			if left <= 0 {
-				cancel(fmt.Errorf("consumer %q key %q: %w: could not renew it before it ended: %w", key.Consumer, key.Key, dedup.ErrLeaseLost, err))
-				return
-			}
-			in.cfg.Logger.Error("Lease renewal failed, retrying", err, watermill.LogFields{"consumer": key.Consumer, "key": key.Key})
-			timer.Reset(min(interval/4+time.Millisecond, left))
 		}
 	}()
 	return ctx, func() error {
