@@ -451,3 +451,27 @@ func TestInboxSkipAttemptRecord(t *testing.T) {
 		require.Equal(t, middleware.InboxStats{Applied: 1, Duplicates: 2, Failed: 1}, in.Stats())
 	})
 }
+
+// TestLeaseHolderFinishingAfterLostRenewalsStillCompletes: renewals fail,
+// but no other delivery took the key over, and the handler finishes all
+// the same (its effect is done): the completion, fenced by the token,
+// still records it, so the next copy is a duplicate rather than a second
+// effect.
+func TestLeaseHolderFinishingAfterLostRenewalsStillCompletes(t *testing.T) {
+	t.Parallel()
+	leaseStores(t, func(t *testing.T, store dedup.LeaseStore) {
+		in := newInbox(t, middleware.InboxConfig{LeaseStore: slowLease{store, errors.New("store unreachable")}, Consumer: "payments", Lease: 100 * time.Millisecond})
+		var runs atomic.Int32
+		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			runs.Add(1)
+			<-msg.Context().Done() // the payment went through; the answer comes late
+			return nil, nil
+		})
+		_, err := h(delivery("pay-4", "charge"))
+		require.NoError(t, err, "completed with the still-current token")
+		_, err = h(delivery("pay-4", "charge"))
+		require.NoError(t, err)
+		require.Equal(t, int32(1), runs.Load(), "the copy is a duplicate")
+		require.Equal(t, int64(1), in.Stats().Duplicates)
+	})
+}

@@ -38,8 +38,9 @@ type InboxConfig struct {
 	// Lease is how long a lease-mode claim holds the key before another
 	// delivery may take it over. While the handler runs, the inbox renews
 	// the lease every Lease/3; when it cannot, the handler's context is
-	// cancelled before the lease ends, and nothing the attempt did is
-	// recorded. It must be shorter than Window. Lease mode only. Defaults
+	// cancelled before the lease ends, and the attempt is recorded only if
+	// the handler finished all the same and its token is still current
+	// (the completion is fenced). It must be shorter than Window. Lease mode only. Defaults
 	// to 30 seconds.
 	Lease time.Duration
 	// FinishTimeout bounds the commit, complete or release that ends an
@@ -428,7 +429,16 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	defer cancel()
 	if lost != nil {
 		// The lease could not be renewed and may belong to another
-		// delivery now: nothing this attempt did may be recorded.
+		// delivery now. A handler that finished all the same is recorded
+		// if its token is still the current one (the completion is
+		// fenced); anything else is left to the next delivery.
+		if err == nil {
+			result, rerr := encodeResult(produced)
+			if rerr == nil && in.complete(finish, key, claim.Token, result) == nil {
+				in.applied.Add(1)
+				return produced, nil
+			}
+		}
 		return nil, errors.Join(lost, err)
 	}
 	if err != nil {
