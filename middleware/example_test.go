@@ -168,3 +168,45 @@ func ExampleNewBloom() {
 	fmt.Println("shipped:", shipped, "surely new:", s.SurelyNew, "duplicates answered by the filter's read:", s.Duplicates)
 	// Output: shipped: 2 surely new: 2 duplicates answered by the filter's read: 2
 }
+
+// A handler that panics is a failed attempt like one that returns an
+// error: the inbox recovers the panic, rolls back and returns an error
+// wrapping ErrPanicked, which the poison middleware counts.
+func ExampleErrPanicked() {
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{LeaseStore: memory.New(), Consumer: "shipping"})
+	if err != nil {
+		panic(err)
+	}
+	handler := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		var labels map[string]string
+		labels["A-42"] = "DHL" // a bug: assignment to entry in nil map
+		return nil, nil
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+	_, err = handler(msg)
+	attempts, _, _ := middleware.StoredAttempts(err)
+	fmt.Println(errors.Is(err, middleware.ErrPanicked), attempts)
+	// Output: true 1
+}
+
+// The fencing token of a lease-mode attempt goes with the effect, so that
+// a downstream system can refuse a holder whose lease was taken over.
+func ExampleLeaseToken() {
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{LeaseStore: memory.New(), Consumer: "payments"})
+	if err != nil {
+		panic(err)
+	}
+	handler := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		// e.g. a provider call with Idempotency-Key and a fencing header
+		fmt.Println(middleware.IdempotencyKey(ctx), middleware.LeaseToken(ctx) > 0)
+		return nil, nil
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+	if _, err := handler(msg); err != nil {
+		panic(err)
+	}
+	// Output: A-42 true
+}

@@ -23,6 +23,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -107,6 +108,9 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 	runID := strings.ToLower(watermill.NewShortUUID())
 	topic := "payments_confirmed_" + runID
 	opts := adapters.Options{ConsumerGroup: "charge_" + runID}
+	if u, err := url.Parse(brokerURL); err == nil && u.Query().Get("group") != "" {
+		opts.ConsumerGroup = "" // the URL names the group; giving another would be a conflict
+	}
 
 	orderKey := middleware.KeyFromJSON("orderId")
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{
