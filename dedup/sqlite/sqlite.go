@@ -10,7 +10,8 @@ import (
 	"time"
 
 	// The pure-Go SQLite driver, registered as "sqlite", used by Open.
-	_ "modernc.org/sqlite"
+	sqlitedriver "modernc.org/sqlite"
+	sqlite3 "modernc.org/sqlite/lib"
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -60,10 +61,11 @@ type Store struct {
 }
 
 var (
-	_ dedup.TxStore   = (*Store)(nil)
-	_ dedup.Expirer   = (*Store)(nil)
-	_ dedup.Peeker    = (*Store)(nil)
-	_ dedup.KeyLister = (*Store)(nil)
+	_ dedup.TxStore    = (*Store)(nil)
+	_ dedup.Expirer    = (*Store)(nil)
+	_ dedup.Peeker     = (*Store)(nil)
+	_ dedup.Classifier = (*Store)(nil)
+	_ dedup.KeyLister  = (*Store)(nil)
 )
 
 // Open opens (creating it if needed) the SQLite database file at path with
@@ -172,7 +174,7 @@ func Tx(ctx context.Context) *sql.Tx {
 func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
-		return nil, fmt.Errorf("sqlite: begin: %w", err)
+		return nil, interpret("begin", err)
 	}
 	return &inboxTx{tx: tx, q: &s.q}, nil
 }
@@ -462,7 +464,38 @@ WHERE status NOT IN ('done', 'dead')`),
 // micros is the stored form of a time: microseconds since the Unix epoch.
 func micros(t time.Time) int64 { return t.UnixMicro() }
 
-// interpret wraps driver errors in one place.
+// interpret wraps driver errors in one place; a busy or locked database
+// wraps dedup.ErrConflict (see [classify]).
 func interpret(op string, err error) error {
+	if class := classify(err); class != nil {
+		return fmt.Errorf("sqlite: %s: %w: %w", op, class, err)
+	}
 	return fmt.Errorf("sqlite: %s: %w", op, err)
+}
+
+// classify returns dedup.ErrConflict when the database was busy or locked
+// by another writer past the busy timeout (SQLITE_BUSY, SQLITE_LOCKED and
+// their extended codes): the transaction can run again, and it says nothing
+// about the message. I/O errors, a full disk and the like are not retried
+// here: they are not the message's fault either, but they do not pass by
+// themselves, and counting them ends in the dead-letter queue rather than a
+// consumer spinning on a broken disk.
+func classify(err error) error {
+	var e *sqlitedriver.Error
+	if errors.As(err, &e) {
+		switch e.Code() & 0xff { // the primary result code
+		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED:
+			return dedup.ErrConflict
+		}
+	}
+	return nil
+}
+
+// InboxClassify marks a busy or locked database among the errors the
+// handler returned after writing through the inbox's transaction.
+func (s *Store) InboxClassify(err error) error {
+	if class := classify(err); class != nil && !errors.Is(err, class) {
+		return fmt.Errorf("%w: %w", class, err)
+	}
+	return err
 }
