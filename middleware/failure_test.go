@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -474,4 +475,87 @@ func TestLeaseHolderFinishingAfterLostRenewalsStillCompletes(t *testing.T) {
 		require.Equal(t, int32(1), runs.Load(), "the copy is a duplicate")
 		require.Equal(t, int64(1), in.Stats().Duplicates)
 	})
+}
+
+// TestReplayReachesOnlyItsConsumer: two consumers read one topic; one of
+// them dead-letters a message the other applied long ago and whose done
+// key it has swept since. The replay, requested for the dead letter's
+// consumer and delivered through its ReplaySubscriber, is applied by that
+// consumer once; the other never sees it (a replay to the topic would
+// have applied it there a second time). The entry goes once it was acked.
+func TestReplayReachesOnlyItsConsumer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, 12)
+	schema := pgtest.Schema(t, pool)
+	store, err := postgres.New(pool, postgres.Config{Schema: schema})
+	require.NoError(t, err)
+	effects := `"` + schema + `".ledger`
+	_, err = pool.Exec(ctx, `CREATE TABLE `+effects+` (consumer text NOT NULL, key text NOT NULL)`)
+	require.NoError(t, err)
+	count := func(consumer string) (n int) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+effects+` WHERE consumer = $1`, consumer).Scan(&n))
+		return n
+	}
+	table, err := dlq.NewPublisher(pool, sqlschema.Config{Schema: schema})
+	require.NoError(t, err)
+	entries, err := dlq.NewStore(pool, sqlschema.Config{Schema: schema})
+	require.NoError(t, err)
+	replays, err := dlq.NewReplaySubscriber(pool, sqlschema.Config{Schema: schema}, dlq.ReplaySubscriberConfig{Consumer: "ledger-b", PollInterval: 10 * time.Millisecond})
+	require.NoError(t, err)
+
+	poison := newPoison(t, table, 3)
+	in := newInbox(t, middleware.InboxConfig{TxStore: store})
+	var broken atomic.Bool
+	broken.Store(true)
+	var calls sync.Map // consumer → *atomic.Int32
+	handler := func(msg *message.Message) error {
+		ctx := msg.Context()
+		consumer := message.HandlerNameFromCtx(ctx)
+		n, _ := calls.LoadOrStore(consumer, &atomic.Int32{})
+		n.(*atomic.Int32).Add(1)
+		if consumer == "ledger-b" && broken.Load() {
+			return middleware.Permanent(errors.New("ledger-b: account schema v1"))
+		}
+		_, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` VALUES ($1, $2)`, consumer, middleware.IdempotencyKey(ctx))
+		return err
+	}
+	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64, Persistent: true}, watermill.NopLogger{})
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	router.AddMiddleware(poison.Middleware, in.Middleware)
+	router.AddConsumerHandler("ledger-a", poisonTopic, ps, handler)
+	router.AddConsumerHandler("ledger-b", poisonTopic, dlq.WithReplays(ps, replays), handler)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	<-router.Running()
+	t.Cleanup(func() {
+		require.NoError(t, router.Close())
+		require.NoError(t, <-done)
+		require.NoError(t, ps.Close())
+	})
+
+	require.NoError(t, ps.Publish(poisonTopic, delivery("pay-1", "charge")))
+	require.Eventually(t, func() bool {
+		n, err := entries.Count(ctx, dlq.Filter{Consumer: "ledger-b"})
+		require.NoError(t, err)
+		return n == 1 && count("ledger-a") == 1
+	}, 30*time.Second, 10*time.Millisecond)
+	// ledger-a's window passes: its done key is swept.
+	_, err = pool.Exec(ctx, `DELETE FROM "`+schema+`".inbox WHERE consumer = 'ledger-a'`)
+	require.NoError(t, err)
+
+	broken.Store(false)
+	n, err := entries.RequestReplay(ctx, dlq.Filter{Consumer: "ledger-b"})
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.Eventually(t, func() bool { return count("ledger-b") == 1 }, 30*time.Second, 10*time.Millisecond, "the replay reaches ledger-b")
+	require.Eventually(t, func() bool {
+		n, err := entries.Count(ctx, dlq.Filter{All: true})
+		require.NoError(t, err)
+		return n == 0
+	}, 30*time.Second, 10*time.Millisecond, "the entry goes once ledger-b acked it")
+	require.Equal(t, 1, count("ledger-a"), "ledger-a never applied it again")
+	a, _ := calls.Load("ledger-a")
+	require.Equal(t, int32(1), a.(*atomic.Int32).Load(), "ledger-a never saw the replay")
 }

@@ -266,13 +266,21 @@ type replayResult struct {
 
 func (c *cmd) replay(ctx context.Context, args []string) error {
 	var (
-		f      dlq.Filter
-		broker string
+		f          dlq.Filter
+		broker     string
+		toConsumer bool
 	)
 	fs := c.flags()
 	fs.StringVar(&broker, "broker", "", "broker URL (default $BROKER_URL)")
+	fs.BoolVar(&toConsumer, "to-consumer", false, "deliver each entry to its own consumer only, through the dlq.ReplaySubscriber it runs, instead of publishing it to the topic")
 	if err := c.selection(fs, &f, args); err != nil {
 		return err
+	}
+	if toConsumer {
+		if broker != "" {
+			return usagef("--to-consumer publishes nothing: drop --broker")
+		}
+		return c.requestReplay(ctx, f)
 	}
 	if broker == "" {
 		broker = c.env("BROKER_URL")
@@ -335,6 +343,30 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 		fmt.Fprintf(c.stdout, " of %d matched (the others were replayed or purged meanwhile)", total)
 	}
 	fmt.Fprintln(c.stdout)
+	return nil
+}
+
+// requestReplay marks the selected entries for their consumers'
+// ReplaySubscribers, which deliver and delete them.
+func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter) error {
+	store, closeDB, err := c.openSelected(ctx, f, "requested")
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	total, err := store.Count(ctx, f)
+	if err != nil {
+		return err
+	}
+	n, err := store.RequestReplay(ctx, f)
+	if err != nil {
+		return err
+	}
+	if c.json {
+		return c.writeJSON(replayResult{Matched: total, Replayed: n})
+	}
+	fmt.Fprintf(c.stdout, "requested a replay of %d %s to %s; each is delivered by its consumer's replay subscriber and deleted once handled\n",
+		n, plural(n, "entry", "entries"), plural(n, "its consumer", "their consumers"))
 	return nil
 }
 

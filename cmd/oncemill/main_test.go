@@ -663,3 +663,27 @@ func TestReplayStopsWhenBrokerRefuses(t *testing.T) {
 	require.NoError(t, f.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+pgx.Identifier{"watermill_" + topic}.Sanitize()).Scan(&published))
 	require.Equal(t, 1, published)
 }
+
+// TestReplayToConsumer: --to-consumer publishes nothing; it marks the
+// entries for their consumers' replay subscribers, which deliver and
+// delete them, and leaves them in the table meanwhile.
+func TestReplayToConsumer(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ids := f.seed(t, dead("orders", "charge", "card declined"), dead("orders", "ship", "no address"))
+
+	r := f.dlq(t, "replay", strconv.FormatInt(ids[0], 10), "--to-consumer")
+	require.Equal(t, exitOK, r.code, r.stderr)
+	require.Contains(t, r.stdout, "requested a replay of 1 entry to its consumer")
+	var requested []int64
+	rows, err := f.pool.Query(context.Background(), `SELECT id FROM `+pgx.Identifier{f.schema, "dlq"}.Sanitize()+` WHERE replay_requested_at IS NOT NULL`)
+	require.NoError(t, err)
+	requested, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+	require.NoError(t, err)
+	require.Equal(t, []int64{ids[0]}, requested)
+	require.Equal(t, ids, f.ids(t), "nothing deleted until the consumer took it")
+
+	r = f.dlq(t, "replay", strconv.FormatInt(ids[1], 10), "--to-consumer", "--broker", "kafka://127.0.0.1:1")
+	require.Equal(t, exitUsage, r.code)
+	require.Contains(t, r.stderr, "--to-consumer publishes nothing")
+}

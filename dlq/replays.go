@@ -1,0 +1,260 @@
+package dlq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// RequestReplay marks the entries f selects for a replay to their own
+// consumer, and returns how many it marked. Nothing is published: the
+// consumer's [ReplaySubscriber] delivers each entry to that consumer only
+// and deletes it once the consumer acked it, so other consumers of the
+// original topic never see it (a consumer whose done key has expired
+// would apply it again). Entries already marked are left as they are.
+//
+// An empty f is refused with [ErrNoSelection] unless f.All is set.
+func (s *Store) RequestReplay(ctx context.Context, f Filter) (int, error) {
+	if err := f.selection(); err != nil {
+		return 0, err
+	}
+	q, args := f.selectIDs(s.table)
+	tag, err := s.pool.Exec(ctx, `UPDATE `+s.table+` SET replay_requested_at = now()
+WHERE id IN (`+q+`) AND replay_requested_at IS NULL`, args...)
+	if err != nil {
+		return 0, wrap("request replay", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
+
+// ReplaySubscriberConfig configures a [ReplaySubscriber].
+type ReplaySubscriberConfig struct {
+	// Consumer is the consumer whose entries are delivered: the name the
+	// dead letters carry (the inbox's consumer, by default the router
+	// handler's name). Required.
+	Consumer string
+	// PollInterval is how often the table is read while no replay is
+	// requested. Defaults to 1 second.
+	PollInterval time.Duration
+	// Logger receives a line for every replay delivered and every read
+	// that failed. Defaults to watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *ReplaySubscriberConfig) setDefaults() {
+	if c.PollInterval == 0 {
+		c.PollInterval = time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first field that is missing or out of range.
+func (c ReplaySubscriberConfig) Validate() error {
+	switch {
+	case c.Consumer == "":
+		return errors.New("dlq: ReplaySubscriberConfig.Consumer is required: the consumer whose replays are delivered")
+	case c.PollInterval < 0:
+		return fmt.Errorf("dlq: ReplaySubscriberConfig.PollInterval must not be negative, got %s", c.PollInterval)
+	}
+	return nil
+}
+
+// ReplaySubscriber is a Watermill subscriber over the dead-letter table:
+// Subscribe(ctx, topic) delivers, one at a time and in id order, the
+// entries of its consumer and topic whose replay was requested
+// ([Store.RequestReplay]). An entry is locked (FOR UPDATE SKIP LOCKED, so
+// several instances share the work) while its message is handled, deleted
+// when the message is acked, and left for the next poll when it is
+// nacked. Merge it into the consumer's own subscription with
+// [WithReplays], so that the replay runs through the same handler and
+// inbox. Each subscription starts a goroutine that ends with its context
+// or Close, and holds one connection of the pool while a message is out.
+type ReplaySubscriber struct {
+	pool  *pgxpool.Pool
+	table string
+	cfg   ReplaySubscriberConfig
+
+	closing   chan struct{}
+	closeOnce sync.Once
+	wg        sync.WaitGroup
+}
+
+var _ message.Subscriber = (*ReplaySubscriber)(nil)
+
+// NewReplaySubscriber returns a subscriber on the dead-letter table that
+// schema names; cfg is copied, defaulted and validated.
+func NewReplaySubscriber(pool *pgxpool.Pool, schema sqlschema.Config, cfg ReplaySubscriberConfig) (*ReplaySubscriber, error) {
+	table, err := tableFor(pool, schema)
+	if err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &ReplaySubscriber{pool: pool, table: table, cfg: cfg, closing: make(chan struct{})}, nil
+}
+
+// Subscribe delivers the requested replays of topic for the consumer until
+// ctx is done or the subscriber closes; then the channel closes.
+func (r *ReplaySubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	select {
+	case <-r.closing:
+		return nil, errors.New("dlq: replay subscriber is closed")
+	default:
+	}
+	out := make(chan *message.Message)
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		defer close(out)
+		for {
+			delivered, err := r.deliverOne(ctx, topic, out)
+			if err != nil && ctx.Err() == nil {
+				r.cfg.Logger.Error("Replay read failed", err, watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic})
+			}
+			if delivered && err == nil {
+				continue
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-r.closing:
+				return
+			case <-time.After(r.cfg.PollInterval):
+			}
+		}
+	}()
+	return out, nil
+}
+
+// deliverOne hands out the first requested entry, if any, and ends its
+// transaction with the message's ack (delete) or nack (keep).
+func (r *ReplaySubscriber) deliverOne(ctx context.Context, topic string, out chan<- *message.Message) (delivered bool, err error) {
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		return false, wrap("replay: begin", err)
+	}
+	defer func() {
+		// A no-op after Commit; otherwise the entry stays, unlocked.
+		if rbErr := tx.Rollback(context.WithoutCancel(ctx)); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
+			err = errors.Join(err, wrap("replay: rollback", rbErr))
+		}
+	}()
+	rows, err := tx.Query(ctx, `SELECT `+columns+` FROM `+r.table+`
+WHERE consumer = $1 AND topic = $2 AND replay_requested_at IS NOT NULL
+ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
+	if err != nil {
+		return false, wrap("replay: read", err)
+	}
+	e, err := pgx.CollectExactlyOneRow(rows, scanEntry)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, wrap("replay: read", err)
+	}
+	msg := e.Message()
+	msgCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	msg.SetContext(msgCtx)
+	select {
+	case out <- msg:
+	case <-ctx.Done():
+		return false, nil
+	case <-r.closing:
+		return false, nil
+	}
+	select {
+	case <-msg.Acked():
+	case <-msg.Nacked():
+		return true, nil
+	case <-ctx.Done():
+		return true, nil
+	case <-r.closing:
+		return true, nil
+	}
+	// The consumer took it durably: the entry goes, even if ctx ends now.
+	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer wcancel()
+	if _, err := tx.Exec(wctx, `DELETE FROM `+r.table+` WHERE id = $1`, e.ID); err != nil {
+		return true, wrap(fmt.Sprintf("replay entry %d: delete after ack (it is delivered again, a duplicate to the inbox)", e.ID), err)
+	}
+	if err := tx.Commit(wctx); err != nil {
+		return true, wrap(fmt.Sprintf("replay entry %d: commit after ack (it is delivered again, a duplicate to the inbox)", e.ID), err)
+	}
+	r.cfg.Logger.Info("Dead letter replayed to its consumer", watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": e.ID, "message_uuid": e.UUID})
+	return true, nil
+}
+
+// Close stops every subscription and waits for them; the messages out are
+// left to their next delivery. It is safe to call more than once.
+func (r *ReplaySubscriber) Close() error {
+	r.closeOnce.Do(func() { close(r.closing) })
+	r.wg.Wait()
+	return nil
+}
+
+// WithReplays returns sub with r's replays merged into every subscription:
+// Subscribe(ctx, topic) delivers the topic's messages from sub and the
+// requested replays of topic for r's consumer, so that one handler, with
+// its inbox, takes both. Close closes sub and r.
+func WithReplays(sub message.Subscriber, r *ReplaySubscriber) message.Subscriber {
+	return &withReplays{sub: sub, replays: r}
+}
+
+type withReplays struct {
+	sub     message.Subscriber
+	replays *ReplaySubscriber
+	wg      sync.WaitGroup
+}
+
+func (w *withReplays) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	live, err := w.sub.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	replays, err := w.replays.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	out := make(chan *message.Message)
+	var forwarders sync.WaitGroup
+	forward := func(in <-chan *message.Message) {
+		defer forwarders.Done()
+		for m := range in {
+			select {
+			case out <- m:
+			case <-ctx.Done():
+				m.Nack()
+			}
+		}
+	}
+	forwarders.Add(2)
+	go forward(live)
+	go forward(replays)
+	w.wg.Add(1)
+	go func() {
+		defer w.wg.Done()
+		forwarders.Wait()
+		close(out)
+	}()
+	return out, nil
+}
+
+func (w *withReplays) Close() error {
+	err := errors.Join(w.sub.Close(), w.replays.Close())
+	w.wg.Wait()
+	return err
+}
