@@ -358,6 +358,13 @@ func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter) error {
 	if err != nil {
 		return err
 	}
+	if total == 0 {
+		c.nothingMatched()
+		if c.json {
+			return c.writeJSON(replayResult{})
+		}
+		return nil
+	}
 	n, err := store.RequestReplay(ctx, f)
 	if err != nil {
 		return err
