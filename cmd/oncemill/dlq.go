@@ -291,22 +291,11 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	if err := checkDurable(broker); err != nil {
 		return err
 	}
-	store, closeDB, err := c.openSelected(ctx, f, "replayed")
-	if err != nil {
+	store, closeDB, total, err := c.openReplay(ctx, f, "replayed")
+	if err != nil || total == 0 {
 		return err
 	}
 	defer closeDB()
-	total, err := store.Count(ctx, f)
-	if err != nil {
-		return err
-	}
-	if total == 0 {
-		c.nothingMatched()
-		if c.json {
-			return c.writeJSON(replayResult{})
-		}
-		return nil
-	}
 
 	// The command only publishes; the group merely satisfies brokers
 	// whose URL requires one (Kafka), it is never subscribed. A group the
@@ -346,25 +335,37 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	return nil
 }
 
+// openReplay opens the table for a replay of f and counts the entries it
+// selects. When none match it says so (an empty result with --json),
+// closes the table and returns total 0.
+func (c *cmd) openReplay(ctx context.Context, f dlq.Filter, verb string) (*dlq.Store, func(), int, error) {
+	store, closeDB, err := c.openSelected(ctx, f, verb)
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	total, err := store.Count(ctx, f)
+	if err == nil && total > 0 {
+		return store, closeDB, total, nil
+	}
+	closeDB()
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	c.nothingMatched()
+	if c.json {
+		return nil, nil, 0, c.writeJSON(replayResult{})
+	}
+	return nil, nil, 0, nil
+}
+
 // requestReplay marks the selected entries for their consumers'
 // ReplaySubscribers, which deliver and delete them.
 func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter) error {
-	store, closeDB, err := c.openSelected(ctx, f, "requested")
-	if err != nil {
+	store, closeDB, total, err := c.openReplay(ctx, f, "requested")
+	if err != nil || total == 0 {
 		return err
 	}
 	defer closeDB()
-	total, err := store.Count(ctx, f)
-	if err != nil {
-		return err
-	}
-	if total == 0 {
-		c.nothingMatched()
-		if c.json {
-			return c.writeJSON(replayResult{})
-		}
-		return nil
-	}
 	n, err := store.RequestReplay(ctx, f)
 	if err != nil {
 		return err
