@@ -65,6 +65,10 @@ func amqpBroker(t *testing.T) broker {
 			require.NoError(t, err)
 			return ps
 		},
+		// pending is the queue's ready messages: what a running consumer
+		// holds unacked is left out (AMQP does not report it), so a test
+		// reads it again once its consumers stopped, which returns
+		// whatever they still held.
 		pending: func(t *testing.T, topic, group string) (n int) {
 			withChannel(t, func(ch *amqp091.Channel) error {
 				q, err := ch.QueueDeclarePassive(amqp.Config{ConsumerGroup: group}.QueueName(topic), true, false, false, false, amqp.Config{}.QueueArguments())
