@@ -1,0 +1,763 @@
+//go:build chaos
+
+package chaos_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	goredis "github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/adapters/amqp"
+	"github.com/oncemill/oncemill/adapters/sqs"
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/amqptest"
+	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+func TestMain(m *testing.M) {
+	// go-redis logs every failed dial; the Redis outage is on purpose.
+	goredis.SetLogger(quietRedis{})
+	if role := os.Getenv(roleEnv); role != "" {
+		os.Exit(runRole(role))
+	}
+	os.Exit(m.Run())
+}
+
+// quietRedis drops go-redis's own log lines.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
+
+const (
+	schema = "chaos"
+	// produceRate is each lane's steady publish rate; one publish in
+	// copyEvery re-sends an earlier key (as a producer that retries
+	// does), one new key in poisonEvery is a poison message.
+	produceRate = 80
+	copyEvery   = 5
+	poisonEvery = 50
+
+	// The faults a lane can see, as the report names them.
+	faultNone     = "none"
+	faultKill     = "consumer SIGKILL"
+	faultPostgres = "PostgreSQL restart"
+	faultRabbit   = "RabbitMQ restart"
+	faultRedis    = "Redis outage"
+)
+
+// step is one fault of the schedule, at an offset from the start of the
+// stream; its window lasts until the next step.
+type step struct {
+	at    time.Duration
+	fault string
+}
+
+// schedule: 12 SIGKILLs of a random consumer, and one outage of each
+// service, spaced so that each fault's window shows its own stall.
+var schedule = []step{
+	{4 * time.Second, faultKill}, {8 * time.Second, faultKill}, {12 * time.Second, faultKill},
+	{16 * time.Second, faultPostgres},
+	{26 * time.Second, faultKill}, {30 * time.Second, faultKill}, {34 * time.Second, faultKill},
+	{38 * time.Second, faultRabbit},
+	{48 * time.Second, faultKill}, {52 * time.Second, faultKill}, {56 * time.Second, faultKill},
+	{60 * time.Second, faultRedis},
+	{72 * time.Second, faultKill}, {76 * time.Second, faultKill}, {80 * time.Second, faultKill},
+}
+
+// produceFor is how long the producers publish: past the last fault's
+// window.
+const produceFor = 86 * time.Second
+
+// window is a span of the stream during which a fault affected a lane
+// ("" for every lane).
+type window struct {
+	fault    string
+	lane     string
+	from, to time.Time
+}
+
+// timeline records the fault windows; it tells which fault a lane was
+// under at an instant.
+type timeline struct {
+	mu      sync.Mutex
+	windows []window
+}
+
+func (tl *timeline) add(w window) {
+	tl.mu.Lock()
+	defer tl.mu.Unlock()
+	tl.windows = append(tl.windows, w)
+}
+
+// close ends the open windows at t.
+func (tl *timeline) close(t time.Time) {
+	tl.mu.Lock()
+	defer tl.mu.Unlock()
+	for i := range tl.windows {
+		if tl.windows[i].to.IsZero() {
+			tl.windows[i].to = t
+		}
+	}
+}
+
+func (tl *timeline) faultAt(lane string, t time.Time) string {
+	tl.mu.Lock()
+	defer tl.mu.Unlock()
+	for _, w := range tl.windows {
+		if (w.lane == "" || w.lane == lane) && !t.Before(w.from) && (w.to.IsZero() || t.Before(w.to)) {
+			return w.fault
+		}
+	}
+	return faultNone
+}
+
+func (tl *timeline) of(lane, fault string) []window {
+	tl.mu.Lock()
+	defer tl.mu.Unlock()
+	var ws []window
+	for _, w := range tl.windows {
+		if w.fault == fault && (w.lane == "" || w.lane == lane) {
+			ws = append(ws, w)
+		}
+	}
+	return ws
+}
+
+// sentKey is what the producer knows of a key it published.
+type sentKey struct {
+	fault  string // the lane's fault when the key was first published
+	poison bool
+}
+
+// lane is one broker with its consumers and its producer.
+type lane struct {
+	name     string
+	url      string
+	topic    string
+	group    string
+	consumer string
+	slots    []*slot
+	pending  func(t *testing.T) int
+
+	mu        sync.Mutex
+	keys      map[string]sentKey
+	order     []string
+	publishes int
+	failures  int // publishes that failed and were sent again
+}
+
+func (l *lane) record(key string, k sentKey, first bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.publishes++
+	if first {
+		l.keys[key] = k
+		l.order = append(l.order, key)
+	}
+}
+
+// TestChaos is the chaos suite (see the package doc).
+func TestChaos(t *testing.T) {
+	seed := uint64(time.Now().UnixNano())
+	if s := os.Getenv("ONCEMILL_CHAOS_SEED"); s != "" {
+		var err error
+		seed, err = strconv.ParseUint(s, 10, 64)
+		require.NoError(t, err)
+	}
+	t.Logf("seed %d (ONCEMILL_CHAOS_SEED to repeat the schedule's choices)", seed)
+	rnd := rand.New(rand.NewPCG(seed, seed>>1))
+	var rndMu sync.Mutex
+	random := func(n int) int {
+		rndMu.Lock()
+		defer rndMu.Unlock()
+		return rnd.IntN(n)
+	}
+
+	ctx := context.Background()
+	pg := pgtest.StartServer(t)
+	rabbit := amqptest.StartServer(t)
+	rds := redistest.StartServer(t)
+	kafkaAddrs := startKafka(t)
+
+	pool := connect(t, pg.URL(), 4)
+	require.NoError(t, sqlschema.Migrate(ctx, pool, sqlschema.Config{Schema: schema}))
+	_, err := pool.Exec(ctx, `CREATE TABLE `+schema+`.effects (
+    broker text NOT NULL, key text NOT NULL, pid integer NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp())`)
+	require.NoError(t, err)
+
+	run := strconv.FormatInt(time.Now().UnixNano()%1e9, 36)
+	sqsURL := "sqs://test:test@us-east-1?create=true&visibility_timeout=5s&endpoint=" + sqsEndpoint()
+	lanes := []*lane{
+		{name: "kafka", url: "kafka://" + strings.Join(kafkaAddrs, ",") + "?session_timeout=3s&rebalance_timeout=10s"},
+		{name: "amqp", url: rabbit.URL()},
+		{name: "sqs", url: sqsURL},
+	}
+	for _, l := range lanes {
+		l.topic, l.group, l.consumer = "chaos_"+run, "chaos_"+l.name+"_"+run, "chaos_"+l.name
+		l.keys = map[string]sentKey{}
+		switch l.name {
+		case "kafka":
+			l.pending = kafkaPending(kafkaAddrs, l.topic, l.group)
+		case "amqp":
+			l.pending = amqpPending(rabbit.URL(), l.topic, l.group)
+		case "sqs":
+			l.pending = sqsPending(t, l.topic)
+		}
+		for _, store := range []string{"postgres", "twotier"} {
+			l.slots = append(l.slots, &slot{cfg: consumerConfig{
+				Broker: l.name, BrokerURL: l.url, Group: l.group, Topic: l.topic,
+				DatabaseURL: pg.URL(), Schema: schema, Consumer: l.consumer,
+				Store: store, RedisAddr: rds.Addr(),
+			}})
+		}
+	}
+	var all []*slot
+	for _, l := range lanes {
+		all = append(all, l.slots...)
+	}
+	restartDelay := func() time.Duration { return time.Duration(random(1000)) * time.Millisecond }
+	for _, s := range all {
+		s.supervise(restartDelay)
+	}
+	t.Cleanup(func() {
+		for _, s := range all {
+			_ = s.stop(20 * time.Second)
+		}
+	})
+	require.Eventually(t, func() bool {
+		for _, s := range all {
+			if !s.running() {
+				return false
+			}
+		}
+		return true
+	}, 2*time.Minute, 50*time.Millisecond, "the consumers start")
+
+	// The producers: a steady stream per lane, with copies of earlier keys
+	// and poison keys; a failed publish is sent again until it is taken.
+	tl := &timeline{}
+	start := time.Now()
+	prodCtx, stopProducers := context.WithTimeout(ctx, produceFor)
+	defer stopProducers()
+	var producers sync.WaitGroup
+	for _, l := range lanes {
+		ps, err := adapters.Open(ctx, l.url, adapters.Options{ConsumerGroup: "chaos_producer_" + run})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = ps.Close() })
+		producers.Add(1)
+		go func() {
+			defer producers.Done()
+			produce(prodCtx, l, ps.Publisher, tl, random)
+		}()
+	}
+
+	// The faults, in the test's goroutine.
+	kills := 0
+	for i, st := range schedule {
+		wait := time.Until(start.Add(st.at))
+		time.Sleep(wait)
+		now := time.Now()
+		if i > 0 {
+			tl.close(now)
+		}
+		switch st.fault {
+		case faultKill:
+			// A random running consumer of each lane in turn.
+			l := lanes[kills%len(lanes)]
+			for try := 0; try < 100; try++ {
+				if l.slots[random(len(l.slots))].kill() {
+					tl.add(window{fault: faultKill, lane: l.name, from: now})
+					kills++
+					break
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		case faultPostgres:
+			tl.add(window{fault: faultPostgres, from: now})
+			pg.Stop()
+			time.Sleep(3 * time.Second)
+			pg.Start()
+		case faultRabbit:
+			tl.add(window{fault: faultRabbit, lane: "amqp", from: now})
+			rabbit.StopApp()
+			time.Sleep(3 * time.Second)
+			rabbit.StartApp()
+		case faultRedis:
+			tl.add(window{fault: faultRedis, from: now})
+			rds.Stop()
+			time.Sleep(5 * time.Second)
+			rds.Start()
+		}
+	}
+	producers.Wait()
+	end := time.Now()
+	tl.close(end)
+	require.GreaterOrEqual(t, kills, 10, "consumers SIGKILLed")
+
+	// Drain: every key applied or dead-lettered, then nothing pending on
+	// any broker while the consumers still run.
+	outcome := func() map[string]map[string]keyOutcome { return outcomes(t, pool) }
+	require.Eventually(t, func() bool {
+		out := outcome()
+		for _, l := range lanes {
+			l.mu.Lock()
+			for key, k := range l.keys {
+				o := out[l.name][key]
+				if (k.poison && o.dead == 0) || (!k.poison && o.effects == 0) {
+					l.mu.Unlock()
+					return false
+				}
+			}
+			l.mu.Unlock()
+		}
+		return true
+	}, 4*time.Minute, 200*time.Millisecond, "every key applied or dead-lettered")
+	for _, l := range lanes {
+		require.Eventually(t, func() bool { return l.pending(t) == 0 }, 2*time.Minute, 200*time.Millisecond,
+			"%s: messages left on the broker", l.name)
+	}
+	for _, s := range all {
+		require.NoError(t, s.stop(20*time.Second), "%s consumer on %s", s.cfg.Store, s.cfg.Broker)
+	}
+	// With the consumers gone, what they held unacked is back on the
+	// broker (RabbitMQ's count leaves it out while they run).
+	for _, l := range lanes {
+		require.Equal(t, 0, l.pending(t), "%s: messages left on the broker once the consumers stopped", l.name)
+	}
+
+	// The report, then the invariant.
+	out := outcome()
+	stalls := effectTimes(t, pool)
+	faults := []string{faultNone, faultKill, faultPostgres, faultRabbit, faultRedis}
+	var report strings.Builder
+	fmt.Fprintf(&report, "\nchaos: %d SIGKILLs, PostgreSQL restarted once (3 s down), RabbitMQ's app restarted once (3 s down), Redis stopped once (5 s); %s of stream, seed %d\n\n",
+		kills, produceFor, seed)
+	fmt.Fprintln(&report, "Per broker, the keys first published while the broker was under each fault (none: under no fault), what became of them, and the longest time")
+	fmt.Fprintf(&report, "between two effects on that broker during that fault, while its producer published %d messages a second.\n", produceRate)
+	fmt.Fprintln(&report)
+	fmt.Fprintln(&report, "| broker | fault | sent | applied | doubled | lost | dead-lettered (poison) | healthy dead-lettered | longest stall |")
+	fmt.Fprintln(&report, "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+	var problems []string
+	for _, l := range lanes {
+		total := tally{}
+		var spans []window
+		for _, f := range faults {
+			spans = append(spans, l.windowsOf(tl, f, start, end)...)
+		}
+		for _, f := range faults {
+			var tly tally
+			for key, k := range l.keys {
+				if k.fault == f {
+					tly.add(k, out[l.name][key])
+				}
+			}
+			total.merge(tly)
+			if tly.sent == 0 && f != faultNone {
+				continue
+			}
+			stall := longestStall(stalls[l.name], spans, f)
+			fmt.Fprintf(&report, "| %s | %s | %d | %d | %d | %d | %d | %d | %s |\n",
+				l.name, f, tly.sent, tly.applied, tly.doubled, tly.lost, tly.poisonDead, tly.healthyDead, stall.Round(time.Millisecond))
+		}
+		fmt.Fprintf(&report, "| %s | all | %d | %d | %d | %d | %d | %d | |\n",
+			l.name, total.sent, total.applied, total.doubled, total.lost, total.poisonDead, total.healthyDead)
+		if total.doubled+total.lost+total.healthyDead+total.both+total.poisonApplied+total.deadTwice > 0 {
+			problems = append(problems, fmt.Sprintf("%s: %+v", l.name, total))
+		}
+		// Effects of keys nobody sent would be a bug in the suite itself.
+		for key := range out[l.name] {
+			if _, ok := l.keys[key]; !ok {
+				problems = append(problems, fmt.Sprintf("%s: key %q applied or dead-lettered but never sent", l.name, key))
+			}
+		}
+	}
+	fmt.Fprintf(&report, "\n")
+	for _, l := range lanes {
+		fmt.Fprintf(&report, "%s: %d publishes (%d of them copies of earlier keys, %d publish failures sent again);", l.name, l.publishes, l.publishes-len(l.keys), l.failures)
+		for _, s := range l.slots {
+			fmt.Fprintf(&report, " %s consumer killed %d times, died by itself %d times, failed to start %d times;",
+				s.cfg.Store, s.kills, len(s.exits), s.startErrors)
+		}
+		fmt.Fprintln(&report)
+	}
+	fmt.Print(report.String())
+	for _, s := range all {
+		for _, e := range s.exits {
+			t.Logf("%s consumer on %s died by itself: %s", s.cfg.Store, s.cfg.Broker, tail(e, 3000))
+		}
+	}
+	require.Empty(t, problems, "the invariant: every key applied exactly once or dead-lettered, never both, never neither")
+
+	var healthyNotDone int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.inbox WHERE key NOT LIKE '`+poisonPrefix+`%' AND status <> 'done'`).Scan(&healthyNotDone))
+	require.Zero(t, healthyNotDone, "every healthy key is recorded done")
+	var poisonNotDead int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.inbox WHERE key LIKE '`+poisonPrefix+`%' AND status <> 'dead'`).Scan(&poisonNotDead))
+	require.Zero(t, poisonNotDead, "every poison key is recorded dead")
+
+	t.Run("redis down throughput", func(t *testing.T) {
+		redisDownThroughput(t, pg.URL(), rds)
+	})
+}
+
+// produce publishes l's stream until ctx ends.
+func produce(ctx context.Context, l *lane, pub message.Publisher, tl *timeline, random func(int) int) {
+	tick := time.NewTicker(time.Second / produceRate)
+	defer tick.Stop()
+	n := 0
+	for i := 0; ; i++ {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		var key string
+		first := true
+		l.mu.Lock()
+		if i%copyEvery == copyEvery-1 && len(l.order) > 0 {
+			key, first = l.order[random(len(l.order))], false
+		}
+		l.mu.Unlock()
+		if first {
+			key = fmt.Sprintf("%s-%05d", l.name, n)
+			if n%poisonEvery == poisonEvery-1 {
+				key = poisonPrefix + key
+			}
+			n++
+		}
+		uuid := watermill.NewUUID()
+		for {
+			msg := message.NewMessage(uuid, []byte(`{"account":"`+key+`"}`))
+			msg.Metadata.Set(delivery.IdempotencyKey, key)
+			msg.Metadata.Set(delivery.PartitionKey, "acct-"+strconv.Itoa(n%16))
+			err := pub.Publish(l.topic, msg)
+			if err == nil {
+				break
+			}
+			l.mu.Lock()
+			l.failures++
+			l.mu.Unlock()
+			// The producer does not give up on a key: it sends it again,
+			// past the end of the stream if it must.
+			time.Sleep(200 * time.Millisecond)
+		}
+		l.record(key, sentKey{fault: tl.faultAt(l.name, time.Now()), poison: strings.HasPrefix(key, poisonPrefix)}, first)
+	}
+}
+
+// keyOutcome is what the database says of one key.
+type keyOutcome struct {
+	effects int // effect rows
+	dead    int // dead-letter rows
+}
+
+// outcomes reads every key's effects and dead letters, per lane.
+func outcomes(t *testing.T, pool *pgxpool.Pool) map[string]map[string]keyOutcome {
+	ctx := context.Background()
+	out := map[string]map[string]keyOutcome{}
+	at := func(lane, key string) keyOutcome {
+		if out[lane] == nil {
+			out[lane] = map[string]keyOutcome{}
+		}
+		return out[lane][key]
+	}
+	rows, err := pool.Query(ctx, `SELECT broker, key, count(*) FROM `+schema+`.effects GROUP BY broker, key`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var lane, key string
+		var n int
+		require.NoError(t, rows.Scan(&lane, &key, &n))
+		o := at(lane, key)
+		o.effects = n
+		out[lane][key] = o
+	}
+	require.NoError(t, rows.Err())
+	rows, err = pool.Query(ctx, `SELECT consumer, key, count(*) FROM `+schema+`.dlq GROUP BY consumer, key`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var consumer, key string
+		var n int
+		require.NoError(t, rows.Scan(&consumer, &key, &n))
+		lane := strings.TrimPrefix(consumer, "chaos_")
+		o := at(lane, key)
+		o.dead = n
+		out[lane][key] = o
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+// tally counts the outcomes of a set of keys.
+type tally struct {
+	sent, applied, doubled, lost, poisonDead, healthyDead int
+	both, poisonApplied, deadTwice                        int
+}
+
+func (t *tally) add(k sentKey, o keyOutcome) {
+	t.sent++
+	if o.effects > 0 {
+		t.applied++
+	}
+	if o.effects > 1 {
+		t.doubled++
+	}
+	if o.effects > 0 && o.dead > 0 {
+		t.both++
+	}
+	if o.dead > 1 {
+		t.deadTwice++
+	}
+	switch {
+	case k.poison:
+		if o.dead > 0 {
+			t.poisonDead++
+		}
+		if o.effects > 0 {
+			t.poisonApplied++
+		}
+		if o.dead == 0 && o.effects == 0 {
+			t.lost++
+		}
+	default:
+		if o.dead > 0 {
+			t.healthyDead++
+		}
+		if o.effects == 0 && o.dead == 0 {
+			t.lost++
+		}
+	}
+}
+
+func (t *tally) merge(o tally) {
+	t.sent += o.sent
+	t.applied += o.applied
+	t.doubled += o.doubled
+	t.lost += o.lost
+	t.poisonDead += o.poisonDead
+	t.healthyDead += o.healthyDead
+	t.both += o.both
+	t.poisonApplied += o.poisonApplied
+	t.deadTwice += o.deadTwice
+}
+
+// windowsOf returns the spans of the stream during which the lane was
+// under fault; for faultNone, the spans under no fault.
+func (l *lane) windowsOf(tl *timeline, fault string, start, end time.Time) []window {
+	if fault != faultNone {
+		return tl.of(l.name, fault)
+	}
+	var busy []window
+	for _, f := range []string{faultKill, faultPostgres, faultRabbit, faultRedis} {
+		busy = append(busy, tl.of(l.name, f)...)
+	}
+	sort.Slice(busy, func(i, j int) bool { return busy[i].from.Before(busy[j].from) })
+	var free []window
+	at := start
+	for _, w := range busy {
+		if w.from.After(at) {
+			free = append(free, window{fault: faultNone, from: at, to: w.from})
+		}
+		if w.to.After(at) {
+			at = w.to
+		}
+	}
+	if end.After(at) {
+		free = append(free, window{fault: faultNone, from: at, to: end})
+	}
+	return free
+}
+
+// effectTimes returns each lane's effect commit times, in order.
+func effectTimes(t *testing.T, pool *pgxpool.Pool) map[string][]time.Time {
+	rows, err := pool.Query(context.Background(), `SELECT broker, at FROM `+schema+`.effects ORDER BY at`)
+	require.NoError(t, err)
+	times := map[string][]time.Time{}
+	for rows.Next() {
+		var lane string
+		var at time.Time
+		require.NoError(t, rows.Scan(&lane, &at))
+		times[lane] = append(times[lane], at)
+	}
+	require.NoError(t, rows.Err())
+	return times
+}
+
+// longestStall is the longest time between two effects of a lane among
+// the gaps that belong to fault: a gap belongs to the window (of any fault,
+// or of none) it overlaps most, so that the gap that begins just before an
+// outage and ends after it is the outage's.
+func longestStall(times []time.Time, ws []window, fault string) time.Duration {
+	var longest time.Duration
+	for i := 0; i+1 < len(times); i++ {
+		a, b := times[i], times[i+1]
+		best, owner := time.Duration(0), ""
+		for _, w := range ws {
+			from, to := later(a, w.from), earlier(b, w.to)
+			if d := to.Sub(from); d > best {
+				best, owner = d, w.fault
+			}
+		}
+		if owner == fault {
+			longest = max(longest, b.Sub(a))
+		}
+	}
+	return longest
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+func earlier(a, b time.Time) time.Time {
+	if a.Before(b) {
+		return a
+	}
+	return b
+}
+
+// startKafka runs the embedded Kafka broker in a process of its own and
+// returns its addresses.
+func startKafka(t *testing.T) []string {
+	t.Helper()
+	p, err := startProcess("kafka", nil, kafkaLine)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.terminate(10 * time.Second) })
+	addrs, _ := p.out.line(kafkaLine)
+	return strings.Split(addrs, ",")
+}
+
+func connect(t *testing.T, url string, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	require.NoError(t, err)
+	cfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func sqsEndpoint() string {
+	if e := os.Getenv("ONCEMILL_SQS_ENDPOINT"); e != "" {
+		return e
+	}
+	return "http://127.0.0.1:4566"
+}
+
+// kafkaPending is the group's lag on topic.
+func kafkaPending(brokers []string, topic, group string) func(t *testing.T) int {
+	return func(t *testing.T) int {
+		cfg := sarama.NewConfig()
+		cfg.Version = sarama.V2_3_0_0
+		client, err := sarama.NewClient(brokers, cfg)
+		require.NoError(t, err)
+		defer client.Close()
+		admin, err := sarama.NewClusterAdminFromClient(client)
+		require.NoError(t, err)
+		partitions, err := client.Partitions(topic)
+		require.NoError(t, err)
+		committed, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: partitions})
+		require.NoError(t, err)
+		lag := 0
+		for _, p := range partitions {
+			end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+			require.NoError(t, err)
+			at := int64(0)
+			if b := committed.GetBlock(topic, p); b != nil && b.Offset >= 0 {
+				at = b.Offset
+			}
+			lag += int(end - at)
+		}
+		return lag
+	}
+}
+
+// amqpPending is the group's queue's ready messages (what running
+// consumers hold unacked is left out).
+func amqpPending(url, topic, group string) func(t *testing.T) int {
+	return func(t *testing.T) int {
+		conn, err := amqp091.Dial(url)
+		require.NoError(t, err)
+		defer conn.Close()
+		ch, err := conn.Channel()
+		require.NoError(t, err)
+		defer ch.Close()
+		q, err := ch.QueueDeclarePassive(amqp.Config{ConsumerGroup: group}.QueueName(topic), true, false, false, false, amqp.Config{}.QueueArguments())
+		require.NoError(t, err)
+		return q.Messages
+	}
+}
+
+// sqsPending is the queue's visible and in-flight messages; the queue is
+// deleted when the test ends.
+func sqsPending(t *testing.T, topic string) func(t *testing.T) int {
+	httpClient := &http.Client{Transport: &http.Transport{}}
+	t.Cleanup(httpClient.CloseIdleConnections)
+	client := awssqs.New(awssqs.Options{
+		Region:       "us-east-1",
+		BaseEndpoint: aws.String(sqsEndpoint()),
+		Credentials:  credentials.NewStaticCredentialsProvider("test", "test", ""),
+		HTTPClient:   httpClient,
+	})
+	queueURL := func(t *testing.T) string {
+		out, err := client.GetQueueUrl(context.Background(), &awssqs.GetQueueUrlInput{QueueName: aws.String(sqs.DefaultQueueName(topic))})
+		require.NoError(t, err)
+		return *out.QueueUrl
+	}
+	t.Cleanup(func() {
+		if out, err := client.GetQueueUrl(context.Background(), &awssqs.GetQueueUrlInput{QueueName: aws.String(sqs.DefaultQueueName(topic))}); err == nil {
+			_, _ = client.DeleteQueue(context.Background(), &awssqs.DeleteQueueInput{QueueUrl: out.QueueUrl})
+		}
+	})
+	return func(t *testing.T) int {
+		out, err := client.GetQueueAttributes(context.Background(), &awssqs.GetQueueAttributesInput{
+			QueueUrl: aws.String(queueURL(t)),
+			AttributeNames: []types.QueueAttributeName{
+				types.QueueAttributeNameApproximateNumberOfMessages,
+				types.QueueAttributeNameApproximateNumberOfMessagesNotVisible,
+			},
+		})
+		require.NoError(t, err)
+		n := 0
+		for _, v := range out.Attributes {
+			c, err := strconv.Atoi(v)
+			require.NoError(t, err)
+			n += c
+		}
+		return n
+	}
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
