@@ -69,14 +69,15 @@ const (
 )
 
 // step is one fault of the schedule, at an offset from the start of the
-// stream; its window lasts until the next step.
+// stream.
 type step struct {
 	at    time.Duration
 	fault string
 }
 
-// schedule: 12 SIGKILLs of a random consumer, and one outage of each
-// service, spaced so that each fault's window shows its own stall.
+// schedule: 12 SIGKILLs of a random consumer of each lane in turn, and one
+// outage of each service, spaced so that each fault's window shows its
+// own stall.
 var schedule = []step{
 	{4 * time.Second, faultKill}, {8 * time.Second, faultKill}, {12 * time.Second, faultKill},
 	{16 * time.Second, faultPostgres},
@@ -91,8 +92,10 @@ var schedule = []step{
 // window.
 const produceFor = 86 * time.Second
 
-// window is a span of the stream during which a fault affected a lane
-// ("" for every lane).
+// window is a span of the stream during which a fault affected a lane: it
+// lasts until the next fault that affects the lane, so that the
+// consequences of a fault (a Kafka rebalance after a kill, say) count as
+// that fault's.
 type window struct {
 	fault    string
 	lane     string
@@ -106,10 +109,19 @@ type timeline struct {
 	windows []window
 }
 
-func (tl *timeline) add(w window) {
+// add opens a window of fault for each of lanes, closing the lanes' open
+// windows.
+func (tl *timeline) add(fault string, from time.Time, lanes ...string) {
 	tl.mu.Lock()
 	defer tl.mu.Unlock()
-	tl.windows = append(tl.windows, w)
+	for _, lane := range lanes {
+		for i := range tl.windows {
+			if tl.windows[i].lane == lane && tl.windows[i].to.IsZero() {
+				tl.windows[i].to = from
+			}
+		}
+		tl.windows = append(tl.windows, window{fault: fault, lane: lane, from: from})
+	}
 }
 
 // close ends the open windows at t.
@@ -127,7 +139,7 @@ func (tl *timeline) faultAt(lane string, t time.Time) string {
 	tl.mu.Lock()
 	defer tl.mu.Unlock()
 	for _, w := range tl.windows {
-		if (w.lane == "" || w.lane == lane) && !t.Before(w.from) && (w.to.IsZero() || t.Before(w.to)) {
+		if w.lane == lane && !t.Before(w.from) && (w.to.IsZero() || t.Before(w.to)) {
 			return w.fault
 		}
 	}
@@ -139,7 +151,7 @@ func (tl *timeline) of(lane, fault string) []window {
 	defer tl.mu.Unlock()
 	var ws []window
 	for _, w := range tl.windows {
-		if w.fault == fault && (w.lane == "" || w.lane == lane) {
+		if w.fault == fault && w.lane == lane {
 			ws = append(ws, w)
 		}
 	}
@@ -275,39 +287,40 @@ func TestChaos(t *testing.T) {
 		}()
 	}
 
+	var laneNames []string
+	for _, l := range lanes {
+		laneNames = append(laneNames, l.name)
+	}
 	// The faults, in the test's goroutine.
 	kills := 0
-	for i, st := range schedule {
+	for _, st := range schedule {
 		wait := time.Until(start.Add(st.at))
 		time.Sleep(wait)
 		now := time.Now()
-		if i > 0 {
-			tl.close(now)
-		}
 		switch st.fault {
 		case faultKill:
 			// A random running consumer of each lane in turn.
 			l := lanes[kills%len(lanes)]
 			for try := 0; try < 100; try++ {
 				if l.slots[random(len(l.slots))].kill() {
-					tl.add(window{fault: faultKill, lane: l.name, from: now})
+					tl.add(faultKill, now, l.name)
 					kills++
 					break
 				}
 				time.Sleep(20 * time.Millisecond)
 			}
 		case faultPostgres:
-			tl.add(window{fault: faultPostgres, from: now})
+			tl.add(faultPostgres, now, laneNames...)
 			pg.Stop()
 			time.Sleep(3 * time.Second)
 			pg.Start()
 		case faultRabbit:
-			tl.add(window{fault: faultRabbit, lane: "amqp", from: now})
+			tl.add(faultRabbit, now, "amqp")
 			rabbit.StopApp()
 			time.Sleep(3 * time.Second)
 			rabbit.StartApp()
 		case faultRedis:
-			tl.add(window{fault: faultRedis, from: now})
+			tl.add(faultRedis, now, laneNames...)
 			rds.Stop()
 			time.Sleep(5 * time.Second)
 			rds.Start()
