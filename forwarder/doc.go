@@ -13,7 +13,7 @@
 //	_ = tx.Commit(ctx)
 //
 //	relay, _ := forwarder.NewRelay(forwarder.RelayConfig{Pool: pool, Publisher: kafkaPublisher})
-//	go relay.Run(ctx) // Close stops it
+//	router.AddPlugin(relay.Plugin) // or go relay.Run(ctx); relay.Close()
 //
 // # Guarantees
 //
@@ -22,17 +22,19 @@
 // again, and the consumer's inbox absorbs the copy. On a broker error the
 // rows stay and the relay backs off. Several relays may run on one table:
 // each batch locks a set of lanes (a hash of the partition key), so no row
-// goes out twice in normal operation and each key's rows go out in
-// transaction order.
+// goes out twice in normal operation and each key's rows go out in the
+// order they were inserted (see [Relay] for what that means for concurrent
+// writers).
 //
-// # Latency
+// # Latency and liveness
 //
-// The relay LISTENs for a notification that the outbox's trigger sends at
-// commit, and polls slowly only as a fallback. A row comes due when every
-// transaction older than its own has ended, cluster-wide (as with
-// watermill-sql): that is what keeps a key's order when transactions commit
-// out of order, and it means a long-running transaction anywhere on the
-// server delays the outbox until it ends.
+// Writers pay nothing at commit: the relay polls, at once while rows flow,
+// backing off to RelayConfig.PollInterval while the table is empty. A row
+// comes due when every transaction older than its own has ended,
+// server-wide (as with watermill-sql): that is what keeps a key's order
+// when transactions commit out of order, and it means a transaction left
+// open anywhere on the server holds the outbox until it ends. [Relay.Lag]
+// names that transaction, and the relay logs it while the stall lasts.
 //
 // # Consumer outbox
 //

@@ -280,29 +280,92 @@ func TestCrashBetweenPublishAndDeleteRepublishesSameUUIDs(t *testing.T) {
 	require.Equal(t, 0, b.count(t, "outbox"))
 }
 
-func TestNotificationWakesRelay(t *testing.T) {
+// TestIdleRelayFindsNewRows: a relay that has found nothing for a while
+// backs off to PollInterval and still picks up each new row; the writers'
+// commits send no notification (no global lock on their commit path).
+func TestIdleRelayFindsNewRows(t *testing.T) {
 	t.Parallel()
 	b := setup(t, 4)
+	ctx := context.Background()
+	listener, err := b.pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer listener.Release()
+	_, err = listener.Exec(ctx, `LISTEN "`+b.schema.Schema+`.outbox"`)
+	require.NoError(t, err)
+	defer listener.Exec(context.WithoutCancel(ctx), `UNLISTEN *`) //nolint:errcheck // the pool's connection
+
 	s := &sink{}
-	r := newRelay(t, b, s, func(c *forwarder.RelayConfig) { c.PollInterval = time.Hour })
+	r := newRelay(t, b, s, func(c *forwarder.RelayConfig) { c.PollInterval = 30 * time.Millisecond })
 	run(t, r)
-	// The relay has found nothing and waits; only a notification can wake
-	// it within the test's time.
+	for i := 1; i <= 3; i++ {
+		time.Sleep(100 * time.Millisecond) // idle: the relay's wait has grown to PollInterval
+		b.write(t, "payments", event("k", i))
+		require.Eventually(t, func() bool { return len(s.snapshot()) == i }, 30*time.Second, 5*time.Millisecond)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	n, err := listener.Conn().WaitForNotification(wctx)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "a writer's commit notified %v", n)
+}
+
+// TestRelayRunsWithTheRouter: as a router plugin the relay starts with the
+// router, and the router's Close stops it after the batch in flight has
+// published and deleted its rows.
+func TestRelayRunsWithTheRouter(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	s := &sink{fail: func(call int) (bool, bool) {
+		if call == 2 {
+			once.Do(func() { close(entered) })
+			<-release // the second batch is in flight when the router closes
+		}
+		return false, false
+	}}
+	r := newRelay(t, b, s, nil)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	router.AddPlugin(r.Plugin)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	<-router.Running()
+
 	b.write(t, "payments", event("k", 1))
-	require.Eventually(t, func() bool { return len(s.snapshot()) == 1 }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return len(s.snapshot()) == 1 }, 30*time.Second, 5*time.Millisecond)
 	b.write(t, "payments", event("k", 2))
-	require.Eventually(t, func() bool { return len(s.snapshot()) == 2 }, 30*time.Second, 10*time.Millisecond)
+	<-entered
+	closed := make(chan error, 1)
+	go func() { closed <- router.Close() }()
+	select {
+	case err := <-closed:
+		t.Fatalf("the router closed (%v) while the relay's batch was in flight", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(release)
+	require.NoError(t, <-closed)
+	require.NoError(t, <-done)
+	require.Len(t, s.snapshot(), 2)
+	require.Zero(t, b.count(t, "outbox"), "the batch in flight deleted its rows")
+
+	b.write(t, "payments", event("k", 3))
+	time.Sleep(100 * time.Millisecond)
+	require.Len(t, s.snapshot(), 2, "the relay stopped with the router")
+	require.Equal(t, 1, b.count(t, "outbox"))
 }
 
 func TestRelayConfigValidate(t *testing.T) {
 	t.Parallel()
 	b := setup(t, 2)
 	cases := map[string]forwarder.RelayConfig{
-		"RelayConfig.Pool":          {Publisher: &sink{}},
-		"RelayConfig.Publisher":     {Pool: b.pool},
-		"RelayConfig.BatchSize":     {Pool: b.pool, Publisher: &sink{}, BatchSize: -1},
-		"RelayConfig.LanesPerBatch": {Pool: b.pool, Publisher: &sink{}, LanesPerBatch: 65},
-		"OutboxTable":               {Pool: b.pool, Publisher: &sink{}, Schema: sqlschema.Config{OutboxTable: "Out Box"}},
+		"RelayConfig.Pool":            {Publisher: &sink{}},
+		"RelayConfig.Publisher":       {Pool: b.pool},
+		"RelayConfig.BatchSize":       {Pool: b.pool, Publisher: &sink{}, BatchSize: -1},
+		"RelayConfig.LanesPerBatch":   {Pool: b.pool, Publisher: &sink{}, LanesPerBatch: 65},
+		"RelayConfig.MinPollInterval": {Pool: b.pool, Publisher: &sink{}, PollInterval: time.Millisecond, MinPollInterval: time.Second},
+		"RelayConfig.DrainTimeout":    {Pool: b.pool, Publisher: &sink{}, DrainTimeout: -time.Second},
+		"RelayConfig.StallWarning":    {Pool: b.pool, Publisher: &sink{}, StallWarning: -time.Second},
+		"OutboxTable":                 {Pool: b.pool, Publisher: &sink{}, Schema: sqlschema.Config{OutboxTable: "Out Box"}},
 	}
 	for want, cfg := range cases {
 		_, err := forwarder.NewRelay(cfg)

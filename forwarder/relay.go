@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"sort"
-	"strconv"
 	"sync"
 	"time"
 
@@ -18,6 +17,11 @@ import (
 
 	"github.com/oncemill/oncemill/sqlschema"
 )
+
+// ErrStalled is the error the relay logs (when its logger has no Warn
+// level) while outbox rows wait on a transaction left open elsewhere on the
+// server; see [Lag.HeldBy].
+var ErrStalled = errors.New("forwarder: outbox rows wait for an open transaction")
 
 // lanes is the number of ordering lanes in the outbox table (the lane
 // column is hashtext(partition_key) & 63).
@@ -39,14 +43,29 @@ type RelayConfig struct {
 	// relays running at once share the lanes, each key's rows stay in one
 	// lane. Defaults to 16.
 	LanesPerBatch int
-	// PollInterval is how often the relay looks for rows when no
-	// notification arrives; notifications wake it at once. Defaults to 5s.
+	// PollInterval is the longest wait between two looks for rows, reached
+	// while the outbox stays empty: after a batch with rows the relay looks
+	// again at once, after an empty look it waits MinPollInterval, then
+	// twice as long each time, up to PollInterval. An idle relay therefore
+	// sends one query per PollInterval. Defaults to 250ms.
 	PollInterval time.Duration
+	// MinPollInterval is the first wait after an empty look. Defaults to
+	// 1ms.
+	MinPollInterval time.Duration
 	// MinBackoff and MaxBackoff bound the wait after a failed batch (the
 	// broker down, say); it doubles from MinBackoff up to MaxBackoff. The
 	// rows stay in the table. Default to 100ms and 10s.
 	MinBackoff, MaxBackoff time.Duration
-	// Logger receives failed batches. Defaults to watermill.NopLogger.
+	// DrainTimeout bounds how long Run, once stopped, lets the batch in
+	// flight finish publishing and deleting its rows. Defaults to 5s.
+	DrainTimeout time.Duration
+	// StallWarning is how long rows may wait on an open transaction
+	// elsewhere on the server before the relay logs, at Warn, which
+	// transaction holds them back (see [Lag]); it logs again every
+	// StallWarning while the stall lasts. Defaults to 10s.
+	StallWarning time.Duration
+	// Logger receives failed batches and stalls. Defaults to
+	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
 
@@ -58,13 +77,22 @@ func (c *RelayConfig) setDefaults() {
 		c.LanesPerBatch = 16
 	}
 	if c.PollInterval == 0 {
-		c.PollInterval = 5 * time.Second
+		c.PollInterval = 250 * time.Millisecond
+	}
+	if c.MinPollInterval == 0 {
+		c.MinPollInterval = min(time.Millisecond, c.PollInterval)
 	}
 	if c.MinBackoff == 0 {
 		c.MinBackoff = 100 * time.Millisecond
 	}
 	if c.MaxBackoff == 0 {
 		c.MaxBackoff = 10 * time.Second
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = 5 * time.Second
+	}
+	if c.StallWarning == 0 {
+		c.StallWarning = 10 * time.Second
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -85,8 +113,14 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("forwarder: RelayConfig.LanesPerBatch must be 1 to %d, got %d", lanes, c.LanesPerBatch)
 	case c.PollInterval < time.Millisecond:
 		return fmt.Errorf("forwarder: RelayConfig.PollInterval must be at least 1ms, got %s", c.PollInterval)
+	case c.MinPollInterval <= 0 || c.MinPollInterval > c.PollInterval:
+		return fmt.Errorf("forwarder: RelayConfig.MinPollInterval (%s) must be positive and at most PollInterval (%s)", c.MinPollInterval, c.PollInterval)
 	case c.MinBackoff <= 0 || c.MaxBackoff < c.MinBackoff:
 		return fmt.Errorf("forwarder: RelayConfig.MinBackoff (%s) must be positive and at most MaxBackoff (%s)", c.MinBackoff, c.MaxBackoff)
+	case c.DrainTimeout < 0:
+		return fmt.Errorf("forwarder: RelayConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
+	case c.StallWarning < 0:
+		return fmt.Errorf("forwarder: RelayConfig.StallWarning must not be negative, got %s", c.StallWarning)
 	}
 	return c.Schema.Validate()
 }
@@ -94,9 +128,22 @@ func (c RelayConfig) Validate() error {
 // Relay publishes outbox rows to a broker and deletes them. Several relays
 // may run against one table: each batch takes a set of lanes under
 // transaction-level advisory locks, so no row is published twice in normal
-// operation and each partition key's rows go out in transaction order. A
-// relay that dies between publish and delete publishes the rows again on
-// the next batch, with the same UUIDs; the consumer's inbox absorbs them.
+// operation and each partition key's rows go out in the order they were
+// inserted. A relay that dies between publish and delete publishes the
+// rows again on the next batch, with the same UUIDs; the consumer's inbox
+// absorbs them.
+//
+// # Order
+//
+// Within a lane the relay walks rows by id, the order of their inserts,
+// and stops at the first row it may not take yet: a row goes out only once
+// every transaction older than its own has ended, server-wide (a
+// transaction still open may yet commit rows inserted before it). So a
+// key's events go out in the order they were inserted; for writers that
+// lock the same business row, which is how a key's writers are usually
+// ordered, that is their commit order. Two transactions that insert rows
+// for one key without anything ordering them have no order to keep: their
+// rows go out in id order, whichever committed first.
 type Relay struct {
 	cfg     RelayConfig
 	names   sqlschema.Names
@@ -110,7 +157,7 @@ type Relay struct {
 }
 
 type relayQueries struct {
-	lanes, take, lag, any string
+	lanes, take, probe, lag, holder string
 }
 
 // NewRelay returns a relay; it starts nothing until Run.
@@ -123,57 +170,128 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	h := fnv.New32a()
 	h.Write([]byte("oncemill:outbox:" + names.Outbox))
 	t := names.Outbox
-	eligible := `txid < pg_snapshot_xmin(pg_current_snapshot())`
+	xmin := `pg_snapshot_xmin(pg_current_snapshot())`
 	return &Relay{
 		cfg:     cfg,
 		names:   names,
 		lockKey: int32(h.Sum32()),
 		q: relayQueries{
-			// Lanes with rows whose transactions are all committed, in a
-			// random order, locked until this transaction ends. OFFSET 0
-			// keeps the lock call out of the inner query, so that only
-			// lanes with work are locked, and LIMIT stops locking early.
+			// Lanes whose first row (by id) may go out, in a random order,
+			// locked until this transaction ends. OFFSET 0 keeps the lock
+			// call out of the inner query, so that only lanes with work are
+			// locked, and LIMIT stops locking early.
 			lanes: `SELECT l FROM (
 	SELECT l FROM generate_series(0, 63) AS l
-	WHERE EXISTS (SELECT 1 FROM ` + t + ` o WHERE o.lane = l AND o.` + eligible + `)
+	WHERE (SELECT o.txid < ` + xmin + ` FROM ` + t + ` o WHERE o.lane = l ORDER BY o.id LIMIT 1)
 	ORDER BY random() OFFSET 0) s
 WHERE pg_try_advisory_xact_lock($1, s.l) LIMIT $2`,
-			// Rows are eligible only once every older transaction has
-			// ended, so a row committed late by a long transaction is
-			// never overtaken by a younger one of the same key.
-			take: `DELETE FROM ` + t + ` WHERE id IN (
-	SELECT id FROM ` + t + ` WHERE lane = ANY($1) AND ` + eligible + `
-	ORDER BY txid, id LIMIT $2)
-RETURNING id, txid::text, topic, uuid, payload, metadata`,
-			lag: `SELECT count(*), COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM ` + t,
-			any: `SELECT EXISTS (SELECT 1 FROM ` + t + `)`,
+			// Each lane's rows by id, up to the first one whose
+			// transaction is not older than every open one: a row after
+			// it in the lane was inserted later and must not overtake it.
+			take: `WITH stop AS (
+	SELECT l AS lane, (SELECT min(b.id) FROM ` + t + ` b WHERE b.lane = l AND b.txid >= ` + xmin + `) AS id
+	FROM unnest($1::int[]) AS l)
+DELETE FROM ` + t + ` WHERE id IN (
+	SELECT o.id FROM ` + t + ` o JOIN stop ON o.lane = stop.lane
+	WHERE stop.id IS NULL OR o.id < stop.id
+	ORDER BY o.id LIMIT $2)
+RETURNING id, topic, uuid, payload, metadata`,
+			// One cheap look, outside a transaction, before a batch.
+			probe: `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE txid < ` + xmin + `)`,
+			lag: `SELECT count(*), count(*) FILTER (WHERE txid >= ` + xmin + `),
+	COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM ` + t,
+			// The oldest transaction with an id, open or prepared, on the
+			// whole server: it is the snapshot's xmin, what rows wait for.
+			holder: `SELECT * FROM (
+	SELECT pid, COALESCE(datname, ''), COALESCE(usename, ''), COALESCE(state, ''), COALESCE(left(query, 200), ''), '' AS gid,
+		COALESCE(extract(epoch FROM now() - xact_start), 0)::float8, age(backend_xid) AS age
+	FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+	UNION ALL
+	SELECT 0, database, owner, 'prepared', '', gid, extract(epoch FROM now() - prepared)::float8, age(transaction)
+	FROM pg_prepared_xacts) t
+ORDER BY age DESC LIMIT 1`,
 		},
 	}, nil
 }
 
-// Lag is how far a relay is behind.
+// Lag is how far a relay is behind, and why.
 type Lag struct {
 	// Pending counts rows not yet published.
 	Pending int
 	// OldestAge is the age of the oldest pending row; zero when none.
 	OldestAge time.Duration
+	// Waiting counts the pending rows that may not go out yet because a
+	// transaction older than theirs is still open somewhere on the server.
+	Waiting int
+	// HeldBy is, when Waiting > 0, the oldest transaction open on the
+	// server: the one the waiting rows wait for. Nil otherwise. Its
+	// details need the pg_read_all_stats role (or superuser) for sessions
+	// of other users.
+	HeldBy *Holder
 }
 
-// Lag returns the outbox's pending rows and the age of the oldest.
+// Holder is an open transaction that holds the outbox back.
+type Holder struct {
+	// PID is the backend's process id; 0 for a prepared transaction.
+	PID int
+	// Database and User are the session's (or prepared transaction's).
+	Database, User string
+	// State is pg_stat_activity's state ("idle in transaction",
+	// "active", …), or "prepared" for a prepared transaction.
+	State string
+	// Query is the start of the session's last statement.
+	Query string
+	// GID is a prepared transaction's identifier.
+	GID string
+	// Age is how long the transaction has been open (prepared: since
+	// PREPARE TRANSACTION).
+	Age time.Duration
+}
+
+// String describes h for a log line.
+func (h Holder) String() string {
+	if h.State == "prepared" {
+		return fmt.Sprintf("prepared transaction %q in database %q, prepared %s ago (COMMIT PREPARED or ROLLBACK PREPARED it)",
+			h.GID, h.Database, h.Age.Round(time.Second))
+	}
+	return fmt.Sprintf("pid %d in database %q (user %q, %s), open for %s, last statement %q",
+		h.PID, h.Database, h.User, h.State, h.Age.Round(time.Second), h.Query)
+}
+
+// Lag returns the outbox's pending rows, the age of the oldest, and what
+// holds back those that wait.
 func (r *Relay) Lag(ctx context.Context) (Lag, error) {
 	var (
-		n   int
+		lag Lag
 		age float64
 	)
-	if err := r.cfg.Pool.QueryRow(ctx, r.q.lag).Scan(&n, &age); err != nil {
+	if err := r.cfg.Pool.QueryRow(ctx, r.q.lag).Scan(&lag.Pending, &lag.Waiting, &age); err != nil {
 		return Lag{}, fmt.Errorf("forwarder: lag: %w", err)
 	}
-	return Lag{Pending: n, OldestAge: time.Duration(age * float64(time.Second))}, nil
+	lag.OldestAge = time.Duration(age * float64(time.Second))
+	if lag.Waiting == 0 {
+		return lag, nil
+	}
+	var (
+		h    Holder
+		open float64
+		xage int64
+	)
+	err := r.cfg.Pool.QueryRow(ctx, r.q.holder).Scan(&h.PID, &h.Database, &h.User, &h.State, &h.Query, &h.GID, &open, &xage)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		// It ended between the two queries.
+	case err != nil:
+		return Lag{}, fmt.Errorf("forwarder: lag: find the open transaction: %w", err)
+	default:
+		h.Age = time.Duration(open * float64(time.Second))
+		lag.HeldBy = &h
+	}
+	return lag, nil
 }
 
 type row struct {
 	id       int64
-	txid     uint64
 	topic    string
 	uuid     string
 	payload  []byte
@@ -224,15 +342,10 @@ func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
 	batch, err := pgx.CollectRows(rows, func(rw pgx.CollectableRow) (row, error) {
 		var (
 			x     row
-			txid  string
 			mdRaw []byte
 		)
-		if err := rw.Scan(&x.id, &txid, &x.topic, &x.uuid, &x.payload, &mdRaw); err != nil {
+		if err := rw.Scan(&x.id, &x.topic, &x.uuid, &x.payload, &mdRaw); err != nil {
 			return x, err
-		}
-		var err error
-		if x.txid, err = strconv.ParseUint(txid, 10, 64); err != nil {
-			return x, fmt.Errorf("row %d: txid %q: %w", x.id, txid, err)
 		}
 		if err := json.Unmarshal(mdRaw, &x.metadata); err != nil {
 			return x, fmt.Errorf("row %d: metadata: %w", x.id, err)
@@ -242,12 +355,8 @@ func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: take rows: %w", err)
 	}
-	sort.Slice(batch, func(i, j int) bool {
-		if batch[i].txid != batch[j].txid {
-			return batch[i].txid < batch[j].txid
-		}
-		return batch[i].id < batch[j].id
-	})
+	// RETURNING gives no order.
+	sort.Slice(batch, func(i, j int) bool { return batch[i].id < batch[j].id })
 	// Publish runs of one topic together, in order.
 	for start := 0; start < len(batch); {
 		end := start + 1
@@ -271,10 +380,12 @@ func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
 	return len(batch), nil
 }
 
-// Run relays until ctx is done or Close is called, and returns nil then.
-// It holds one connection that LISTENs for the outbox's notifications and
-// polls every PollInterval when none come. Failed batches are logged and
-// retried with backoff.
+// Run relays until ctx is done or Close is called, and returns nil then;
+// the batch in flight at that moment finishes (within DrainTimeout), so
+// that rows it published are deleted. It polls adaptively (see
+// RelayConfig.PollInterval). Failed batches are logged and retried with
+// backoff; rows that wait on an open transaction for longer than
+// StallWarning are logged at Warn with the transaction that holds them.
 func (r *Relay) Run(ctx context.Context) error {
 	r.mu.Lock()
 	if r.closed {
@@ -292,68 +403,143 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer close(done)
 	defer cancel()
 
-	for ctx.Err() == nil {
-		if err := r.listen(ctx); err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			// The listening connection broke or could not be had: its
-			// notifications are lost, so start over on a fresh one.
-			r.cfg.Logger.Error("Outbox listener lost, reconnecting", err, nil)
-			sleep(ctx, r.cfg.MaxBackoff)
-		}
-	}
-	return nil
-}
+	// A batch runs on its own context, which outlives ctx by DrainTimeout:
+	// a batch cut short after publishing would publish its rows again.
+	batchCtx, stopBatches := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopBatches()
+	stopDrain := context.AfterFunc(ctx, func() {
+		t := time.AfterFunc(r.cfg.DrainTimeout, stopBatches)
+		<-batchCtx.Done()
+		t.Stop()
+	})
+	defer stopDrain()
 
-// listen relays on one listening connection until ctx is done (nil) or the
-// connection fails (its error).
-func (r *Relay) listen(ctx context.Context) error {
-	listener, err := r.cfg.Pool.Acquire(ctx)
-	if err != nil {
-		return fmt.Errorf("forwarder: acquire listener: %w", err)
-	}
-	defer listener.Release()
-	if _, err := listener.Exec(ctx, `LISTEN `+pgx.Identifier{r.names.OutboxChannel}.Sanitize()); err != nil {
-		return fmt.Errorf("forwarder: listen: %w", err)
-	}
-	defer func() {
-		// A connection going back to the pool must not keep listening.
-		if _, err := listener.Exec(context.WithoutCancel(ctx), `UNLISTEN *`); err != nil {
-			listener.Hijack().Close(context.WithoutCancel(ctx)) //nolint:errcheck // dropping a broken connection
-		}
-	}()
-
-	backoff := r.cfg.MinBackoff
+	var (
+		wait    time.Duration // after an empty look
+		backoff = r.cfg.MinBackoff
+		stall   stallWatch
+	)
 	for ctx.Err() == nil {
-		n, err := r.RelayBatch(ctx)
+		n, err := r.poll(batchCtx, wait > 0)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			r.cfg.Logger.Error("Outbox batch failed, rows kept", err, watermill.LogFields{"backoff": backoff.String()})
 			sleep(ctx, backoff)
 			backoff = min(2*backoff, r.cfg.MaxBackoff)
 			continue
+		case err != nil:
+			return nil
 		case n > 0:
-			backoff = r.cfg.MinBackoff
+			backoff, wait = r.cfg.MinBackoff, 0
+			stall.reset()
 			continue
 		}
-		// Nothing eligible. Rows of transactions that are still in
-		// progress elsewhere come due without a new notification: look
-		// again soon.
-		wait := r.cfg.PollInterval
-		var pending bool
-		if err := r.cfg.Pool.QueryRow(ctx, r.q.any).Scan(&pending); err == nil && pending {
-			wait = min(wait, 20*time.Millisecond)
-		}
-		wctx, wcancel := context.WithTimeout(ctx, wait)
-		_, err = listener.Conn().WaitForNotification(wctx)
-		wcancel()
-		if err != nil && ctx.Err() == nil && !errors.Is(err, context.DeadlineExceeded) {
-			return fmt.Errorf("forwarder: wait for notification: %w", err)
-		}
+		r.watchStall(ctx, &stall)
+		wait = max(r.cfg.MinPollInterval, min(2*wait, r.cfg.PollInterval))
+		sleep(ctx, wait)
 	}
 	return nil
 }
+
+// poll runs one batch; after an empty look (probe), it first looks for
+// rows that may go out with one query outside a transaction, so that an
+// idle relay sends one query per wait.
+func (r *Relay) poll(ctx context.Context, probe bool) (int, error) {
+	if probe {
+		var due bool
+		if err := r.cfg.Pool.QueryRow(ctx, r.q.probe).Scan(&due); err != nil {
+			return 0, fmt.Errorf("forwarder: look for rows: %w", err)
+		}
+		if !due {
+			return 0, nil
+		}
+	}
+	return r.RelayBatch(ctx)
+}
+
+// stallWatch tracks how long rows have waited on an open transaction.
+type stallWatch struct {
+	since, checked, warned time.Time
+}
+
+func (s *stallWatch) reset() { *s = stallWatch{} }
+
+// watchStall, while the relay finds nothing to publish, checks now and
+// then whether rows wait on an open transaction and logs the transaction
+// at Warn once per StallWarning while they do.
+func (r *Relay) watchStall(ctx context.Context, s *stallWatch) {
+	if r.cfg.StallWarning == 0 {
+		return
+	}
+	now := time.Now()
+	if now.Sub(s.checked) < r.cfg.StallWarning/4 {
+		return
+	}
+	s.checked = now
+	lag, err := r.Lag(ctx)
+	if err != nil || lag.Waiting == 0 {
+		s.reset()
+		return
+	}
+	if s.since.IsZero() {
+		s.since = now
+	}
+	if now.Sub(s.since) < r.cfg.StallWarning || now.Sub(s.warned) < r.cfg.StallWarning {
+		return
+	}
+	s.warned = now
+	fields := watermill.LogFields{
+		"waiting_rows": lag.Waiting, "pending_rows": lag.Pending,
+		"oldest_row_age": lag.OldestAge.Round(time.Millisecond).String(), "outbox": r.names.Outbox,
+	}
+	holder := "a transaction that has ended meanwhile"
+	if lag.HeldBy != nil {
+		holder = lag.HeldBy.String()
+		fields["holder_pid"] = lag.HeldBy.PID
+		fields["holder_database"] = lag.HeldBy.Database
+		fields["holder_age"] = lag.HeldBy.Age.Round(time.Second).String()
+	}
+	msg := "Outbox rows wait for an open transaction: " + holder
+	// Watermill's LoggerAdapter has no Warn level: a logger that has one
+	// gets the line there, any other at Error.
+	if w, ok := r.cfg.Logger.(interface {
+		Warn(msg string, fields watermill.LogFields)
+	}); ok {
+		w.Warn(msg, fields)
+		return
+	}
+	r.cfg.Logger.Error(msg, ErrStalled, fields)
+}
+
+// Plugin runs the relay with a Watermill router: add it with
+// router.AddPlugin(relay.Plugin). The relay starts when the router runs,
+// as a handler of its own (named after the relay, with no messages to
+// handle); the router's Close stops it, lets the batch in flight finish
+// and waits for it, within the router's CloseTimeout. Do not also call
+// Run.
+func (r *Relay) Plugin(router *message.Router) error {
+	router.AddNoPublisherHandler(fmt.Sprintf("oncemill_outbox_relay_%p", r), r.names.Outbox, relaySubscriber{r},
+		func(*message.Message) error { return nil })
+	return nil
+}
+
+// relaySubscriber is how [Relay.Plugin] ties the relay to the router: the
+// router's Subscribe starts Run on the router's context, and the channel
+// closes once Run has returned, which is what the router's Close waits for.
+type relaySubscriber struct{ r *Relay }
+
+func (s relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
+	out := make(chan *message.Message)
+	go func() {
+		defer close(out)
+		if err := s.r.Run(ctx); err != nil {
+			s.r.cfg.Logger.Error("Outbox relay did not start with the router", err, nil)
+		}
+	}()
+	return out, nil
+}
+
+func (s relaySubscriber) Close() error { return s.r.Close() }
 
 // Close stops Run and waits for it to return. It is safe to call more than
 // once.

@@ -89,7 +89,7 @@ func TestMigrationsRenderDLQ(t *testing.T) {
 	t.Parallel()
 	ms, err := sqlschema.Migrations(sqlschema.Postgres, sqlschema.Config{Schema: "billing", DLQTable: "dead"})
 	require.NoError(t, err)
-	require.Len(t, ms, 5)
+	require.Len(t, ms, 6)
 	dlq := ms[2]
 	require.Equal(t, 3, dlq.Version)
 	require.Equal(t, "dlq", dlq.Name)
@@ -147,7 +147,7 @@ func TestMigrateUpgradesToDLQ(t *testing.T) {
 	cfg := sqlschema.Config{Schema: schema}
 	ms, err := sqlschema.Migrations(sqlschema.Postgres, cfg)
 	require.NoError(t, err)
-	require.Len(t, ms, 5)
+	require.Len(t, ms, 6)
 
 	// What Migrate of the previous release left behind.
 	versions := qschema + `.oncemill_migrations`
@@ -179,10 +179,18 @@ func TestMigrateUpgradesToDLQ(t *testing.T) {
 	}
 	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[version])
 	require.NoError(t, err)
-	require.Equal(t, []version{{1, "inbox"}, {2, "outbox"}, {3, "dlq"}, {4, "inbox_attempts"}, {5, "dlq_replay"}}, got)
+	require.Equal(t, []version{{1, "inbox"}, {2, "outbox"}, {3, "dlq"}, {4, "inbox_attempts"}, {5, "dlq_replay"}, {6, "outbox_order"}}, got)
 	var outboxRows int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+qschema+`.outbox`).Scan(&outboxRows))
 	require.Equal(t, 1, outboxRows, "the upgrade keeps existing rows")
+	var triggers int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_trigger WHERE tgrelid = $1::regclass AND NOT tgisinternal`,
+		qschema+`.outbox`).Scan(&triggers))
+	require.Zero(t, triggers, "the upgrade drops the outbox's notify trigger: nothing runs at a writer's commit")
+	var laneIndex string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = 'outbox_lane_id_idx'`,
+		schema).Scan(&laneIndex))
+	require.Contains(t, laneIndex, "(lane, id)")
 
 	// The defaults and nullability the dlq package relies on.
 	var (
