@@ -44,13 +44,16 @@ type RelayConfig struct {
 	// lane. Defaults to 16.
 	LanesPerBatch int
 	// PollInterval is the longest wait between two looks for rows, reached
-	// while the outbox stays empty: after a batch with rows the relay looks
-	// again at once, after an empty look it waits MinPollInterval, then
-	// twice as long each time, up to PollInterval. An idle relay therefore
-	// sends one query per PollInterval. Defaults to 250ms.
+	// while the outbox stays empty: after a full batch the relay looks
+	// again at once, after a batch that emptied the backlog it waits
+	// MinPollInterval, and after an empty look MinPollInterval, then twice
+	// as long each time, up to PollInterval. An idle relay therefore sends
+	// one query per PollInterval. Defaults to 250ms.
 	PollInterval time.Duration
-	// MinPollInterval is the first wait after an empty look. Defaults to
-	// 1ms.
+	// MinPollInterval is the wait after a batch that was not full and the
+	// first wait after an empty look: the most a row waits while rows
+	// flow, traded against the writers' throughput (each batch is a
+	// transaction on the writers' server). Defaults to 5ms.
 	MinPollInterval time.Duration
 	// MinBackoff and MaxBackoff bound the wait after a failed batch (the
 	// broker down, say); it doubles from MinBackoff up to MaxBackoff. The
@@ -80,7 +83,7 @@ func (c *RelayConfig) setDefaults() {
 		c.PollInterval = 250 * time.Millisecond
 	}
 	if c.MinPollInterval == 0 {
-		c.MinPollInterval = min(time.Millisecond, c.PollInterval)
+		c.MinPollInterval = min(5*time.Millisecond, c.PollInterval)
 	}
 	if c.MinBackoff == 0 {
 		c.MinBackoff = 100 * time.Millisecond
@@ -157,7 +160,7 @@ type Relay struct {
 }
 
 type relayQueries struct {
-	lanes, take, probe, lag, holder string
+	take, probe, lag, holder string
 }
 
 // NewRelay returns a relay; it starts nothing until Run.
@@ -176,25 +179,27 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		names:   names,
 		lockKey: int32(h.Sum32()),
 		q: relayQueries{
-			// Lanes whose first row (by id) may go out, in a random order,
-			// locked until this transaction ends. OFFSET 0 keeps the lock
-			// call out of the inner query, so that only lanes with work are
-			// locked, and LIMIT stops locking early.
-			lanes: `SELECT l FROM (
-	SELECT l FROM generate_series(0, 63) AS l
-	WHERE (SELECT o.txid < ` + xmin + ` FROM ` + t + ` o WHERE o.lane = l ORDER BY o.id LIMIT 1)
-	ORDER BY random() OFFSET 0) s
-WHERE pg_try_advisory_xact_lock($1, s.l) LIMIT $2`,
-			// Each lane's rows by id, up to the first one whose
-			// transaction is not older than every open one: a row after
-			// it in the lane was inserted later and must not overtake it.
-			take: `WITH stop AS (
-	SELECT l AS lane, (SELECT min(b.id) FROM ` + t + ` b WHERE b.lane = l AND b.txid >= ` + xmin + `) AS id
-	FROM unnest($1::int[]) AS l)
-DELETE FROM ` + t + ` WHERE id IN (
-	SELECT o.id FROM ` + t + ` o JOIN stop ON o.lane = stop.lane
-	WHERE stop.id IS NULL OR o.id < stop.id
-	ORDER BY o.id LIMIT $2)
+			// One statement takes a batch: the lanes whose first row (by
+			// id) may go out, in a random order, locked until this
+			// transaction ends (OFFSET 0 keeps the lock call out of the
+			// inner query, so that only lanes with work are locked, and
+			// LIMIT stops locking early); then the first rows of those
+			// lanes by id, cut in each lane before the first row whose
+			// transaction is not older than every open one: a row after it
+			// was inserted later and must not overtake it.
+			take: `WITH lanes AS MATERIALIZED (
+	SELECT l FROM (
+		SELECT l FROM generate_series(0, 63) AS l
+		WHERE (SELECT o.txid < ` + xmin + ` FROM ` + t + ` o WHERE o.lane = l ORDER BY o.id LIMIT 1)
+		ORDER BY random() OFFSET 0) s
+	WHERE pg_try_advisory_xact_lock($1, s.l) LIMIT $2),
+candidates AS MATERIALIZED (
+	SELECT id, lane, txid FROM ` + t + ` WHERE lane IN (SELECT l FROM lanes) ORDER BY id LIMIT $3),
+due AS (
+	SELECT id FROM (
+		SELECT id, bool_and(txid < ` + xmin + `) OVER (PARTITION BY lane ORDER BY id) AS ok FROM candidates) w
+	WHERE ok)
+DELETE FROM ` + t + ` WHERE id IN (SELECT id FROM due)
 RETURNING id, topic, uuid, payload, metadata`,
 			// One cheap look, outside a transaction, before a batch.
 			probe: `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE txid < ` + xmin + `)`,
@@ -324,18 +329,19 @@ func (r *Relay) RelayBatch(ctx context.Context) (int, error) {
 }
 
 func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
-	lrows, err := tx.Query(ctx, r.q.lanes, r.lockKey, r.cfg.LanesPerBatch)
-	if err != nil {
-		return 0, fmt.Errorf("forwarder: take lanes: %w", err)
+	// The batch's commit need not wait for its WAL to reach disk: a
+	// delete lost in a server crash only publishes its rows again, which
+	// the consumers' inboxes absorb, and the writers' commits no longer
+	// queue behind the relay's. Sent with the take, in one round trip.
+	b := &pgx.Batch{}
+	b.Queue(`SET LOCAL synchronous_commit TO off`)
+	b.Queue(r.q.take, r.lockKey, r.cfg.LanesPerBatch, r.cfg.BatchSize)
+	br := tx.SendBatch(ctx, b)
+	defer br.Close()
+	if _, err := br.Exec(); err != nil {
+		return 0, fmt.Errorf("forwarder: take rows: %w", err)
 	}
-	taken, err := pgx.CollectRows(lrows, pgx.RowTo[int32])
-	if err != nil {
-		return 0, fmt.Errorf("forwarder: take lanes: %w", err)
-	}
-	if len(taken) == 0 {
-		return 0, nil
-	}
-	rows, err := tx.Query(ctx, r.q.take, taken, r.cfg.BatchSize)
+	rows, err := br.Query()
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: take rows: %w", err)
 	}
@@ -415,7 +421,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer stopDrain()
 
 	var (
-		wait    time.Duration // after an empty look
+		wait    time.Duration // after an empty look; zero after rows
 		backoff = r.cfg.MinBackoff
 		stall   stallWatch
 	)
@@ -432,6 +438,12 @@ func (r *Relay) Run(ctx context.Context) error {
 		case n > 0:
 			backoff, wait = r.cfg.MinBackoff, 0
 			stall.reset()
+			if n < r.cfg.BatchSize {
+				// The backlog is gone: let the next rows gather for a
+				// moment rather than take them one batch each, which
+				// would cost the writers more than it saves in latency.
+				sleep(ctx, r.cfg.MinPollInterval)
+			}
 			continue
 		}
 		r.watchStall(ctx, &stall)
@@ -462,7 +474,9 @@ type stallWatch struct {
 	since, checked, warned time.Time
 }
 
-func (s *stallWatch) reset() { *s = stallWatch{} }
+// reset forgets a stall; the time of the last check stays, so that
+// checks keep their pace.
+func (s *stallWatch) reset() { s.since, s.warned = time.Time{}, time.Time{} }
 
 // watchStall, while the relay finds nothing to publish, checks now and
 // then whether rows wait on an open transaction and logs the transaction
@@ -472,7 +486,7 @@ func (r *Relay) watchStall(ctx context.Context, s *stallWatch) {
 		return
 	}
 	now := time.Now()
-	if now.Sub(s.checked) < r.cfg.StallWarning/4 {
+	if now.Sub(s.checked) < r.cfg.StallWarning/2 {
 		return
 	}
 	s.checked = now
