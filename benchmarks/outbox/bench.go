@@ -28,6 +28,7 @@ import (
 const (
 	systemOurs  = "oncemill relay"
 	systemStock = "Watermill forwarder"
+	systemRaw   = "raw relay"
 	brokerGo    = "GoChannel"
 	brokerKafka = "Kafka (embedded)"
 	txSize      = 50 // events per transaction when pre-writing
@@ -84,44 +85,100 @@ type system interface {
 	cleanup(ctx context.Context) error
 }
 
-// Run runs every scenario selected by cfg and returns their results.
-func Run(ctx context.Context, cfg Config) ([]Result, error) {
-	if cfg.Out == nil {
-		cfg.Out = io.Discard
-	}
-	if len(cfg.Systems) == 0 {
-		cfg.Systems = []string{systemOurs, systemStock}
-	}
-	if len(cfg.Instances) == 0 {
-		cfg.Instances = []int{1, 4}
-	}
-	if len(cfg.Brokers) == 0 {
-		cfg.Brokers = []string{brokerGo, brokerKafka}
-	}
+// Report is everything one run measured; a stage that did not run leaves
+// its field empty.
+type Report struct {
+	// Relay compares oncemill's relay with Watermill's forwarder:
+	// throughput and latency per scenario.
+	Relay []Result
+	// Floor sets the relay against the raw relay.
+	Floor []FloorResult
+	// Writers is the writer throughput, outbox against baseline.
+	Writers []WriterResult
+	// Idle is the idle relay's statement rate; nil when not measured.
+	Idle *IdleResult
+	// Triggers lists the user triggers of a freshly migrated outbox
+	// table, "" when it has none.
+	Triggers string
+}
+
+// Run runs every stage and scenario selected by cfg and returns their
+// results.
+func Run(ctx context.Context, cfg Config) (Report, error) {
+	var rep Report
+	cfg = cfg.withDefaults()
 	pcfg, err := pgxpool.ParseConfig(cfg.DSN)
 	if err != nil {
-		return nil, fmt.Errorf("parse DSN: %w", err)
+		return rep, fmt.Errorf("parse DSN: %w", err)
 	}
 	pcfg.MaxConns = 32
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect: %w", err)
+		return rep, fmt.Errorf("connect: %w", err)
 	}
 	defer pool.Close()
 	if err := pool.Ping(ctx); err != nil {
-		return nil, fmt.Errorf("ping PostgreSQL: %w", err)
+		return rep, fmt.Errorf("ping PostgreSQL: %w", err)
 	}
 	e := &env{cfg: cfg, pool: pool}
 	e.logger = errorLogger{out: cfg.Out, quiet: &e.quiet}
-	if slices.Contains(cfg.Brokers, brokerKafka) {
+	if rep.Triggers, err = e.outboxTriggers(ctx); err != nil {
+		return rep, err
+	}
+	fmt.Fprintf(cfg.Out, "outbox table triggers: %q\n", rep.Triggers)
+	if slices.Contains(cfg.Brokers, brokerKafka) && (cfg.runs(StageRelay) || cfg.runs(StageFloor)) {
 		kc, err := embedded.Start(embedded.Config{DefaultPartitions: 4})
 		if err != nil {
-			return nil, fmt.Errorf("start embedded Kafka: %w", err)
+			return rep, fmt.Errorf("start embedded Kafka: %w", err)
 		}
 		defer kc.Close()
 		e.kafka = kc
 	}
 
+	if cfg.runs(StageRelay) {
+		if rep.Relay, err = e.relayStage(ctx); err != nil {
+			return rep, err
+		}
+	}
+	if cfg.runs(StageFloor) {
+		if rep.Floor, err = e.floorStage(ctx); err != nil {
+			return rep, fmt.Errorf("raw floor: %w", err)
+		}
+	}
+	if cfg.runs(StageWriters) {
+		if rep.Writers, err = e.writerStage(ctx); err != nil {
+			return rep, fmt.Errorf("writer throughput: %w", err)
+		}
+	}
+	if cfg.runs(StageIdle) {
+		idle, err := e.idleStage(ctx)
+		if err != nil {
+			return rep, fmt.Errorf("idle relay: %w", err)
+		}
+		rep.Idle = &idle
+	}
+	return rep, nil
+}
+
+// outboxTriggers migrates a throwaway schema and lists its outbox table's
+// triggers.
+func (e *env) outboxTriggers(ctx context.Context) (string, error) {
+	o, err := newOurs(ctx, e, randomID())
+	if err != nil {
+		return "", fmt.Errorf("migrate: %w", err)
+	}
+	defer func() {
+		if err := o.cleanup(context.WithoutCancel(ctx)); err != nil {
+			e.logger.Error("drop schema", err, nil)
+		}
+	}()
+	return tableTriggers(ctx, e.pool, o.names().Outbox)
+}
+
+// relayStage runs every scenario of the config: throughput and latency of
+// each system, instance count and broker.
+func (e *env) relayStage(ctx context.Context) ([]Result, error) {
+	cfg := e.cfg
 	var results []Result
 	for _, sys := range cfg.Systems {
 		for _, n := range cfg.Instances {
@@ -159,6 +216,8 @@ func (e *env) newSystem(ctx context.Context, sc Scenario, id string) (system, er
 		return newOurs(ctx, e, id)
 	case systemStock:
 		return newStock(ctx, e, id)
+	case systemRaw:
+		return newRaw(ctx, e, id)
 	}
 	return nil, fmt.Errorf("unknown system %q", sc.System)
 }

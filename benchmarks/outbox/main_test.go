@@ -31,19 +31,22 @@ func TestSmoke(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 
 	var out strings.Builder
-	results, err := Run(ctx, Config{
+	cfg := Config{
 		DSN: dsn, NOurs: 200, NStock: 200, Rate: 200,
 		Duration: 500 * time.Millisecond, Drain: 5 * time.Second, Timeout: 20 * time.Second,
 		Instances: []int{1}, Brokers: []string{brokerGo}, Out: &out,
-	})
+		WriterCounts: []int{2}, WriterRelays: []int{0, 1}, WriterRound: 200 * time.Millisecond, WriterRepeats: 1,
+		Idle: 500 * time.Millisecond,
+	}
+	rep, err := Run(ctx, cfg)
 	t.Log(out.String())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(results) != 2 {
-		t.Fatalf("got %d results, want 2", len(results))
+	if len(rep.Relay) != 2 {
+		t.Fatalf("got %d results, want 2", len(rep.Relay))
 	}
-	for _, r := range results {
+	for _, r := range rep.Relay {
 		if r.Delivered != r.N || r.TimedOut {
 			t.Errorf("%s: throughput run delivered %d of %d", r.Scenario, r.Delivered, r.N)
 		}
@@ -51,16 +54,45 @@ func TestSmoke(t *testing.T) {
 			t.Errorf("%s: latency run: %d of %d arrived", r.Scenario, r.LatArrived, r.Sent)
 		}
 	}
-	table := Markdown(results, Config{})
-	if !strings.Contains(table, "| oncemill relay | 1 | GoChannel |") {
-		t.Errorf("table lacks oncemill's row:\n%s", table)
+	if len(rep.Floor) != 1 {
+		t.Fatalf("got %d floor results, want 1", len(rep.Floor))
+	}
+	for _, r := range []Result{rep.Floor[0].Raw, rep.Floor[0].Relay} {
+		if r.Delivered != r.N || r.TimedOut {
+			t.Errorf("floor %s: delivered %d of %d", r.Scenario, r.Delivered, r.N)
+		}
+	}
+	if len(rep.Writers) != 3 {
+		t.Fatalf("got %d writer results, want 3", len(rep.Writers))
+	}
+	for i, want := range []string{drainNone, drainRelay, drainRaw} {
+		if got := rep.Writers[i].Drain; got != want {
+			t.Errorf("writer cell %d: drain %q, want %q", i, got, want)
+		}
+	}
+	for _, w := range rep.Writers {
+		if w.BaselineTPS <= 0 || w.OutboxTPS <= 0 {
+			t.Errorf("writers %d, %s: baseline %.0f tx/s, outbox %.0f tx/s", w.Writers, w.drainers(), w.BaselineTPS, w.OutboxTPS)
+		}
+		if w.Relays > 0 && w.RelayQPS <= 0 {
+			t.Errorf("writers %d, %s: no drainer statements counted", w.Writers, w.drainers())
+		}
+	}
+	if rep.Idle == nil || rep.Idle.Statements == 0 {
+		t.Errorf("idle relay: %+v, want some statements", rep.Idle)
+	}
+	table := Markdown(rep, cfg.withDefaults())
+	for _, want := range []string{"| oncemill relay | 1 | GoChannel |", "| GoChannel | 1 | 200 |", "| 2 | 1 |", "| 2 | 1 (SKIP LOCKED floor) |", "with 1 raw SKIP LOCKED workers", "### Idle relay"} {
+		if !strings.Contains(table, want) {
+			t.Errorf("table lacks %q:\n%s", want, table)
+		}
 	}
 
 	readme := t.TempDir() + "/README.md"
 	if err := os.WriteFile(readme, []byte("# Benchmarks\n\n## Outbox relay\n\nold\n\n## Other\n\nkept\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := UpdateReadme(readme, Section("note", table, Config{})); err != nil {
+	if err := UpdateReadme(readme, Section("note", table, rep, Config{})); err != nil {
 		t.Fatal(err)
 	}
 	b, _ := os.ReadFile(readme)

@@ -10,14 +10,14 @@ import (
 	wforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
 // ours is oncemill's outbox: rows written by forwarder.TxPublisher, relayed
-// by forwarder.Relay with its defaults (BatchSize 500, LanesPerBatch 16,
-// PollInterval 5s, woken by LISTEN/NOTIFY).
+// by forwarder.Relay with its defaults.
 type ours struct {
 	e      *env
 	schema sqlschema.Config
@@ -42,11 +42,22 @@ func (o *ours) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*messa
 	return p.Close()
 }
 
+// names returns the quoted names of o's tables.
+func (o *ours) names() sqlschema.Names {
+	return sqlschema.NamesFor(sqlschema.Postgres, o.schema.WithDefaults())
+}
+
 func (o *ours) start(ctx context.Context, n int, pub message.Publisher) (func() error, error) {
+	return o.startOn(ctx, o.e.pool, n, pub)
+}
+
+// startOn starts n relays on pool publishing to pub; the function it
+// returns stops them and waits for them.
+func (o *ours) startOn(ctx context.Context, pool *pgxpool.Pool, n int, pub message.Publisher) (func() error, error) {
 	relays := make([]*forwarder.Relay, n)
 	for i := range relays {
 		r, err := forwarder.NewRelay(forwarder.RelayConfig{
-			Pool:      o.e.pool,
+			Pool:      pool,
 			Publisher: pub,
 			Schema:    o.schema,
 			Logger:    o.e.logger,
