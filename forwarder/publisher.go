@@ -15,6 +15,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -28,15 +29,29 @@ var ErrNotForRelay = errors.New("forwarder: the outbox table is read by forwarde
 // ([delivery.PartitionKeyOf], else the UUID). It is a watermill-sql v4
 // publisher bound to the transaction. It starts no goroutines.
 type TxPublisher struct {
-	ctx context.Context
-	pub *wsql.Publisher
+	ctx   context.Context
+	pub   *wsql.Publisher
+	hooks observe.Hooks
+}
+
+// TxOption configures a [TxPublisher] (and [InboxOutbox]).
+type TxOption func(*txOptions)
+
+type txOptions struct{ hooks []observe.Hook }
+
+// WithHooks gives the publisher hooks that see each event before it is
+// written (observe.MessageOutHook, with the writer's context): a trace
+// hook puts the writer's trace context into the event's metadata, so that
+// the trace goes on through the relay to the consumers.
+func WithHooks(hooks ...observe.Hook) TxOption {
+	return func(o *txOptions) { o.hooks = append(o.hooks, hooks...) }
 }
 
 // NewTxPublisher returns a publisher that writes into tx. Its inserts run
 // with ctx, not with the messages' contexts (watermill-sql uses the first
 // message's context, and a message's context may already be cancelled).
 // cfg names the outbox table, as given to [sqlschema.Migrate].
-func NewTxPublisher(ctx context.Context, tx pgx.Tx, cfg sqlschema.Config) (*TxPublisher, error) {
+func NewTxPublisher(ctx context.Context, tx pgx.Tx, cfg sqlschema.Config, opts ...TxOption) (*TxPublisher, error) {
 	if tx == nil {
 		return nil, errors.New("forwarder: NewTxPublisher: tx is nil")
 	}
@@ -51,7 +66,11 @@ func NewTxPublisher(ctx context.Context, tx pgx.Tx, cfg sqlschema.Config) (*TxPu
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
-	return &TxPublisher{ctx: context.WithoutCancel(ctx), pub: pub}, nil
+	var o txOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	return &TxPublisher{ctx: context.WithoutCancel(ctx), pub: pub, hooks: observe.New(o.hooks...)}, nil
 }
 
 // Publish writes msgs to topic as outbox rows in the transaction.
@@ -63,6 +82,7 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for i, m := range msgs {
 		c := m.Copy()
 		c.SetContext(p.ctx)
+		p.hooks.MessageOut(p.ctx, observe.OutOutboxWrite, c)
 		copies[i] = c
 	}
 	if err := p.pub.Publish(topic, copies...); err != nil {
@@ -121,13 +141,13 @@ func (outboxSchema) SubscribeIsolationLevel() stdsql.IsolationLevel { return std
 // writes a handler's produced messages to topic as outbox rows in the
 // inbox's PostgreSQL transaction (the one postgres.Tx returns), so that the
 // effect and the events it causes commit together.
-func InboxOutbox(topic string, cfg sqlschema.Config) func(ctx context.Context, produced []*message.Message) error {
+func InboxOutbox(topic string, cfg sqlschema.Config, opts ...TxOption) func(ctx context.Context, produced []*message.Message) error {
 	return func(ctx context.Context, produced []*message.Message) error {
 		tx := postgres.Tx(ctx)
 		if tx == nil {
 			return errors.New("forwarder: InboxOutbox: no PostgreSQL transaction in the context; use it with a postgres.Store inbox")
 		}
-		pub, err := NewTxPublisher(ctx, tx, cfg)
+		pub, err := NewTxPublisher(ctx, tx, cfg, opts...)
 		if err != nil {
 			return err
 		}

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -67,6 +68,15 @@ type RelayConfig struct {
 	// transaction holds them back (see [Lag]); it logs again every
 	// StallWarning while the stall lasts. Defaults to 10s.
 	StallWarning time.Duration
+	// Hooks are told of each batch that took rows or failed
+	// (observe.RelayHook), of the backlog every LagInterval
+	// (observe.OutboxLagHook), and see each row's message before it is
+	// published (observe.MessageOutHook), which is where a trace hook
+	// starts the relay's span and carries the trace on.
+	Hooks []observe.Hook
+	// LagInterval is how often the relay measures its backlog for the
+	// lag hooks (one count of the table). Defaults to 5s.
+	LagInterval time.Duration
 	// Logger receives failed batches and stalls. Defaults to
 	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
@@ -97,6 +107,9 @@ func (c *RelayConfig) setDefaults() {
 	if c.StallWarning == 0 {
 		c.StallWarning = 10 * time.Second
 	}
+	if c.LagInterval == 0 {
+		c.LagInterval = 5 * time.Second
+	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
@@ -124,6 +137,8 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("forwarder: RelayConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
 	case c.StallWarning < 0:
 		return fmt.Errorf("forwarder: RelayConfig.StallWarning must not be negative, got %s", c.StallWarning)
+	case c.LagInterval < 0:
+		return fmt.Errorf("forwarder: RelayConfig.LagInterval must not be negative, got %s", c.LagInterval)
 	}
 	return c.Schema.Validate()
 }
@@ -149,6 +164,7 @@ func (c RelayConfig) Validate() error {
 // rows go out in id order, whichever committed first.
 type Relay struct {
 	cfg     RelayConfig
+	hooks   observe.Hooks
 	names   sqlschema.Names
 	lockKey int32
 	q       relayQueries
@@ -176,6 +192,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	xmin := `pg_snapshot_xmin(pg_current_snapshot())`
 	return &Relay{
 		cfg:     cfg,
+		hooks:   observe.New(cfg.Hooks...),
 		names:   names,
 		lockKey: int32(h.Sum32()),
 		q: relayQueries{
@@ -306,6 +323,15 @@ type row struct {
 // RelayBatch publishes one batch and deletes its rows, in one transaction:
 // if publishing fails the rows stay. It returns how many rows it published.
 func (r *Relay) RelayBatch(ctx context.Context) (int, error) {
+	began := time.Now()
+	n, err := r.relayBatch(ctx)
+	if n > 0 || err != nil {
+		r.hooks.RelayBatch(ctx, observe.RelayBatch{Outbox: r.names.Outbox, Rows: n, Duration: time.Since(began), Err: err})
+	}
+	return n, err
+}
+
+func (r *Relay) relayBatch(ctx context.Context) (int, error) {
 	tx, err := r.cfg.Pool.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: begin: %w", err)
@@ -376,6 +402,7 @@ func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
 				m.Metadata.Set(k, v)
 			}
 			m.SetContext(ctx)
+			r.hooks.MessageOut(ctx, observe.OutRelay, m)
 			msgs = append(msgs, m)
 		}
 		if err := r.cfg.Publisher.Publish(batch[start].topic, msgs...); err != nil {
@@ -424,8 +451,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		wait    time.Duration // after an empty look; zero after rows
 		backoff = r.cfg.MinBackoff
 		stall   stallWatch
+		lagAt   time.Time
 	)
 	for ctx.Err() == nil {
+		if r.hooks.ObservesLag() && time.Since(lagAt) >= r.cfg.LagInterval {
+			lagAt = time.Now()
+			r.reportLag(ctx)
+		}
 		n, err := r.poll(batchCtx, wait > 0)
 		switch {
 		case err != nil && ctx.Err() == nil:
@@ -451,6 +483,18 @@ func (r *Relay) Run(ctx context.Context) error {
 		sleep(ctx, wait)
 	}
 	return nil
+}
+
+// reportLag measures the backlog and tells the lag hooks.
+func (r *Relay) reportLag(ctx context.Context) {
+	lag, err := r.Lag(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			r.cfg.Logger.Error("Outbox lag not measured", err, nil)
+		}
+		return
+	}
+	r.hooks.OutboxLag(ctx, observe.OutboxLag{Outbox: r.names.Outbox, Pending: lag.Pending, Waiting: lag.Waiting, OldestAge: lag.OldestAge})
 }
 
 // poll runs one batch; after an empty look (probe), it first looks for

@@ -14,6 +14,8 @@ import (
 	"github.com/bits-and-blooms/bloom/v3"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/observe"
 )
 
 // BloomConfig configures a [Bloom] prefilter.
@@ -39,6 +41,11 @@ type BloomConfig struct {
 	Window time.Duration
 	// Logger receives store errors (the message then goes on to the inbox,
 	// which decides). Defaults to watermill.NopLogger.
+	// Hooks are told of every check (observe.BloomHook: surely new,
+	// false positive), and of each duplicate the prefilter answers itself
+	// (observe.InboxHook, outcome duplicate), so that with the same hooks
+	// on the inbox a duplicate is counted once whichever answered it.
+	Hooks  []observe.Hook
 	Logger watermill.LoggerAdapter
 }
 
@@ -110,10 +117,11 @@ type BloomStats struct {
 // before a rotation the rate of false positives approaches twice the
 // target. It starts no goroutines; rotation happens on the message path.
 type Bloom struct {
-	cfg BloomConfig
-	m   uint // bits per generation
-	k   uint // hash functions
-	now func() time.Time
+	cfg   BloomConfig
+	hooks observe.Hooks
+	m     uint // bits per generation
+	k     uint // hash functions
+	now   func() time.Time
 
 	mu        sync.RWMutex
 	cur, prev *bloom.BloomFilter
@@ -131,7 +139,7 @@ func NewBloom(cfg BloomConfig) (*Bloom, error) {
 		return nil, err
 	}
 	m, k := bloom.EstimateParameters(cfg.ExpectedKeys, cfg.FalsePositiveRate)
-	b := &Bloom{cfg: cfg, m: m, k: k, now: time.Now}
+	b := &Bloom{cfg: cfg, hooks: observe.New(cfg.Hooks...), m: m, k: k, now: time.Now}
 	b.cur, b.prev = bloom.New(m, k), bloom.New(m, k)
 	b.rotateAt = b.now().Add(cfg.Window)
 	return b, nil
@@ -196,28 +204,55 @@ func (b *Bloom) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		e := entry(consumer, key)
 		if !b.test(e) {
 			b.surelyNew.Add(1)
+			b.report(msg, consumer, true, false)
 			return b.run(h, msg, e)
 		}
 		b.maybeSeen.Add(1)
+		began := time.Now()
 		claim, err := b.cfg.Store.InboxPeek(msg.Context(), dedup.Key{Consumer: consumer, Key: key})
 		if err != nil {
+			b.report(msg, consumer, false, false)
 			b.cfg.Logger.Error("Bloom prefilter: store read failed, passing to the inbox", err,
 				watermill.LogFields{"message_uuid": msg.UUID, "consumer": consumer, "key": key})
 			return b.run(h, msg, e)
 		}
 		if claim.State != dedup.StateDone {
-			if claim.State == dedup.StateNew {
+			falsePositive := claim.State == dedup.StateNew
+			if falsePositive {
 				b.falsePositives.Add(1)
 			}
+			b.report(msg, consumer, false, falsePositive)
 			return b.run(h, msg, e) // the inbox answers a dead or in-flight key
 		}
+		b.report(msg, consumer, false, false)
 		produced, err := decodeResult(claim.Result)
 		if err != nil {
 			return nil, Permanent(fmt.Errorf("consumer %q key %q: %w", consumer, key, err))
 		}
 		b.duplicates.Add(1)
+		if b.hooks.ObservesInbox() {
+			b.hooks.InboxAttempt(msg.Context(), observe.InboxAttempt{
+				Consumer: consumer, Topic: topicOf(msg), Outcome: observe.Duplicate, Store: time.Since(began),
+			})
+		}
 		return produced, nil
 	}
+}
+
+// report tells the hooks of one check.
+func (b *Bloom) report(msg *message.Message, consumer string, surelyNew, falsePositive bool) {
+	b.hooks.BloomCheck(msg.Context(), observe.BloomCheck{
+		Consumer: consumer, Topic: topicOf(msg), SurelyNew: surelyNew, FalsePositive: falsePositive,
+	})
+}
+
+// topicOf is the topic a message came from: the adapter's metadata, else
+// the router's.
+func topicOf(msg *message.Message) string {
+	if t := msg.Metadata.Get(delivery.Topic); t != "" {
+		return t
+	}
+	return message.SubscribeTopicFromCtx(msg.Context())
 }
 
 // run calls h and remembers the key once its effect is done.

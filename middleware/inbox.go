@@ -12,6 +12,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/observe"
 )
 
 // InboxConfig configures an [Inbox]. Exactly one of TxStore and LeaseStore
@@ -82,8 +83,14 @@ type InboxConfig struct {
 	// forwarder.InboxOutbox for the PostgreSQL outbox.
 	Outbox func(ctx context.Context, produced []*message.Message) error
 
-	// Logger receives a line for every duplicate dropped. Defaults to
-	// watermill.NopLogger.
+	// Hooks receive each delivery's outcome and timings
+	// (observe.InboxHook) and trace its steps (observe.InboxTraceHook):
+	// observe/prom and observe/tracing implement them. The inbox measures
+	// times only when a hook wants them.
+	Hooks []observe.Hook
+
+	// Logger receives a line for every duplicate dropped (at Debug),
+	// failures and state changes. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
 
@@ -164,7 +171,8 @@ type InboxStats struct {
 // Inbox is a router middleware that applies each message key's effect
 // exactly once per consumer. It starts no goroutines.
 type Inbox struct {
-	cfg InboxConfig
+	cfg   InboxConfig
+	hooks observe.Hooks
 
 	applied, duplicates, inFlight, failed         atomic.Int64
 	panicked, abandonedN, crashLooped, deadCopies atomic.Int64
@@ -177,7 +185,7 @@ func NewInbox(cfg InboxConfig) (*Inbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Inbox{cfg: cfg}, nil
+	return &Inbox{cfg: cfg, hooks: observe.New(cfg.Hooks...)}, nil
 }
 
 // Stats returns the inbox's counters.
@@ -231,19 +239,93 @@ func withToken(ctx context.Context, token int64) context.Context {
 // recorded as a failed attempt and returned, so that the message is nacked.
 func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		key, err := in.keyOf(msg)
-		if err != nil {
-			return nil, err
+		if !in.hooks.ObservesInbox() {
+			var o attemptObs
+			return in.handle(msg, h, &o)
 		}
-		if slot := slotOf(msg.Context()); slot != nil {
-			// The poison middleware in front dead-letters through this
-			// inbox, with its key and consumer.
-			slot.inbox, slot.key = in, key
+		return in.observed(msg, h)
+	}
+}
+
+// handle runs one delivery through the inbox; o gathers what the hooks are
+// told.
+func (in *Inbox) handle(msg *message.Message, h message.HandlerFunc, o *attemptObs) ([]*message.Message, error) {
+	key, err := in.keyOf(msg)
+	if err != nil {
+		o.outcome = observe.Rejected
+		return nil, err
+	}
+	o.consumer = key.Consumer
+	if slot := slotOf(msg.Context()); slot != nil {
+		// The poison middleware in front dead-letters through this
+		// inbox, with its key and consumer.
+		slot.inbox, slot.key = in, key
+	}
+	if in.cfg.TxStore != nil {
+		return in.handleTx(msg, key, h, false, o)
+	}
+	return in.handleLease(msg, key, h, false, o)
+}
+
+// observed is handle with the hooks told: the trace hooks start the
+// attempt's span before it and every hook gets its outcome and times
+// after.
+func (in *Inbox) observed(msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
+	began := time.Now()
+	base := msg.Context()
+	topic := msg.Metadata.Get(delivery.Topic)
+	if topic == "" {
+		topic = message.SubscribeTopicFromCtx(base)
+	}
+	consumer := in.cfg.Consumer
+	if consumer == "" {
+		consumer = message.HandlerNameFromCtx(base)
+	}
+	ctx := in.hooks.StartInboxAttempt(base, consumer, topic, msg)
+	msg.SetContext(ctx)
+	o := attemptObs{hooks: &in.hooks, consumer: consumer}
+	produced, err := in.handle(msg, h, &o)
+	msg.SetContext(base)
+	if o.outcome == "" {
+		switch {
+		case err == nil:
+			o.outcome = observe.Applied
+		case IsInfrastructure(err):
+			o.outcome = observe.Unavailable
+		default:
+			o.outcome = observe.Failed
 		}
-		if in.cfg.TxStore != nil {
-			return in.handleTx(msg, key, h, false)
-		}
-		return in.handleLease(msg, key, h, false)
+	}
+	in.hooks.InboxAttempt(ctx, observe.InboxAttempt{
+		Consumer: o.consumer, Topic: topic, Outcome: o.outcome,
+		Handler: o.handler, Store: max(time.Since(began)-o.handler, 0), Err: err,
+	})
+	return produced, err
+}
+
+// attemptObs is what one delivery tells the hooks: set where the inbox
+// counts the outcome. With no hooks it costs a few stores on the stack.
+type attemptObs struct {
+	hooks    *observe.Hooks // nil: no hook observes
+	consumer string
+	outcome  observe.Outcome
+	handler  time.Duration
+	panicked bool
+}
+
+// failed notes a failed attempt: panicked when the handler panicked.
+func (o *attemptObs) failed(error) {
+	if o.panicked {
+		o.outcome = observe.Panicked
+		return
+	}
+	o.outcome = observe.Failed
+}
+
+// step reports a step of the attempt to the trace hooks.
+func (o *attemptObs) step(ctx context.Context, s observe.Step) {
+	if o.hooks != nil {
+		o.hooks.InboxStep(ctx, s)
 	}
 }
 
@@ -262,7 +344,7 @@ func (in *Inbox) keyOf(msg *message.Message) (dedup.Key, error) {
 	return dedup.Key{Consumer: consumer, Key: k}, nil
 }
 
-func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool) ([]*message.Message, error) {
+func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	var start dedup.Claim
 	if !in.cfg.SkipAttemptRecord {
@@ -272,11 +354,11 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		}
 		switch start.State {
 		case dedup.StateDone:
-			return in.duplicate(msg, key, start)
+			return in.duplicate(msg, key, start, o)
 		case dedup.StateDead:
-			return in.deadCopy(msg, key, h, reopened)
+			return in.deadCopy(msg, key, h, reopened, o)
 		}
-		if err := in.crashLoop(msg, key, start); err != nil {
+		if err := in.crashLoop(msg, key, start, o); err != nil {
 			return nil, err
 		}
 	}
@@ -284,7 +366,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	// the handler to its end through the message's own fault (shutdown,
 	// another holder, the infrastructure) takes the count back.
 	for try := 1; ; try++ {
-		produced, err := in.attemptTx(msg, key, h, start)
+		produced, err := in.attemptTx(msg, key, h, start, o)
 		if !errors.Is(err, dedup.ErrConflict) {
 			return produced, err
 		}
@@ -308,7 +390,7 @@ const (
 // attemptTx runs one transaction of an attempt: claim, handler, commit. An
 // error wrapping dedup.ErrConflict leaves the attempt's count for the
 // caller, which runs it again.
-func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, start dedup.Claim) ([]*message.Message, error) {
+func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	store := in.cfg.TxStore
 	tx, err := store.InboxBegin(base)
@@ -331,22 +413,23 @@ func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.Handle
 		if err := in.rollback(base, tx); err != nil {
 			return nil, err
 		}
-		return in.duplicate(msg, key, claim)
+		return in.duplicate(msg, key, claim, o)
 	case dedup.StateDead:
 		if err := in.rollback(base, tx); err != nil {
 			return nil, err
 		}
-		return in.deadCopy(msg, key, h, true)
+		return in.deadCopy(msg, key, h, true, o)
 	case dedup.StateInFlight:
 		// A store with a lock in front of its record (two-tier) answers
 		// this when another delivery holds the key right now.
 		if err := in.unstart(base, key, in.rollback(base, tx)); err != nil {
 			return nil, err
 		}
-		return in.awaitInFlight(msg, key, claim)
+		return in.awaitInFlight(msg, key, claim, o)
 	}
+	o.step(base, observe.StepClaimed)
 
-	produced, err := in.run(tx.WithTx(base), msg, key, h)
+	produced, err := in.run(tx.WithTx(base), msg, key, h, o)
 
 	// The handler has returned: what it did is committed, or rolled back
 	// and recorded, even if the consumer is shutting down meanwhile.
@@ -365,6 +448,8 @@ func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.Handle
 		if err == nil {
 			if err = tx.Commit(finish); err == nil {
 				in.applied.Add(1)
+				o.outcome = observe.Applied
+				o.step(base, observe.StepCommitted)
 				return produced, nil
 			}
 		}
@@ -372,7 +457,7 @@ func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.Handle
 	err = errors.Join(in.classify(err), in.rollback(finish, tx))
 	switch {
 	case stopping(base):
-		return nil, in.abandoned(finish, msg, key, err)
+		return nil, in.abandoned(finish, msg, key, err, o)
 	case errors.Is(err, dedup.ErrConflict):
 		return nil, err
 	case IsInfrastructure(err):
@@ -380,9 +465,11 @@ func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.Handle
 		// is unknown (its redelivery finds the key done, or applies it
 		// once). Not counted.
 		in.infra.Add(1)
+		o.outcome = observe.Unavailable
 		return nil, in.unstart(finish, key, err)
 	}
 	in.failed.Add(1)
+	o.failed(err)
 	f := dedup.Failure{Err: err.Error(), At: time.Now()}
 	failErr := store.InboxFail(finish, key, f, in.cfg.Window)
 	return nil, attempted(errors.Join(err, failErr), dedup.Claim{Attempts: start.Attempts, FirstFailedAt: claim.FirstFailedAt}, f.At)
@@ -398,7 +485,7 @@ func (in *Inbox) classify(err error) error {
 	return err
 }
 
-func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool) ([]*message.Message, error) {
+func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	store := in.cfg.LeaseStore
 	claim, err := store.LeaseClaim(base, key, in.cfg.Lease, in.cfg.Window)
@@ -407,13 +494,13 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	}
 	switch claim.State {
 	case dedup.StateDone:
-		return in.duplicate(msg, key, claim)
+		return in.duplicate(msg, key, claim, o)
 	case dedup.StateDead:
-		return in.deadCopy(msg, key, h, reopened)
+		return in.deadCopy(msg, key, h, reopened, o)
 	case dedup.StateInFlight:
-		return in.awaitInFlight(msg, key, claim)
+		return in.awaitInFlight(msg, key, claim, o)
 	}
-	if err := in.crashLoop(msg, key, claim); err != nil {
+	if err := in.crashLoop(msg, key, claim, o); err != nil {
 		// Free the key for the dead-lettering, which claims it again.
 		finish, cancel := in.finishContext(base)
 		defer cancel()
@@ -421,8 +508,9 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 		return nil, errors.Join(err, ignoreLost(store.LeaseRelease(finish, key, claim.Token, f)))
 	}
 
+	o.step(base, observe.StepClaimed)
 	held, release := in.holdLease(base, key, claim)
-	produced, err := in.run(withToken(held, claim.Token), msg, key, h)
+	produced, err := in.run(withToken(held, claim.Token), msg, key, h, o)
 	lost := release()
 
 	finish, cancel := in.finishContext(base)
@@ -436,6 +524,8 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 			result, rerr := encodeResult(produced)
 			if rerr == nil && in.complete(finish, key, claim.Token, result) == nil {
 				in.applied.Add(1)
+				o.outcome = observe.Applied
+				o.step(base, observe.StepCommitted)
 				return produced, nil
 			}
 		}
@@ -444,9 +534,10 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	if err != nil {
 		if stopping(base) {
 			relErr := ignoreLost(store.LeaseRelease(finish, key, claim.Token, dedup.Failure{Abandoned: true}))
-			return nil, in.abandoned(finish, msg, key, errors.Join(err, relErr))
+			return nil, in.abandoned(finish, msg, key, errors.Join(err, relErr), o)
 		}
 		in.failed.Add(1)
+		o.failed(err)
 		f := dedup.Failure{Err: err.Error(), At: time.Now()}
 		relErr := store.LeaseRelease(finish, key, claim.Token, f)
 		return nil, attempted(errors.Join(err, relErr), claim, f.At)
@@ -461,6 +552,8 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 		return nil, err
 	}
 	in.applied.Add(1)
+	o.outcome = observe.Applied
+	o.step(base, observe.StepCommitted)
 	return produced, nil
 }
 
@@ -469,12 +562,13 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 // counts them) started and none finished: their process died in them, or
 // their dead-lettering failed. The error makes the poison middleware
 // dead-letter the message at once.
-func (in *Inbox) crashLoop(msg *message.Message, key dedup.Key, c dedup.Claim) error {
+func (in *Inbox) crashLoop(msg *message.Message, key dedup.Key, c dedup.Claim, o *attemptObs) error {
 	slot := slotOf(msg.Context())
 	if slot == nil || slot.maxAttempts < 1 || c.Attempts <= slot.maxAttempts {
 		return nil
 	}
 	in.crashLooped.Add(1)
+	o.outcome = observe.CrashLoop
 	ran := c.Attempts - 1
 	err := Permanent(fmt.Errorf("%w: consumer %q key %q: the last %d attempts all died or failed before they finished (a process killed mid-handler leaves no error of its own)", ErrCrashLoop, key.Consumer, key.Key, ran))
 	in.cfg.Logger.Error("Message stops every attempt, dead-lettering it without running the handler", err, logFields(msg, key).Add(watermill.LogFields{"attempts": ran}))
@@ -483,8 +577,9 @@ func (in *Inbox) crashLoop(msg *message.Message, key dedup.Key, c dedup.Claim) e
 
 // abandoned reports an attempt cut short by the consumer shutting down: it
 // is not counted, so that deploys never push a message toward the DLQ.
-func (in *Inbox) abandoned(ctx context.Context, msg *message.Message, key dedup.Key, err error) error {
+func (in *Inbox) abandoned(ctx context.Context, msg *message.Message, key dedup.Key, err error, o *attemptObs) error {
 	in.abandonedN.Add(1)
+	o.outcome = observe.Abandoned
 	if in.cfg.TxStore != nil && !in.cfg.SkipAttemptRecord {
 		if uerr := in.cfg.TxStore.InboxUnstart(ctx, key); uerr != nil {
 			err = errors.Join(err, uerr)
@@ -538,7 +633,7 @@ func (in *Inbox) callOutbox(ctx context.Context, produced []*message.Message) (e
 // and counted on the key's record: its message already sits in the
 // dead-letter queue, and running it could apply an effect that an
 // operator is compensating by hand.
-func (in *Inbox) deadCopy(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool) ([]*message.Message, error) {
+func (in *Inbox) deadCopy(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool, o *attemptObs) ([]*message.Message, error) {
 	ctx := msg.Context()
 	store := in.graveyard()
 	if !reopened && msg.Metadata.Get(delivery.Replay) != "" {
@@ -547,15 +642,16 @@ func (in *Inbox) deadCopy(msg *message.Message, key dedup.Key, h message.Handler
 		}
 		in.cfg.Logger.Info("Dead key reopened for its replay", logFields(msg, key))
 		if in.cfg.TxStore != nil {
-			return in.handleTx(msg, key, h, true)
+			return in.handleTx(msg, key, h, true, o)
 		}
-		return in.handleLease(msg, key, h, true)
+		return in.handleLease(msg, key, h, true, o)
 	}
 	if err := store.InboxDeadCopy(ctx, key); err != nil {
 		in.cfg.Logger.Error("Could not count a copy of a dead key", err, logFields(msg, key))
 	}
 	in.deadCopies.Add(1)
-	in.cfg.Logger.Info("Copy of a dead-lettered key acked without running", logFields(msg, key))
+	o.outcome = observe.Dead
+	in.cfg.Logger.Debug("Copy of a dead-lettered key acked without running", logFields(msg, key))
 	return nil, nil
 }
 
@@ -591,27 +687,38 @@ func (in *Inbox) complete(ctx context.Context, key dedup.Key, token int64, resul
 // error wrapping [ErrPanicked], so that the attempt is rolled back and
 // counted like any failure: Watermill's router would recover it too, but
 // only to nack, and the message would come back forever.
-func (in *Inbox) run(ctx context.Context, msg *message.Message, key dedup.Key, h message.HandlerFunc) (produced []*message.Message, err error) {
+func (in *Inbox) run(ctx context.Context, msg *message.Message, key dedup.Key, h message.HandlerFunc, o *attemptObs) (produced []*message.Message, err error) {
 	orig := msg.Context()
 	msg.SetContext(context.WithValue(ctx, keyCtxKey{}, key.Key))
 	defer msg.SetContext(orig)
+	var began time.Time
+	if o.hooks != nil {
+		began = time.Now()
+	}
 	defer func() {
 		if r := recover(); r != nil {
 			in.panicked.Add(1)
+			o.panicked = true
 			produced, err = nil, panicError(r)
 			in.cfg.Logger.Error("Handler panicked", err, logFields(msg, key))
+		}
+		if o.hooks != nil {
+			o.handler = time.Since(began)
+			o.step(orig, observe.StepHandled)
 		}
 	}()
 	return h(msg)
 }
 
-func (in *Inbox) duplicate(msg *message.Message, key dedup.Key, claim dedup.Claim) ([]*message.Message, error) {
+func (in *Inbox) duplicate(msg *message.Message, key dedup.Key, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	produced, err := decodeResult(claim.Result)
 	if err != nil {
+		o.outcome = observe.Rejected
 		return nil, Permanent(fmt.Errorf("consumer %q key %q: %w", key.Consumer, key.Key, err))
 	}
 	in.duplicates.Add(1)
-	in.cfg.Logger.Info("Duplicate message dropped", logFields(msg, key).Add(watermill.LogFields{
+	o.outcome = observe.Duplicate
+	in.cfg.Logger.Debug("Duplicate message dropped", logFields(msg, key).Add(watermill.LogFields{
 		"attempts":          claim.Attempts,
 		"replayed_messages": len(produced),
 	}))
@@ -625,9 +732,10 @@ func (in *Inbox) duplicate(msg *message.Message, key dedup.Key, claim dedup.Clai
 // finished: then this delivery is a plain duplicate, answered with the
 // stored result and acked. Otherwise it is nacked, never acked: acking it
 // could commit an offset past a message whose effect is not yet durable.
-func (in *Inbox) awaitInFlight(msg *message.Message, key dedup.Key, claim dedup.Claim) ([]*message.Message, error) {
+func (in *Inbox) awaitInFlight(msg *message.Message, key dedup.Key, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	ctx := msg.Context()
 	in.inFlight.Add(1)
+	o.outcome = observe.InFlight
 	wait := in.cfg.InFlightDelay
 	if left := time.Until(claim.Until); left > 0 && left < wait {
 		wait = left
@@ -644,7 +752,7 @@ func (in *Inbox) awaitInFlight(msg *message.Message, key dedup.Key, claim dedup.
 		}
 		if c, err := peeker.InboxPeek(ctx, key); err == nil && c.State == dedup.StateDone {
 			in.inFlight.Add(-1)
-			return in.duplicate(msg, key, c)
+			return in.duplicate(msg, key, c, o)
 		}
 	}
 	return nil, fmt.Errorf("%w: consumer %q key %q is leased until %s", ErrInFlight, key.Consumer, key.Key, claim.Until.Format(time.RFC3339Nano))

@@ -77,7 +77,7 @@ func TestInboxAppliesOnceAndReplaysProducedMessages(t *testing.T) {
 		require.Equal(t, middleware.InboxStats{Applied: 1, Duplicates: 3}, in.Stats())
 
 		dups := 0
-		for _, l := range logs.Captured()[watermill.InfoLogLevel] {
+		for _, l := range logs.Captured()[watermill.DebugLogLevel] {
 			if l.Msg == "Duplicate message dropped" {
 				dups++
 				require.Equal(t, "o-1", l.Fields["key"])

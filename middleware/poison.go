@@ -14,6 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/observe"
 )
 
 // ErrDeadLetter is wrapped by the error a [Poison] middleware returns when
@@ -59,6 +60,11 @@ type PoisonConfig struct {
 	Key KeyFunc
 	// Logger receives a line for every message dead-lettered and every
 	// dead-letter publish that failed. Defaults to watermill.NopLogger.
+	// Hooks are told of every message dead-lettered
+	// (observe.DeadLetterHook, with the reason's class), and see each
+	// dead letter before it is published (observe.MessageOutHook), which
+	// is where a trace hook carries the trace into the copy.
+	Hooks  []observe.Hook
 	Logger watermill.LoggerAdapter
 }
 
@@ -160,7 +166,8 @@ type PoisonStats struct {
 // again, never lost). Later copies of a dead key are acked without
 // running until its dead letter is replayed.
 type Poison struct {
-	cfg PoisonConfig
+	cfg   PoisonConfig
+	hooks observe.Hooks
 
 	retried, deadLettered, deadLetterFailed, panicked, appliedMeanwhile atomic.Int64
 	infrastructure                                                      atomic.Int64
@@ -187,7 +194,7 @@ func NewPoison(cfg PoisonConfig) (*Poison, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Poison{cfg: cfg, local: map[string]localCount{}}, nil
+	return &Poison{cfg: cfg, hooks: observe.New(cfg.Hooks...), local: map[string]localCount{}}, nil
 }
 
 // Stats returns the middleware's counters.
@@ -372,6 +379,7 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	}
 	publish := func(ctx context.Context) error {
 		dead.SetContext(ctx)
+		p.hooks.MessageOut(msg.Context(), observe.OutDeadLetter, dead)
 		return p.cfg.Publisher.Publish(p.cfg.Topic, dead)
 	}
 	var err error
@@ -400,8 +408,26 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	}
 	p.deadLettered.Add(1)
 	p.forget(msg.UUID)
+	p.hooks.DeadLetter(msg.Context(), observe.DeadLetter{Consumer: consumer, Topic: topic, Reason: reasonOf(cause), Attempts: attempts})
 	p.cfg.Logger.Info("Message dead-lettered", fields.Add(watermill.LogFields{"error": cause.Error()}))
 	return nil
+}
+
+// reasonOf classifies why a message was dead-lettered, for the hooks.
+func reasonOf(cause error) observe.Reason {
+	switch {
+	case errors.Is(cause, ErrUndecodable):
+		return observe.ReasonUndecodable
+	case errors.Is(cause, ErrCrashLoop):
+		return observe.ReasonCrashLoop
+	case errors.Is(cause, ErrPanicked):
+		return observe.ReasonPanic
+	case errors.Is(cause, context.DeadlineExceeded):
+		return observe.ReasonDeadline
+	case IsPermanent(cause):
+		return observe.ReasonPermanent
+	}
+	return observe.ReasonError
 }
 
 // sleepCtx waits d or until ctx is done, and reports whether it waited the

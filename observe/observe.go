@@ -3,10 +3,13 @@
 //
 // A hook is any value that implements one or more of the interfaces below.
 // The middlewares (InboxConfig.Hooks, PoisonConfig.Hooks,
-// BloomConfig.Hooks), the outbox (RelayConfig.Hooks, forwarder.WithHooks)
-// and the dead-letter table take a list of hooks and call, for each event,
-// the hooks that implement its interface, in the order given: the shape of
-// franz-go's kgo.Hook. Package observe/prom turns them into Prometheus
+// BloomConfig.Hooks) and the outbox (RelayConfig.Hooks, and
+// forwarder.WithHooks for TxPublisher and InboxOutbox) take a list of
+// hooks and call, for each event, the hooks that implement its interface,
+// in the order given: the shape of franz-go's kgo.Hook. Give the same
+// hooks to the Bloom prefilter and the inbox: a duplicate the prefilter
+// answers is reported as the inbox's, so that it is counted once either
+// way. Package observe/prom turns them into Prometheus
 // metrics and package observe/tracing into OpenTelemetry spans.
 //
 // Hooks are called synchronously on the message's path: they must be
@@ -72,8 +75,9 @@ type InboxAttempt struct {
 	Outcome Outcome
 	// Handler is how long the handler ran; zero when it did not run.
 	Handler time.Duration
-	// Store is the time spent in the store: the attempt record, begin,
-	// claim, complete, commit or rollback.
+	// Store is the time spent in the inbox outside the handler: the
+	// store's statements (attempt record, begin, claim, complete, commit
+	// or rollback) and, for InFlight, the wait for the other delivery.
 	Store time.Duration
 	// Err is the error the delivery ended with, if any.
 	Err error
@@ -192,9 +196,9 @@ type OutboxLagHook interface {
 }
 
 // MessageOutHook sees every message oncemill sends on: an event written to
-// the outbox (ctx is the writer's), a row the relay publishes (ctx carries
-// the row's own trace context, extracted by the hook from the message's
-// metadata if it does so), a dead letter, a replay. It may add metadata,
+// the outbox (ctx is the writer's), a row the relay publishes (ctx is the
+// relay's; the row's own trace context, if any, is in the message's
+// metadata), a dead letter (ctx is the delivery's). It may add metadata,
 // such as trace context; it must not remove any.
 type MessageOutHook interface {
 	OnMessageOut(ctx context.Context, kind Out, msg *message.Message)
@@ -207,6 +211,8 @@ type Out string
 const (
 	OutOutboxWrite Out = "outbox_write"
 	OutRelay       Out = "relay"
-	OutDeadLetter  Out = "dead_letter"
-	OutReplay      Out = "replay"
+	// OutDeadLetter: a dead letter. A replay (dlq.Store.Replay, a
+	// dlq.ReplaySubscriber) rebuilds the message from the dead letter's
+	// metadata, so the trace context put there goes on with it.
+	OutDeadLetter Out = "dead_letter"
 )
