@@ -1,0 +1,45 @@
+package dlq
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Count is how many entries the dead-letter table holds for one consumer
+// and original topic.
+type Count struct {
+	// Consumer is the consumer (handler) that gave up on the entries; ""
+	// for entries whose dead letter did not say.
+	Consumer string `json:"consumer"`
+	// Topic is the topic the entries were consumed from; "" when unknown.
+	Topic string `json:"topic"`
+	// Entries is the number of entries, at least 1.
+	Entries int `json:"entries"`
+	// Oldest is when the oldest of them was written (its DeadAt).
+	Oldest time.Time `json:"oldest"`
+}
+
+// Counts returns the number of entries per consumer and original topic,
+// ordered by consumer then topic; pairs without entries are left out, so
+// an empty table gives none. It reads the whole table in one aggregate
+// query (entries whose replay was requested included, until they are
+// replayed), which is what a metrics collector scrapes: bound it with
+// ctx.
+func (s *Store) Counts(ctx context.Context) ([]Count, error) {
+	rows, err := s.pool.Query(ctx, `SELECT consumer, topic, count(*), min(dead_at) FROM `+s.table+`
+GROUP BY consumer, topic ORDER BY consumer, topic`)
+	if err != nil {
+		return nil, wrap("count by consumer and topic", err)
+	}
+	counts, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Count, error) {
+		var c Count
+		err := row.Scan(&c.Consumer, &c.Topic, &c.Entries, &c.Oldest)
+		return c, err
+	})
+	if err != nil {
+		return nil, wrap("count by consumer and topic", err)
+	}
+	return counts, nil
+}
