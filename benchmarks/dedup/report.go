@@ -19,6 +19,7 @@ const (
 	targetPGvsRaw       = 0.85 // postgres-inbox throughput over raw SQL, at 8 and 32 workers
 	targetBloomSpeedup  = 1.5  // postgres+bloom over postgres-inbox at 50% duplicates
 	targetStartCost     = 0.95 // postgres-inbox over postgres-inbox-no-start, new keys: the attempt-start record costs at most 5%
+	targetPromCost      = 0.97 // postgres-inbox+prom over postgres-inbox: the Prometheus hooks cost at most 3%
 	targetBloomDupPct   = 50
 	targetRedisVsBench  = 0.70 // redis.Store.LeaseClaim/s over redis-benchmark's EVALSHA/s
 	targetBloomReadsDup = 1.0  // round trips per duplicate behind the Bloom filter
@@ -297,6 +298,21 @@ func Targets(res *Results, cfg Config) []Target {
 				Pass: x >= targetStartCost,
 			}
 			ts = append(ts, t)
+		}
+	}
+	for _, d := range dupPcts {
+		for _, c := range concs {
+			pg, ok1 := findSpeed(res.Speed, stPostgres, d, c)
+			pm, ok2 := findSpeed(res.Speed, stPGProm, d, c)
+			if !ok1 || !ok2 || pg.MsgsPerSec == 0 {
+				continue
+			}
+			x := pm.MsgsPerSec / pg.MsgsPerSec
+			ts = append(ts, Target{
+				Text: fmt.Sprintf("the Prometheus hooks cost ≤ %.0f%%, %d%% dups, %s: postgres-inbox+prom %.0f vs %.0f msgs/s without = %.3f×",
+					(1-targetPromCost)*100, d, workers(c), pm.MsgsPerSec, pg.MsgsPerSec, x),
+				Pass: x >= targetPromCost,
+			})
 		}
 	}
 	for _, c := range concs {

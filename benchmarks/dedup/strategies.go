@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/memory"
@@ -19,6 +20,8 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/dedup/twotier"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/observe"
+	"github.com/oncemill/oncemill/observe/prom"
 )
 
 // Strategy names, as they appear in the report.
@@ -32,9 +35,12 @@ const (
 	// that counts attempts whose process died: what the crash-loop
 	// protection costs is the gap between the two.
 	stPGNoStart = "postgres-inbox-no-start"
-	stBloom     = "postgres+bloom"
-	stTwoTier   = "redis+postgres"
-	stSQLite    = "sqlite-inbox"
+	// stPGProm is the postgres inbox with observe/prom's hooks on: what
+	// the metrics cost is the gap between the two.
+	stPGProm  = "postgres-inbox+prom"
+	stBloom   = "postgres+bloom"
+	stTwoTier = "redis+postgres"
+	stSQLite  = "sqlite-inbox"
 	// stRaw is the raw-SQL baseline of the speed runs: one claim+effect
 	// transaction through pgx, no middleware.
 	stRaw = "raw-sql"
@@ -87,6 +93,8 @@ func strategies() []strategyDef {
 			What: "Inbox transactional mode on dedup/postgres"},
 		{Name: stPGNoStart, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with SkipAttemptRecord: no statement before the transaction, so no crash-loop count, and duplicates go through BEGIN, claim, ROLLBACK"},
+		{Name: stPGProm, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
+			What: "the postgres inbox with observe/prom's Prometheus hooks (a fresh registry): every delivery counted and timed"},
 		{Name: stBloom, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "middleware.Bloom (warmed from the store) in front of the postgres inbox"},
 		{Name: stTwoTier, ExactlyOnce: true, Redis: true, Postgres: true, Effect: effectPGTx,
@@ -206,6 +214,13 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
 	case stPGNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), SkipAttemptRecord: true})
+	case stPGProm:
+		metrics, merr := prom.New(prom.Config{Registerer: prometheus.NewRegistry()})
+		if merr != nil {
+			err = fmt.Errorf("prometheus hooks: %w", merr)
+			break
+		}
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Hooks: []observe.Hook{metrics}})
 	case stBloom:
 		var inner message.HandlerFunc
 		if inner, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)}); err != nil {
