@@ -2,14 +2,20 @@
 # Make sure the services used by the integration tests are reachable on
 # 127.0.0.1, starting (or, as root with apt-get, installing) them if needed.
 #
-# Usage: scripts/services.sh [postgres|redis|rabbitmq|sqs ...]
-#        (default: all four)
+# Usage: scripts/services.sh [postgres|redis|rabbitmq|sqs|prometheus ...]
+#        (default: all five)
 #
 # For a service that is down, the script tries in order: start the locally
 # installed server; `docker compose up -d <service>` if a Docker engine is
 # running; install the package with apt-get when running as root. The SQS
 # emulator (fauxqs) is installed with `npm install -g` before trying Docker;
 # its log goes to $TMPDIR/fauxqs.log (default /tmp).
+#
+# prometheus is only installed (Debian's package, as root with apt-get),
+# never started: the tests that need it start a private server on a free
+# port. Its package would start a system Prometheus on :9090; a
+# policy-rc.d that denies starts during the install prevents that, and on
+# a machine booted with systemd the unit is disabled as well.
 #
 # Environment:
 #   ONCEMILL_TEST_DATABASE_URL, DATABASE_URL
@@ -303,16 +309,55 @@ ensure_sqs() {
     fi
 }
 
+# -------------------------------------------------------------- prometheus
+
+# Installs the package without letting its postinst start the system
+# service: a policy-rc.d that answers 101 ("action forbidden") while
+# apt-get runs, unless the machine has one of its own already.
+POLICY_RC=/usr/sbin/policy-rc.d
+prometheus_install() {
+    local created=no rc=0
+    is_root && have apt-get || return 1
+    if [ ! -e "$POLICY_RC" ]; then
+        # Removed again even if the script is interrupted meanwhile.
+        trap 'rm -f "$POLICY_RC"' EXIT
+        printf '#!/bin/sh\n# scripts/services.sh: no service starts while it installs prometheus\nexit 101\n' >"$POLICY_RC" &&
+            chmod 755 "$POLICY_RC" && created=yes
+    fi
+    apt_install prometheus || rc=$?
+    if [ "$created" = yes ]; then
+        rm -f "$POLICY_RC"
+        trap - EXIT
+    fi
+    [ "$rc" -eq 0 ] || return "$rc"
+    # The package enables its unit: on a machine booted with systemd it
+    # would start at the next boot.
+    if have systemctl && [ -d /run/systemd/system ]; then
+        systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
+}
+
+ensure_prometheus() {
+    if have prometheus; then
+        echo "prometheus: installed at $(command -v prometheus) (the tests start their own server)"
+    elif prometheus_install && have prometheus; then
+        echo "prometheus: installed, not started (the tests start their own server)"
+    else
+        echo "prometheus: not installed (install the prometheus package; the tests start their own server)"
+        return 1
+    fi
+}
+
 # -------------------------------------------------------------------- main
 
 if [ $# -eq 0 ]; then
-    set -- postgres redis rabbitmq sqs
+    set -- postgres redis rabbitmq sqs prometheus
 fi
 for svc in "$@"; do
     case "$svc" in
-    postgres | redis | rabbitmq | sqs) ;;
+    postgres | redis | rabbitmq | sqs | prometheus) ;;
     *)
-        echo "unknown service: $svc (known: postgres redis rabbitmq sqs)" >&2
+        echo "unknown service: $svc (known: postgres redis rabbitmq sqs prometheus)" >&2
         exit 2
         ;;
     esac
