@@ -1,18 +1,14 @@
 package adapters_test
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -29,6 +25,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/proctest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -251,86 +248,22 @@ func work(ctx context.Context, key string) error {
 }
 
 // child is a running child consumer.
-type child struct {
-	cmd  *exec.Cmd
-	out  *lockedBuffer
-	done chan struct{} // closed when it has exited
-	code int           // exit code, once done
-}
-
-// lockedBuffer collects a child's output.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
+type child struct{ *proctest.Process }
 
 // startChild starts a child consumer and waits until its router runs.
 func startChild(t *testing.T, cfg childConfig) *child {
 	t.Helper()
 	raw, err := json.Marshal(cfg)
 	require.NoError(t, err)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childEnv+"="+string(raw))
-	c := &child{cmd: cmd, out: &lockedBuffer{}, done: make(chan struct{})}
-	cmd.Stdout, cmd.Stderr = c.out, c.out
-	require.NoError(t, cmd.Start())
-	go func() {
-		defer close(c.done)
-		err := cmd.Wait()
-		var exit *exec.ExitError
-		switch {
-		case err == nil:
-		case errors.As(err, &exit):
-			c.code = exit.ExitCode()
-		default:
-			c.code = -1
-		}
-	}()
+	p, err := proctest.Start([]string{childEnv + "=" + string(raw)}, childReady, time.Minute)
+	require.NoError(t, err)
 	t.Cleanup(func() {
-		select {
-		case <-c.done:
-		default:
-			_ = cmd.Process.Kill()
-			<-c.done
-			t.Logf("child %d killed at the end of the test; output:\n%s", cmd.Process.Pid, c.out.String())
+		if !p.Exited() {
+			p.Kill()
+			t.Logf("child %d killed at the end of the test; output:\n%s", p.Cmd.Process.Pid, p.Out.String())
 		}
 	})
-	ready := func() bool { return strings.Contains(c.out.String(), childReady) }
-	deadline := time.After(time.Minute)
-	for !ready() {
-		select {
-		case <-c.done:
-			if ready() {
-				return c
-			}
-			t.Fatalf("child exited with %d before it ran; output:\n%s", c.code, c.out.String())
-		case <-deadline:
-			t.Fatalf("child not running after a minute; output:\n%s", c.out.String())
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
-	return c
-}
-
-func (c *child) exited() bool {
-	select {
-	case <-c.done:
-		return true
-	default:
-		return false
-	}
+	return &child{p}
 }
 
 // terminate sends SIGTERM and waits for the child to exit, which it must
@@ -339,30 +272,20 @@ func (c *child) exited() bool {
 func (c *child) terminate(t *testing.T) (time.Duration, childStats) {
 	t.Helper()
 	start := time.Now()
-	require.NoError(t, c.cmd.Process.Signal(syscall.SIGTERM))
-	select {
-	case <-c.done:
-	case <-time.After(shutdownBound):
-		t.Fatalf("child still running %s after SIGTERM; output:\n%s", shutdownBound, c.out.String())
-	}
+	require.NoError(t, c.Terminate(shutdownBound))
 	took := time.Since(start)
-	require.Equal(t, 0, c.code, "child exit code; output:\n%s", c.out.String())
+	require.Equal(t, 0, c.Code(), "child exit code; output:\n%s", c.Out.String())
 	return took, c.stats(t)
 }
 
 // stats reads the stats line a child printed when it exited cleanly.
 func (c *child) stats(t *testing.T) childStats {
 	t.Helper()
-	sc := bufio.NewScanner(strings.NewReader(c.out.String()))
-	for sc.Scan() {
-		if line, ok := strings.CutPrefix(sc.Text(), childDone); ok {
-			var s childStats
-			require.NoError(t, json.Unmarshal([]byte(line), &s))
-			return s
-		}
-	}
-	t.Fatalf("child printed no stats; output:\n%s", c.out.String())
-	return childStats{}
+	line, ok := c.Out.Line(childDone)
+	require.True(t, ok, "child printed no stats; output:\n%s", c.Out.String())
+	var s childStats
+	require.NoError(t, json.Unmarshal([]byte(line), &s))
+	return s
 }
 
 // processDB is a fresh schema for the children of one test: oncemill's
@@ -461,15 +384,15 @@ func runCrashLoop(t *testing.T, b broker) {
 	deadline := time.Now().Add(3 * time.Minute)
 	for !buried() {
 		require.True(t, time.Now().Before(deadline), "killer not dead-lettered after 3 minutes; exits %v", exits)
-		if !c.exited() {
+		if !c.Exited() {
 			select {
-			case <-c.done:
+			case <-c.Done():
 			case <-time.After(20 * time.Millisecond):
 			}
 			continue
 		}
-		exits = append(exits, c.code)
-		require.Equal(t, childKilled, c.code, "a child died of something else; output:\n%s", c.out.String())
+		exits = append(exits, c.Code())
+		require.Equal(t, childKilled, c.Code(), "a child died of something else; output:\n%s", c.Out.String())
 		require.LessOrEqual(t, len(exits), crashMaxAttempts, "the killer ran more than MaxAttempts times")
 		c = startChild(t, cfg) // restart it, as a supervisor would
 	}

@@ -661,8 +661,8 @@ func startKafka(t *testing.T) []string {
 	t.Helper()
 	p, err := startProcess("kafka", nil, kafkaLine)
 	require.NoError(t, err)
-	t.Cleanup(func() { _ = p.terminate(10 * time.Second) })
-	addrs, _ := p.out.line(kafkaLine)
+	t.Cleanup(func() { _ = p.Terminate(10 * time.Second) })
+	addrs, _ := p.Out.Line(kafkaLine)
 	return strings.Split(addrs, ",")
 }
 

@@ -3,15 +3,12 @@
 package chaos_test
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strings"
 	"sync"
@@ -32,6 +29,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/twotier"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/proctest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -258,103 +256,24 @@ func pause(ctx context.Context, d time.Duration) error {
 
 // process is a running process of the suite.
 type process struct {
-	cmd    *exec.Cmd
-	out    *lockedBuffer
-	done   chan struct{} // closed when it has exited
-	code   int           // exit code, once done
-	killed atomic.Bool   // the suite SIGKILLed it
-}
-
-// lockedBuffer collects a process's output.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// line returns the rest of the first output line that starts with prefix.
-func (b *lockedBuffer) line(prefix string) (string, bool) {
-	sc := bufio.NewScanner(strings.NewReader(b.String()))
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), prefix); ok {
-			return rest, true
-		}
-	}
-	return "", false
+	*proctest.Process
+	killed atomic.Bool // the suite SIGKILLed it
 }
 
 // startProcess starts the test binary in role with the extra environment,
 // and waits up to a minute for it to print a line starting with ready.
 func startProcess(role string, env []string, ready string) (*process, error) {
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(append(os.Environ(), roleEnv+"="+role), env...)
-	p := &process{cmd: cmd, out: &lockedBuffer{}, done: make(chan struct{})}
-	cmd.Stdout, cmd.Stderr = p.out, p.out
-	if err := cmd.Start(); err != nil {
-		return nil, err
+	p, err := proctest.Start(append([]string{roleEnv + "=" + role}, env...), ready, time.Minute)
+	if err != nil {
+		return nil, fmt.Errorf("%s process: %w", role, err)
 	}
-	go func() {
-		defer close(p.done)
-		err := cmd.Wait()
-		var exit *exec.ExitError
-		switch {
-		case err == nil:
-		case errors.As(err, &exit):
-			p.code = exit.ExitCode()
-		default:
-			p.code = -1
-		}
-	}()
-	deadline := time.After(time.Minute)
-	for {
-		if _, ok := p.out.line(ready); ok {
-			return p, nil
-		}
-		select {
-		case <-p.done:
-			if _, ok := p.out.line(ready); ok {
-				return p, nil
-			}
-			return nil, fmt.Errorf("%s process exited with %d before it ran; output:\n%s", role, p.code, p.out.String())
-		case <-deadline:
-			p.kill()
-			return nil, fmt.Errorf("%s process not running after a minute; output:\n%s", role, p.out.String())
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+	return &process{Process: p}, nil
 }
 
 // kill SIGKILLs the process and waits until it is gone.
 func (p *process) kill() {
 	p.killed.Store(true)
-	_ = p.cmd.Process.Kill()
-	<-p.done
-}
-
-// terminate sends SIGTERM and waits up to bound for the process to exit.
-func (p *process) terminate(bound time.Duration) error {
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		return err
-	}
-	select {
-	case <-p.done:
-		return nil
-	case <-time.After(bound):
-		p.kill()
-		return fmt.Errorf("still running %s after SIGTERM; output:\n%s", bound, p.out.String())
-	}
+	p.Kill()
 }
 
 // slot is one consumer of a lane, restarted by its supervisor whenever it
@@ -402,19 +321,19 @@ func (s *slot) supervise(restartDelay func() time.Duration) {
 			if s.stopping {
 				// stop began while this one started: it ends here.
 				s.mu.Unlock()
-				if err := p.terminate(20 * time.Second); err != nil || p.code != 0 {
+				if err := p.Terminate(20 * time.Second); err != nil || p.Code() != 0 {
 					s.mu.Lock()
-					s.exits = append(s.exits, fmt.Sprintf("exit %d at stop (%v):\n%s", p.code, err, p.out.String()))
+					s.exits = append(s.exits, fmt.Sprintf("exit %d at stop (%v):\n%s", p.Code(), err, p.Out.String()))
 					s.mu.Unlock()
 				}
 				return
 			}
 			s.cur = p
 			s.mu.Unlock()
-			<-p.done
+			<-p.Done()
 			s.mu.Lock()
 			if !p.killed.Load() && !s.stopping {
-				s.exits = append(s.exits, fmt.Sprintf("exit %d:\n%s", p.code, p.out.String()))
+				s.exits = append(s.exits, fmt.Sprintf("exit %d:\n%s", p.Code(), p.Out.String()))
 			}
 			if stopping := s.stopping; stopping {
 				s.mu.Unlock()
@@ -436,7 +355,7 @@ func (s *slot) kill() bool {
 		return false
 	}
 	select {
-	case <-p.done:
+	case <-p.Done():
 		s.mu.Unlock()
 		return false
 	default:
@@ -455,7 +374,7 @@ func (s *slot) running() bool {
 		return false
 	}
 	select {
-	case <-s.cur.done:
+	case <-s.cur.Done():
 		return false
 	default:
 		return true
@@ -473,17 +392,17 @@ func (s *slot) stop(bound time.Duration) error {
 	var err error
 	if p != nil {
 		select {
-		case <-p.done:
+		case <-p.Done():
 		default:
-			err = p.terminate(bound)
-			if err == nil && p.code != 0 {
-				err = fmt.Errorf("exit code %d after SIGTERM; output:\n%s", p.code, p.out.String())
+			err = p.Terminate(bound)
+			if err == nil && p.Code() != 0 {
+				err = fmt.Errorf("exit code %d after SIGTERM; output:\n%s", p.Code(), p.Out.String())
 			}
 			if err == nil {
-				raw, ok := p.out.line(statsLine)
+				raw, ok := p.Out.Line(statsLine)
 				var st consumerStats
 				if !ok {
-					err = fmt.Errorf("no stats printed; output:\n%s", p.out.String())
+					err = fmt.Errorf("no stats printed; output:\n%s", p.Out.String())
 				} else if err = json.Unmarshal([]byte(raw), &st); err == nil {
 					s.mu.Lock()
 					s.stats = append(s.stats, st)
