@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -19,8 +20,10 @@ import (
 // openKafka opens Kafka through Sarama with commit-after-ack and the
 // idempotent producer: kafka://h1:9092,h2:9092?group=g. Parameters:
 // group (required, here or in Options), offset=oldest|newest,
-// connect_timeout, and the client's read_timeout, session_timeout and
-// rebalance_timeout (Go durations; see [kafka.SubscriberConfig]).
+// connect_timeout, the client's read_timeout, session_timeout and
+// rebalance_timeout (Go durations), and max_in_flight, the messages of a
+// partition handed out at once, of different keys (a positive integer,
+// default 1, one at a time; 64 suits most key-parallel use); see [kafka.SubscriberConfig].
 // kafka:// with no host starts an embedded in-process broker that lives as
 // long as the PubSub: for development only, since no other process can
 // reach it (start one with the embedded package to share it).
@@ -66,7 +69,7 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 	fail := func(err error) (kafka.PublisherConfig, kafka.SubscriberConfig, time.Duration, error) {
 		return kafka.PublisherConfig{}, kafka.SubscriberConfig{}, 0, err
 	}
-	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout")
+	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "max_in_flight")
 	if err != nil {
 		return fail(err)
 	}
@@ -102,6 +105,13 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 		if *p.to, err = durationParam(q, p.name, false); err != nil {
 			return fail(err)
 		}
+	}
+	if v := q.Get("max_in_flight"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 {
+			return fail(fmt.Errorf("%w: parameter max_in_flight=%q: want a positive integer, the messages of a partition in flight at once (1 for one at a time)", ErrBadURL, v))
+		}
+		scfg.MaxInFlightPerPartition = n
 	}
 	pcfg.ReadTimeout = scfg.ReadTimeout
 	if scfg.ReadTimeout != 0 {

@@ -145,3 +145,23 @@ func TestScrubKeepsPasswordText(t *testing.T) {
 	require.Equal(t, err.Error(), msg)
 	require.Contains(t, msg, `bad broker URL: parameter persistent="yes" is not a boolean`)
 }
+
+// TestKafkaURLMaxInFlight: max_in_flight reaches
+// SubscriberConfig.MaxInFlightPerPartition; without it the config keeps
+// the default (0, meaning 1).
+func TestKafkaURLMaxInFlight(t *testing.T) {
+	_, scfg, _, err := kafkaConfigs(mustParse(t, "kafka://a:9092?group=g&max_in_flight=8"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 8, scfg.MaxInFlightPerPartition)
+	_, scfg, _, err = kafkaConfigs(mustParse(t, "kafka://a:9092?group=g&max_in_flight=1"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 1, scfg.MaxInFlightPerPartition)
+	_, scfg, _, err = kafkaConfigs(mustParse(t, "kafka://a:9092?group=g"), Options{})
+	require.NoError(t, err)
+	require.Zero(t, scfg.MaxInFlightPerPartition)
+	for _, bad := range []string{"0", "-1", "2.5", "x"} {
+		_, _, _, err = kafkaConfigs(mustParse(t, "kafka://a:9092?group=g&max_in_flight="+bad), Options{})
+		require.ErrorIs(t, err, ErrBadURL, bad)
+		require.ErrorContains(t, err, "max_in_flight", bad)
+	}
+}

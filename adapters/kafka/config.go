@@ -43,7 +43,17 @@ const (
 	// default [SubscriberConfig.ReadTimeout] is, as the Java client waits
 	// for a JoinGroup response.
 	JoinGroupMargin = 5 * time.Second
+	// DefaultDrainTimeout is the longest default
+	// [SubscriberConfig.DrainTimeout]; the default is at most half the
+	// rebalance timeout.
+	DefaultDrainTimeout = 5 * time.Second
 )
+
+// DefaultMaxInFlightPerPartition is the default
+// [SubscriberConfig.MaxInFlightPerPartition]: one message per partition
+// at a time. The key-parallel mode is opt-in for now; 64 is the suggested
+// value.
+const DefaultMaxInFlightPerPartition = 1
 
 // maxHeartbeatInterval is Sarama's default heartbeat interval, kept while
 // it is at most a third of the session timeout.
@@ -163,6 +173,33 @@ type SubscriberConfig struct {
 	// Defaults to [DefaultRebalanceTimeout].
 	RebalanceTimeout time.Duration
 
+	// MaxInFlightPerPartition is how many messages of one partition the
+	// subscriber hands to the router at once. Messages with different
+	// record keys are handled concurrently; messages with the same key
+	// stay strictly in order: a key's next message is handed out only
+	// once the previous one is acked, and a nacked one is delivered again
+	// (after NackResendSleep) before any later message of its key,
+	// without holding up other keys. Offsets are committed up to the
+	// lowest offset not yet acked. Defaults to
+	// [DefaultMaxInFlightPerPartition] (1). Each message in flight may
+	// hold resources of its handler (a database transaction of the inbox,
+	// say): size pools for MaxInFlightPerPartition times the partitions a
+	// member may own. 1 hands out one message per
+	// partition at a time, in offset order, through watermill-kafka's
+	// subscriber, which is also used, whatever this field says, without a
+	// ConsumerGroup.
+	MaxInFlightPerPartition int
+
+	// DrainTimeout is how long, when a partition is revoked or the
+	// subscriber closes, the subscriber waits for the handlers of the
+	// partition's messages in flight, whose contexts it has cancelled, to
+	// ack or nack before it lets the partition go; messages still
+	// unacked then are delivered again later. Applies when
+	// MaxInFlightPerPartition is above 1. Defaults to
+	// [DefaultDrainTimeout] or half the rebalance timeout, whichever is
+	// shorter.
+	DrainTimeout time.Duration
+
 	// Sarama, when set, adjusts the Sarama config after this package's
 	// defaults (Version 2.3.0.0, ClientID "oncemill", the timeouts above,
 	// Sarama's own defaults otherwise), for TLS, SASL, Version, ClientID
@@ -193,6 +230,8 @@ func (c SubscriberConfig) Validate() error {
 		return fmt.Errorf("%w: SubscriberConfig.NackResendSleep is %s, want >= 0 or NoSleep", ErrInvalidConfig, c.NackResendSleep)
 	case c.ReconnectRetrySleep < 0 && c.ReconnectRetrySleep != NoSleep:
 		return fmt.Errorf("%w: SubscriberConfig.ReconnectRetrySleep is %s, want >= 0 or NoSleep", ErrInvalidConfig, c.ReconnectRetrySleep)
+	case c.MaxInFlightPerPartition < 0:
+		return fmt.Errorf("%w: SubscriberConfig.MaxInFlightPerPartition is %d, want >= 1, or 0 for the default (%d)", ErrInvalidConfig, c.MaxInFlightPerPartition, DefaultMaxInFlightPerPartition)
 	case c.TopicPartitions < 0:
 		return fmt.Errorf("%w: SubscriberConfig.TopicPartitions is %d, want >= 0", ErrInvalidConfig, c.TopicPartitions)
 	case c.TopicReplicationFactor < 0:
@@ -203,6 +242,7 @@ func (c SubscriberConfig) Validate() error {
 		{"ReadTimeout", c.ReadTimeout},
 		{"SessionTimeout", c.SessionTimeout},
 		{"RebalanceTimeout", c.RebalanceTimeout},
+		{"DrainTimeout", c.DrainTimeout},
 	}); err != nil {
 		return err
 	}
@@ -247,6 +287,9 @@ func (c SubscriberConfig) withDefaults() SubscriberConfig {
 	if c.ReconnectRetrySleep == 0 {
 		c.ReconnectRetrySleep = time.Second
 	}
+	if c.MaxInFlightPerPartition == 0 {
+		c.MaxInFlightPerPartition = DefaultMaxInFlightPerPartition
+	}
 	if c.TopicPartitions == 0 {
 		c.TopicPartitions = 1
 	}
@@ -261,6 +304,9 @@ func (c SubscriberConfig) withDefaults() SubscriberConfig {
 	}
 	if c.RebalanceTimeout == 0 {
 		c.RebalanceTimeout = DefaultRebalanceTimeout
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = min(DefaultDrainTimeout, c.RebalanceTimeout/2)
 	}
 	if c.ReadTimeout == 0 {
 		c.ReadTimeout = readTimeoutFor(c.RebalanceTimeout)

@@ -27,6 +27,10 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		"SubscriberConfig.ReadTimeout is -1s":     func(c *kafka.SubscriberConfig) { c.ReadTimeout = -time.Second },
 		"SubscriberConfig.SessionTimeout":         func(c *kafka.SubscriberConfig) { c.SessionTimeout = -time.Second },
 		"SubscriberConfig.RebalanceTimeout":       func(c *kafka.SubscriberConfig) { c.RebalanceTimeout = -time.Second },
+		"SubscriberConfig.DrainTimeout":           func(c *kafka.SubscriberConfig) { c.DrainTimeout = -time.Second },
+		"SubscriberConfig.MaxInFlightPerPartition is -1, want >= 1, or 0 for the default (1)": func(c *kafka.SubscriberConfig) {
+			c.MaxInFlightPerPartition = -1
+		},
 		"SubscriberConfig.ReadTimeout is 30s, want longer than RebalanceTimeout (1m0s)": func(c *kafka.SubscriberConfig) {
 			c.ConsumerGroup, c.ReadTimeout = "g", 30*time.Second
 		},

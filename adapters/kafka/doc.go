@@ -6,7 +6,8 @@
 // # Guarantees
 //
 // Commit after ack. The subscriber commits a record's offset to its
-// consumer group only after the handler acked the message: watermill-kafka
+// consumer group only after the handler acked the message (and, in the
+// key-parallel mode below, every message before it): watermill-kafka
 // marks the offset on ack and never before, and Sarama commits marked
 // offsets only, every [SubscriberConfig.CommitInterval], when the
 // subscriber closes and before the group rebalances, or after every ack
@@ -16,6 +17,29 @@
 // or a lost ack, the group resumes at its committed offset, so a message
 // may be delivered again, never skipped. (An ack in the same instant as
 // Close may lose the race and leave its message to be delivered again.)
+//
+// Key-parallel consumption. With a ConsumerGroup and
+// [SubscriberConfig.MaxInFlightPerPartition] above 1, the subscriber
+// runs its own Sarama consumer group instead of watermill-kafka's. Within
+// a partition, messages with different record keys are handed to the
+// router concurrently, up to MaxInFlightPerPartition at once; messages
+// with the same key (the record key, which the [Marshaler] sets to
+// [delivery.PartitionKeyOf] the message) stay strictly in offset order: a
+// key's next message is handed out only once the previous one is acked,
+// and a nacked one is delivered again, after NackResendSleep, before any
+// later message of its key, while other keys go on. The partition
+// commits the highest offset below which every message is acked, never
+// past one that is in flight or nacked; acked messages above it are
+// delivered again after a crash or a rebalance. When a partition is
+// revoked, the contexts of its messages in flight are cancelled, nothing
+// more is marked for it, and the claim waits up to
+// [SubscriberConfig.DrainTimeout] for their handlers before it lets the
+// partition go. Close does the same for every partition, but commits what
+// the handlers acked while it waited. Messages are decoded by the same
+// [Marshaler], with the same metadata; watermill-kafka's context
+// accessors (MessageKeyFromCtx and friends) find nothing in this mode:
+// read [delivery.Partition] and [delivery.Offset] from the metadata.
+// Message contexts derive from the Subscribe context.
 //
 // Oldest offset. A group with no committed offset for a partition starts
 // at the partition's oldest record, so nothing published before the group

@@ -14,8 +14,14 @@ import (
 // comma-separated host:port seed brokers of a real cluster for tests.
 const BrokersEnv = "ONCEMILL_KAFKA_BROKERS"
 
-// NewSubscriber returns a watermill-kafka subscriber configured by cfg
-// (see [SubscriberConfig.WatermillConfig]); a nil logger logs nothing.
+// NewSubscriber returns a subscriber configured by cfg; a nil logger logs
+// nothing. With a ConsumerGroup and [SubscriberConfig.MaxInFlightPerPartition]
+// above 1 (the default is 1) it is the key-parallel subscriber, built on
+// a Sarama consumer group with the Sarama config of
+// [SubscriberConfig.WatermillConfig]; otherwise it is watermill-kafka's
+// subscriber with that config, one message per partition at a time. See
+// the package doc for both.
+//
 // It connects to nothing and starts no goroutine until Subscribe; each
 // Subscribe starts a Sarama client and goroutines that the subscriber's
 // Close stops, after it has committed what was acked. The subscriber also
@@ -27,6 +33,9 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (messag
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
+	}
+	if cfg.ConsumerGroup != "" && cfg.withDefaults().MaxInFlightPerPartition > 1 {
+		return newParallelSubscriber(cfg, wcfg, logger)
 	}
 	sub, err := wkafka.NewSubscriber(wcfg, logger)
 	if err != nil {

@@ -8,9 +8,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 
 	"github.com/oncemill/oncemill/adapters/kafka"
+	"github.com/oncemill/oncemill/delivery"
 )
 
-// TestPubSub runs Watermill's universal Pub/Sub tests.
+// TestPubSub runs Watermill's universal Pub/Sub tests for the
+// one-at-a-time subscriber (MaxInFlightPerPartition 1).
 //
 // Features:
 //   - ConsumerGroups: subscribers in one group share the partitions, each
@@ -37,18 +39,64 @@ func TestPubSub(t *testing.T) {
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
 			// One group per suite test: every subscriber of a test is
 			// one "service", and tests do not rebalance each other.
-			return suitePubSub(t, brokers, "suite_"+unsafeName.ReplaceAllString(t.Name(), "_"))
+			return suitePubSub(t, brokers, "suite_"+unsafeName.ReplaceAllString(t.Name(), "_"), 1, false)
 		},
 		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return suitePubSub(t, brokers, group)
+			return suitePubSub(t, brokers, group, 1, false)
 		},
 	)
 }
 
-func suitePubSub(t *testing.T, brokers []string, group string) (message.Publisher, message.Subscriber) {
-	p, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers}, testLogger())
+// TestPubSubParallel runs the universal tests for the key-parallel
+// subscriber (MaxInFlightPerPartition 64), twice:
+//   - keyless: the suite's messages carry no key, so they all share the
+//     empty key, one partition and one key's strict order: GuaranteedOrder
+//     holds, TestNoAck included (an unacked message holds back its key).
+//   - keyed: the publisher gives every message its UUID as partition key,
+//     so messages spread over the partitions and are handled concurrently
+//     within each; there is no order across keys, so GuaranteedOrder is
+//     false.
+//
+// ExactlyOnceDelivery is false, as for the one-at-a-time subscriber.
+func TestPubSubParallel(t *testing.T) {
+	t.Parallel()
+	for _, keyed := range []bool{false, true} {
+		name := "keyless"
+		if keyed {
+			name = "keyed"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			brokers := Brokers(t)
+			tests.TestPubSub(t,
+				tests.Features{
+					ConsumerGroups:      true,
+					ExactlyOnceDelivery: false,
+					GuaranteedOrder:     !keyed,
+					Persistent:          true,
+				},
+				func(t *testing.T) (message.Publisher, message.Subscriber) {
+					return suitePubSub(t, brokers, "suite_"+unsafeName.ReplaceAllString(t.Name(), "_"), 64, keyed)
+				},
+				func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+					return suitePubSub(t, brokers, group, 64, keyed)
+				},
+			)
+		})
+	}
+}
+
+// suitePubSub returns a publisher and a subscriber of group for the
+// universal tests, with the subscriber's MaxInFlightPerPartition; keyed
+// gives every published message without a partition key its UUID as one.
+func suitePubSub(t *testing.T, brokers []string, group string, maxInFlight int, keyed bool) (message.Publisher, message.Subscriber) {
+	kp, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers}, testLogger())
 	if err != nil {
 		t.Fatal(err)
+	}
+	var p message.Publisher = kp
+	if keyed {
+		p = keyingPublisher{kp}
 	}
 	// Some tests never close a publisher they get
 	// (TestNewSubscriberReceivesOldMessages) or close it in a goroutine
@@ -62,6 +110,8 @@ func suitePubSub(t *testing.T, brokers []string, group string) (message.Publishe
 		NackResendSleep: kafka.NoSleep,
 		TopicPartitions: 4,
 		Sarama:          fastGroups,
+
+		MaxInFlightPerPartition: maxInFlight,
 	}, testLogger())
 	if err != nil {
 		t.Fatal(err)
@@ -90,7 +140,7 @@ func TestPubSubNoGroup(t *testing.T) {
 			NewSubscriberReceivesOldMessages: true,
 		},
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
-			return suitePubSub(t, brokers, "")
+			return suitePubSub(t, brokers, "", 1, false)
 		},
 		nil,
 	)
@@ -107,4 +157,17 @@ type closeOncePublisher struct {
 func (p *closeOncePublisher) Close() error {
 	p.once.Do(func() { p.err = p.Publisher.Close() })
 	return p.err
+}
+
+// keyingPublisher sets each message's partition key to its UUID unless it
+// has one.
+type keyingPublisher struct{ message.Publisher }
+
+func (p keyingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if m.Metadata.Get(delivery.PartitionKey) == "" {
+			m.Metadata.Set(delivery.PartitionKey, m.UUID)
+		}
+	}
+	return p.Publisher.Publish(topic, msgs...)
 }

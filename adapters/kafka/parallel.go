@@ -1,0 +1,547 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// ErrSubscriberClosed is returned by Subscribe after Close.
+var ErrSubscriberClosed = errors.New("kafka: subscriber closed")
+
+// minBuffered is the least number of records a partition reads ahead of
+// its lowest unacked offset; see bufferFor.
+const minBuffered = 256
+
+// bufferFor is how many records a partition with the given in-flight limit
+// holds, received and not yet acked, before it stops reading from the
+// broker: enough that a slow key does not starve the others at once, and
+// a bound on memory.
+func bufferFor(maxInFlight int) int {
+	return max(minBuffered, 4*maxInFlight)
+}
+
+// parallelSubscriber is the key-parallel subscriber: a Sarama consumer
+// group whose claims hand out messages of different record keys
+// concurrently; see the package doc.
+type parallelSubscriber struct {
+	cfg    SubscriberConfig // with defaults
+	sc     *sarama.Config
+	logger watermill.LoggerAdapter
+	// init creates topics for SubscribeInitialize, as the one-at-a-time
+	// subscriber does; it connects to nothing otherwise.
+	init *wkafka.Subscriber
+
+	mu      sync.Mutex
+	closed  bool
+	closing chan struct{}
+	subs    sync.WaitGroup
+}
+
+var (
+	_ message.Subscriber           = (*parallelSubscriber)(nil)
+	_ message.SubscribeInitializer = (*parallelSubscriber)(nil)
+)
+
+func newParallelSubscriber(cfg SubscriberConfig, wcfg wkafka.SubscriberConfig, logger watermill.LoggerAdapter) (*parallelSubscriber, error) {
+	drainDefault := cfg.DrainTimeout == 0
+	cfg = cfg.withDefaults()
+	sc := wcfg.OverwriteSaramaConfig
+	if drainDefault {
+		// Within the rebalance timeout, so that a revoked partition's
+		// handlers cannot keep the whole group waiting.
+		cfg.DrainTimeout = min(DefaultDrainTimeout, sc.Consumer.Group.Rebalance.Timeout/2)
+	}
+	init, err := wkafka.NewSubscriber(wcfg, logger)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: new subscriber: %w", err)
+	}
+	return &parallelSubscriber{
+		cfg:     cfg,
+		sc:      sc,
+		logger:  logger.With(watermill.LogFields{"subscriber_uuid": watermill.NewShortUUID()}),
+		init:    init,
+		closing: make(chan struct{}),
+	}, nil
+}
+
+// SubscribeInitialize creates topic, if missing, with the configured
+// partitions and replication factor.
+func (s *parallelSubscriber) SubscribeInitialize(topic string) error {
+	return s.init.SubscribeInitialize(topic)
+}
+
+// Close stops every subscription: it cancels the contexts of the
+// messages in flight, waits up to the drain timeout for their handlers to
+// ack or nack, commits what was acked, leaves the group and closes the
+// clients. It is idempotent and safe for concurrent use.
+func (s *parallelSubscriber) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		s.subs.Wait()
+		return nil
+	}
+	s.closed = true
+	close(s.closing)
+	s.mu.Unlock()
+	s.subs.Wait()
+	return s.init.Close()
+}
+
+// Subscribe joins the consumer group for topic and returns the messages
+// of the partitions assigned to this member; the channel is closed once
+// ctx is done or the subscriber closed and everything has stopped.
+func (s *parallelSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, ErrSubscriberClosed
+	}
+	s.subs.Add(1)
+	s.mu.Unlock()
+
+	fields := watermill.LogFields{
+		"provider":            "kafka",
+		"topic":               topic,
+		"consumer_group":      s.cfg.ConsumerGroup,
+		"kafka_consumer_uuid": watermill.NewShortUUID(),
+		"max_in_flight":       s.cfg.MaxInFlightPerPartition,
+	}
+	client, group, err := s.connect()
+	if err != nil {
+		s.subs.Done()
+		return nil, err
+	}
+	consumeCtx, cancelConsume := context.WithCancel(context.WithoutCancel(ctx))
+	sub := &subscription{
+		s:             s,
+		ctx:           ctx,
+		topic:         topic,
+		output:        make(chan *message.Message),
+		stop:          make(chan struct{}),
+		consumeCtx:    consumeCtx,
+		cancelConsume: cancelConsume,
+		fields:        fields,
+	}
+	s.logger.Info("Subscribing to Kafka topic", fields)
+	go func() {
+		select {
+		case <-s.closing:
+		case <-ctx.Done():
+		}
+		sub.halt()
+	}()
+	go func() {
+		defer s.subs.Done()
+		defer close(sub.output)
+		sub.run(client, group)
+	}()
+	return sub.output, nil
+}
+
+// connect starts a Sarama client and a consumer group on it.
+func (s *parallelSubscriber) connect() (sarama.Client, sarama.ConsumerGroup, error) {
+	client, err := sarama.NewClient(s.cfg.Brokers, s.sc)
+	if err != nil {
+		return nil, nil, fmt.Errorf("kafka: new client: %w", err)
+	}
+	group, err := sarama.NewConsumerGroupFromClient(s.cfg.ConsumerGroup, client)
+	if err != nil {
+		return nil, nil, errors.Join(fmt.Errorf("kafka: new consumer group: %w", err), client.Close())
+	}
+	return client, group, nil
+}
+
+// subscription is one Subscribe call.
+type subscription struct {
+	s      *parallelSubscriber
+	ctx    context.Context // Subscribe's; message contexts derive from it
+	topic  string
+	output chan *message.Message
+	fields watermill.LogFields
+
+	// stop is closed when the subscriber closes or ctx is done.
+	stop chan struct{}
+	// consumeCtx is the context of the group's sessions. It is cancelled
+	// only after stop and after every claim has drained and committed,
+	// so that stopping does not look like a rebalance to the claims.
+	consumeCtx    context.Context
+	cancelConsume context.CancelFunc
+
+	mu      sync.Mutex
+	stopped bool
+	active  int // claims in ConsumeClaim
+}
+
+// halt starts stopping: claims drain, and the sessions end once no claim
+// is left.
+func (sub *subscription) halt() {
+	sub.mu.Lock()
+	defer sub.mu.Unlock()
+	if sub.stopped {
+		return
+	}
+	sub.stopped = true
+	close(sub.stop)
+	if sub.active == 0 {
+		sub.cancelConsume()
+	}
+}
+
+func (sub *subscription) isStopped() bool {
+	sub.mu.Lock()
+	defer sub.mu.Unlock()
+	return sub.stopped
+}
+
+// enter registers a claim; false once stopping.
+func (sub *subscription) enter() bool {
+	sub.mu.Lock()
+	defer sub.mu.Unlock()
+	if sub.stopped {
+		return false
+	}
+	sub.active++
+	return true
+}
+
+func (sub *subscription) leave() {
+	sub.mu.Lock()
+	defer sub.mu.Unlock()
+	sub.active--
+	if sub.stopped && sub.active == 0 {
+		sub.cancelConsume()
+	}
+}
+
+// run consumes until stopped, reconnecting after errors.
+func (sub *subscription) run(client sarama.Client, group sarama.ConsumerGroup) {
+	s := sub.s
+	for {
+		if client == nil {
+			var err error
+			if client, group, err = s.connect(); err != nil {
+				s.logger.Error("Cannot reconnect to Kafka", err, sub.fields)
+				if !sub.sleep(s.cfg.ReconnectRetrySleep) {
+					return
+				}
+				continue
+			}
+		}
+		errsDone := make(chan struct{})
+		go func() {
+			defer close(errsDone)
+			for err := range group.Errors() {
+				s.logger.Error("Sarama consumer group error", err, sub.fields)
+			}
+		}()
+		var failed error
+		for sub.consumeCtx.Err() == nil {
+			if err := group.Consume(sub.consumeCtx, []string{sub.topic}, handler{sub}); err != nil {
+				if sub.consumeCtx.Err() == nil {
+					failed = err
+				}
+				break
+			}
+		}
+		if err := group.Close(); err != nil {
+			s.logger.Info("Consumer group closed with error", sub.fields.Add(watermill.LogFields{"err": err.Error()}))
+		}
+		<-errsDone
+		if err := client.Close(); err != nil && !errors.Is(err, sarama.ErrClosedClient) {
+			s.logger.Error("Cannot close Kafka client", err, sub.fields)
+		}
+		client, group = nil, nil
+		if failed == nil {
+			s.logger.Info("Consuming done", sub.fields)
+			return
+		}
+		s.logger.Error("Consumer group failed, reconnecting", failed, sub.fields)
+		if !sub.sleep(s.cfg.ReconnectRetrySleep) {
+			return
+		}
+	}
+}
+
+// sleep waits d, or less if stopping; false if stopping.
+func (sub *subscription) sleep(d time.Duration) bool {
+	if d == NoSleep {
+		d = 0
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return sub.consumeCtx.Err() == nil
+	case <-sub.consumeCtx.Done():
+		return false
+	}
+}
+
+// handler is the subscription's sarama.ConsumerGroupHandler.
+type handler struct{ sub *subscription }
+
+// Setup does nothing.
+func (handler) Setup(sarama.ConsumerGroupSession) error { return nil }
+
+// Cleanup commits what the claims marked, before the group rebalances or
+// the subscription stops; the claims mark only acked offsets.
+func (handler) Cleanup(sess sarama.ConsumerGroupSession) error {
+	sess.Commit()
+	return nil
+}
+
+// ConsumeClaim runs one partition until it is revoked or the subscription
+// stops.
+func (h handler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	if !h.sub.enter() {
+		return nil
+	}
+	defer h.sub.leave()
+	cfg := h.sub.s.cfg
+	ctx, cancel := context.WithCancel(h.sub.ctx)
+	defer cancel()
+	p := &partition{
+		sub:       h.sub,
+		sess:      sess,
+		claim:     claim,
+		ctx:       ctx,
+		cancel:    cancel,
+		max:       cfg.MaxInFlightPerPartition,
+		buffer:    bufferFor(cfg.MaxInFlightPerPartition),
+		results:   make(chan result, cfg.MaxInFlightPerPartition),
+		abandon:   make(chan struct{}),
+		queues:    map[string][]*sarama.ConsumerMessage{},
+		busy:      map[string]bool{},
+		queued:    map[string]bool{},
+		done:      map[int64]bool{},
+		logFields: h.sub.fields.Add(watermill.LogFields{"kafka_partition": claim.Partition(), "kafka_initial_offset": claim.InitialOffset()}),
+	}
+	p.run()
+	return nil
+}
+
+// result is what a delivery reports: the record, and whether its message
+// was acked.
+type result struct {
+	rec   *sarama.ConsumerMessage
+	acked bool
+}
+
+// partition is the state of one claim. Only run's goroutine touches the
+// maps and slices; the deliveries report through results.
+type partition struct {
+	sub    *subscription
+	sess   sarama.ConsumerGroupSession
+	claim  sarama.ConsumerGroupClaim
+	ctx    context.Context // parent of the message contexts
+	cancel context.CancelFunc
+	max    int // messages in flight at most
+	buffer int // records held, received and not acked, at most
+
+	results  chan result
+	abandon  chan struct{} // closed when the drain timeout passes
+	wg       sync.WaitGroup
+	inFlight int
+	stopping bool
+
+	// queues holds each key's records not yet handed out, in offset
+	// order; busy marks the keys with a message in flight; ready lists
+	// the keys that are not busy and have queued records, queued marks
+	// them.
+	queues map[string][]*sarama.ConsumerMessage
+	busy   map[string]bool
+	ready  []string
+	queued map[string]bool
+
+	// outstanding are the offsets received and not yet committable, in
+	// offset order, from head on; done marks those acked.
+	outstanding []int64
+	head        int
+	done        map[int64]bool
+
+	logFields watermill.LogFields
+}
+
+func (p *partition) run() {
+	records := p.claim.Messages()
+	for {
+		in := records
+		if len(p.outstanding)-p.head >= p.buffer {
+			in = nil
+		}
+		select {
+		case rec, ok := <-in:
+			if !ok {
+				// The claim ended: the partition is being revoked.
+				p.drain(p.sub.isStopped())
+				return
+			}
+			p.add(rec)
+		case res := <-p.results:
+			p.finish(res, true)
+		case <-p.sess.Context().Done():
+			// A rebalance, unless the subscription is stopping (a
+			// sibling claim that has drained ends the session).
+			p.drain(p.sub.isStopped())
+			return
+		case <-p.sub.stop:
+			p.drain(true)
+			return
+		}
+	}
+}
+
+// add queues a record just received and hands out what it can.
+func (p *partition) add(rec *sarama.ConsumerMessage) {
+	p.outstanding = append(p.outstanding, rec.Offset)
+	key := string(rec.Key)
+	p.queues[key] = append(p.queues[key], rec)
+	p.markReady(key)
+	p.dispatch()
+}
+
+func (p *partition) markReady(key string) {
+	if !p.busy[key] && !p.queued[key] && len(p.queues[key]) > 0 {
+		p.ready = append(p.ready, key)
+		p.queued[key] = true
+	}
+}
+
+// dispatch hands out the heads of ready keys while there is room.
+func (p *partition) dispatch() {
+	for !p.stopping && p.inFlight < p.max && len(p.ready) > 0 {
+		key := p.ready[0]
+		p.ready = p.ready[1:]
+		delete(p.queued, key)
+		q := p.queues[key]
+		rec := q[0]
+		if len(q) == 1 {
+			delete(p.queues, key)
+		} else {
+			p.queues[key] = q[1:]
+		}
+		p.busy[key] = true
+		p.inFlight++
+		p.wg.Add(1)
+		go p.deliver(rec)
+	}
+}
+
+// finish takes a delivery's result. An acked record frees its key and may
+// move the committed offset; with mark, the new offset is marked (and,
+// with SyncCommit, committed). A record that was not acked (its context
+// ended) keeps its key busy, so that no later message of the key is
+// handed out before it.
+func (p *partition) finish(res result, mark bool) {
+	p.inFlight--
+	if !res.acked {
+		return
+	}
+	key := string(res.rec.Key)
+	delete(p.busy, key)
+	p.done[res.rec.Offset] = true
+	next := int64(-1)
+	for p.head < len(p.outstanding) && p.done[p.outstanding[p.head]] {
+		delete(p.done, p.outstanding[p.head])
+		next = p.outstanding[p.head] + 1
+		p.head++
+	}
+	if p.head > len(p.outstanding)/2 && p.head > 64 {
+		p.outstanding = append(p.outstanding[:0], p.outstanding[p.head:]...)
+		p.head = 0
+	}
+	if next >= 0 && mark {
+		p.sess.MarkOffset(p.claim.Topic(), p.claim.Partition(), next, "")
+		if p.sub.s.cfg.SyncCommit {
+			p.sess.Commit()
+		}
+	}
+	p.markReady(key)
+	p.dispatch()
+}
+
+// drain stops the partition: it cancels the message contexts, waits up to
+// the drain timeout for the handlers to ack or nack, then abandons the
+// rest. With commit, acked offsets are still marked and then committed;
+// without (a revocation), nothing more is marked.
+func (p *partition) drain(commit bool) {
+	p.stopping = true
+	p.cancel()
+	timer := time.NewTimer(p.sub.s.cfg.DrainTimeout)
+	defer timer.Stop()
+	abandoned := false
+	for p.inFlight > 0 {
+		select {
+		case res := <-p.results:
+			p.finish(res, commit)
+		case <-timer.C:
+			if !abandoned {
+				abandoned = true
+				close(p.abandon)
+				p.sub.s.logger.Info("Drain timeout: handlers still running, their messages will be delivered again", p.logFields.Add(watermill.LogFields{"in_flight": p.inFlight}))
+			}
+		}
+	}
+	p.wg.Wait()
+	if commit {
+		p.sess.Commit()
+	}
+}
+
+// deliver hands one record's message to the router until it is acked,
+// and reports the result.
+func (p *partition) deliver(rec *sarama.ConsumerMessage) {
+	defer p.wg.Done()
+	acked := p.handOut(rec)
+	p.results <- result{rec: rec, acked: acked}
+}
+
+func (p *partition) handOut(rec *sarama.ConsumerMessage) bool {
+	ctx, cancel := context.WithCancel(p.ctx)
+	defer cancel()
+	// Marshaler.Unmarshal never fails: an undecodable record becomes a
+	// message with delivery.DecodeError set.
+	msg, _ := Marshaler{}.Unmarshal(rec)
+	fields := p.logFields.Add(watermill.LogFields{"kafka_partition_offset": rec.Offset, "message_uuid": msg.UUID})
+	sleep := p.sub.s.cfg.NackResendSleep
+	for {
+		msg.SetContext(ctx)
+		select {
+		case p.sub.output <- msg:
+			p.sub.s.logger.Trace("Message sent to consumer", fields)
+		case <-ctx.Done():
+			return false
+		}
+		select {
+		case <-msg.Acked():
+			p.sub.s.logger.Trace("Message acked", fields)
+			return true
+		case <-msg.Nacked():
+			p.sub.s.logger.Trace("Message nacked", fields)
+			if ctx.Err() != nil {
+				return false
+			}
+			if sleep != NoSleep && sleep > 0 {
+				t := time.NewTimer(sleep)
+				select {
+				case <-t.C:
+				case <-ctx.Done():
+					t.Stop()
+					return false
+				}
+			}
+			msg = msg.Copy()
+		case <-p.abandon:
+			return false
+		}
+	}
+}
