@@ -2,20 +2,13 @@ package adapters_test
 
 import (
 	"context"
-	"net/http"
 	"os"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/aws/aws-sdk-go-v2/aws"
-	"github.com/aws/aws-sdk-go-v2/credentials"
-	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
-	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 
@@ -23,7 +16,7 @@ import (
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
-	"github.com/oncemill/oncemill/adapters/sqs"
+	"github.com/oncemill/oncemill/internal/brokertest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 )
 
@@ -69,13 +62,8 @@ func amqpBroker(t *testing.T) broker {
 		// holds unacked is left out (AMQP does not report it), so a test
 		// reads it again once its consumers stopped, which returns
 		// whatever they still held.
-		pending: func(t *testing.T, topic, group string) (n int) {
-			withChannel(t, func(ch *amqp091.Channel) error {
-				q, err := ch.QueueDeclarePassive(amqp.Config{ConsumerGroup: group}.QueueName(topic), true, false, false, false, amqp.Config{}.QueueArguments())
-				n = q.Messages
-				return err
-			})
-			return n
+		pending: func(t *testing.T, topic, group string) int {
+			return brokertest.AMQPReady(t, amqpURL(), topic, group)
 		},
 		cleanup: func(t *testing.T, topic string, groups ...string) {
 			withChannel(t, func(ch *amqp091.Channel) error {
@@ -210,28 +198,7 @@ func kafkaBroker(t *testing.T) broker {
 			return ps
 		},
 		pending: func(t *testing.T, topic, group string) int {
-			cfg := sarama.NewConfig()
-			cfg.Version = sarama.V2_3_0_0 // what the adapter speaks (see adapters/kafka)
-			client, err := sarama.NewClient(brokers, cfg)
-			require.NoError(t, err)
-			defer client.Close()
-			admin, err := sarama.NewClusterAdminFromClient(client)
-			require.NoError(t, err)
-			partitions, err := client.Partitions(topic)
-			require.NoError(t, err)
-			committed, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: partitions})
-			require.NoError(t, err)
-			lag := 0
-			for _, p := range partitions {
-				end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
-				require.NoError(t, err)
-				at := int64(0)
-				if b := committed.GetBlock(topic, p); b != nil && b.Offset >= 0 {
-					at = b.Offset
-				}
-				lag += int(end - at)
-			}
-			return lag
+			return brokertest.KafkaLag(t, brokers, topic, group)
 		},
 	}
 }
@@ -249,19 +216,7 @@ func sqsEndpoint() string {
 // and in-flight messages.
 func sqsBroker(t *testing.T) broker {
 	endpoint := sqsEndpoint()
-	httpClient := &http.Client{Transport: &http.Transport{}}
-	t.Cleanup(httpClient.CloseIdleConnections)
-	client := awssqs.New(awssqs.Options{
-		Region:       "us-east-1",
-		BaseEndpoint: aws.String(endpoint),
-		Credentials:  credentials.NewStaticCredentialsProvider("test", "test", ""),
-		HTTPClient:   httpClient,
-	})
-	queueURL := func(t *testing.T, topic string) string {
-		out, err := client.GetQueueUrl(context.Background(), &awssqs.GetQueueUrlInput{QueueName: aws.String(sqs.DefaultQueueName(topic))})
-		require.NoError(t, err)
-		return *out.QueueUrl
-	}
+	queues := brokertest.NewSQS(t, endpoint)
 	url := "sqs://test:test@us-east-1?create=true&endpoint=" + endpoint
 	return broker{
 		name: "sqs",
@@ -273,26 +228,7 @@ func sqsBroker(t *testing.T) broker {
 			}
 			return ps
 		},
-		pending: func(t *testing.T, topic, _ string) int {
-			out, err := client.GetQueueAttributes(context.Background(), &awssqs.GetQueueAttributesInput{
-				QueueUrl: aws.String(queueURL(t, topic)),
-				AttributeNames: []types.QueueAttributeName{
-					types.QueueAttributeNameApproximateNumberOfMessages,
-					types.QueueAttributeNameApproximateNumberOfMessagesNotVisible,
-				},
-			})
-			require.NoError(t, err)
-			n := 0
-			for _, v := range out.Attributes {
-				c, err := strconv.Atoi(v)
-				require.NoError(t, err)
-				n += c
-			}
-			return n
-		},
-		cleanup: func(t *testing.T, topic string, _ ...string) {
-			_, err := client.DeleteQueue(context.Background(), &awssqs.DeleteQueueInput{QueueUrl: aws.String(queueURL(t, topic))})
-			require.NoError(t, err)
-		},
+		pending: func(t *testing.T, topic, _ string) int { return queues.Backlog(t, topic) },
+		cleanup: func(t *testing.T, topic string, _ ...string) { queues.DeleteQueue(t, topic) },
 	}
 }

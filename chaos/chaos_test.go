@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"net/http"
 	"os"
 	"sort"
 	"strconv"
@@ -15,23 +14,16 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/aws/aws-sdk-go-v2/aws"
-	"github.com/aws/aws-sdk-go-v2/credentials"
-	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
-	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	"github.com/jackc/pgx/v5/pgxpool"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	goredis "github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters"
-	"github.com/oncemill/oncemill/adapters/amqp"
-	"github.com/oncemill/oncemill/adapters/sqs"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/amqptest"
+	"github.com/oncemill/oncemill/internal/brokertest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -222,6 +214,7 @@ func TestChaos(t *testing.T) {
 	require.NoError(t, err)
 
 	run := strconv.FormatInt(time.Now().UnixNano()%1e9, 36)
+	sqsQueues := brokertest.NewSQS(t, sqsEndpoint())
 	sqsURL := "sqs://test:test@us-east-1?create=true&visibility_timeout=5s&endpoint=" + sqsEndpoint()
 	lanes := []*lane{
 		{name: "kafka", url: "kafka://" + strings.Join(kafkaAddrs, ",") + "?session_timeout=3s&rebalance_timeout=10s"},
@@ -231,13 +224,14 @@ func TestChaos(t *testing.T) {
 	for _, l := range lanes {
 		l.topic, l.group, l.consumer = "chaos_"+run, "chaos_"+l.name+"_"+run, "chaos_"+l.name
 		l.keys = map[string]sentKey{}
-		switch l.name {
+		switch topic, group := l.topic, l.group; l.name {
 		case "kafka":
-			l.pending = kafkaPending(kafkaAddrs, l.topic, l.group)
+			l.pending = func(t *testing.T) int { return brokertest.KafkaLag(t, kafkaAddrs, topic, group) }
 		case "amqp":
-			l.pending = amqpPending(rabbit.URL(), l.topic, l.group)
+			l.pending = func(t *testing.T) int { return brokertest.AMQPReady(t, rabbit.URL(), topic, group) }
 		case "sqs":
-			l.pending = sqsPending(t, l.topic)
+			l.pending = func(t *testing.T) int { return sqsQueues.Backlog(t, topic) }
+			t.Cleanup(func() { sqsQueues.DeleteQueue(t, topic) })
 		}
 		for _, store := range []string{"postgres", "twotier"} {
 			l.slots = append(l.slots, &slot{cfg: consumerConfig{
@@ -682,90 +676,6 @@ func sqsEndpoint() string {
 		return e
 	}
 	return "http://127.0.0.1:4566"
-}
-
-// kafkaPending is the group's lag on topic.
-func kafkaPending(brokers []string, topic, group string) func(t *testing.T) int {
-	return func(t *testing.T) int {
-		cfg := sarama.NewConfig()
-		cfg.Version = sarama.V2_3_0_0
-		client, err := sarama.NewClient(brokers, cfg)
-		require.NoError(t, err)
-		defer client.Close()
-		admin, err := sarama.NewClusterAdminFromClient(client)
-		require.NoError(t, err)
-		partitions, err := client.Partitions(topic)
-		require.NoError(t, err)
-		committed, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: partitions})
-		require.NoError(t, err)
-		lag := 0
-		for _, p := range partitions {
-			end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
-			require.NoError(t, err)
-			at := int64(0)
-			if b := committed.GetBlock(topic, p); b != nil && b.Offset >= 0 {
-				at = b.Offset
-			}
-			lag += int(end - at)
-		}
-		return lag
-	}
-}
-
-// amqpPending is the group's queue's ready messages (what running
-// consumers hold unacked is left out).
-func amqpPending(url, topic, group string) func(t *testing.T) int {
-	return func(t *testing.T) int {
-		conn, err := amqp091.Dial(url)
-		require.NoError(t, err)
-		defer conn.Close()
-		ch, err := conn.Channel()
-		require.NoError(t, err)
-		defer ch.Close()
-		q, err := ch.QueueDeclarePassive(amqp.Config{ConsumerGroup: group}.QueueName(topic), true, false, false, false, amqp.Config{}.QueueArguments())
-		require.NoError(t, err)
-		return q.Messages
-	}
-}
-
-// sqsPending is the queue's visible and in-flight messages; the queue is
-// deleted when the test ends.
-func sqsPending(t *testing.T, topic string) func(t *testing.T) int {
-	httpClient := &http.Client{Transport: &http.Transport{}}
-	t.Cleanup(httpClient.CloseIdleConnections)
-	client := awssqs.New(awssqs.Options{
-		Region:       "us-east-1",
-		BaseEndpoint: aws.String(sqsEndpoint()),
-		Credentials:  credentials.NewStaticCredentialsProvider("test", "test", ""),
-		HTTPClient:   httpClient,
-	})
-	queueURL := func(t *testing.T) string {
-		out, err := client.GetQueueUrl(context.Background(), &awssqs.GetQueueUrlInput{QueueName: aws.String(sqs.DefaultQueueName(topic))})
-		require.NoError(t, err)
-		return *out.QueueUrl
-	}
-	t.Cleanup(func() {
-		if out, err := client.GetQueueUrl(context.Background(), &awssqs.GetQueueUrlInput{QueueName: aws.String(sqs.DefaultQueueName(topic))}); err == nil {
-			_, _ = client.DeleteQueue(context.Background(), &awssqs.DeleteQueueInput{QueueUrl: out.QueueUrl})
-		}
-	})
-	return func(t *testing.T) int {
-		out, err := client.GetQueueAttributes(context.Background(), &awssqs.GetQueueAttributesInput{
-			QueueUrl: aws.String(queueURL(t)),
-			AttributeNames: []types.QueueAttributeName{
-				types.QueueAttributeNameApproximateNumberOfMessages,
-				types.QueueAttributeNameApproximateNumberOfMessagesNotVisible,
-			},
-		})
-		require.NoError(t, err)
-		n := 0
-		for _, v := range out.Attributes {
-			c, err := strconv.Atoi(v)
-			require.NoError(t, err)
-			n += c
-		}
-		return n
-	}
 }
 
 func tail(s string, n int) string {

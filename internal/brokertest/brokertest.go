@@ -1,0 +1,121 @@
+// Package brokertest reads what a broker still holds for a consumer, for
+// the tests that check from outside that nothing was left unacknowledged:
+// a Kafka group's lag, a RabbitMQ queue's ready messages, an SQS queue's
+// visible and in-flight messages.
+package brokertest
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"testing"
+
+	"github.com/IBM/sarama"
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/adapters/amqp"
+	"github.com/oncemill/oncemill/adapters/sqs"
+)
+
+// KafkaLag is group's lag on topic: the records after its committed
+// offsets (a partition without a committed offset counts from 0).
+func KafkaLag(t testing.TB, brokers []string, topic, group string) int {
+	t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V2_3_0_0 // what the adapter speaks (see adapters/kafka)
+	client, err := sarama.NewClient(brokers, cfg)
+	require.NoError(t, err)
+	defer client.Close()
+	admin, err := sarama.NewClusterAdminFromClient(client)
+	require.NoError(t, err)
+	partitions, err := client.Partitions(topic)
+	require.NoError(t, err)
+	committed, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: partitions})
+	require.NoError(t, err)
+	lag := 0
+	for _, p := range partitions {
+		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		require.NoError(t, err)
+		at := int64(0)
+		if b := committed.GetBlock(topic, p); b != nil && b.Offset >= 0 {
+			at = b.Offset
+		}
+		lag += int(end - at)
+	}
+	return lag
+}
+
+// AMQPReady is the ready messages of group's queue for topic on the
+// RabbitMQ at url. What a running consumer holds unacked is left out (AMQP
+// does not report it): read it again once the consumers stopped, which
+// returns whatever they still held.
+func AMQPReady(t testing.TB, url, topic, group string) int {
+	t.Helper()
+	conn, err := amqp091.Dial(url)
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	defer ch.Close()
+	q, err := ch.QueueDeclarePassive(amqp.Config{ConsumerGroup: group}.QueueName(topic), true, false, false, false, amqp.Config{}.QueueArguments())
+	require.NoError(t, err)
+	return q.Messages
+}
+
+// SQS reads and deletes the queues of an SQS endpoint (the emulator's
+// credentials, region us-east-1).
+type SQS struct {
+	client *awssqs.Client
+}
+
+// NewSQS returns a client of endpoint whose connections close when the test
+// ends.
+func NewSQS(t testing.TB, endpoint string) *SQS {
+	httpClient := &http.Client{Transport: &http.Transport{}}
+	t.Cleanup(httpClient.CloseIdleConnections)
+	return &SQS{client: awssqs.New(awssqs.Options{
+		Region:       "us-east-1",
+		BaseEndpoint: aws.String(endpoint),
+		Credentials:  credentials.NewStaticCredentialsProvider("test", "test", ""),
+		HTTPClient:   httpClient,
+	})}
+}
+
+func (s *SQS) queueURL(t testing.TB, topic string) string {
+	t.Helper()
+	out, err := s.client.GetQueueUrl(context.Background(), &awssqs.GetQueueUrlInput{QueueName: aws.String(sqs.DefaultQueueName(topic))})
+	require.NoError(t, err)
+	return *out.QueueUrl
+}
+
+// Backlog is the visible and in-flight messages of topic's queue.
+func (s *SQS) Backlog(t testing.TB, topic string) int {
+	t.Helper()
+	out, err := s.client.GetQueueAttributes(context.Background(), &awssqs.GetQueueAttributesInput{
+		QueueUrl: aws.String(s.queueURL(t, topic)),
+		AttributeNames: []types.QueueAttributeName{
+			types.QueueAttributeNameApproximateNumberOfMessages,
+			types.QueueAttributeNameApproximateNumberOfMessagesNotVisible,
+		},
+	})
+	require.NoError(t, err)
+	n := 0
+	for _, v := range out.Attributes {
+		c, err := strconv.Atoi(v)
+		require.NoError(t, err)
+		n += c
+	}
+	return n
+}
+
+// DeleteQueue deletes topic's queue.
+func (s *SQS) DeleteQueue(t testing.TB, topic string) {
+	t.Helper()
+	_, err := s.client.DeleteQueue(context.Background(), &awssqs.DeleteQueueInput{QueueUrl: aws.String(s.queueURL(t, topic))})
+	require.NoError(t, err)
+}
