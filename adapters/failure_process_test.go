@@ -188,28 +188,15 @@ func consume(cfg childConfig, term <-chan os.Signal) (int, error) {
 	}
 	r.AddMiddleware(counting, poison.Middleware, inbox.Middleware)
 	r.AddNoPublisherHandler(cfg.Consumer, cfg.Topic, ps.Subscriber, handler)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	select {
-	case <-r.Running():
-	case err := <-done:
-		return childBadSetup, errors.Join(fmt.Errorf("router stopped at start: %w", err), ps.Close())
-	}
-	fmt.Println(childReady)
-
 	code := 0
-	select {
-	case <-term:
-		if err := r.Close(); err != nil {
-			code = childBadClose
-			fmt.Fprintln(os.Stderr, "child: router close:", err)
-		}
-		if err := <-done; err != nil {
-			code = childBadClose
-			fmt.Fprintln(os.Stderr, "child: router run:", err)
-		}
-	case err := <-done:
-		return childBadClose, errors.Join(fmt.Errorf("router stopped by itself: %w", err), ps.Close())
+	switch err := proctest.RunRouter(ctx, r, childReady, term); {
+	case errors.Is(err, proctest.ErrRouterNotStarted):
+		return childBadSetup, errors.Join(err, ps.Close())
+	case errors.Is(err, proctest.ErrRouterStopped):
+		return childBadClose, errors.Join(err, ps.Close())
+	case err != nil:
+		code = childBadClose
+		fmt.Fprintln(os.Stderr, "child: router close:", err)
 	}
 	if err := ps.Close(); err != nil {
 		fmt.Fprintln(os.Stderr, "child: close broker:", err)

@@ -201,28 +201,15 @@ func consume(cfg consumerConfig, term <-chan os.Signal) (int, error) {
 	}
 	r.AddMiddleware(poison.Middleware, inbox.Middleware)
 	r.AddNoPublisherHandler(cfg.Consumer, cfg.Topic, ps.Subscriber, handler)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	select {
-	case <-r.Running():
-	case err := <-done:
-		return exitBadSetup, errors.Join(fmt.Errorf("router stopped at start: %w", err), ps.Close())
-	}
-	fmt.Println(readyLine)
-
 	code := 0
-	select {
-	case <-term:
-		if err := r.Close(); err != nil {
-			code = exitBadClose
-			fmt.Fprintln(os.Stderr, "chaos consumer: router close:", err)
-		}
-		if err := <-done; err != nil {
-			code = exitBadClose
-			fmt.Fprintln(os.Stderr, "chaos consumer: router run:", err)
-		}
-	case err := <-done:
-		return exitStopped, errors.Join(fmt.Errorf("router stopped by itself: %w", err), ps.Close())
+	switch err := proctest.RunRouter(ctx, r, readyLine, term); {
+	case errors.Is(err, proctest.ErrRouterNotStarted):
+		return exitBadSetup, errors.Join(err, ps.Close())
+	case errors.Is(err, proctest.ErrRouterStopped):
+		return exitStopped, errors.Join(err, ps.Close())
+	case err != nil:
+		code = exitBadClose
+		fmt.Fprintln(os.Stderr, "chaos consumer: router close:", err)
 	}
 	if err := ps.Close(); err != nil {
 		fmt.Fprintln(os.Stderr, "chaos consumer: close broker:", err)

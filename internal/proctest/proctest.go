@@ -7,6 +7,7 @@ package proctest
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -15,6 +16,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
 )
 
 // Buffer collects a child's output; it is safe for concurrent use.
@@ -140,5 +143,35 @@ func (p *Process) Terminate(bound time.Duration) error {
 	case <-time.After(bound):
 		p.Kill()
 		return fmt.Errorf("still running %s after SIGTERM; output:\n%s", bound, p.Out.String())
+	}
+}
+
+// ErrRouterNotStarted and ErrRouterStopped are what [RunRouter] returns
+// when the router stopped before it ran, or by itself before term.
+var (
+	ErrRouterNotStarted = errors.New("proctest: router stopped at start")
+	ErrRouterStopped    = errors.New("proctest: router stopped by itself")
+)
+
+// RunRouter is a child consumer's life: it runs r, prints ready once the
+// router runs (the line the parent waits for), and closes r when term
+// receives, as a process does on SIGTERM. It returns nil after a clean
+// close; an error wrapping ErrRouterNotStarted or ErrRouterStopped, with
+// the router's own error, when the router stopped without being told; and
+// the close's errors otherwise.
+func RunRouter(ctx context.Context, r *message.Router, ready string, term <-chan os.Signal) error {
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	select {
+	case <-r.Running():
+	case err := <-done:
+		return fmt.Errorf("%w: %w", ErrRouterNotStarted, err)
+	}
+	fmt.Println(ready)
+	select {
+	case <-term:
+		return errors.Join(r.Close(), <-done)
+	case err := <-done:
+		return fmt.Errorf("%w: %w", ErrRouterStopped, err)
 	}
 }
