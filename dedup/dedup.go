@@ -184,6 +184,29 @@ type InboxTx interface {
 	Rollback(ctx context.Context) error
 }
 
+// StartClaimer is implemented by a [TxStore] that can do what
+// [TxStore.InboxStart], [TxStore.InboxBegin] and [InboxTx.InboxClaim] do in
+// turn in one exchange with its database. The start still commits on its
+// own, before the transaction begins, with the guarantees InboxStart gives.
+type StartClaimer interface {
+	// InboxStartClaim counts an attempt of key, begins a transaction and
+	// claims key in it. It answers in one of four ways:
+	//
+	//   - start is StateDone (with the stored result) or StateDead: the key
+	//     must not run; tx is nil and nothing is held.
+	//   - start is StateNew and err is nil: the attempt is counted
+	//     (start.Attempts), tx is open and claim is what InboxClaim would
+	//     have answered in it. The caller ends tx.
+	//   - err is not nil and start.Attempts is above zero: the attempt is
+	//     counted but the transaction could not begin or the claim failed;
+	//     tx is nil, whatever was opened has been ended. The caller takes
+	//     the count back ([TxStore.InboxUnstart]), or runs the transaction
+	//     again with InboxBegin when err wraps [ErrConflict].
+	//   - err is not nil and start.Attempts is zero: nothing was counted,
+	//     as when InboxStart fails.
+	InboxStartClaim(ctx context.Context, key Key, window time.Duration) (start Claim, tx InboxTx, claim Claim, err error)
+}
+
 // LeaseStore claims keys as fenced leases, for effects that live outside the
 // store's database.
 type LeaseStore interface {

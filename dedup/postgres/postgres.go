@@ -301,13 +301,24 @@ type inboxTx struct {
 }
 
 func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
-	var (
-		status      string
-		attempts    int
-		result      []byte
-		firstFailed *time.Time
-	)
-	err := t.tx.QueryRow(ctx, t.q.claim, key.Consumer, key.Key, seconds(window)).Scan(&status, &attempts, &result, &firstFailed)
+	var r claimRow
+	err := t.tx.QueryRow(ctx, t.q.claim, key.Consumer, key.Key, seconds(window)).Scan(&r.status, &r.attempts, &r.result, &r.firstFailed)
+	return t.claimed(ctx, key, window, r, err)
+}
+
+// claimRow is a row of the claim statement (and of read).
+type claimRow struct {
+	status      string
+	attempts    int
+	result      []byte
+	firstFailed *time.Time
+}
+
+// claimed finishes a claim whose statement answered r, or err
+// (pgx.ErrNoRows when it returned no row), with the follow-up statements
+// of its rare paths, in the transaction.
+func (t *inboxTx) claimed(ctx context.Context, key dedup.Key, window time.Duration, r claimRow, err error) (dedup.Claim, error) {
+	status, attempts, result, firstFailed := r.status, r.attempts, r.result, r.firstFailed
 	if errors.Is(err, pgx.ErrNoRows) {
 		// A concurrent claimer committed while this statement waited on
 		// its row: the INSERT saw the row, the statement's snapshot did

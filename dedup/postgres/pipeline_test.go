@@ -1,0 +1,428 @@
+package postgres_test
+
+import (
+	"context"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/internal/pgtest"
+)
+
+// startRows reads the key's start count, from another connection.
+func (b bundle) started(t *testing.T, key dedup.Key) int {
+	t.Helper()
+	var n int
+	err := b.pool.QueryRow(context.Background(), `SELECT COALESCE(sum(started), 0) FROM "`+b.schema+`".inbox_starts
+		WHERE consumer = $1 AND key = $2`, key.Consumer, key.Key).Scan(&n)
+	require.NoError(t, err)
+	return n
+}
+
+func requireIdle(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	require.Eventually(t, func() bool { return pool.Stat().AcquiredConns() == 0 }, 2*time.Second, 5*time.Millisecond,
+		"every connection back in the pool")
+}
+
+func TestStartClaimNewKeyStartDurableBeforeCommit(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	b.createEffects(t)
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "billing", Key: "order-1"}
+
+	start, tx, claim, err := b.store.InboxStartClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, start.State)
+	require.Equal(t, 1, start.Attempts)
+	require.NotNil(t, tx)
+	require.Equal(t, dedup.StateNew, claim.State)
+	require.Equal(t, 1, claim.Attempts)
+
+	// The start committed on its own: another connection sees it while
+	// the transaction is open; the claim it does not see.
+	require.Equal(t, 1, b.started(t, key))
+	_, ok := b.row(t, key)
+	require.False(t, ok, "the claim is not visible before the commit")
+
+	htx := postgres.Tx(tx.WithTx(ctx))
+	require.NotNil(t, htx)
+	_, err = htx.Exec(ctx, `INSERT INTO "`+b.schema+`".effects (key) VALUES ($1)`, key.Key)
+	require.NoError(t, err)
+	require.Equal(t, 0, b.effects(t))
+	require.NoError(t, tx.InboxComplete(ctx, key, []byte("stored")))
+	require.NoError(t, tx.Commit(ctx))
+	require.NoError(t, tx.Rollback(ctx), "rollback after commit is a no-op")
+
+	require.Equal(t, 1, b.effects(t))
+	r, ok := b.row(t, key)
+	require.True(t, ok)
+	require.Equal(t, "done", r.status)
+	require.Equal(t, 0, b.started(t, key), "the commit deletes the start count")
+	requireIdle(t, b.pool)
+
+	// A duplicate: answered by the start, nothing held.
+	start, tx, claim, err = b.store.InboxStartClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateDone, start.State)
+	require.Equal(t, []byte("stored"), start.Result)
+	require.Nil(t, tx)
+	require.Equal(t, dedup.Claim{}, claim)
+	require.Equal(t, 0, b.started(t, key))
+	requireIdle(t, b.pool)
+	requireHealthy(t, b)
+}
+
+// requireHealthy checks that every pooled connection is idle and usable.
+func requireHealthy(t *testing.T, b bundle) {
+	t.Helper()
+	requireIdle(t, b.pool)
+	for _, c := range b.pool.AcquireAllIdle(context.Background()) {
+		require.Equal(t, byte('I'), c.Conn().PgConn().TxStatus())
+		var one int
+		require.NoError(t, c.Conn().QueryRow(context.Background(), "SELECT 1").Scan(&one))
+		c.Release()
+	}
+}
+
+func TestStartClaimDeadKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "billing", Key: "poison"}
+
+	_, tx, _, err := b.store.InboxStartClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.NoError(t, tx.InboxBury(ctx, key, dedup.Failure{Err: "boom", At: time.Now()}))
+	require.NoError(t, tx.Commit(ctx))
+
+	start, tx, _, err := b.store.InboxStartClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateDead, start.State)
+	require.Nil(t, start.Result)
+	require.Nil(t, tx)
+	requireHealthy(t, b)
+}
+
+func TestStartClaimRollbackKeepsCountAndFailedKeyIsReclaimed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "billing", Key: "order-2"}
+
+	start, tx, _, err := b.store.InboxStartClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, 1, start.Attempts)
+	require.NoError(t, tx.Rollback(ctx))
+	require.NoError(t, tx.Rollback(ctx), "a second rollback is a no-op")
+	require.Equal(t, 1, b.started(t, key), "a rolled-back attempt stays counted")
+	require.NoError(t, b.store.InboxFail(ctx, key, dedup.Failure{Err: "boom", At: time.Now()}, time.Hour))
+
+	// The failed key: the claim finds it failed and takes it again.
+	start, tx, claim, err := b.store.InboxStartClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, start.State)
+	require.Equal(t, 2, start.Attempts)
+	require.Equal(t, dedup.StateNew, claim.State)
+	require.Equal(t, 2, claim.Attempts)
+	require.False(t, claim.FirstFailedAt.IsZero())
+	require.NoError(t, tx.Commit(ctx))
+	r, ok := b.row(t, key)
+	require.True(t, ok)
+	require.Equal(t, "done", r.status)
+	requireHealthy(t, b)
+}
+
+func TestStartClaimConcurrentClaimers(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 8)
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "billing", Key: "race"}
+
+	// The first holds the key; the second's claim waits on it, then finds
+	// the key done (the re-read path) in its own transaction.
+	_, tx1, c1, err := b.store.InboxStartClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, c1.State)
+
+	type answer struct {
+		start, claim dedup.Claim
+		tx           dedup.InboxTx
+		err          error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		s, tx, c, err := b.store.InboxStartClaim(ctx, key, time.Hour)
+		done <- answer{s, c, tx, err}
+	}()
+	// Its start waits on the start row the first one's claim deleted.
+	time.Sleep(100 * time.Millisecond)
+	require.NoError(t, tx1.InboxComplete(ctx, key, []byte("first")))
+	require.NoError(t, tx1.Commit(ctx))
+
+	a := <-done
+	require.NoError(t, a.err)
+	require.Equal(t, dedup.StateNew, a.start.State, "it started before the first committed")
+	require.Equal(t, dedup.StateDone, a.claim.State)
+	require.Equal(t, []byte("first"), a.claim.Result)
+	require.NoError(t, a.tx.Rollback(ctx))
+	requireHealthy(t, b)
+
+	// Many at once: exactly one commits a new claim.
+	key = dedup.Key{Consumer: "billing", Key: "crowd"}
+	var (
+		wg    sync.WaitGroup
+		wins  atomic.Int32
+		dupes atomic.Int32
+	)
+	for range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s, tx, c, err := b.store.InboxStartClaim(ctx, key, time.Hour)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if tx == nil {
+				dupes.Add(1)
+				return
+			}
+			if c.State == dedup.StateNew {
+				wins.Add(1)
+				if err := tx.Commit(ctx); err != nil {
+					t.Error(err)
+				}
+				return
+			}
+			_ = s
+			dupes.Add(1)
+			_ = tx.Rollback(ctx)
+		}()
+	}
+	wg.Wait()
+	require.Equal(t, int32(1), wins.Load())
+	require.Equal(t, int32(5), dupes.Load())
+	requireHealthy(t, b)
+}
+
+func TestStartClaimConflictAndErrors(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	ctx := context.Background()
+
+	// A deadlock between two handler transactions: one of them gets an
+	// error that wraps ErrConflict once it goes through InboxClassify,
+	// and the loser's connection comes back healthy.
+	b.createEffects(t)
+	_, err := b.pool.Exec(ctx, `INSERT INTO "`+b.schema+`".effects (key) VALUES ('a'), ('b')`)
+	require.NoError(t, err)
+	_, tx1, _, err := b.store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "1"}, time.Hour)
+	require.NoError(t, err)
+	_, tx2, _, err := b.store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "2"}, time.Hour)
+	require.NoError(t, err)
+	h1, h2 := postgres.Tx(tx1.WithTx(ctx)), postgres.Tx(tx2.WithTx(ctx))
+	upd := `UPDATE "` + b.schema + `".effects SET key = key WHERE key = $1`
+	_, err = h1.Exec(ctx, upd, "a")
+	require.NoError(t, err)
+	_, err = h2.Exec(ctx, upd, "b")
+	require.NoError(t, err)
+	errs := make(chan error, 2)
+	go func() { _, err := h1.Exec(ctx, upd, "b"); errs <- err }()
+	go func() { _, err := h2.Exec(ctx, upd, "a"); errs <- err }()
+	e1, e2 := <-errs, <-errs
+	if e1 == nil {
+		e1, e2 = e2, e1
+	}
+	require.NoError(t, e2, "one of them goes on")
+	require.ErrorIs(t, b.store.InboxClassify(e1), dedup.ErrConflict, "the other is a conflict")
+	require.NoError(t, tx1.Rollback(ctx))
+	require.NoError(t, tx2.Rollback(ctx))
+	requireHealthy(t, b)
+
+	// A missing table: the start fails, not counted, with the hint.
+	store, err := postgres.New(b.pool, postgres.Config{Schema: b.schema, Table: "missing"})
+	require.NoError(t, err)
+	start, tx, _, err := store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "k"}, time.Hour)
+	require.ErrorIs(t, err, postgres.ErrNotMigrated)
+	require.Zero(t, start.Attempts)
+	require.Nil(t, tx)
+	requireHealthy(t, b)
+
+	// A canceled context: nothing sent.
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	_, tx, _, err = b.store.InboxStartClaim(cctx, dedup.Key{Consumer: "c", Key: "k"}, time.Hour)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Nil(t, tx)
+	requireIdle(t, b.pool)
+}
+
+func TestStartClaimHandlerTxSemantics(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	b.createEffects(t)
+	ctx := context.Background()
+	ins := `INSERT INTO "` + b.schema + `".effects (key) VALUES ($1)`
+
+	_, tx, _, err := b.store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "nested"}, time.Hour)
+	require.NoError(t, err)
+	h := postgres.Tx(tx.WithTx(ctx))
+
+	// Nested transactions are savepoints.
+	sp, err := h.Begin(ctx)
+	require.NoError(t, err)
+	_, err = sp.Exec(ctx, ins, "undone")
+	require.NoError(t, err)
+	require.NoError(t, sp.Rollback(ctx))
+	require.ErrorIs(t, sp.Rollback(ctx), pgx.ErrTxClosed)
+	sp, err = h.Begin(ctx)
+	require.NoError(t, err)
+	sp2, err := sp.Begin(ctx)
+	require.NoError(t, err)
+	_, err = sp2.Exec(ctx, ins, "kept")
+	require.NoError(t, err)
+	require.NoError(t, sp2.Commit(ctx))
+	require.NoError(t, sp.Commit(ctx))
+
+	// Query, QueryRow, SendBatch, CopyFrom, Prepare, Conn.
+	var n int
+	require.NoError(t, h.QueryRow(ctx, `SELECT count(*) FROM "`+b.schema+`".effects`).Scan(&n))
+	require.Equal(t, 1, n)
+	rows, err := h.Query(ctx, `SELECT key FROM "`+b.schema+`".effects`)
+	require.NoError(t, err)
+	keys, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"kept"}, keys)
+	batch := &pgx.Batch{}
+	batch.Queue(ins, "batched")
+	require.NoError(t, h.SendBatch(ctx, batch).Close())
+	copied, err := h.CopyFrom(ctx, pgx.Identifier{b.schema, "effects"}, []string{"key"}, pgx.CopyFromRows([][]any{{"copied"}}))
+	require.NoError(t, err)
+	require.EqualValues(t, 1, copied)
+	_, err = h.Prepare(ctx, "count_effects", `SELECT count(*) FROM "`+b.schema+`".effects`)
+	require.NoError(t, err)
+	require.NoError(t, h.QueryRow(ctx, "count_effects").Scan(&n))
+	require.Equal(t, 3, n)
+	require.Equal(t, byte('T'), h.Conn().PgConn().TxStatus())
+
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, 3, b.effects(t))
+	_, err = h.Exec(ctx, ins, "late")
+	require.ErrorIs(t, err, pgx.ErrTxClosed)
+	_, err = h.Query(ctx, "SELECT 1")
+	require.ErrorIs(t, err, pgx.ErrTxClosed)
+	require.ErrorIs(t, h.QueryRow(ctx, "SELECT 1").Scan(&n), pgx.ErrTxClosed)
+	require.ErrorIs(t, h.Commit(ctx), pgx.ErrTxClosed)
+	require.ErrorIs(t, h.Rollback(ctx), pgx.ErrTxClosed)
+	_, err = h.Begin(ctx)
+	require.ErrorIs(t, err, pgx.ErrTxClosed)
+	requireHealthy(t, b)
+
+	// Commit of an aborted transaction rolls back and says so; the
+	// connection is idle again and goes back to the pool.
+	key := dedup.Key{Consumer: "c", Key: "aborted"}
+	_, tx, _, err = b.store.InboxStartClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	h = postgres.Tx(tx.WithTx(ctx))
+	_, err = h.Exec(ctx, "SELECT 1/0")
+	require.Error(t, err)
+	err = tx.Commit(ctx)
+	require.ErrorIs(t, err, pgx.ErrTxCommitRollback)
+	_, ok := b.row(t, key)
+	require.False(t, ok)
+	require.Equal(t, 1, b.started(t, key))
+	requireHealthy(t, b)
+
+	// A handler that commits the transaction itself: the inbox's Commit
+	// then reports it closed.
+	_, tx, _, err = b.store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "self"}, time.Hour)
+	require.NoError(t, err)
+	require.NoError(t, postgres.Tx(tx.WithTx(ctx)).Commit(ctx))
+	require.ErrorIs(t, tx.Commit(ctx), pgx.ErrTxClosed)
+	requireHealthy(t, b)
+}
+
+// countingConn counts the client's flights: a write after a read (or the
+// first write) starts one, so that a pipeline's messages, however many
+// writes they take, count once.
+type countingConn struct {
+	net.Conn
+	flights *atomic.Int64
+	reading *atomic.Bool
+}
+
+func (c countingConn) Write(p []byte) (int, error) {
+	if c.reading.CompareAndSwap(true, false) {
+		c.flights.Add(1)
+	}
+	return c.Conn.Write(p)
+}
+
+func (c countingConn) Read(p []byte) (int, error) {
+	c.reading.Store(true)
+	return c.Conn.Read(p)
+}
+
+func TestStartClaimRoundTrips(t *testing.T) {
+	t.Parallel()
+	setupPool := pgtest.Pool(t, 1)
+	schema := pgtest.Schema(t, setupPool)
+
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	var (
+		flights atomic.Int64
+		reading atomic.Bool
+	)
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return countingConn{Conn: c, flights: &flights, reading: &reading}, nil
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	store, err := postgres.New(pool, postgres.Config{Schema: schema})
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	// Warm the connection (connect, and the statements' preparation,
+	// which happens once per connection).
+	_, tx, _, err := store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "warm"}, time.Hour)
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+
+	measure := func(f func()) int64 {
+		reading.Store(true)
+		before := flights.Load()
+		f()
+		return flights.Load() - before
+	}
+	key := dedup.Key{Consumer: "c", Key: "k"}
+	require.EqualValues(t, 2, measure(func() {
+		_, tx, c, err := store.InboxStartClaim(ctx, key, time.Hour)
+		require.NoError(t, err)
+		require.Equal(t, dedup.StateNew, c.State)
+		require.NoError(t, tx.Commit(ctx))
+	}), "a new key: the pipeline, then COMMIT")
+	require.EqualValues(t, 2, measure(func() {
+		s, tx, _, err := store.InboxStartClaim(ctx, key, time.Hour)
+		require.NoError(t, err)
+		require.Equal(t, dedup.StateDone, s.State)
+		require.Nil(t, tx)
+	}), "a duplicate: the pipeline, then the ROLLBACK of the transaction it opened")
+}
