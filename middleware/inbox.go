@@ -74,6 +74,16 @@ type InboxConfig struct {
 	// delivery_limit, an SQS redrive policy), and a duplicate costs
 	// three round trips. Defaults to false.
 	SkipAttemptRecord bool
+	// PipelineClaim sends the attempt record, the BEGIN and the claim in
+	// one round trip, with stores that can (dedup.StartClaimer: the
+	// PostgreSQL store on a pool). A new key then costs three round trips
+	// with a one-statement effect (the pipeline, the effect, the COMMIT)
+	// instead of five, fewer than the naive BEGIN, claim, effect, COMMIT;
+	// a duplicate costs two instead of one, since the transaction is open
+	// before the record says the key is done. Worth it where duplicates
+	// are rare (bench-dedup measures both). Transactional mode, with the
+	// attempt record. Defaults to false.
+	PipelineClaim bool
 
 	// Outbox, when set, writes the messages the handler produced into an
 	// outbox inside the inbox's transaction (the consumer outbox), instead
@@ -130,6 +140,8 @@ func (c InboxConfig) Validate() error {
 		return fmt.Errorf("middleware: InboxConfig.Lease (%s) must be shorter than Window (%s): a record must outlive its lease", c.Lease, c.Window)
 	case c.FinishTimeout < 0:
 		return fmt.Errorf("middleware: InboxConfig.FinishTimeout must not be negative, got %s", c.FinishTimeout)
+	case c.PipelineClaim && (c.TxStore == nil || c.SkipAttemptRecord):
+		return errors.New("middleware: InboxConfig.PipelineClaim needs TxStore and the attempt record (SkipAttemptRecord false): it pipelines the record with the claim")
 	case c.Outbox != nil && c.TxStore == nil:
 		return errors.New("middleware: InboxConfig.Outbox needs TxStore: the outbox is written in the claim's transaction")
 	case c.InFlightDelay < 0:
@@ -346,10 +358,26 @@ func (in *Inbox) keyOf(msg *message.Message) (dedup.Key, error) {
 
 func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
-	var start dedup.Claim
+	var (
+		start dedup.Claim
+		// pre is the transaction a dedup.StartClaimer opened and claimed
+		// in with the start, for the first run; preErr its failure.
+		pre      dedup.InboxTx
+		preClaim dedup.Claim
+		preErr   error
+	)
 	if !in.cfg.SkipAttemptRecord {
 		var err error
-		if start, err = in.cfg.TxStore.InboxStart(base, key, in.cfg.Window); err != nil {
+		if sc, ok := in.cfg.TxStore.(dedup.StartClaimer); ok && in.cfg.PipelineClaim {
+			start, pre, preClaim, err = sc.InboxStartClaim(base, key, in.cfg.Window)
+			if err != nil && start.Attempts > 0 {
+				// Counted, but the transaction did not begin or claim.
+				preErr, err = err, nil
+			}
+		} else {
+			start, err = in.cfg.TxStore.InboxStart(base, key, in.cfg.Window)
+		}
+		if err != nil {
 			return nil, err
 		}
 		switch start.State {
@@ -359,6 +387,9 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			return in.deadCopy(msg, key, h, reopened, o)
 		}
 		if err := in.crashLoop(msg, key, start, o); err != nil {
+			if pre != nil {
+				err = errors.Join(err, in.rollback(base, pre))
+			}
 			return nil, err
 		}
 	}
@@ -366,7 +397,18 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	// the handler to its end through the message's own fault (shutdown,
 	// another holder, the infrastructure) takes the count back.
 	for try := 1; ; try++ {
-		produced, err := in.attemptTx(msg, key, h, start, o)
+		var (
+			produced []*message.Message
+			err      error
+		)
+		switch {
+		case try == 1 && preErr != nil:
+			err = in.claimFailed(base, key, preErr)
+		case try == 1 && pre != nil:
+			produced, err = in.attemptClaimed(msg, key, h, start, pre, preClaim, o)
+		default:
+			produced, err = in.attemptTx(msg, key, h, start, o)
+		}
 		if !errors.Is(err, dedup.ErrConflict) {
 			return produced, err
 		}
@@ -399,12 +441,26 @@ func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.Handle
 	}
 	claim, err := tx.InboxClaim(base, key, in.cfg.Window)
 	if err != nil {
-		err = errors.Join(err, in.rollback(base, tx))
-		if errors.Is(err, dedup.ErrConflict) {
-			return nil, err
-		}
-		return nil, in.unstart(base, key, err)
+		return nil, in.claimFailed(base, key, errors.Join(err, in.rollback(base, tx)))
 	}
+	return in.attemptClaimed(msg, key, h, start, tx, claim, o)
+}
+
+// claimFailed ends an attempt whose claim failed, its transaction ended:
+// a conflict is left for the caller to run again, anything else takes the
+// attempt's count back.
+func (in *Inbox) claimFailed(base context.Context, key dedup.Key, err error) error {
+	if errors.Is(err, dedup.ErrConflict) {
+		return err
+	}
+	return in.unstart(base, key, err)
+}
+
+// attemptClaimed runs the rest of an attempt whose key tx claimed: the
+// handler and the commit.
+func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.HandlerFunc, start dedup.Claim, tx dedup.InboxTx, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
+	base := msg.Context()
+	store := in.cfg.TxStore
 	if in.cfg.SkipAttemptRecord {
 		start.Attempts = claim.Attempts // the failed attempts, this one included
 	}

@@ -333,6 +333,20 @@ func (pgTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQue
 
 func (pgTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
+// TraceBatchStart counts a batch (a pgx batch, or the inbox's pipelined
+// attempt record, BEGIN and claim) as one round trip: its statements go
+// out together and come back together.
+func (pgTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
+		d.pg.Add(1)
+	}
+	return ctx
+}
+
+func (pgTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (pgTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
 // redisHook counts every Redis command, and every pipeline as one round
 // trip, against the delivery in its context.
 type redisHook struct{}

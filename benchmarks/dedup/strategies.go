@@ -35,6 +35,9 @@ const (
 	// that counts attempts whose process died: what the crash-loop
 	// protection costs is the gap between the two.
 	stPGNoStart = "postgres-inbox-no-start"
+	// stPGPipe is the postgres inbox with PipelineClaim: the attempt
+	// record, BEGIN and the claim in one round trip.
+	stPGPipe = "postgres-inbox-pipelined"
 	// stPGProm is the postgres inbox with observe/prom's hooks on: what
 	// the metrics cost is the gap between the two.
 	stPGProm  = "postgres-inbox+prom"
@@ -93,6 +96,8 @@ func strategies() []strategyDef {
 			What: "Inbox transactional mode on dedup/postgres"},
 		{Name: stPGNoStart, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with SkipAttemptRecord: no statement before the transaction, so no crash-loop count, and duplicates go through BEGIN, claim, ROLLBACK"},
+		{Name: stPGPipe, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
+			What: "the postgres inbox with PipelineClaim: attempt record, BEGIN and claim in one round trip (a duplicate then costs two)"},
 		{Name: stPGProm, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with observe/prom's Prometheus hooks (a fresh registry): every delivery counted and timed"},
 		{Name: stBloom, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
@@ -214,6 +219,8 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
 	case stPGNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), SkipAttemptRecord: true})
+	case stPGPipe:
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true})
 	case stPGProm:
 		metrics, merr := prom.New(prom.Config{Registerer: prometheus.NewRegistry()})
 		if merr != nil {
