@@ -451,12 +451,11 @@ func (r *Relay) Run(ctx context.Context) error {
 		wait    time.Duration // after an empty look; zero after rows
 		backoff = r.cfg.MinBackoff
 		stall   stallWatch
-		lagAt   time.Time
+		lag     lagReading
 	)
 	for ctx.Err() == nil {
-		if r.hooks.ObservesLag() && time.Since(lagAt) >= r.cfg.LagInterval {
-			lagAt = time.Now()
-			r.reportLag(ctx)
+		if r.hooks.ObservesLag() && time.Since(lag.at) >= r.cfg.LagInterval {
+			r.reportLag(ctx, &lag)
 		}
 		n, err := r.poll(batchCtx, wait > 0)
 		switch {
@@ -478,16 +477,34 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 			continue
 		}
-		r.watchStall(ctx, &stall)
+		r.watchStall(ctx, &stall, &lag)
 		wait = max(r.cfg.MinPollInterval, min(2*wait, r.cfg.PollInterval))
 		sleep(ctx, wait)
 	}
 	return nil
 }
 
+// lagReading is the relay's last measure of its backlog, shared by the lag
+// hooks and the stall check so that one count serves both.
+type lagReading struct {
+	lag Lag
+	err error
+	at  time.Time
+}
+
+// measure reads the backlog again unless the last reading is younger than
+// maxAge.
+func (l *lagReading) measure(ctx context.Context, r *Relay, maxAge time.Duration) (Lag, error) {
+	if l.at.IsZero() || time.Since(l.at) >= maxAge {
+		l.lag, l.err = r.Lag(ctx)
+		l.at = time.Now()
+	}
+	return l.lag, l.err
+}
+
 // reportLag measures the backlog and tells the lag hooks.
-func (r *Relay) reportLag(ctx context.Context) {
-	lag, err := r.Lag(ctx)
+func (r *Relay) reportLag(ctx context.Context, reading *lagReading) {
+	lag, err := reading.measure(ctx, r, 0)
 	if err != nil {
 		if ctx.Err() == nil {
 			r.cfg.Logger.Error("Outbox lag not measured", err, nil)
@@ -525,7 +542,7 @@ func (s *stallWatch) reset() { s.since, s.warned = time.Time{}, time.Time{} }
 // watchStall, while the relay finds nothing to publish, checks now and
 // then whether rows wait on an open transaction and logs the transaction
 // at Warn once per StallWarning while they do.
-func (r *Relay) watchStall(ctx context.Context, s *stallWatch) {
+func (r *Relay) watchStall(ctx context.Context, s *stallWatch, reading *lagReading) {
 	if r.cfg.StallWarning == 0 {
 		return
 	}
@@ -534,7 +551,7 @@ func (r *Relay) watchStall(ctx context.Context, s *stallWatch) {
 		return
 	}
 	s.checked = now
-	lag, err := r.Lag(ctx)
+	lag, err := reading.measure(ctx, r, r.cfg.StallWarning/4)
 	if err != nil || lag.Waiting == 0 {
 		s.reset()
 		return
