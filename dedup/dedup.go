@@ -207,6 +207,16 @@ type StartClaimer interface {
 	InboxStartClaim(ctx context.Context, key Key, window time.Duration) (start Claim, tx InboxTx, claim Claim, err error)
 }
 
+// BeginClaimer is implemented by a [TxStore] that can do what
+// [TxStore.InboxBegin] and [InboxTx.InboxClaim] do in turn in one exchange
+// with its database.
+type BeginClaimer interface {
+	// InboxBeginClaim begins a transaction and claims key in it. Without
+	// an error, tx is open and claim is what InboxClaim would have
+	// answered in it; the caller ends tx. With an error, nothing is held.
+	InboxBeginClaim(ctx context.Context, key Key, window time.Duration) (tx InboxTx, claim Claim, err error)
+}
+
 // LeaseStore claims keys as fenced leases, for effects that live outside the
 // store's database.
 type LeaseStore interface {

@@ -532,6 +532,11 @@ func TestInboxRouterEndToEnd(t *testing.T) {
 		require.Equal(t, keys, b.effects(t), "one effect per key")
 		require.Equal(t, int32(keys), runs.Load(), "the handler ran once per key")
 		require.Len(t, uuids, keys, "one produced message per key, republished under the same UUID")
-		require.Equal(t, middleware.InboxStats{Applied: keys, Duplicates: keys*copies - keys}, in.Stats())
+		st := in.Stats()
+		// A transaction that lost to a concurrent one (SQLite's busy
+		// writer, on a loaded machine) is run again at once: a retry the
+		// outcome does not show.
+		st.ConflictRetries = 0
+		require.Equal(t, middleware.InboxStats{Applied: keys, Duplicates: keys*copies - keys}, st)
 	})
 }

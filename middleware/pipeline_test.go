@@ -82,3 +82,57 @@ func TestPipelineClaim(t *testing.T) {
 	require.ErrorContains(t, errors.New(sink.msgs[0].Metadata.Get("oncemill_dlq_error")), middleware.ErrCrashLoop.Error())
 	require.Equal(t, "dead", b.status(t, "ledger", "killer"))
 }
+
+// TestPipelineClaimWithoutRecord: PipelineClaim with SkipAttemptRecord,
+// BEGIN and claim in one round trip, keeps the guarantee: one effect per
+// key under concurrent copies, a failure counted and rolled back, the
+// failed key applied on its next delivery.
+func TestPipelineClaimWithoutRecord(t *testing.T) {
+	t.Parallel()
+	b := postgresBackend(t, 16)
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", PipelineClaim: true, SkipAttemptRecord: true})
+	require.NoError(t, err)
+	var declines atomic.Int32
+	chain := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		key := middleware.IdempotencyKey(ctx)
+		if err := b.effect(ctx, key); err != nil {
+			return nil, err
+		}
+		if key == "declined-once" && declines.Add(1) == 1 {
+			return nil, errors.New("card declined")
+		}
+		return nil, nil
+	})
+
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				if _, err := chain(hookMsg("paid")); !errors.Is(err, middleware.ErrInFlight) {
+					require.NoError(t, err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	require.Equal(t, 1, b.effects(t), "eight concurrent copies, one effect")
+	st := inbox.Stats()
+	require.Equal(t, int64(1), st.Applied)
+	require.Equal(t, int64(7), st.Duplicates)
+
+	_, err = chain(hookMsg("declined-once"))
+	require.ErrorContains(t, err, "card declined")
+	require.Equal(t, 1, b.effects(t), "the failed attempt's effect is rolled back")
+	require.Equal(t, 1, b.attempts(t, "ledger", "declined-once"), "the failed attempt is counted")
+	_, err = chain(hookMsg("declined-once"))
+	require.NoError(t, err)
+	require.Equal(t, 2, b.effects(t), "applied on its next delivery")
+	require.Equal(t, "done", b.status(t, "ledger", "declined-once"))
+	_, err = chain(hookMsg("declined-once"))
+	require.NoError(t, err)
+	require.Equal(t, 2, b.effects(t), "and only once")
+}

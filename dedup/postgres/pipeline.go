@@ -14,7 +14,10 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 )
 
-var _ dedup.StartClaimer = (*Store)(nil)
+var (
+	_ dedup.StartClaimer = (*Store)(nil)
+	_ dedup.BeginClaimer = (*Store)(nil)
+)
 
 // acquirer is a DB that hands out connections of its own: a
 // *pgxpool.Pool. Only on such a DB can the store drive a connection by
@@ -103,38 +106,19 @@ func (s *Store) startThenClaim(ctx context.Context, key dedup.Key, window time.D
 // caller ends it on every other path.
 func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, window time.Duration) (dedup.Claim, claimRow, error) {
 	conn := c.Conn()
-	params := [][]byte{[]byte(key.Consumer), []byte(key.Key), []byte(strconv.FormatFloat(seconds(window), 'g', -1, 64))}
-	startStmt, claimStmt := s.q.start, s.q.claim
-	prepared := conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
-	if prepared {
-		// Prepared once per connection (pgx keeps them by SQL), then
-		// only bound and executed: the statements are parsed and planned
-		// once, as pgx's own statement cache would do.
-		sd, err := conn.Prepare(ctx, startStmt, startStmt)
-		if err != nil {
-			return dedup.Claim{}, claimRow{}, interpret("start", err)
-		}
-		startStmt = sd.Name
-		if sd, err = conn.Prepare(ctx, claimStmt, claimStmt); err != nil {
-			return dedup.Claim{}, claimRow{}, interpret("start", err)
-		}
-		claimStmt = sd.Name
-	}
-	send := func(p *pgconn.Pipeline, stmt string, params [][]byte) {
-		if prepared {
-			p.SendQueryPrepared(stmt, params, nil, nil)
-		} else {
-			p.SendQueryParams(stmt, params, nil, nil, nil)
-		}
+	params := claimParams(key, window)
+	stmts, err := prepare(ctx, conn, s.q.start, s.q.claim)
+	if err != nil {
+		return dedup.Claim{}, claimRow{}, interpret("start", err)
 	}
 
-	trace := traceStart(ctx, conn, s.q.start, s.q.claim, params)
+	trace := traceStart(ctx, conn, params, s.q.start, "begin", s.q.claim)
 	p := conn.PgConn().StartPipeline(ctx)
-	send(p, startStmt, params)
+	stmts.send(p, 0, params)
 	p.SendPipelineSync()
 	p.SendQueryParams("begin", nil, nil, nil, nil)
-	send(p, claimStmt, params)
-	err := p.Sync()
+	stmts.send(p, 1, params)
+	err = p.Sync()
 	var first, second []result
 	if err == nil {
 		first, err = readSegment(p, 1)
@@ -143,7 +127,7 @@ func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, wi
 		second, err = readSegment(p, 2)
 	}
 	err = errors.Join(err, p.Close())
-	trace.end(first, second, err)
+	trace.end(err, first, second)
 	if err != nil {
 		// A broken pipeline: which statements ran is unknown. The start
 		// is taken as not counted, as a failed InboxStart is.
@@ -180,30 +164,149 @@ func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, wi
 		return dedup.Claim{}, claimRow{}, fmt.Errorf("postgres: start: unexpected status %q", status)
 	}
 	// From here the start is counted: errors return it.
-	if begin := second[0]; begin.err != nil {
-		return start, claimRow{}, interpret("begin", begin.err)
+	r, err := claimFrom(conn, second)
+	return start, r, err
+}
+
+// claimFrom reads the answers of BEGIN and the claim statement, the
+// claim's row with status "" when it returned none, and checks that the
+// connection is in the transaction.
+func claimFrom(conn *pgx.Conn, answers []result) (claimRow, error) {
+	if begin := answers[0]; begin.err != nil {
+		return claimRow{}, interpret("begin", begin.err)
 	}
-	claimRes := second[1]
+	claimRes := answers[1]
 	if claimRes.err != nil {
-		return start, claimRow{}, interpret("claim", claimRes.err)
+		return claimRow{}, interpret("claim", claimRes.err)
 	}
 	if st := conn.PgConn().TxStatus(); st != 'T' {
-		return start, claimRow{}, fmt.Errorf("postgres: begin: connection not in a transaction after BEGIN (status %q)", st)
+		return claimRow{}, fmt.Errorf("postgres: begin: connection not in a transaction after BEGIN (status %q)", st)
 	}
 	var r claimRow
 	switch len(claimRes.rows) {
 	case 0:
 	case 1:
-		if err := claimRes.scan(tm, 0, &r.status, &r.attempts, &r.result, &r.firstFailed); err != nil {
-			return start, claimRow{}, fmt.Errorf("postgres: claim: %w", err)
+		if err := claimRes.scan(conn.TypeMap(), 0, &r.status, &r.attempts, &r.result, &r.firstFailed); err != nil {
+			return claimRow{}, fmt.Errorf("postgres: claim: %w", err)
 		}
 		if r.status == "" {
-			return start, claimRow{}, errors.New("postgres: claim: empty status")
+			return claimRow{}, errors.New("postgres: claim: empty status")
 		}
 	default:
-		return start, claimRow{}, fmt.Errorf("postgres: claim: %d rows, want at most 1", len(claimRes.rows))
+		return claimRow{}, fmt.Errorf("postgres: claim: %d rows, want at most 1", len(claimRes.rows))
 	}
-	return start, r, nil
+	return r, nil
+}
+
+// InboxBeginClaim begins a transaction and claims key in it, in one round
+// trip when the store's DB is a *pgxpool.Pool: BEGIN, the claim statement
+// and a Sync go out together. The transaction is the one
+// [Store.InboxStartClaim] returns, with its rare paths and its [Tx]; on any
+// other DB it runs InboxBegin and InboxClaim in turn.
+func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.InboxTx, dedup.Claim, error) {
+	pool, ok := s.db.(acquirer)
+	if !ok {
+		tx, err := s.InboxBegin(ctx)
+		if err != nil {
+			return nil, dedup.Claim{}, err
+		}
+		claim, err := tx.InboxClaim(ctx, key, window)
+		if err != nil {
+			end, cancel := context.WithTimeout(context.WithoutCancel(ctx), endTimeout)
+			defer cancel()
+			return nil, dedup.Claim{}, errors.Join(err, tx.Rollback(end))
+		}
+		return tx, claim, nil
+	}
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return nil, dedup.Claim{}, interpret("begin", err)
+	}
+	r, err := s.beginClaim(ctx, c, key, window)
+	if err != nil {
+		return nil, dedup.Claim{}, errors.Join(err, endConn(ctx, c))
+	}
+	tx := &inboxTx{tx: &connTx{c: c}, q: &s.q}
+	var none error
+	if r.status == "" {
+		none = pgx.ErrNoRows
+	}
+	got, err := tx.claimed(ctx, key, window, r, none)
+	if err != nil {
+		end, cancel := context.WithTimeout(context.WithoutCancel(ctx), endTimeout)
+		defer cancel()
+		return nil, dedup.Claim{}, errors.Join(err, tx.Rollback(end))
+	}
+	return tx, got, nil
+}
+
+// beginClaim sends BEGIN [claim] Sync on c and reads the answers. It
+// leaves c in the transaction when it succeeds; the caller ends it on
+// every path.
+func (s *Store) beginClaim(ctx context.Context, c *pgxpool.Conn, key dedup.Key, window time.Duration) (claimRow, error) {
+	conn := c.Conn()
+	params := claimParams(key, window)
+	stmts, err := prepare(ctx, conn, s.q.claim)
+	if err != nil {
+		return claimRow{}, interpret("begin", err)
+	}
+	trace := traceStart(ctx, conn, params, "begin", s.q.claim)
+	p := conn.PgConn().StartPipeline(ctx)
+	p.SendQueryParams("begin", nil, nil, nil, nil)
+	stmts.send(p, 0, params)
+	err = p.Sync()
+	var answers []result
+	if err == nil {
+		answers, err = readSegment(p, 2)
+	}
+	err = errors.Join(err, p.Close())
+	trace.end(err, answers)
+	if err != nil {
+		return claimRow{}, interpret("begin", err)
+	}
+	return claimFrom(conn, answers)
+}
+
+// claimParams are the parameters of the start and claim statements, in
+// the text format.
+func claimParams(key dedup.Key, window time.Duration) [][]byte {
+	return [][]byte{[]byte(key.Consumer), []byte(key.Key), []byte(strconv.FormatFloat(seconds(window), 'g', -1, 64))}
+}
+
+// statements are statements to send in a pipeline: prepared on the
+// connection when it caches statements, else sent with their text.
+type statements struct {
+	names    []string
+	prepared bool
+}
+
+// prepare prepares sqls on conn once per connection (pgx keeps them by
+// SQL) when conn caches statements, so that they are parsed and planned
+// once, as pgx's own statement cache would do.
+func prepare(ctx context.Context, conn *pgx.Conn, sqls ...string) (statements, error) {
+	st := statements{names: sqls}
+	if conn.Config().DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+		return st, nil
+	}
+	st.prepared = true
+	st.names = make([]string, len(sqls))
+	for i, sql := range sqls {
+		sd, err := conn.Prepare(ctx, sql, sql)
+		if err != nil {
+			return statements{}, err
+		}
+		st.names[i] = sd.Name
+	}
+	return st, nil
+}
+
+// send queues statement i with params on p.
+func (st statements) send(p *pgconn.Pipeline, i int, params [][]byte) {
+	if st.prepared {
+		p.SendQueryPrepared(st.names[i], params, nil, nil)
+	} else {
+		p.SendQueryParams(st.names[i], params, nil, nil, nil)
+	}
 }
 
 // result is what one pipelined statement answered: its rows, copied, in
@@ -306,43 +409,55 @@ func closeConn(conn *pgx.Conn) {
 	_ = conn.Close(ctx)
 }
 
-// pipelineTrace reports the pipeline to the connection's tracer, when it
-// traces batches (pgx.BatchTracer), as a batch of its three statements:
-// one round trip, as a pgx batch is.
+// pipelineTrace reports a pipeline to the connection's tracer, when it
+// traces batches (pgx.BatchTracer), as a batch of its statements: one round
+// trip, as a pgx batch is. BEGIN is traced without arguments.
 type pipelineTrace struct {
 	ctx    context.Context
 	conn   *pgx.Conn
 	tracer pgx.BatchTracer
-	sql    [3]string
+	sql    []string
 	args   []any
 }
 
-func traceStart(ctx context.Context, conn *pgx.Conn, start, claim string, params [][]byte) pipelineTrace {
+func traceStart(ctx context.Context, conn *pgx.Conn, params [][]byte, sqls ...string) pipelineTrace {
 	bt, ok := conn.Config().Tracer.(pgx.BatchTracer)
 	if !ok {
 		return pipelineTrace{}
 	}
 	args := []any{string(params[0]), string(params[1]), string(params[2])}
 	b := &pgx.Batch{}
-	b.Queue(start, args...)
-	b.Queue("begin")
-	b.Queue(claim, args...)
+	for _, sql := range sqls {
+		if sql == "begin" {
+			b.Queue(sql)
+		} else {
+			b.Queue(sql, args...)
+		}
+	}
 	return pipelineTrace{
 		ctx:    bt.TraceBatchStart(ctx, conn, pgx.TraceBatchStartData{Batch: b}),
 		conn:   conn,
 		tracer: bt,
-		sql:    [3]string{start, "begin", claim},
+		sql:    sqls,
 		args:   args,
 	}
 }
 
-func (t pipelineTrace) end(first, second []result, err error) {
+// end reports the answers of the statements, in order, segment by segment.
+func (t pipelineTrace) end(err error, segments ...[]result) {
 	if t.tracer == nil {
 		return
 	}
-	for i, r := range append(append([]result(nil), first...), second...) {
+	var all []result
+	for _, seg := range segments {
+		all = append(all, seg...)
+	}
+	for i, r := range all {
+		if i >= len(t.sql) {
+			break
+		}
 		var args []any
-		if i != 1 {
+		if t.sql[i] != "begin" {
 			args = t.args
 		}
 		t.tracer.TraceBatchQuery(t.ctx, t.conn, pgx.TraceBatchQueryData{SQL: t.sql[i], Args: args, CommandTag: r.tag, Err: r.err})

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
@@ -425,4 +426,79 @@ func TestStartClaimRoundTrips(t *testing.T) {
 		require.Equal(t, dedup.StateDone, s.State)
 		require.Nil(t, tx)
 	}), "a duplicate: the pipeline, then the ROLLBACK of the transaction it opened")
+
+	// Without the attempt record: BEGIN and the claim in one round trip.
+	other := dedup.Key{Consumer: "c", Key: "other"}
+	require.EqualValues(t, 2, measure(func() {
+		tx, c, err := store.InboxBeginClaim(ctx, other, time.Hour)
+		require.NoError(t, err)
+		require.Equal(t, dedup.StateNew, c.State)
+		require.NoError(t, tx.Commit(ctx))
+	}), "a new key without the record: BEGIN and claim, then COMMIT")
+	require.EqualValues(t, 2, measure(func() {
+		tx, c, err := store.InboxBeginClaim(ctx, other, time.Hour)
+		require.NoError(t, err)
+		require.Equal(t, dedup.StateDone, c.State)
+		require.NoError(t, tx.Rollback(ctx))
+	}), "a duplicate without the record: BEGIN and claim, then ROLLBACK")
+}
+
+// TestBeginClaim: BEGIN and the claim pipelined give the handler's
+// transaction as InboxBegin and InboxClaim do: the claim and the effect
+// commit together, a rollback leaves the key new, a failed key is taken
+// again, and of concurrent claimers of one key exactly one applies it.
+func TestBeginClaim(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 8)
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "c", Key: "order-1"}
+	_, err := b.pool.Exec(ctx, `CREATE TABLE "`+b.schema+`".effects (key text PRIMARY KEY)`)
+	require.NoError(t, err)
+
+	tx, c, err := b.store.InboxBeginClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, c.State)
+	require.Equal(t, 1, c.Attempts)
+	_, err = postgres.Tx(tx.WithTx(ctx)).Exec(ctx, `INSERT INTO "`+b.schema+`".effects VALUES ('rolled-back')`)
+	require.NoError(t, err)
+	require.NoError(t, tx.Rollback(ctx))
+	requireIdle(t, b.pool)
+
+	require.NoError(t, b.store.InboxFail(ctx, key, dedup.Failure{Err: "card declined", At: time.Now()}, time.Hour))
+	tx, c, err = b.store.InboxBeginClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, c.State, "a failed key is taken again")
+	require.Equal(t, 2, c.Attempts, "the failed attempt and this one")
+	_, err = postgres.Tx(tx.WithTx(ctx)).Exec(ctx, `INSERT INTO "`+b.schema+`".effects VALUES ($1)`, key.Key)
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	requireIdle(t, b.pool)
+
+	var applied atomic.Int32
+	var wg sync.WaitGroup
+	for range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			tx, c, err := b.store.InboxBeginClaim(ctx, dedup.Key{Consumer: "c", Key: "order-2"}, time.Hour)
+			if !assert.NoError(t, err) {
+				return
+			}
+			if c.State == dedup.StateNew {
+				applied.Add(1)
+				assert.NoError(t, tx.Commit(ctx))
+				return
+			}
+			assert.Equal(t, dedup.StateDone, c.State)
+			assert.NoError(t, tx.Rollback(ctx))
+		}()
+	}
+	wg.Wait()
+	require.EqualValues(t, 1, applied.Load(), "six concurrent claimers, one applies")
+	var effects, done int
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM "`+b.schema+`".effects`).Scan(&effects))
+	require.Equal(t, 1, effects, "the rolled-back effect is gone, the committed one stays")
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM "`+b.schema+`".inbox WHERE status = 'done'`).Scan(&done))
+	require.Equal(t, 2, done)
+	requireIdle(t, b.pool)
 }
