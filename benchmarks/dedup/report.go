@@ -23,6 +23,8 @@ const (
 	targetBloomDupPct   = 50
 	targetRedisVsBench  = 0.70 // redis.Store.LeaseClaim/s over redis-benchmark's EVALSHA/s
 	targetBloomReadsDup = 1.0  // round trips per duplicate behind the Bloom filter
+	targetPipeVsRaw     = 1.0  // the pipelined inboxes over raw SQL, new keys, at 8 and 32 workers
+	targetRTDup         = 2.0  // round trips per duplicate of every postgres inbox, without Bloom
 	sectionHead         = "## Deduplication strategies"
 )
 
@@ -281,6 +283,36 @@ func Targets(res *Results, cfg Config) []Target {
 						targetPGvsRaw*100, d, workers(c), r.MsgsPerSec, r.MsgsPerSec/r.RatioRaw, r.RatioRaw*100),
 					Pass: r.RatioRaw >= targetPGvsRaw,
 				})
+			}
+		}
+	}
+	for _, c := range concs {
+		if c != 8 && c != 32 {
+			continue
+		}
+		for _, name := range []string{stPGPipe, stPGPipeNoStart} {
+			if r, ok := findSpeed(res.Speed, name, 0, c); ok && r.RatioRaw > 0 {
+				ts = append(ts, Target{
+					Text: fmt.Sprintf("%s ≥ %.1f× raw SQL, new keys, %s: %.0f of %.0f msgs/s = %.2f×",
+						name, targetPipeVsRaw, workers(c), r.MsgsPerSec, r.MsgsPerSec/r.RatioRaw, r.RatioRaw),
+					Pass: r.RatioRaw >= targetPipeVsRaw,
+				})
+			}
+		}
+	}
+	for _, name := range []string{stPostgres, stPGPipe, stPGPipeNoStart} {
+		for _, d := range dupPcts {
+			if d == 0 {
+				continue
+			}
+			for _, c := range concs {
+				if r, ok := findSpeed(res.Speed, name, d, c); ok && r.RTDup > 0 {
+					ts = append(ts, Target{
+						Text: fmt.Sprintf("%s: a duplicate costs ≤ %.0f round trips, %d%% dups, %s: %.2f",
+							name, targetRTDup, d, workers(c), r.RTDup),
+						Pass: r.RTDup <= targetRTDup+0.005,
+					})
+				}
 			}
 		}
 	}

@@ -38,6 +38,9 @@ const (
 	// stPGPipe is the postgres inbox with PipelineClaim: the attempt
 	// record, BEGIN and the claim in one round trip.
 	stPGPipe = "postgres-inbox-pipelined"
+	// stPGPipeNoStart is PipelineClaim without the attempt record: BEGIN
+	// and the claim in one round trip, no crash-loop count.
+	stPGPipeNoStart = "postgres-inbox-pipelined-no-start"
 	// stPGProm is the postgres inbox with observe/prom's hooks on: what
 	// the metrics cost is the gap between the two.
 	stPGProm  = "postgres-inbox+prom"
@@ -98,6 +101,8 @@ func strategies() []strategyDef {
 			What: "the postgres inbox with SkipAttemptRecord: no statement before the transaction, so no crash-loop count, and duplicates go through BEGIN, claim, ROLLBACK"},
 		{Name: stPGPipe, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with PipelineClaim: attempt record, BEGIN and claim in one round trip (a duplicate then costs two)"},
+		{Name: stPGPipeNoStart, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
+			What: "the postgres inbox with PipelineClaim and SkipAttemptRecord: BEGIN and claim in one round trip, no crash-loop count (a duplicate costs two)"},
 		{Name: stPGProm, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with observe/prom's Prometheus hooks (a fresh registry): every delivery counted and timed"},
 		{Name: stBloom, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
@@ -221,6 +226,8 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), SkipAttemptRecord: true})
 	case stPGPipe:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true})
+	case stPGPipeNoStart:
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true, SkipAttemptRecord: true})
 	case stPGProm:
 		metrics, merr := prom.New(prom.Config{Registerer: prometheus.NewRegistry()})
 		if merr != nil {
@@ -377,7 +384,14 @@ func (p *process) tx(o procOptions, s dedup.TxStore) dedup.TxStore {
 	if !o.Crashable {
 		return s
 	}
-	return gatedTx{TxStore: s, p: p}
+	g := gatedTx{TxStore: s, p: p}
+	if _, ok := s.(interface {
+		dedup.StartClaimer
+		dedup.BeginClaimer
+	}); ok {
+		return gatedPipelineTx{g}
+	}
+	return g
 }
 
 // gatedLease is a lease store as seen from a process that may die: once it
@@ -448,6 +462,32 @@ func (g gatedTx) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, 
 		return errCrashed
 	}
 	return g.TxStore.InboxFail(ctx, key, f, window)
+}
+
+// gatedPipelineTx is a gatedTx over a store that pipelines its claims,
+// so that the pipelined strategies crash in their own code paths.
+type gatedPipelineTx struct{ gatedTx }
+
+func (g gatedPipelineTx) InboxStartClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, dedup.InboxTx, dedup.Claim, error) {
+	if g.p.dead.Load() {
+		return dedup.Claim{}, nil, dedup.Claim{}, errCrashed
+	}
+	start, tx, claim, err := g.TxStore.(dedup.StartClaimer).InboxStartClaim(ctx, key, window)
+	if tx != nil {
+		tx = gatedInboxTx{InboxTx: tx, p: g.p}
+	}
+	return start, tx, claim, err
+}
+
+func (g gatedPipelineTx) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.InboxTx, dedup.Claim, error) {
+	if g.p.dead.Load() {
+		return nil, dedup.Claim{}, errCrashed
+	}
+	tx, claim, err := g.TxStore.(dedup.BeginClaimer).InboxBeginClaim(ctx, key, window)
+	if tx != nil {
+		tx = gatedInboxTx{InboxTx: tx, p: g.p}
+	}
+	return tx, claim, err
 }
 
 type gatedInboxTx struct {
