@@ -2,8 +2,8 @@
 # Make sure the services used by the integration tests are reachable on
 # 127.0.0.1, starting (or, as root with apt-get, installing) them if needed.
 #
-# Usage: scripts/services.sh [postgres|redis|rabbitmq|sqs|prometheus ...]
-#        (default: all five)
+# Usage: scripts/services.sh [postgres|redis|rabbitmq|sqs|prometheus|kcat ...]
+#        (default: all six)
 #
 # For a service that is down, the script tries in order: start the locally
 # installed server; `docker compose up -d <service>` if a Docker engine is
@@ -16,6 +16,11 @@
 # port. Its package would start a system Prometheus on :9090; a
 # policy-rc.d that denies starts during the install prevents that, and on
 # a machine booted with systemd the unit is disabled as well.
+#
+# kcat is a command-line Kafka client, not a service: it is only installed
+# (Debian's package, as root with apt-get). The Kafka adapter's tests run
+# it to produce records as a producer that is not Watermill would, into
+# their own in-process broker.
 #
 # Environment:
 #   ONCEMILL_TEST_DATABASE_URL, DATABASE_URL
@@ -348,16 +353,29 @@ ensure_prometheus() {
     fi
 }
 
+# -------------------------------------------------------------------- kcat
+
+ensure_kcat() {
+    if have kcat; then
+        echo "kcat: installed at $(command -v kcat)"
+    elif apt_install kcat && have kcat; then
+        echo "kcat: installed"
+    else
+        echo "kcat: not installed (install the kcat package)"
+        return 1
+    fi
+}
+
 # -------------------------------------------------------------------- main
 
 if [ $# -eq 0 ]; then
-    set -- postgres redis rabbitmq sqs prometheus
+    set -- postgres redis rabbitmq sqs prometheus kcat
 fi
 for svc in "$@"; do
     case "$svc" in
-    postgres | redis | rabbitmq | sqs | prometheus) ;;
+    postgres | redis | rabbitmq | sqs | prometheus | kcat) ;;
     *)
-        echo "unknown service: $svc (known: postgres redis rabbitmq sqs prometheus)" >&2
+        echo "unknown service: $svc (known: postgres redis rabbitmq sqs prometheus kcat)" >&2
         exit 2
         ;;
     esac

@@ -61,14 +61,33 @@
 // of one key are consumed in publish order. Keyless messages share the
 // empty key's partition and keep their order too.
 //
-// Undecodable records surface. A record that is not a Watermill message
-// (no or several UUID headers, headers that are not UTF-8, a tombstone)
-// is delivered, not retried forever, as a message with
-// [delivery.DecodeError] set to the reason and the raw record value as
-// payload, for the poison middleware to dead-letter. Every message
-// carries [delivery.Topic], [delivery.Partition] and [delivery.Offset].
-// Records of stock watermill-kafka read normally, and stock
-// watermill-kafka reads ours.
+// Undecodable records surface. A record that cannot be decoded (several
+// UUID headers or an empty one, headers that are not UTF-8, a tombstone:
+// a null value and no headers) is delivered, not retried forever, as a
+// message with [delivery.DecodeError] set to the reason and the raw
+// record value as payload, for the poison middleware to dead-letter; its
+// UUID is the UUID header if usable, else "topic/partition/offset".
+// Every message carries [delivery.Topic], [delivery.Partition] and
+// [delivery.Offset]. Records of stock watermill-kafka read normally, and
+// stock watermill-kafka reads ours.
+//
+// Records from other producers. A record without Watermill's UUID header
+// ([UUIDHeader]), as Java, Node or Python services write them, is decoded
+// like any other: its headers become metadata, its value the payload, and
+// its UUID is [RecordUUID], the UUIDv5 in [RecordNamespace] of
+// "topic/partition/offset", the same on every delivery of the record. Its
+// idempotency key is header idempotency_key or, when that is absent,
+// header Idempotency-Key ([HTTPIdempotencyKeyHeader]); no other spelling
+// is read. With neither, the inbox's default key is the UUID: the
+// redeliveries of the record are deduplicated, but an event that the
+// producer sends twice is two records, with two UUIDs, and is applied
+// twice; such producers should set a key header. (A topic deleted and
+// created again under its name numbers its records from 0 again, so they
+// repeat the old records' UUIDs; see [RecordUUID].) A non-empty record key
+// that is valid UTF-8 becomes metadata partition_key
+// ([delivery.PartitionKey]) unless a partition_key header is present, so
+// that the message published again (to a dead-letter topic, say) keeps
+// its key.
 //
 // # Brokers
 //

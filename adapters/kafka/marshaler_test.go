@@ -1,15 +1,18 @@
 package kafka_test
 
 import (
+	"strconv"
 	"testing"
 
 	"github.com/IBM/sarama"
 	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/middleware"
 )
 
 // consumed turns what Marshal produced into what a consumer reads.
@@ -125,13 +128,6 @@ func TestUnmarshalUndecodable(t *testing.T) {
 		wantUUID:  "t/2/7",
 		wantError: "missing header _watermill_message_uuid (null value and no headers: a tombstone)",
 	}, {
-		name:      "no UUID header",
-		value:     []byte(`{"from":"another producer"}`),
-		headers:   []*sarama.RecordHeader{header("content-type", "application/json")},
-		wantUUID:  "t/2/7",
-		wantError: "missing header _watermill_message_uuid",
-		wantMeta:  map[string]string{"content-type": "application/json"},
-	}, {
 		name:      "empty UUID",
 		value:     []byte("x"),
 		headers:   []*sarama.RecordHeader{header(kafka.UUIDHeader, "")},
@@ -211,4 +207,188 @@ func TestUnmarshalNilHeader(t *testing.T) {
 	require.Equal(t, "u", msg.UUID)
 	require.Empty(t, delivery.DecodeErrorOf(msg))
 	require.Equal(t, "", msg.Metadata.Get("null-value"))
+}
+
+// recordUUID is the documented UUID of a record without a UUID header,
+// computed from the documented namespace, not by the package.
+func recordUUID(t *testing.T, name string) string {
+	t.Helper()
+	ns, err := uuid.Parse(kafka.RecordNamespace)
+	require.NoError(t, err)
+	return uuid.NewSHA1(ns, []byte(name)).String()
+}
+
+// TestRecordNamespace: the namespace is what its documentation derives it
+// from, and RecordUUID follows the documented formula.
+func TestRecordNamespace(t *testing.T) {
+	require.Equal(t, uuid.NewSHA1(uuid.NameSpaceURL, []byte("https://github.com/oncemill/oncemill/adapters/kafka#record")).String(), kafka.RecordNamespace)
+	require.Equal(t, "dca63d81-fda7-55dd-8e26-632bf4381bd6", kafka.RecordUUID("orders", 2, 7), "a record's UUID never changes")
+	require.Equal(t, recordUUID(t, "orders/2/7"), kafka.RecordUUID("orders", 2, 7))
+}
+
+// TestUnmarshalForeignRecord: a record from a producer that is not
+// Watermill (no UUID header) is decoded, with the UUIDv5 of its topic,
+// partition and offset as UUID, the same on every delivery.
+func TestUnmarshalForeignRecord(t *testing.T) {
+	foreign := func(topic string, partition int32, offset int64) *sarama.ConsumerMessage {
+		return &sarama.ConsumerMessage{
+			Topic: topic, Partition: partition, Offset: offset,
+			Key:   []byte("customer-7"),
+			Value: []byte(`{"orderId":"A-42","amount":1999}`),
+			Headers: []*sarama.RecordHeader{
+				header("content-type", "application/json"),
+				header(delivery.IdempotencyKey, "order-A-42"),
+			},
+		}
+	}
+	msg, err := kafka.Marshaler{}.Unmarshal(foreign("orders", 2, 7))
+	require.NoError(t, err)
+	require.Empty(t, delivery.DecodeErrorOf(msg), "decoded, not dead-lettered")
+	require.Equal(t, "dca63d81-fda7-55dd-8e26-632bf4381bd6", msg.UUID)
+	parsed, err := uuid.Parse(msg.UUID)
+	require.NoError(t, err)
+	require.Equal(t, uuid.Version(5), parsed.Version())
+	require.Equal(t, uuid.RFC4122, parsed.Variant())
+	require.Equal(t, parsed.String(), msg.UUID, "canonical lower-case form")
+	require.Equal(t, []byte(`{"orderId":"A-42","amount":1999}`), []byte(msg.Payload))
+	require.Equal(t, message.Metadata{
+		"content-type":          "application/json",
+		delivery.IdempotencyKey: "order-A-42",
+		delivery.PartitionKey:   "customer-7",
+		delivery.Topic:          "orders",
+		delivery.Partition:      "2",
+		delivery.Offset:         "7",
+	}, msg.Metadata)
+	key, err := middleware.DefaultKey(msg)
+	require.NoError(t, err)
+	require.Equal(t, "order-A-42", key, "the inbox's key is the header's")
+
+	again, err := kafka.Marshaler{}.Unmarshal(foreign("orders", 2, 7))
+	require.NoError(t, err)
+	require.Equal(t, msg.UUID, again.UUID, "a redelivery of the record has its UUID")
+
+	seen := map[string]string{msg.UUID: "orders/2/7"}
+	for _, other := range []struct {
+		topic     string
+		partition int32
+		offset    int64
+	}{{"orders", 2, 8}, {"orders", 3, 7}, {"orders", 0, 27}, {"orders2", 2, 7}, {"payments", 2, 7}} {
+		m, err := kafka.Marshaler{}.Unmarshal(foreign(other.topic, other.partition, other.offset))
+		require.NoError(t, err)
+		name := other.topic + "/" + strconv.Itoa(int(other.partition)) + "/" + strconv.FormatInt(other.offset, 10)
+		require.Equal(t, recordUUID(t, name), m.UUID)
+		require.NotContains(t, seen, m.UUID, "%s has the UUID of %s", name, seen[m.UUID])
+		seen[m.UUID] = name
+	}
+}
+
+// TestUnmarshalForeignIdempotencyKey: on a record without a UUID header,
+// the key is header idempotency_key, else header Idempotency-Key, else
+// the inbox falls back to the record's UUID.
+func TestUnmarshalForeignIdempotencyKey(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		headers []*sarama.RecordHeader
+		wantKey string // "" for the record's UUID
+	}{
+		{"idempotency_key", []*sarama.RecordHeader{header("idempotency_key", "order-1")}, "order-1"},
+		{"Idempotency-Key", []*sarama.RecordHeader{header("Idempotency-Key", "order-2")}, "order-2"},
+		{"both: idempotency_key wins", []*sarama.RecordHeader{header("Idempotency-Key", "http"), header("idempotency_key", "exact")}, "exact"},
+		{"other spellings are not read", []*sarama.RecordHeader{header("idempotency-key", "a"), header("IDEMPOTENCY_KEY", "b")}, ""},
+		{"neither", []*sarama.RecordHeader{header("content-type", "application/json")}, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			msg, err := kafka.Marshaler{}.Unmarshal(&sarama.ConsumerMessage{Topic: "t", Partition: 1, Offset: 4, Value: []byte("{}"), Headers: tc.headers})
+			require.NoError(t, err)
+			require.Empty(t, delivery.DecodeErrorOf(msg))
+			for _, h := range tc.headers {
+				require.Equal(t, string(h.Value), msg.Metadata.Get(string(h.Key)), "every header is kept as metadata")
+			}
+			key, err := middleware.DefaultKey(msg)
+			require.NoError(t, err)
+			if tc.wantKey == "" {
+				require.Equal(t, recordUUID(t, "t/1/4"), key, "the record's UUID")
+				return
+			}
+			require.Equal(t, tc.wantKey, key)
+		})
+	}
+
+	t.Run("empty Idempotency-Key", func(t *testing.T) {
+		msg, err := kafka.Marshaler{}.Unmarshal(&sarama.ConsumerMessage{Topic: "t", Value: []byte("{}"), Headers: []*sarama.RecordHeader{header("Idempotency-Key", "")}})
+		require.NoError(t, err)
+		_, err = middleware.DefaultKey(msg)
+		require.ErrorIs(t, err, middleware.ErrEmptyKey, "a key that is present but empty is an error, not the UUID")
+	})
+
+	t.Run("Watermill records are not rewritten", func(t *testing.T) {
+		msg, err := kafka.Marshaler{}.Unmarshal(&sarama.ConsumerMessage{Topic: "t", Key: []byte("k"), Value: []byte("{}"), Headers: []*sarama.RecordHeader{
+			header(kafka.UUIDHeader, "u"), header("Idempotency-Key", "http"),
+		}})
+		require.NoError(t, err)
+		require.Equal(t, "u", msg.UUID)
+		require.NotContains(t, msg.Metadata, delivery.IdempotencyKey)
+		require.NotContains(t, msg.Metadata, delivery.PartitionKey)
+	})
+}
+
+// TestUnmarshalForeignPartitionKey: the record key of a record without a
+// UUID header becomes the partition key, so that the message published
+// again is keyed as the record was.
+func TestUnmarshalForeignPartitionKey(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		key     []byte
+		headers []*sarama.RecordHeader
+		want    string // "" for no partition_key metadata
+	}{
+		{"record key", []byte("customer-7"), nil, "customer-7"},
+		{"partition_key header wins", []byte("customer-7"), []*sarama.RecordHeader{header(delivery.PartitionKey, "region-eu")}, "region-eu"},
+		{"empty record key", []byte{}, nil, ""},
+		{"null record key", nil, nil, ""},
+		{"record key not UTF-8", []byte{0xff, 0x00, 0x01}, nil, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := &sarama.ConsumerMessage{Topic: "t", Partition: 0, Offset: 3, Key: tc.key, Value: []byte(`{"n":1}`), Headers: tc.headers}
+			msg, err := kafka.Marshaler{}.Unmarshal(rec)
+			require.NoError(t, err)
+			require.Empty(t, delivery.DecodeErrorOf(msg))
+			if tc.want == "" {
+				require.NotContains(t, msg.Metadata, delivery.PartitionKey)
+				return
+			}
+			require.Equal(t, tc.want, msg.Metadata.Get(delivery.PartitionKey))
+
+			// Published again (to a dead-letter topic, say), it keeps its key.
+			republished := message.NewMessage(msg.UUID, msg.Payload)
+			for k, v := range msg.Metadata {
+				if !delivery.IsDeliveryFact(k) {
+					republished.Metadata.Set(k, v)
+				}
+			}
+			out, err := kafka.Marshaler{}.Marshal("t.dlq", republished)
+			require.NoError(t, err)
+			key, err := out.Key.Encode()
+			require.NoError(t, err)
+			require.Equal(t, tc.want, string(key))
+		})
+	}
+}
+
+// TestUnmarshalForeignNullValue: a record without a UUID header and with
+// a null value is decoded when it has headers; only a null value without
+// headers is a tombstone.
+func TestUnmarshalForeignNullValue(t *testing.T) {
+	msg, err := kafka.Marshaler{}.Unmarshal(&sarama.ConsumerMessage{Topic: "t", Partition: 2, Offset: 7, Headers: []*sarama.RecordHeader{header(delivery.IdempotencyKey, "order-9")}})
+	require.NoError(t, err)
+	require.Empty(t, delivery.DecodeErrorOf(msg))
+	require.Equal(t, recordUUID(t, "t/2/7"), msg.UUID)
+	require.Nil(t, []byte(msg.Payload))
+	require.Equal(t, "order-9", msg.Metadata.Get(delivery.IdempotencyKey))
+
+	tomb, err := kafka.Marshaler{}.Unmarshal(&sarama.ConsumerMessage{Topic: "t", Partition: 2, Offset: 7, Key: []byte("customer-7")})
+	require.NoError(t, err)
+	require.Equal(t, "missing header _watermill_message_uuid (null value and no headers: a tombstone)", delivery.DecodeErrorOf(tomb))
+	require.Equal(t, "t/2/7", tomb.UUID)
+	require.NotContains(t, tomb.Metadata, delivery.PartitionKey, "an undecodable record gets no partition key")
 }
