@@ -1,7 +1,7 @@
 GO ?= go
 GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 
-.PHONY: test chaos services vet quickstart ci bench-outbox bench-dedup
+.PHONY: test chaos services vet quickstart ci bench-outbox bench-dedup bench-kafka
 
 # Start (or check) the services the integration tests use, then run all tests.
 test: services
@@ -47,3 +47,14 @@ bench-outbox:
 bench-dedup:
 	bash scripts/services.sh postgres redis
 	$(GO) run ./benchmarks/dedup $(ARGS)
+
+# Kafka end-to-end benchmark: watermill-kafka's subscriber and oncemill's
+# (one in flight, key-parallel, key-parallel without the inbox) consuming
+# from the embedded broker into the PostgreSQL inbox of DATABASE_URL, on 1
+# and 8 partitions; fails on any doubled, lost or out-of-order effect;
+# writes the "Kafka end to end" section of benchmarks/README.md and
+# benchmarks/kafka/throughput.png. ARGS=-quick for a run under a minute
+# (which writes nothing).
+bench-kafka:
+	bash scripts/services.sh postgres
+	$(GO) run ./benchmarks/kafka $(ARGS)
