@@ -39,6 +39,10 @@ const (
 	sysSerial = "serial"
 	// sysParallel is oncemill's key-parallel subscriber.
 	sysParallel = "parallel"
+	// sysPipelined is the key-parallel subscriber with the inbox's
+	// PipelineClaim: the attempt record, BEGIN and the claim in one round
+	// trip, the same guarantees.
+	sysPipelined = "parallel-pipelined"
 	// sysNoInbox is the key-parallel subscriber with the same handler and
 	// no inbox: the effect is autocommitted, deduplicated by a unique
 	// index (INSERT … ON CONFLICT DO NOTHING).
@@ -47,7 +51,7 @@ const (
 
 // systems lists every subscriber row, in report order.
 func systems() []string {
-	return []string{sysStock, sysSerial, sysParallel, sysNoInbox}
+	return []string{sysStock, sysSerial, sysParallel, sysPipelined, sysNoInbox}
 }
 
 // usesInbox reports whether sys runs the handler under the inbox.
@@ -425,7 +429,7 @@ func (e *env) newSubscriber(sys, group string, logger watermill.LoggerAdapter) (
 		return sub, nil
 	case sysSerial:
 		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: 1}, logger)
-	case sysParallel, sysNoInbox:
+	case sysParallel, sysPipelined, sysNoInbox:
 		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: e.cfg.MaxInFlight}, logger)
 	}
 	return nil, fmt.Errorf("unknown subscriber %q", sys)
@@ -462,7 +466,7 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 		if err != nil {
 			return smp, errors.Join(fmt.Errorf("postgres store: %w", err), sub.Close())
 		}
-		if inbox, err = middleware.NewInbox(middleware.InboxConfig{TxStore: store, Logger: logger}); err != nil {
+		if inbox, err = middleware.NewInbox(middleware.InboxConfig{TxStore: store, Logger: logger, PipelineClaim: sys == sysPipelined}); err != nil {
 			return smp, errors.Join(fmt.Errorf("inbox: %w", err), sub.Close())
 		}
 	} else {

@@ -21,6 +21,8 @@ func chartName(sys string, cfg Config) string {
 		return "oncemill, 1 in flight"
 	case sysParallel:
 		return fmt.Sprintf("oncemill key-parallel (%d)", cfg.maxInFlight())
+	case sysPipelined:
+		return fmt.Sprintf("key-parallel (%d), pipelined", cfg.maxInFlight())
 	case sysNoInbox:
 		return fmt.Sprintf("key-parallel (%d), no inbox", cfg.maxInFlight())
 	}

@@ -28,6 +28,8 @@ func label(sys string, cfg Config) string {
 		return "oncemill, `MaxInFlightPerPartition` 1"
 	case sysParallel:
 		return fmt.Sprintf("oncemill key-parallel (%d)", cfg.maxInFlight())
+	case sysPipelined:
+		return fmt.Sprintf("oncemill key-parallel (%d), `PipelineClaim`", cfg.maxInFlight())
 	case sysNoInbox:
 		return fmt.Sprintf("oncemill key-parallel (%d), **no inbox**", cfg.maxInFlight())
 	}
@@ -86,12 +88,20 @@ func targets(b *strings.Builder, res *Results, cfg Config) {
 				targetStock, p.MsgsPerSec, s.MsgsPerSec, p.RatioStock, passMiss(p.RatioStock >= targetStock))
 		}
 	}
+	if p, ok := findRow(res.Rows, sysPipelined, 1); ok {
+		if s, ok := findRow(res.Rows, sysStock, 1); ok {
+			fmt.Fprintf(b, "- key-parallel with `PipelineClaim` ≥ %.0f× watermill-kafka at 1 partition: %.0f / %.0f msgs/s = %.2f× — **%s**\n",
+				targetStock, p.MsgsPerSec, s.MsgsPerSec, p.RatioStock, passMiss(p.RatioStock >= targetStock))
+		}
+	}
 	for _, parts := range cfg.Partitions {
-		p, ok1 := findRow(res.Rows, sysParallel, parts)
-		n, ok2 := findRow(res.Rows, sysNoInbox, parts)
-		if ok1 && ok2 {
-			fmt.Fprintf(b, "- key-parallel with the inbox ≥ %.1f× the same handler with no inbox, %d partition%s: %.0f / %.0f msgs/s = %.2f× — **%s**\n",
-				targetNoInbox, parts, plural(parts), p.MsgsPerSec, n.MsgsPerSec, p.RatioNoInbox, passMiss(p.RatioNoInbox >= targetNoInbox))
+		for _, sys := range []string{sysParallel, sysPipelined} {
+			p, ok1 := findRow(res.Rows, sys, parts)
+			n, ok2 := findRow(res.Rows, sysNoInbox, parts)
+			if ok1 && ok2 {
+				fmt.Fprintf(b, "- %s with the inbox ≥ %.1f× the same handler with no inbox, %d partition%s: %.0f / %.0f msgs/s = %.2f× — **%s**\n",
+					label(sys, cfg), targetNoInbox, parts, plural(parts), p.MsgsPerSec, n.MsgsPerSec, p.RatioNoInbox, passMiss(p.RatioNoInbox >= targetNoInbox))
+			}
 		}
 	}
 	if failed := Failures(res, cfg); len(failed) == 0 {
