@@ -81,7 +81,9 @@ func (s *parallelSubscriber) SubscribeInitialize(topic string) error {
 // Close stops every subscription: it cancels the contexts of the
 // messages in flight, waits up to the drain timeout for their handlers to
 // ack or nack, commits what was acked, leaves the group and closes the
-// clients. It is idempotent and safe for concurrent use.
+// clients. It returns once every goroutine the subscriber started has
+// stopped (a handler that outlives the drain timeout runs on, in the
+// router). It is idempotent and safe for concurrent use.
 func (s *parallelSubscriber) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -132,7 +134,12 @@ func (s *parallelSubscriber) Subscribe(ctx context.Context, topic string) (<-cha
 		fields:        fields,
 	}
 	s.logger.Info("Subscribing to Kafka topic", fields)
+	// Both goroutines are the subscriber's: Close returns once they have
+	// stopped. (The counter is above zero here, so Add may race with a
+	// Close already waiting.)
+	s.subs.Add(1)
 	go func() {
+		defer s.subs.Done()
 		select {
 		case <-s.closing:
 		case <-ctx.Done():
@@ -385,8 +392,20 @@ func (p *partition) run() {
 				p.drain(p.sub.isStopped())
 				return
 			}
+			if commit, over := p.over(); over {
+				// Not handed out: whoever consumes the partition next
+				// starts at or before it.
+				p.drain(commit)
+				return
+			}
 			p.add(rec)
 		case res := <-p.results:
+			if commit, over := p.over(); over {
+				p.stopping = true // nothing more handed out by finish
+				p.finish(res, commit)
+				p.drain(commit)
+				return
+			}
 			p.finish(res, true)
 		case <-p.sess.Context().Done():
 			// A rebalance, unless the subscription is stopping (a
@@ -398,6 +417,23 @@ func (p *partition) run() {
 			return
 		}
 	}
+}
+
+// over reports whether the partition is to stop, because its session
+// ended or the subscription is stopping, and whether it still commits
+// what was acked (only when stopping: a revoked partition marks nothing
+// more). select picks at random among the cases that are ready, so run
+// asks this before it acts on a record or a result that came with the
+// end: otherwise a revoked partition could hand out a record it has
+// buffered, or mark an offset, after its session ended.
+func (p *partition) over() (commit, over bool) {
+	if p.sub.isStopped() {
+		return true, true
+	}
+	if p.sess.Context().Err() != nil {
+		return false, true
+	}
+	return false, false
 }
 
 // add queues a record just received and hands out what it can.
