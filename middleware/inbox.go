@@ -388,6 +388,29 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		case dedup.StateDead:
 			return in.deadCopy(msg, key, h, reopened, o)
 		}
+		if in.overLimit(base, start) {
+			// An attempt is counted from its start until it ends, and one
+			// that another delivery still runs (the handler of a revoked
+			// Kafka partition that outlived the drain) may yet end cut
+			// short and not be counted: wait for it, then count again, so
+			// that a running attempt is never taken for a dead one.
+			if pre != nil {
+				if err := in.rollback(base, pre); err != nil {
+					return nil, in.unstart(base, key, err)
+				}
+				pre, preErr = nil, nil
+			}
+			var err error
+			if start, err = in.settle(base, key); err != nil {
+				return nil, err
+			}
+			switch start.State {
+			case dedup.StateDone:
+				return in.duplicate(msg, key, start, o)
+			case dedup.StateDead:
+				return in.deadCopy(msg, key, h, reopened, o)
+			}
+		}
 		if err := in.crashLoop(msg, key, start, o); err != nil {
 			if pre != nil {
 				err = errors.Join(err, in.rollback(base, pre))
@@ -629,8 +652,7 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 // their dead-lettering failed. The error makes the poison middleware
 // dead-letter the message at once.
 func (in *Inbox) crashLoop(msg *message.Message, key dedup.Key, c dedup.Claim, o *attemptObs) error {
-	slot := slotOf(msg.Context())
-	if slot == nil || slot.maxAttempts < 1 || c.Attempts <= slot.maxAttempts {
+	if !in.overLimit(msg.Context(), c) {
 		return nil
 	}
 	in.crashLooped.Add(1)
@@ -639,6 +661,32 @@ func (in *Inbox) crashLoop(msg *message.Message, key dedup.Key, c dedup.Claim, o
 	err := Permanent(fmt.Errorf("%w: consumer %q key %q: the last %d attempts all died or failed before they finished (a process killed mid-handler leaves no error of its own)", ErrCrashLoop, key.Consumer, key.Key, ran))
 	in.cfg.Logger.Error("Message stops every attempt, dead-lettering it without running the handler", err, logFields(msg, key).Add(watermill.LogFields{"attempts": ran}))
 	return attempted(err, dedup.Claim{Attempts: ran, FirstFailedAt: c.FirstFailedAt}, time.Now())
+}
+
+// overLimit reports whether the attempts counted for a key, this one
+// included, exceed the MaxAttempts of the Poison middleware in front.
+func (in *Inbox) overLimit(ctx context.Context, c dedup.Claim) bool {
+	slot := slotOf(ctx)
+	return slot != nil && slot.maxAttempts >= 1 && c.Attempts > slot.maxAttempts
+}
+
+// settle waits until no other delivery holds key (a claim waits for the
+// holder's transaction to end; this one is rolled back), then takes this
+// attempt's count back and counts it again.
+func (in *Inbox) settle(base context.Context, key dedup.Key) (dedup.Claim, error) {
+	store := in.cfg.TxStore
+	tx, err := store.InboxBegin(base)
+	if err == nil {
+		_, err = tx.InboxClaim(base, key, in.cfg.Window)
+		err = errors.Join(err, in.rollback(base, tx))
+	}
+	if err != nil {
+		return dedup.Claim{}, in.unstart(base, key, err)
+	}
+	if err := in.unstart(base, key, nil); err != nil {
+		return dedup.Claim{}, err
+	}
+	return store.InboxStart(base, key, in.cfg.Window)
 }
 
 // abandoned reports an attempt cut short by the consumer shutting down: it

@@ -3,9 +3,11 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
@@ -135,4 +137,68 @@ func TestPipelineClaimWithoutRecord(t *testing.T) {
 	_, err = chain(hookMsg("declined-once"))
 	require.NoError(t, err)
 	require.Equal(t, 2, b.effects(t), "and only once")
+}
+
+// TestCrashLoopWaitsForRunningAttempt: an attempt that another delivery
+// still runs (a handler that ignores its cancelled context, as one of a
+// revoked Kafka partition may) is not taken for a dead one. Four attempts
+// failed; the fifth is running and holds the key when a sixth delivery
+// arrives and counts six starts, over MaxAttempts 5. The sixth waits for
+// the fifth, which ends cut short and is not counted, then runs as the
+// fifth attempt and is dead-lettered with its own error, not as a crash
+// loop.
+func TestCrashLoopWaitsForRunningAttempt(t *testing.T) {
+	t.Parallel()
+	b := postgresBackend(t, 8)
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger"})
+	require.NoError(t, err)
+	sink := &deadSink{}
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: sink, Topic: "dlq", MaxAttempts: 5, Consumer: "ledger"})
+	require.NoError(t, err)
+	var runs atomic.Int32
+	holding, release := make(chan struct{}), make(chan struct{})
+	chain := poison.Middleware(inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if err := b.effect(ctx, middleware.IdempotencyKey(ctx)); err != nil {
+			return nil, err
+		}
+		if runs.Add(1) == 5 {
+			close(holding)
+			<-release // ignores ctx until released
+			return nil, fmt.Errorf("interrupted: %w", ctx.Err())
+		}
+		return nil, errors.New("card declined")
+	}))
+
+	for range 4 {
+		_, err := chain(hookMsg("x"))
+		require.ErrorContains(t, err, "card declined")
+	}
+	require.Equal(t, 4, b.attempts(t, "ledger", "x"))
+
+	fifth := hookMsg("x")
+	ctx, cancel := context.WithCancel(context.Background())
+	fifth.SetContext(ctx)
+	fifthDone := make(chan error, 1)
+	go func() { _, err := chain(fifth); fifthDone <- err }()
+	<-holding
+
+	sixthDone := make(chan error, 1)
+	go func() { _, err := chain(hookMsg("x")); sixthDone <- err }()
+	// The sixth has counted its start and waits on the fifth's claim;
+	// now the fifth is cut short.
+	require.Eventually(t, func() bool { return b.starts(t, "ledger", "x") >= 2 }, 5*time.Second, 5*time.Millisecond,
+		"the sixth delivery counted its start")
+	cancel()
+	close(release)
+	require.ErrorIs(t, <-fifthDone, middleware.ErrShutdown, "the fifth is cut short, not counted")
+	require.NoError(t, <-sixthDone, "dead-lettered, acked")
+
+	require.Equal(t, int32(6), runs.Load(), "the sixth delivery ran the handler")
+	require.Len(t, sink.msgs, 1)
+	reason := sink.msgs[0].Metadata.Get("oncemill_dlq_error")
+	require.Contains(t, reason, "card declined", "dead-lettered with its own error")
+	require.NotContains(t, reason, middleware.ErrCrashLoop.Error())
+	require.Equal(t, "dead", b.status(t, "ledger", "x"))
+	require.Zero(t, b.effects(t), "no failed attempt's effect was committed")
 }

@@ -31,11 +31,16 @@
 // commits the highest offset below which every message is acked, never
 // past one that is in flight or nacked; acked messages above it are
 // delivered again after a crash or a rebalance. When a partition is
-// revoked, the contexts of its messages in flight are cancelled, nothing
-// more is marked for it, and the claim waits up to
-// [SubscriberConfig.DrainTimeout] for their handlers before it lets the
-// partition go. Close does the same for every partition, but commits what
-// the handlers acked while it waited. Messages are decoded by the same
+// revoked, nothing more of it is handed out or marked once its session
+// has ended: the contexts of its messages in flight are cancelled, and
+// the claim waits up to [SubscriberConfig.DrainTimeout] for their
+// handlers before it lets the partition go. A handler still running then
+// is abandoned: its message is delivered again to the partition's next
+// owner, so handlers should honour their context (with the inbox, the
+// next owner's delivery waits for the abandoned handler's claim). Close
+// does the same for every partition, but commits what the handlers acked
+// while it waited, and returns once every goroutine the subscriber
+// started has stopped. Messages are decoded by the same
 // [Marshaler], with the same metadata; watermill-kafka's context
 // accessors (MessageKeyFromCtx and friends) find nothing in this mode:
 // read [delivery.Partition] and [delivery.Offset] from the metadata.
