@@ -108,7 +108,8 @@ type env struct {
 	cfg     Config
 	pool    *pgxpool.Pool
 	conns   int32
-	cluster *embedded.Cluster
+	cluster *embedded.Cluster // nil on a real cluster
+	brokers []string
 	admin   sarama.ClusterAdmin
 	pub     *kafka.Publisher
 	runID   string
@@ -148,17 +149,21 @@ func newEnv(ctx context.Context, cfg Config) (e *env, closeFn func(), err error)
 		return nil, nil, err
 	}
 
-	if e.cluster, err = embedded.Start(embedded.Config{DisableAutoCreateTopics: true}); err != nil {
-		return nil, nil, fmt.Errorf("start embedded Kafka: %w", err)
+	e.brokers = cfg.Brokers
+	if len(e.brokers) == 0 {
+		if e.cluster, err = embedded.Start(embedded.Config{DisableAutoCreateTopics: true}); err != nil {
+			return nil, nil, fmt.Errorf("start embedded Kafka: %w", err)
+		}
+		closers = append(closers, func() { _ = e.cluster.Close() })
+		e.brokers = e.cluster.Addrs()
 	}
-	closers = append(closers, func() { _ = e.cluster.Close() })
 	sc := sarama.NewConfig()
 	sc.Version = sarama.V2_3_0_0 // below 2.4 against the embedded broker, see package embedded
-	if e.admin, err = sarama.NewClusterAdmin(e.cluster.Addrs(), sc); err != nil {
+	if e.admin, err = sarama.NewClusterAdmin(e.brokers, sc); err != nil {
 		return nil, nil, fmt.Errorf("Kafka admin client: %w", err)
 	}
 	closers = append(closers, func() { _ = e.admin.Close() })
-	if e.pub, err = kafka.NewPublisher(kafka.PublisherConfig{Brokers: e.cluster.Addrs()}, nil); err != nil {
+	if e.pub, err = kafka.NewPublisher(kafka.PublisherConfig{Brokers: e.brokers}, nil); err != nil {
 		return nil, nil, fmt.Errorf("Kafka publisher: %w", err)
 	}
 	closers = append(closers, func() { _ = e.pub.Close() })
@@ -262,7 +267,12 @@ CREATE UNIQUE INDEX ON ` + effects + ` (idem_key)`
 	if _, err := e.pool.Exec(ctx, ddl); err != nil {
 		return nil, fmt.Errorf("create effects table: %w", err)
 	}
-	if err := e.cluster.CreateTopic(ctx, f.topic, int32(partitions)); err != nil {
+	if e.cluster != nil {
+		err = e.cluster.CreateTopic(ctx, f.topic, int32(partitions))
+	} else {
+		err = e.admin.CreateTopic(f.topic, &sarama.TopicDetail{NumPartitions: int32(partitions), ReplicationFactor: 1}, false)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("create topic: %w", err)
 	}
 	return f, nil
@@ -410,7 +420,7 @@ func effectHandler(insert string, direct *pgxpool.Pool) message.NoPublishHandler
 
 // newSubscriber returns the subscriber of sys for the fixture's group.
 func (e *env) newSubscriber(sys, group string, logger watermill.LoggerAdapter) (message.Subscriber, error) {
-	brokers := e.cluster.Addrs()
+	brokers := e.brokers
 	switch sys {
 	case sysStock:
 		sc := wkafka.DefaultSaramaSubscriberConfig() // Version 1.0.0.0: below 2.4, as the embedded broker needs

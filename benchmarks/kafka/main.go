@@ -1,5 +1,6 @@
 // Command kafka measures oncemill's exactly-once consumption end to end:
-// Kafka (the embedded broker of adapters/kafka/embedded, in process) →
+// Kafka (the embedded broker of adapters/kafka/embedded, in process, or
+// the cluster that ONCEMILL_KAFKA_BROKERS names) →
 // a Watermill router → the PostgreSQL inbox (middleware.NewInbox on
 // dedup/postgres) → one INSERT into an effects table in the inbox's
 // transaction.
@@ -20,7 +21,8 @@
 //     with oncemill's config);
 //   - oncemill's key-parallel subscriber (MaxInFlightPerPartition 64, the
 //     default): different order ids of a partition concurrently, one
-//     order's payments in order;
+//     order's payments in order; and the same with the inbox's
+//     PipelineClaim;
 //   - the key-parallel subscriber with the same handler and no inbox: the
 //     effect autocommitted, INSERT … ON CONFLICT (idem_key) DO NOTHING on a
 //     unique index, the baseline of what the inbox costs.
@@ -82,6 +84,7 @@ func main() {
 		MaxInFlight: *maxInFlight,
 		Seed:        *seed,
 		RunTimeout:  *timeout,
+		Brokers:     kafka.BrokersFromEnv(),
 		Out:         os.Stderr,
 	}
 	if *quick {
@@ -217,6 +220,9 @@ type Config struct {
 	MaxInFlight int
 	// RunTimeout bounds a single run.
 	RunTimeout time.Duration
+	// Brokers, when set, are the seed brokers of a real cluster to run
+	// on instead of the embedded broker.
+	Brokers []string
 	// Out receives progress lines.
 	Out io.Writer
 }
