@@ -120,6 +120,16 @@ func consume(cfg childConfig, term <-chan os.Signal) (int, error) {
 		return childBadSetup, err
 	}
 	defer pool.Close()
+	// The test's own bookkeeping (the runs table) has a pool of its own:
+	// a handler that took a second connection from the inbox's pool while
+	// the inbox holds one would deadlock once every connection is held by
+	// a waiting handler, with the Kafka subscriber's 64 messages in flight
+	// per partition.
+	books, err := pgxpool.NewWithConfig(ctx, poolCfg.Copy())
+	if err != nil {
+		return childBadSetup, err
+	}
+	defer books.Close()
 	store, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
 	if err != nil {
 		return childBadSetup, err
@@ -156,7 +166,7 @@ func consume(cfg childConfig, term <-chan os.Signal) (int, error) {
 		key := middleware.IdempotencyKey(ctx)
 		// The run is recorded outside the transaction, so that it stays
 		// whatever becomes of the attempt.
-		if _, err := pool.Exec(context.WithoutCancel(ctx), `INSERT INTO `+schema+`.runs (key, pid) VALUES ($1, $2)`, key, os.Getpid()); err != nil {
+		if _, err := books.Exec(context.WithoutCancel(ctx), `INSERT INTO `+schema+`.runs (key, pid) VALUES ($1, $2)`, key, os.Getpid()); err != nil {
 			return err
 		}
 		if cfg.Mode == "crash" && key == killerKey {

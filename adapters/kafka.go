@@ -21,9 +21,12 @@ import (
 // idempotent producer: kafka://h1:9092,h2:9092?group=g. Parameters:
 // group (required, here or in Options), offset=oldest|newest,
 // connect_timeout, the client's read_timeout, session_timeout and
-// rebalance_timeout (Go durations), and max_in_flight, the messages of a
+// rebalance_timeout (Go durations), max_in_flight, the messages of a
 // partition handed out at once, of different keys (a positive integer,
-// default 1, one at a time; 64 suits most key-parallel use); see [kafka.SubscriberConfig].
+// default [kafka.DefaultMaxInFlightPerPartition]; 1 for one at a time),
+// and instance_id, which makes the subscriber a static member of the
+// group (see [kafka.SubscriberConfig.InstanceID]); see
+// [kafka.SubscriberConfig].
 // kafka:// with no host starts an embedded in-process broker that lives as
 // long as the PubSub: for development only, since no other process can
 // reach it (start one with the embedded package to share it).
@@ -69,7 +72,7 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 	fail := func(err error) (kafka.PublisherConfig, kafka.SubscriberConfig, time.Duration, error) {
 		return kafka.PublisherConfig{}, kafka.SubscriberConfig{}, 0, err
 	}
-	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "max_in_flight")
+	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "max_in_flight", "instance_id")
 	if err != nil {
 		return fail(err)
 	}
@@ -112,6 +115,15 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 			return fail(fmt.Errorf("%w: parameter max_in_flight=%q: want a positive integer, the messages of a partition in flight at once (1 for one at a time)", ErrBadURL, v))
 		}
 		scfg.MaxInFlightPerPartition = n
+	}
+	if q.Has("instance_id") {
+		// Present and empty is an error, not dynamic membership: it is
+		// what instance_id=$POD_NAME gives when the variable is unset.
+		v := q.Get("instance_id")
+		if err := kafka.ValidateInstanceID(v); err != nil {
+			return fail(fmt.Errorf("%w: parameter instance_id=%q: %w", ErrBadURL, v, err))
+		}
+		scfg.InstanceID = v
 	}
 	pcfg.ReadTimeout = scfg.ReadTimeout
 	if scfg.ReadTimeout != 0 {

@@ -3,6 +3,7 @@ package adapters
 import (
 	"errors"
 	"net/url"
+	"strings"
 	"testing"
 	"time"
 
@@ -163,5 +164,42 @@ func TestKafkaURLMaxInFlight(t *testing.T) {
 		_, _, _, err = kafkaConfigs(mustParse(t, "kafka://a:9092?group=g&max_in_flight="+bad), Options{})
 		require.ErrorIs(t, err, ErrBadURL, bad)
 		require.ErrorContains(t, err, "max_in_flight", bad)
+	}
+}
+
+// TestKafkaURLInstanceID: instance_id reaches SubscriberConfig.InstanceID
+// and so Sarama's Consumer.Group.InstanceId; without it the subscriber is
+// a dynamic member; a present but empty or invalid value is refused,
+// naming the parameter, with the embedded broker as with a cluster.
+func TestKafkaURLInstanceID(t *testing.T) {
+	_, scfg, _, err := kafkaConfigs(mustParse(t, "kafka://a:9092?group=g&instance_id=ledger-0"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, "ledger-0", scfg.InstanceID)
+	sw, err := scfg.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, "ledger-0", sw.OverwriteSaramaConfig.Consumer.Group.InstanceId)
+
+	_, scfg, _, err = kafkaConfigs(mustParse(t, "kafka://a:9092?group=g"), Options{})
+	require.NoError(t, err)
+	require.Empty(t, scfg.InstanceID)
+
+	_, scfg, _, err = kafkaConfigs(mustParse(t, "kafka://?group=g&instance_id=pod.7_a-b"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, "pod.7_a-b", scfg.InstanceID)
+
+	for bad, want := range map[string]string{
+		"":                       "instance id is empty",
+		"..":                     `instance id is ".."`,
+		"pod%201":                `"pod 1" has " " at byte 3`,
+		"pod%2F1":                `"pod/1" has "/" at byte 3`,
+		strings.Repeat("p", 250): "instance id has 250 characters, want at most 249",
+	} {
+		for _, host := range []string{"a:9092", ""} {
+			_, _, _, err = kafkaConfigs(mustParse(t, "kafka://"+host+"?group=g&instance_id="+bad), Options{})
+			require.ErrorIs(t, err, ErrBadURL, bad)
+			require.ErrorIs(t, err, kafka.ErrInvalidConfig, bad)
+			require.ErrorContains(t, err, "parameter instance_id=", bad)
+			require.ErrorContains(t, err, want, bad)
+		}
 	}
 }

@@ -34,8 +34,12 @@ const (
 	// the least default [SubscriberConfig.ReadTimeout].
 	DefaultReadTimeout = 30 * time.Second
 	// DefaultSessionTimeout is the default
-	// [SubscriberConfig.SessionTimeout], Sarama's.
-	DefaultSessionTimeout = 10 * time.Second
+	// [SubscriberConfig.SessionTimeout]: the least that brokers accept
+	// by default (group.min.session.timeout.ms), so that a member that
+	// dies without leaving holds the group up as briefly as the broker
+	// allows. Sarama's own default is 10s. See SessionTimeout for the
+	// trade-off.
+	DefaultSessionTimeout = 6 * time.Second
 	// DefaultRebalanceTimeout is the default
 	// [SubscriberConfig.RebalanceTimeout], Sarama's.
 	DefaultRebalanceTimeout = 60 * time.Second
@@ -50,10 +54,9 @@ const (
 )
 
 // DefaultMaxInFlightPerPartition is the default
-// [SubscriberConfig.MaxInFlightPerPartition]: one message per partition
-// at a time. The key-parallel mode is opt-in for now; 64 is the suggested
-// value.
-const DefaultMaxInFlightPerPartition = 1
+// [SubscriberConfig.MaxInFlightPerPartition]: up to 64 messages of one
+// partition, of different keys, in flight at once.
+const DefaultMaxInFlightPerPartition = 64
 
 // maxHeartbeatInterval is Sarama's default heartbeat interval, kept while
 // it is at most a third of the session timeout.
@@ -161,9 +164,32 @@ type SubscriberConfig struct {
 	// member's heartbeat before it drops the member and rebalances
 	// (Sarama's Consumer.Group.Session.Timeout). Brokers accept 6s to 30m
 	// unless configured otherwise (group.min.session.timeout.ms and
-	// group.max.session.timeout.ms). Defaults to
-	// [DefaultSessionTimeout]. The heartbeat interval is a third of it, at
-	// most 3s.
+	// group.max.session.timeout.ms); outside that range every join fails
+	// with "The provided session timeout is outside the allowed range",
+	// which the subscriber logs. Defaults to [DefaultSessionTimeout]
+	// (6s). The heartbeat interval is a third of it, at most 3s.
+	//
+	// It is how long the partitions of a member that dies without
+	// leaving the group (SIGKILL, an OOM kill, a lost host) wait before
+	// they move. A dynamic member restarted at once does not shorten the
+	// wait but spreads it: its join starts a rebalance, which stops every
+	// member, and the coordinator completes it only once the dead
+	// member's session has expired, so each crash of a crash loop stalls
+	// the whole group for most of the session timeout (InstanceID avoids
+	// that). A member that closes (SIGTERM) leaves the group at once,
+	// whatever this says, unless InstanceID is set.
+	//
+	// Shorter moves a dead member's partitions sooner. Too short makes a
+	// live member whose heartbeats are late (a stalled or CPU-starved
+	// process, a network blip, a slow coordinator) look dead; each such
+	// spurious expiry costs a rebalance of a few seconds, which is less
+	// than a crash costs, as the member rejoins at once. Heartbeats run
+	// on their own goroutine, however long handlers take, so the session
+	// expires only when no heartbeat got through for the whole timeout:
+	// three missed heartbeats at the default. Kafka's Java client, whose
+	// rebalances are costlier, defaults to 45s since Kafka 3.0; raise
+	// this where heartbeats may be held up for seconds (a broker whose
+	// minimum is higher, a link that drops out).
 	SessionTimeout time.Duration
 
 	// RebalanceTimeout is how long the group coordinator waits, in a
@@ -173,6 +199,32 @@ type SubscriberConfig struct {
 	// Defaults to [DefaultRebalanceTimeout].
 	RebalanceTimeout time.Duration
 
+	// InstanceID, when set, makes the subscriber a static member of
+	// ConsumerGroup (KIP-345, Kafka's group.instance.id, Sarama's
+	// Consumer.Group.InstanceId; Kafka 2.3 or later): an identity that
+	// outlives the process, such as a StatefulSet pod's name. It must be
+	// unique within the group, at most 249 characters of a-z, A-Z, 0-9,
+	// '.', '_' and '-', and neither "." nor "..". Empty, the default,
+	// joins as a dynamic member.
+	//
+	// A static member that restarts within SessionTimeout takes its
+	// partitions back, from the committed offsets, without a rebalance:
+	// the rest of the group goes on undisturbed, and only the restarted
+	// member's partitions wait, for as long as the restart takes. In
+	// exchange it does not leave the group when it closes (Sarama sends
+	// no LeaveGroup for a static member, as Kafka's clients do not): its
+	// partitions stay assigned to it, unconsumed, until it comes back or
+	// its session times out, so a SIGTERM that is not followed by a
+	// restart stalls them for SessionTimeout, as a SIGKILL would. The
+	// session must outlast the restart: raise SessionTimeout where a
+	// restart takes longer than that (a pod rescheduled, an image
+	// pulled), at the cost of a longer stall when a member does not come
+	// back. Two processes with one InstanceID fence each other: each join
+	// of one makes the other's heartbeats fail with FENCED_INSTANCE_ID,
+	// which the subscriber logs, and the two take the partitions from
+	// each other in turn.
+	InstanceID string
+
 	// MaxInFlightPerPartition is how many messages of one partition the
 	// subscriber hands to the router at once. Messages with different
 	// record keys are handled concurrently; messages with the same key
@@ -181,13 +233,16 @@ type SubscriberConfig struct {
 	// (after NackResendSleep) before any later message of its key,
 	// without holding up other keys. Offsets are committed up to the
 	// lowest offset not yet acked. Defaults to
-	// [DefaultMaxInFlightPerPartition] (1). Each message in flight may
+	// [DefaultMaxInFlightPerPartition] (64). Each message in flight may
 	// hold resources of its handler (a database transaction of the inbox,
-	// say): size pools for MaxInFlightPerPartition times the partitions a
-	// member may own. 1 hands out one message per
-	// partition at a time, in offset order, through watermill-kafka's
-	// subscriber, which is also used, whatever this field says, without a
-	// ConsumerGroup.
+	// say) while it waits for more: a handler that takes a second pooled
+	// connection while the inbox holds one deadlocks once every
+	// connection is held by a waiting handler, so either size the pool
+	// for MaxInFlightPerPartition times the partitions a member may own,
+	// or keep handlers to the inbox's transaction (postgres.Tx). 1 hands
+	// out one message per partition at a time, in offset order, through
+	// watermill-kafka's subscriber, which is also used, whatever this
+	// field says, without a ConsumerGroup.
 	MaxInFlightPerPartition int
 
 	// DrainTimeout is how long, when a partition is revoked or the
@@ -237,6 +292,14 @@ func (c SubscriberConfig) Validate() error {
 	case c.TopicReplicationFactor < 0:
 		return fmt.Errorf("%w: SubscriberConfig.TopicReplicationFactor is %d, want >= 0", ErrInvalidConfig, c.TopicReplicationFactor)
 	}
+	if c.InstanceID != "" {
+		if problem := instanceIDProblem(c.InstanceID); problem != "" {
+			return fmt.Errorf("%w: SubscriberConfig.InstanceID %s", ErrInvalidConfig, problem)
+		}
+		if c.ConsumerGroup == "" {
+			return fmt.Errorf("%w: SubscriberConfig.InstanceID is set without a ConsumerGroup: static membership is membership of a group", ErrInvalidConfig)
+		}
+	}
 	if err := validateTimeouts("SubscriberConfig", []timeout{
 		{"DialTimeout", c.DialTimeout},
 		{"ReadTimeout", c.ReadTimeout},
@@ -251,6 +314,43 @@ func (c SubscriberConfig) Validate() error {
 			ErrInvalidConfig, c.ReadTimeout, rebalance)
 	}
 	return nil
+}
+
+// MaxInstanceIDLength is the longest [SubscriberConfig.InstanceID] Kafka
+// accepts.
+const MaxInstanceIDLength = 249
+
+// ValidateInstanceID reports, in an error that wraps [ErrInvalidConfig],
+// why id is not a valid [SubscriberConfig.InstanceID] (Kafka's rules for
+// group.instance.id): it must have 1 to [MaxInstanceIDLength] characters
+// of a-z, A-Z, 0-9, '.', '_' and '-', and be neither "." nor "..". It
+// returns nil for a valid id.
+func ValidateInstanceID(id string) error {
+	if problem := instanceIDProblem(id); problem != "" {
+		return fmt.Errorf("%w: instance id %s", ErrInvalidConfig, problem)
+	}
+	return nil
+}
+
+// instanceIDProblem says what is wrong with the instance id id, after the
+// id itself, or returns "" if nothing is.
+func instanceIDProblem(id string) string {
+	switch {
+	case id == "":
+		return `is empty, want 1 to 249 characters of a-z, A-Z, 0-9, '.', '_' and '-'`
+	case id == "." || id == "..":
+		return fmt.Sprintf(`is %q, which Kafka reserves`, id)
+	case len(id) > MaxInstanceIDLength:
+		return fmt.Sprintf("has %d characters, want at most %d", len(id), MaxInstanceIDLength)
+	}
+	for i := 0; i < len(id); i++ {
+		switch b := id[i]; {
+		case 'a' <= b && b <= 'z', 'A' <= b && b <= 'Z', '0' <= b && b <= '9', b == '.', b == '_', b == '-':
+		default:
+			return fmt.Sprintf("%q has %q at byte %d, want only a-z, A-Z, 0-9, '.', '_' and '-'", id, id[i:i+1], i)
+		}
+	}
+	return ""
 }
 
 // timeout is a timeout field of a config, for validateTimeouts.
@@ -348,6 +448,7 @@ func (c SubscriberConfig) WatermillConfig() (wkafka.SubscriberConfig, error) {
 	sc.Consumer.Group.Session.Timeout = c.SessionTimeout
 	sc.Consumer.Group.Heartbeat.Interval = min(maxHeartbeatInterval, c.SessionTimeout/3)
 	sc.Consumer.Group.Rebalance.Timeout = c.RebalanceTimeout
+	sc.Consumer.Group.InstanceId = c.InstanceID
 	if c.Sarama != nil {
 		c.Sarama(sc)
 		if readDefault && sc.Net.ReadTimeout == c.ReadTimeout {
@@ -358,6 +459,11 @@ func (c SubscriberConfig) WatermillConfig() (wkafka.SubscriberConfig, error) {
 	sc.Consumer.Offsets.Initial = c.InitialOffset.sarama()
 	sc.Consumer.Offsets.AutoCommit.Enable = !c.SyncCommit
 	sc.Consumer.Offsets.AutoCommit.Interval = c.CommitInterval
+	if sc.Consumer.Group.InstanceId != "" && !sc.Version.IsAtLeast(sarama.V2_3_0_0) {
+		// Sarama refuses it too, without naming the field.
+		return wkafka.SubscriberConfig{}, fmt.Errorf("%w: SubscriberConfig.InstanceID needs Version 2.3.0.0 or later (JoinGroup v5), but SubscriberConfig.Sarama set Version %s",
+			ErrInvalidConfig, sc.Version)
+	}
 	if err := checkSarama("SubscriberConfig", "record headers", sc); err != nil {
 		return wkafka.SubscriberConfig{}, err
 	}

@@ -1,6 +1,7 @@
 package kafka_test
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -28,7 +29,7 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		"SubscriberConfig.SessionTimeout":         func(c *kafka.SubscriberConfig) { c.SessionTimeout = -time.Second },
 		"SubscriberConfig.RebalanceTimeout":       func(c *kafka.SubscriberConfig) { c.RebalanceTimeout = -time.Second },
 		"SubscriberConfig.DrainTimeout":           func(c *kafka.SubscriberConfig) { c.DrainTimeout = -time.Second },
-		"SubscriberConfig.MaxInFlightPerPartition is -1, want >= 1, or 0 for the default (1)": func(c *kafka.SubscriberConfig) {
+		"SubscriberConfig.MaxInFlightPerPartition is -1, want >= 1, or 0 for the default (64)": func(c *kafka.SubscriberConfig) {
 			c.MaxInFlightPerPartition = -1
 		},
 		"SubscriberConfig.ReadTimeout is 30s, want longer than RebalanceTimeout (1m0s)": func(c *kafka.SubscriberConfig) {
@@ -36,6 +37,18 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		},
 		"SubscriberConfig.ReadTimeout is 20s, want longer than RebalanceTimeout (20s)": func(c *kafka.SubscriberConfig) {
 			c.ConsumerGroup, c.ReadTimeout, c.RebalanceTimeout = "g", 20*time.Second, 20*time.Second
+		},
+		`SubscriberConfig.InstanceID "pod 1" has " " at byte 3`: func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.InstanceID = "g", "pod 1"
+		},
+		`SubscriberConfig.InstanceID is "..", which Kafka reserves`: func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.InstanceID = "g", ".."
+		},
+		"SubscriberConfig.InstanceID has 250 characters, want at most 249": func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.InstanceID = "g", strings.Repeat("x", 250)
+		},
+		"SubscriberConfig.InstanceID is set without a ConsumerGroup": func(c *kafka.SubscriberConfig) {
+			c.InstanceID = "pod-1"
 		},
 	} {
 		t.Run(field, func(t *testing.T) {
@@ -185,7 +198,8 @@ func TestSubscriberConfigTimeouts(t *testing.T) {
 	sc := w.OverwriteSaramaConfig
 	require.Equal(t, kafka.DefaultDialTimeout, sc.Net.DialTimeout)
 	require.Equal(t, kafka.DefaultSessionTimeout, sc.Consumer.Group.Session.Timeout)
-	require.Equal(t, 3*time.Second, sc.Consumer.Group.Heartbeat.Interval)
+	require.Equal(t, 6*time.Second, sc.Consumer.Group.Session.Timeout, "the least brokers accept by default (group.min.session.timeout.ms)")
+	require.Equal(t, 2*time.Second, sc.Consumer.Group.Heartbeat.Interval, "a third of the session timeout")
 	require.Equal(t, kafka.DefaultRebalanceTimeout, sc.Consumer.Group.Rebalance.Timeout)
 	require.Equal(t, kafka.DefaultRebalanceTimeout+kafka.JoinGroupMargin, sc.Net.ReadTimeout)
 	require.Greater(t, sc.Net.ReadTimeout, sc.Consumer.Group.Rebalance.Timeout)
@@ -245,6 +259,60 @@ func TestPublisherConfigTimeouts(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, time.Second, w.OverwriteSaramaConfig.Net.DialTimeout)
 	require.Equal(t, 90*time.Second, w.OverwriteSaramaConfig.Net.ReadTimeout)
+}
+
+// TestSubscriberConfigInstanceID checks that InstanceID reaches Sarama's
+// Consumer.Group.InstanceId, which both subscribers take from
+// WatermillConfig's Sarama config, that it is empty (dynamic membership)
+// by default, and that a Sarama hook cannot lower Version below what
+// static membership needs without an error naming the field.
+func TestSubscriberConfigInstanceID(t *testing.T) {
+	brokers := []string{"localhost:9092"}
+	w, err := kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g"}.WatermillConfig()
+	require.NoError(t, err)
+	require.Empty(t, w.OverwriteSaramaConfig.Consumer.Group.InstanceId, "dynamic membership by default")
+
+	for _, inFlight := range []int{1, 0} { // watermill-kafka's subscriber, and the key-parallel one
+		c := kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g", InstanceID: "ledger-0", MaxInFlightPerPartition: inFlight}
+		w, err = c.WatermillConfig()
+		require.NoError(t, err)
+		require.Equal(t, "ledger-0", w.OverwriteSaramaConfig.Consumer.Group.InstanceId)
+		require.True(t, w.OverwriteSaramaConfig.Version.IsAtLeast(sarama.V2_3_0_0), "JoinGroup v5 carries the instance id")
+		sub, err := kafka.NewSubscriber(c, nil)
+		require.NoError(t, err)
+		require.NoError(t, sub.Close())
+	}
+
+	longest := strings.Repeat("a", kafka.MaxInstanceIDLength)
+	w, err = kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g", InstanceID: longest}.WatermillConfig()
+	require.NoError(t, err)
+	require.Equal(t, longest, w.OverwriteSaramaConfig.Consumer.Group.InstanceId)
+
+	_, err = kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: "g", InstanceID: "ledger-0", Sarama: func(sc *sarama.Config) {
+		sc.Version = sarama.V2_1_0_0
+	}}.WatermillConfig()
+	require.ErrorIs(t, err, kafka.ErrInvalidConfig)
+	require.ErrorContains(t, err, "SubscriberConfig.InstanceID needs Version 2.3.0.0 or later (JoinGroup v5), but SubscriberConfig.Sarama set Version 2.1.0")
+}
+
+// TestValidateInstanceID checks Kafka's rules for group.instance.id.
+func TestValidateInstanceID(t *testing.T) {
+	for _, id := range []string{"a", "ledger-0", "pod_7.eu-west-1", "A.B-c_9", strings.Repeat("z", 249), "..."} {
+		require.NoError(t, kafka.ValidateInstanceID(id), id)
+	}
+	for id, want := range map[string]string{
+		"":                       "instance id is empty",
+		".":                      `instance id is ".", which Kafka reserves`,
+		"..":                     `instance id is "..", which Kafka reserves`,
+		strings.Repeat("z", 250): "instance id has 250 characters, want at most 249",
+		"pod/1":                  `instance id "pod/1" has "/" at byte 3`,
+		"pöd":                    `instance id "pöd" has "\xc3" at byte 1`,
+		"a:b":                    `"a:b" has ":" at byte 1, want only a-z, A-Z, 0-9, '.', '_' and '-'`,
+	} {
+		err := kafka.ValidateInstanceID(id)
+		require.ErrorIs(t, err, kafka.ErrInvalidConfig, id)
+		require.ErrorContains(t, err, want, id)
+	}
 }
 
 func TestBrokersFromEnv(t *testing.T) {

@@ -94,6 +94,32 @@
 // that the message published again (to a dead-letter topic, say) keeps
 // its key.
 //
+// Restarts and static membership. A subscriber that closes (the router
+// closing on SIGTERM) leaves its consumer group before Close returns, in
+// both modes: Sarama sends LeaveGroup, and the other members take its
+// partitions at their next heartbeat, not a session timeout later. A
+// member that dies without closing (SIGKILL, an OOM kill) keeps its
+// partitions until its [SubscriberConfig.SessionTimeout] (6s by default)
+// expires, and a replacement that joins meanwhile starts a rebalance that
+// stops every member until that expiry: each crash of a crash loop
+// stalls the whole group for most of a session timeout.
+// [SubscriberConfig.ReadTimeout] outlasts the rebalance timeout, so a
+// member waiting for the rebalance never abandons its JoinGroup to start
+// over. A Close that comes while the member waits in a JoinGroup returns
+// once the JoinGroup does, as Sarama cannot cancel it.
+// [SubscriberConfig.InstanceID] (URL parameter instance_id) makes the
+// subscriber a static member (KIP-345): restarted within the session
+// timeout, it gets its partitions back without a rebalance and the rest
+// of the group never stops, but it sends no LeaveGroup when it closes, so
+// after a SIGTERM that no restart follows, its partitions wait out the
+// session timeout. The embedded broker implements static membership. It
+// differs from Kafka where a member is killed while its JoinGroup waits
+// for a rebalance: it drops such a member only when the rebalance's
+// deadline passes, and every join postpones the deadline, so a crash loop
+// faster than the session timeout can hold its group in a rebalance for
+// minutes; run such tests on a real cluster ([BrokersEnv]), or with
+// static members.
+//
 // # Brokers
 //
 // Kafka 2.3 or later (Sarama speaks protocol version 2.3.0.0 unless a

@@ -16,7 +16,7 @@ const BrokersEnv = "ONCEMILL_KAFKA_BROKERS"
 
 // NewSubscriber returns a subscriber configured by cfg; a nil logger logs
 // nothing. With a ConsumerGroup and [SubscriberConfig.MaxInFlightPerPartition]
-// above 1 (the default is 1) it is the key-parallel subscriber, built on
+// above 1 (the default is 64) it is the key-parallel subscriber, built on
 // a Sarama consumer group with the Sarama config of
 // [SubscriberConfig.WatermillConfig]; otherwise it is watermill-kafka's
 // subscriber with that config, one message per partition at a time. See

@@ -135,9 +135,14 @@ func TestSaramaGroupsOnThreeBrokers(t *testing.T) {
 	// watermill-kafka marks an acked offset in a goroutine of its own,
 	// and a Close at the same instant can win, leaving the last ack
 	// uncommitted and its message to be delivered again (as
-	// at-least-once allows, but this test counts).
+	// at-least-once allows, but this test counts). One message per
+	// partition at a time: the key-parallel subscriber hands out
+	// messages of a partition out of offset order, so the first n acked
+	// need not be a prefix of any partition, and those above a gap are
+	// delivered again, which is what it promises, and not what this test
+	// of the cluster counts.
 	consume := func(n int) map[string]bool {
-		sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: c.Addrs(), ConsumerGroup: "billing"}, nil)
+		sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: c.Addrs(), ConsumerGroup: "billing", MaxInFlightPerPartition: 1}, nil)
 		require.NoError(t, err)
 		defer func() { require.NoError(t, sub.Close()) }()
 		msgs, err := sub.Subscribe(context.Background(), "orders")
