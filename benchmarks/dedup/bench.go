@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 	"github.com/oncemill/oncemill/middleware"
 )
 
@@ -220,7 +221,7 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 		return r, err
 	}
 	defer func() { err = errors.Join(err, fx.close()) }()
-	logger := newCountingLogger(e.cfg.Out, d.Name, 5)
+	logger := benchutil.NewCountingLogger(e.cfg.Out, d.Name, 5)
 	p, err := fx.start(ctx, d, procOptions{ExpectedKeys: uint(len(s.Msgs)), Logger: logger})
 	if err != nil {
 		return r, err
@@ -327,7 +328,7 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 	if s.Dups > 0 {
 		r.RTDup = float64(rtDup) / float64(s.Dups)
 	}
-	r.LoggedErrors = logger.n.Load()
+	r.LoggedErrors = logger.Errors()
 	if p.bloom != nil {
 		bs := p.bloom.Stats()
 		r.BloomMaybeSeen, r.BloomFalsePositives = bs.MaybeSeen, bs.FalsePositives

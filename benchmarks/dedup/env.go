@@ -2,21 +2,18 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"sync"
 	"sync/atomic"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	goredis "github.com/redis/go-redis/v9"
 
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	redisstore "github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/sqlite"
@@ -39,7 +36,7 @@ type env struct {
 // newEnv connects to PostgreSQL and, when needRedis, to Redis, and makes
 // the run's temp dir. close undoes all of it.
 func newEnv(ctx context.Context, cfg Config, needRedis bool) (e *env, closeFn func(), err error) {
-	e = &env{cfg: cfg, runID: randomID()}
+	e = &env{cfg: cfg, runID: benchutil.RandomID()}
 	var closers []func()
 	closeFn = func() {
 		for i := len(closers) - 1; i >= 0; i-- {
@@ -369,36 +366,6 @@ func (redisHook) ProcessPipelineHook(next goredis.ProcessPipelineHook) goredis.P
 		}
 		return next(ctx, cmds)
 	}
-}
-
-// countingLogger prints the first few errors of a run and counts them all.
-type countingLogger struct {
-	out    io.Writer
-	prefix string
-	max    int64
-	n      *atomic.Int64
-}
-
-func newCountingLogger(out io.Writer, prefix string, maxPrinted int64) countingLogger {
-	return countingLogger{out: out, prefix: prefix, max: maxPrinted, n: new(atomic.Int64)}
-}
-
-func (l countingLogger) Error(msg string, err error, fields watermill.LogFields) {
-	if n := l.n.Add(1); n <= l.max {
-		fmt.Fprintf(l.out, "  %s: logged error: %s: %v %v\n", l.prefix, msg, err, fields)
-	}
-}
-func (countingLogger) Info(string, watermill.LogFields)  {}
-func (countingLogger) Debug(string, watermill.LogFields) {}
-func (countingLogger) Trace(string, watermill.LogFields) {}
-func (l countingLogger) With(watermill.LogFields) watermill.LoggerAdapter {
-	return l
-}
-
-func randomID() string {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
 }
 
 func isNoRows(err error) bool { return errors.Is(err, pgx.ErrNoRows) }

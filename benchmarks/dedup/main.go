@@ -37,16 +37,17 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"time"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 func main() {
 	var (
 		quick        = flag.Bool("quick", false, "a short run (under a minute) with small streams; writes nothing unless -out is given")
-		dsn          = flag.String("dsn", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
-		redisURL     = flag.String("redis", envOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis URL (default $REDIS_URL)")
+		dsn          = flag.String("dsn", benchutil.EnvOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
+		redisURL     = flag.String("redis", benchutil.EnvOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis URL (default $REDIS_URL)")
 		out          = flag.String("out", "benchmarks", "directory receiving RESULTS.md (its \"Deduplication\" section) and dedup/results.csv and dedup/throughput.png; empty writes nothing")
 		n            = flag.Int("n", 0, "messages in each speed run (default 8000, -quick 300)")
 		crashN       = flag.Int("crash-n", 0, "messages in each correctness run (default 2000, -quick 200)")
@@ -82,7 +83,7 @@ func main() {
 	}
 	if *quick {
 		cfg.N, cfg.CrashN, cfg.RedisBenchN, cfg.RunTimeout = 300, 200, 2000, time.Minute
-		if !flagSet("dups") {
+		if !benchutil.FlagSet("dups") {
 			*dups = "0,50"
 		}
 	}
@@ -93,9 +94,9 @@ func main() {
 		cfg.CrashN = *crashN
 	}
 	var err error
-	if cfg.Concurrency, err = parseInts(*conc); err == nil {
+	if cfg.Concurrency, err = benchutil.ParseInts(*conc); err == nil {
 		var ps []int
-		if ps, err = parseInts(*dups); err == nil {
+		if ps, err = benchutil.ParseInts(*dups); err == nil {
 			for _, p := range ps {
 				if p < 0 || p >= 100 {
 					err = fmt.Errorf("duplicate percentage %d out of [0, 100)", p)
@@ -114,7 +115,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "dedup benchmark:", err)
 		os.Exit(2)
 	}
-	write := *out != "" && (!*quick || flagSet("out"))
+	write := *out != "" && (!*quick || benchutil.FlagSet("out"))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
@@ -245,30 +246,4 @@ func abs(x int) int {
 		return -x
 	}
 	return x
-}
-
-func parseInts(s string) ([]int, error) {
-	var out []int
-	for f := range strings.SplitSeq(s, ",") {
-		v, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil {
-			return nil, fmt.Errorf("parse %q: %w", s, err)
-		}
-		out = append(out, v)
-	}
-	return out, nil
-}
-
-// flagSet reports whether the flag name was given on the command line.
-func flagSet(name string) bool {
-	set := false
-	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
-	return set
-}
-
-func envOr(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
 }

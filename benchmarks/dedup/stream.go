@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 // msgSpec is one message of a generated stream: what a broker would hand to
@@ -41,7 +43,7 @@ func newStream(n int, ratio float64, seed uint64) stream {
 	s := stream{Msgs: make([]msgSpec, n), Ratio: ratio}
 	var seen []int // positions of the first copy of every key so far
 	for i := range s.Msgs {
-		uuid := newUUID(rng)
+		uuid := benchutil.SeededUUID(rng)
 		if isDup[i] {
 			orig := s.Msgs[seen[rng.IntN(len(seen))]]
 			s.Msgs[i] = msgSpec{UUID: uuid, Key: orig.Key, Payload: orig.Payload, Dup: true}
@@ -56,19 +58,4 @@ func newStream(n int, ratio float64, seed uint64) stream {
 		s.Keys++
 	}
 	return s
-}
-
-// newUUID formats 16 random bytes from rng as a version 4 UUID, so that the
-// stream's UUIDs are reproducible from the seed.
-func newUUID(rng *rand.Rand) string {
-	var b [16]byte
-	for i := 0; i < 16; i += 8 {
-		v := rng.Uint64()
-		for j := range 8 {
-			b[i+j] = byte(v >> (8 * j))
-		}
-	}
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }

@@ -2,12 +2,9 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,6 +19,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/middleware"
@@ -120,7 +118,7 @@ type env struct {
 // embedded broker and connects an admin client and the publisher. close
 // undoes all of it.
 func newEnv(ctx context.Context, cfg Config) (e *env, closeFn func(), err error) {
-	e = &env{cfg: cfg, runID: randomID()}
+	e = &env{cfg: cfg, runID: benchutil.RandomID()}
 	var closers []func()
 	closeFn = func() {
 		for i := len(closers) - 1; i >= 0; i-- {
@@ -458,7 +456,7 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 		return smp, err
 	}
 
-	logger := newCountingLogger(e.cfg.Out, sys, 3)
+	logger := benchutil.NewCountingLogger(e.cfg.Out, sys, 3)
 	sub, err := e.newSubscriber(sys, f.group, logger)
 	if err != nil {
 		return smp, err
@@ -525,42 +523,11 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 	if inbox != nil {
 		smp.Inbox = inbox.Stats()
 	}
-	smp.Errors = logger.n.Load()
+	smp.Errors = logger.Errors()
 	if smp.Effects, err = f.countEffects(ctx, s); err != nil {
 		return smp, err
 	}
 	return smp, nil
-}
-
-// countingLogger prints the first few errors of a run and counts them all;
-// it drops everything else.
-type countingLogger struct {
-	out    io.Writer
-	prefix string
-	max    int64
-	n      *atomic.Int64
-}
-
-func newCountingLogger(out io.Writer, prefix string, maxPrinted int64) countingLogger {
-	return countingLogger{out: out, prefix: prefix, max: maxPrinted, n: new(atomic.Int64)}
-}
-
-func (l countingLogger) Error(msg string, err error, fields watermill.LogFields) {
-	if n := l.n.Add(1); n <= l.max {
-		fmt.Fprintf(l.out, "  %s: logged error: %s: %v %v\n", l.prefix, msg, err, fields)
-	}
-}
-func (countingLogger) Info(string, watermill.LogFields)  {}
-func (countingLogger) Debug(string, watermill.LogFields) {}
-func (countingLogger) Trace(string, watermill.LogFields) {}
-func (l countingLogger) With(watermill.LogFields) watermill.LoggerAdapter {
-	return l
-}
-
-func randomID() string {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
 }
 
 func maxInts(xs []int) int {

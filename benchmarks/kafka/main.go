@@ -48,17 +48,17 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/oncemill/oncemill/adapters/kafka"
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 func main() {
 	var (
 		quick       = flag.Bool("quick", false, "a short run (under a minute): fewer messages, one repetition; writes nothing unless -readme or -chart is given")
-		dsn         = flag.String("dsn", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
+		dsn         = flag.String("dsn", benchutil.EnvOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
 		readme      = flag.String("readme", "benchmarks/README.md", "file whose \"Kafka end to end\" section receives the results; empty writes none")
 		chart       = flag.String("chart", "benchmarks/kafka/throughput.png", "throughput chart to write; empty writes none")
 		n           = flag.Int("n", 0, "messages per run (default 8000, -quick 1500)")
@@ -97,7 +97,7 @@ func main() {
 		cfg.Reps = *reps
 	}
 	var err error
-	cfg.Partitions, err = parseInts(*partitions)
+	cfg.Partitions, err = benchutil.ParseInts(*partitions)
 	if *only != "" {
 		cfg.Systems = strings.Split(*only, ",")
 	}
@@ -110,7 +110,7 @@ func main() {
 	}
 	writeReadme, writeChart := *readme != "", *chart != ""
 	if *quick {
-		writeReadme, writeChart = *readme != "" && flagSet("readme"), *chart != "" && flagSet("chart")
+		writeReadme, writeChart = *readme != "" && benchutil.FlagSet("readme"), *chart != "" && benchutil.FlagSet("chart")
 	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -280,30 +280,4 @@ func (c Config) maxInFlight() int {
 		return kafka.DefaultMaxInFlightPerPartition
 	}
 	return c.MaxInFlight
-}
-
-func parseInts(s string) ([]int, error) {
-	var out []int
-	for f := range strings.SplitSeq(s, ",") {
-		v, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil {
-			return nil, fmt.Errorf("parse %q: %w", s, err)
-		}
-		out = append(out, v)
-	}
-	return out, nil
-}
-
-// flagSet reports whether the flag name was given on the command line.
-func flagSet(name string) bool {
-	set := false
-	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
-	return set
-}
-
-func envOr(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 	"github.com/oncemill/oncemill/delivery"
 )
 
@@ -71,7 +72,7 @@ func newStream(n, orders int, ratio float64, seed uint64) stream {
 	seqs := make([]int, orders)
 	var fresh []int // positions of the new payments so far
 	for i := range s.Events {
-		uuid := newUUID(rng)
+		uuid := benchutil.SeededUUID(rng)
 		if isDup[i] {
 			orig := s.Events[fresh[rng.IntN(len(fresh))]]
 			orig.UUID, orig.Dup = uuid, true
@@ -99,19 +100,4 @@ func newStream(n, orders int, ratio float64, seed uint64) stream {
 		s.Keys++
 	}
 	return s
-}
-
-// newUUID formats 16 random bytes from rng as a version 4 UUID, so that the
-// stream's UUIDs are reproducible from the seed.
-func newUUID(rng *rand.Rand) string {
-	var b [16]byte
-	for i := 0; i < 16; i += 8 {
-		v := rng.Uint64()
-		for j := range 8 {
-			b[i+j] = byte(v >> (8 * j))
-		}
-	}
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }

@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -23,6 +21,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 const (
@@ -163,7 +162,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 // outboxTriggers migrates a throwaway schema and lists its outbox table's
 // triggers.
 func (e *env) outboxTriggers(ctx context.Context) (string, error) {
-	o, err := newOurs(ctx, e, randomID())
+	o, err := newOurs(ctx, e, benchutil.RandomID())
 	if err != nil {
 		return "", fmt.Errorf("migrate: %w", err)
 	}
@@ -230,7 +229,7 @@ type run struct {
 }
 
 func (e *env) open(ctx context.Context, sc Scenario) (*run, func(), error) {
-	id := randomID()
+	id := benchutil.RandomID()
 	sys, err := e.newSystem(ctx, sc, id)
 	if err != nil {
 		return nil, nil, err
@@ -464,12 +463,6 @@ func (e *env) inTx(ctx context.Context, f func(pgx.Tx) error) error {
 
 func newEvent(i int) *message.Message {
 	return message.NewMessage(watermill.NewUUID(), []byte(`{"seq":`+strconv.Itoa(i)+`,"kind":"order_placed"}`))
-}
-
-func randomID() string {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
 }
 
 // recorder keeps the first arrival time of each message UUID.

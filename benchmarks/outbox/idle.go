@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 // IdleResult is what one relay sent to PostgreSQL while its outbox stayed
@@ -71,7 +73,7 @@ func (*statementCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQuer
 // cfg.Idle and counts the statements it sends.
 func (e *env) idleStage(ctx context.Context) (IdleResult, error) {
 	r := IdleResult{Window: e.cfg.Idle}
-	id := randomID()
+	id := benchutil.RandomID()
 	o, err := newOurs(ctx, e, id)
 	if err != nil {
 		return r, fmt.Errorf("migrate: %w", err)

@@ -50,12 +50,14 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 func main() {
 	var (
 		quick    = flag.Bool("quick", false, "a short run (under a minute) with small N and 2s latency runs; does not write the README unless -readme is given")
-		dsn      = flag.String("dsn", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
+		dsn      = flag.String("dsn", benchutil.EnvOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
 		readme   = flag.String("readme", "benchmarks/README.md", "file whose \"Outbox relay\" section receives the results; empty writes nothing")
 		nOurs    = flag.Int("n", 0, "events for oncemill's throughput runs (default 20000, -quick 2000)")
 		nStock   = flag.Int("n-stock", 0, "events for Watermill forwarder's throughput runs (default 20000, -quick 2000)")
@@ -154,13 +156,6 @@ func main() {
 		}
 		fmt.Println("wrote", *readme)
 	}
-}
-
-func envOr(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
 }
 
 // Config sizes a run.

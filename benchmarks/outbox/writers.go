@@ -16,6 +16,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 // What drains the outbox during the outbox rounds of a writer cell
@@ -134,7 +136,7 @@ func (e *env) writerStage(ctx context.Context) ([]WriterResult, error) {
 // defaults and the generated lane column, the NOT NULL constraints and the
 // indexes, never the triggers; the id column gets a sequence of its own.
 func (e *env) newWriterBench(ctx context.Context) (*writerBench, func(), error) {
-	id := randomID()
+	id := benchutil.RandomID()
 	o, err := newOurs(ctx, e, id)
 	if err != nil {
 		return nil, nil, fmt.Errorf("migrate: %w", err)

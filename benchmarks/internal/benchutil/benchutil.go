@@ -1,0 +1,110 @@
+// Package benchutil holds what the benchmark commands share: flag and
+// environment helpers, seeded UUIDs, random run IDs and a logger that
+// counts errors.
+package benchutil
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"flag"
+	"fmt"
+	"io"
+	mrand "math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"sync/atomic"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// ParseInts parses a comma-separated list of integers.
+func ParseInts(s string) ([]int, error) {
+	var out []int
+	for f := range strings.SplitSeq(s, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil {
+			return nil, fmt.Errorf("parse %q: %w", s, err)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// FlagSet reports whether the flag name was given on the command line.
+func FlagSet(name string) bool {
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+// EnvOr returns the environment variable key, or def when it is unset or
+// empty.
+func EnvOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+// SeededUUID formats 16 random bytes from rng as a version 4 UUID, so that
+// a stream's UUIDs are reproducible from its seed.
+func SeededUUID(rng *mrand.Rand) string {
+	var b [16]byte
+	for i := 0; i < 16; i += 8 {
+		v := rng.Uint64()
+		for j := range 8 {
+			b[i+j] = byte(v >> (8 * j))
+		}
+	}
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}
+
+// RandomID returns 8 random hex digits, to name a run's schemas, topics
+// and groups.
+func RandomID() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// CountingLogger is a Watermill logger that prints the first few errors of
+// a run and counts them all; it drops everything else.
+type CountingLogger struct {
+	out    io.Writer
+	prefix string
+	max    int64
+	n      *atomic.Int64
+}
+
+var _ watermill.LoggerAdapter = CountingLogger{}
+
+// NewCountingLogger returns a CountingLogger that prints up to maxPrinted
+// errors to out, each line prefixed with prefix.
+func NewCountingLogger(out io.Writer, prefix string, maxPrinted int64) CountingLogger {
+	return CountingLogger{out: out, prefix: prefix, max: maxPrinted, n: new(atomic.Int64)}
+}
+
+// Errors returns how many errors were logged.
+func (l CountingLogger) Errors() int64 { return l.n.Load() }
+
+// Error counts the error and prints it if fewer than the maximum were.
+func (l CountingLogger) Error(msg string, err error, fields watermill.LogFields) {
+	if n := l.n.Add(1); n <= l.max {
+		fmt.Fprintf(l.out, "  %s: logged error: %s: %v %v\n", l.prefix, msg, err, fields)
+	}
+}
+
+// Info drops the line.
+func (CountingLogger) Info(string, watermill.LogFields) {}
+
+// Debug drops the line.
+func (CountingLogger) Debug(string, watermill.LogFields) {}
+
+// Trace drops the line.
+func (CountingLogger) Trace(string, watermill.LogFields) {}
+
+// With returns l: fields are not printed.
+func (l CountingLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }

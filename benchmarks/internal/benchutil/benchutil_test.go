@@ -1,0 +1,52 @@
+package benchutil_test
+
+import (
+	"bytes"
+	"errors"
+	"math/rand/v2"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
+)
+
+func TestParseInts(t *testing.T) {
+	got, err := benchutil.ParseInts("1, 8,32")
+	if err != nil || len(got) != 3 || got[0] != 1 || got[1] != 8 || got[2] != 32 {
+		t.Fatalf("ParseInts: %v, %v", got, err)
+	}
+	if _, err := benchutil.ParseInts("1,x"); err == nil || !strings.Contains(err.Error(), `"1,x"`) {
+		t.Fatalf("ParseInts(1,x): %v, want an error naming the input", err)
+	}
+}
+
+func TestSeededUUID(t *testing.T) {
+	v4 := regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
+	a, b := rand.New(rand.NewPCG(1, 2)), rand.New(rand.NewPCG(1, 2))
+	first := benchutil.SeededUUID(a)
+	if !v4.MatchString(first) {
+		t.Fatalf("%s is not a version 4 UUID", first)
+	}
+	if again := benchutil.SeededUUID(b); again != first {
+		t.Fatalf("same seed, %s then %s", first, again)
+	}
+	if next := benchutil.SeededUUID(a); next == first {
+		t.Fatalf("the next UUID repeats %s", first)
+	}
+}
+
+func TestCountingLogger(t *testing.T) {
+	var out bytes.Buffer
+	l := benchutil.NewCountingLogger(&out, "run", 2)
+	for range 5 {
+		l.With(nil).Error("publish", errors.New("broker down"), nil)
+	}
+	l.Info("ignored", nil)
+	if l.Errors() != 5 {
+		t.Fatalf("counted %d errors, want 5", l.Errors())
+	}
+	if n := strings.Count(out.String(), "broker down"); n != 2 {
+		t.Fatalf("printed %d errors, want 2:\n%s", n, out.String())
+	}
+}
