@@ -198,6 +198,33 @@ func TestPublishIsAllOrNothing(t *testing.T) {
 	require.Empty(t, e.ids(t))
 }
 
+// TestPublishOncePerMessage: a copy of a message dead-lettered again (its
+// ack was lost after the first time) leaves one entry, unless the first is
+// on its way back to its consumer; another consumer, or another original
+// topic, gets an entry of its own.
+func TestPublishOncePerMessage(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	ctx := context.Background()
+	m := dead("orders", "billing", "card declined")
+	first := e.seed(t, m)
+	require.NoError(t, e.pub.Publish("orders.dlq", m), "the same message again")
+	require.Equal(t, first, e.ids(t), "one entry for it")
+
+	other := m.Copy()
+	other.Metadata.Set(delivery.DeadConsumer, "shipping")
+	moved := m.Copy()
+	moved.Metadata.Set(delivery.DeadTopic, "orders.v2")
+	require.NoError(t, e.pub.Publish("orders.dlq", other, moved))
+	require.Len(t, e.ids(t), 3, "another consumer and another topic get their own")
+
+	n, err := e.store.RequestReplay(ctx, dlq.Filter{IDs: first})
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.NoError(t, e.pub.Publish("orders.dlq", m), "failed again during its replay")
+	require.Len(t, e.ids(t), 4, "written again: the first goes once its replay is handled")
+}
+
 func TestNewRejectsBadArguments(t *testing.T) {
 	t.Parallel()
 	_, err := dlq.NewPublisher(nil, sqlschema.Config{})

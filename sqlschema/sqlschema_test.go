@@ -89,7 +89,7 @@ func TestMigrationsRenderDLQ(t *testing.T) {
 	t.Parallel()
 	ms, err := sqlschema.Migrations(sqlschema.Postgres, sqlschema.Config{Schema: "billing", DLQTable: "dead"})
 	require.NoError(t, err)
-	require.Len(t, ms, 6)
+	require.Len(t, ms, 7)
 	dlq := ms[2]
 	require.Equal(t, 3, dlq.Version)
 	require.Equal(t, "dlq", dlq.Name)
@@ -147,7 +147,7 @@ func TestMigrateUpgradesToDLQ(t *testing.T) {
 	cfg := sqlschema.Config{Schema: schema}
 	ms, err := sqlschema.Migrations(sqlschema.Postgres, cfg)
 	require.NoError(t, err)
-	require.Len(t, ms, 6)
+	require.Len(t, ms, 7)
 
 	// What Migrate of the previous release left behind.
 	versions := qschema + `.oncemill_migrations`
@@ -179,7 +179,7 @@ func TestMigrateUpgradesToDLQ(t *testing.T) {
 	}
 	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[version])
 	require.NoError(t, err)
-	require.Equal(t, []version{{1, "inbox"}, {2, "outbox"}, {3, "dlq"}, {4, "inbox_attempts"}, {5, "dlq_replay"}, {6, "outbox_order"}}, got)
+	require.Equal(t, []version{{1, "inbox"}, {2, "outbox"}, {3, "dlq"}, {4, "inbox_attempts"}, {5, "dlq_replay"}, {6, "outbox_order"}, {7, "dlq_once"}}, got)
 	var outboxRows int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+qschema+`.outbox`).Scan(&outboxRows))
 	require.Equal(t, 1, outboxRows, "the upgrade keeps existing rows")
@@ -220,7 +220,7 @@ func TestMigrateUpgradesToDLQ(t *testing.T) {
 	require.NoError(t, err)
 	indexes, err = pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
-	require.Equal(t, []string{"dlq_consumer_idx", "dlq_dead_at_idx", "dlq_pkey", "dlq_replay_idx", "dlq_topic_idx"}, indexes)
+	require.Equal(t, []string{"dlq_consumer_idx", "dlq_dead_at_idx", "dlq_pkey", "dlq_replay_idx", "dlq_topic_idx", "dlq_uuid_idx"}, indexes)
 
 	// Down reverts the step; a second Migrate is a no-op.
 	_, err = pool.Exec(ctx, ms[2].Down)

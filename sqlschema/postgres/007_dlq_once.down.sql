@@ -1,0 +1,1 @@
+DROP INDEX IF EXISTS {{.Schema}}."{{.DLQName}}_uuid_idx";
