@@ -176,7 +176,33 @@ type Relay struct {
 }
 
 type relayQueries struct {
-	take, probe, lag, holder string
+	take, probe string
+	lagQueries
+}
+
+// lagQueries measure the backlog of an outbox table: shared by [Relay.Lag]
+// and [OutboxLag].
+type lagQueries struct {
+	lag, holder string
+}
+
+// newLagQueries returns the lag queries on the quoted outbox table t.
+func newLagQueries(t string) lagQueries {
+	xmin := `pg_snapshot_xmin(pg_current_snapshot())`
+	return lagQueries{
+		lag: `SELECT count(*), count(*) FILTER (WHERE txid >= ` + xmin + `),
+	COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM ` + t,
+		// The oldest transaction with an id, open or prepared, on the
+		// whole server: it is the snapshot's xmin, what rows wait for.
+		holder: `SELECT * FROM (
+	SELECT pid, COALESCE(datname, ''), COALESCE(usename, ''), COALESCE(state, ''), COALESCE(left(query, 200), ''), '' AS gid,
+		COALESCE(extract(epoch FROM now() - xact_start), 0)::float8, age(backend_xid) AS age
+	FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+	UNION ALL
+	SELECT 0, database, owner, 'prepared', '', gid, extract(epoch FROM now() - prepared)::float8, age(transaction)
+	FROM pg_prepared_xacts) t
+ORDER BY age DESC LIMIT 1`,
+	}
 }
 
 // NewRelay returns a relay; it starts nothing until Run.
@@ -219,19 +245,8 @@ due AS (
 DELETE FROM ` + t + ` WHERE id IN (SELECT id FROM due)
 RETURNING id, topic, uuid, payload, metadata`,
 			// One cheap look, outside a transaction, before a batch.
-			probe: `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE txid < ` + xmin + `)`,
-			lag: `SELECT count(*), count(*) FILTER (WHERE txid >= ` + xmin + `),
-	COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM ` + t,
-			// The oldest transaction with an id, open or prepared, on the
-			// whole server: it is the snapshot's xmin, what rows wait for.
-			holder: `SELECT * FROM (
-	SELECT pid, COALESCE(datname, ''), COALESCE(usename, ''), COALESCE(state, ''), COALESCE(left(query, 200), ''), '' AS gid,
-		COALESCE(extract(epoch FROM now() - xact_start), 0)::float8, age(backend_xid) AS age
-	FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
-	UNION ALL
-	SELECT 0, database, owner, 'prepared', '', gid, extract(epoch FROM now() - prepared)::float8, age(transaction)
-	FROM pg_prepared_xacts) t
-ORDER BY age DESC LIMIT 1`,
+			probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE txid < ` + xmin + `)`,
+			lagQueries: newLagQueries(t),
 		},
 	}, nil
 }
@@ -283,11 +298,32 @@ func (h Holder) String() string {
 // Lag returns the outbox's pending rows, the age of the oldest, and what
 // holds back those that wait.
 func (r *Relay) Lag(ctx context.Context) (Lag, error) {
+	return measureLag(ctx, r.cfg.Pool, r.q.lagQueries)
+}
+
+// OutboxLag returns what [Relay.Lag] returns, for the outbox table that
+// schema names (as given to sqlschema.Migrate), without a relay: for a
+// dashboard or an operator's console that watches the outbox from another
+// process. It runs the same queries as Relay.Lag. A missing table is an
+// error that wraps PostgreSQL's undefined_table (SQLSTATE 42P01).
+func OutboxLag(ctx context.Context, pool *pgxpool.Pool, schema sqlschema.Config) (Lag, error) {
+	if pool == nil {
+		return Lag{}, errors.New("forwarder: OutboxLag: pool is nil")
+	}
+	schema = schema.WithDefaults()
+	if err := schema.Validate(); err != nil {
+		return Lag{}, fmt.Errorf("forwarder: OutboxLag: %w", err)
+	}
+	return measureLag(ctx, pool, newLagQueries(sqlschema.NamesFor(sqlschema.Postgres, schema).Outbox))
+}
+
+// measureLag runs q on pool.
+func measureLag(ctx context.Context, pool *pgxpool.Pool, q lagQueries) (Lag, error) {
 	var (
 		lag Lag
 		age float64
 	)
-	if err := r.cfg.Pool.QueryRow(ctx, r.q.lag).Scan(&lag.Pending, &lag.Waiting, &age); err != nil {
+	if err := pool.QueryRow(ctx, q.lag).Scan(&lag.Pending, &lag.Waiting, &age); err != nil {
 		return Lag{}, fmt.Errorf("forwarder: lag: %w", err)
 	}
 	lag.OldestAge = time.Duration(age * float64(time.Second))
@@ -299,7 +335,7 @@ func (r *Relay) Lag(ctx context.Context) (Lag, error) {
 		open float64
 		xage int64
 	)
-	err := r.cfg.Pool.QueryRow(ctx, r.q.holder).Scan(&h.PID, &h.Database, &h.User, &h.State, &h.Query, &h.GID, &open, &xage)
+	err := pool.QueryRow(ctx, q.holder).Scan(&h.PID, &h.Database, &h.User, &h.State, &h.Query, &h.GID, &open, &xage)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		// It ended between the two queries.
