@@ -1,0 +1,370 @@
+package console
+
+import (
+	"fmt"
+	"net/http"
+	"net/url"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/oncemill/oncemill/dlq"
+)
+
+// The actions: an operator replays or purges one entry, a selection, a
+// group or everything a filter matches, in two steps. The first POST to
+// dlq/confirm resolves the scope to the ids of the entries it selects now
+// and renders them, counted by destination, for a second look; the second
+// (confirm=1) acts on exactly those ids through dlq.Store, so that an
+// entry that arrived in between is not touched, and redirects to the dead
+// letters with the outcome.
+
+const (
+	actReplayConsumer = "replay-consumer"
+	actReplayTopic    = "replay-topic"
+	actPurge          = "purge"
+)
+
+// destination is where some of an action's entries go.
+type destination struct {
+	Consumer, Topic string
+	Entries         int
+}
+
+// confirmData is the confirm page's.
+type confirmData struct {
+	Action, Scope string
+	// Summary is the one line that says what the button does.
+	Summary string
+	// Destinations count the entries by consumer and topic (by topic for
+	// a replay to the topic).
+	Destinations []destination
+	// Notes qualify the summary: entries left out, entries beyond the
+	// limit, entries already waiting for their replay.
+	Notes []string
+	// IDs are the entries the action takes, as ranges ("3-7,9").
+	IDs     string
+	Entries int
+	Back    string
+	BackURL string
+}
+
+// confirm serves POST /dlq/confirm: the confirm step, or, with
+// confirm=1, the action.
+func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
+	if c.cfg.ReadOnly {
+		c.fail(w, r, http.StatusForbidden, "This console is read-only: replays and purges are refused.")
+		return
+	}
+	action := r.PostFormValue("action")
+	switch action {
+	case actReplayConsumer, actPurge:
+	case actReplayTopic:
+		if c.cfg.Publisher == nil {
+			c.fail(w, r, http.StatusBadRequest, "This console has no publisher: it replays entries to their consumer only.")
+			return
+		}
+	default:
+		c.fail(w, r, http.StatusBadRequest, "Unknown action "+strconv.Quote(action)+": use replay-consumer, replay-topic or purge.")
+		return
+	}
+	back := backQuery(r.PostFormValue("back"))
+	if r.PostFormValue("confirm") == "1" {
+		c.execute(w, r, action, back)
+		return
+	}
+
+	scope := r.PostFormValue("scope")
+	var cr criteria
+	switch scope {
+	case "entry", "selection":
+		ids, err := formIDs(r.PostForm["id"])
+		if err != nil {
+			c.fail(w, r, http.StatusBadRequest, err.Error())
+			return
+		}
+		if len(ids) == 0 {
+			c.fail(w, r, http.StatusBadRequest, "No entries selected: tick the entries first.")
+			return
+		}
+		if scope == "entry" && len(ids) != 1 {
+			c.fail(w, r, http.StatusBadRequest, "An entry's action takes one id.")
+			return
+		}
+		cr.IDs = ids
+	case "group", "filter":
+		var err error
+		f := readFilter(r)
+		if cr, err = f.criteria(c.cfg.Now()); err != nil {
+			c.fail(w, r, http.StatusBadRequest, err.Error())
+			return
+		}
+		if scope == "group" && cr.Group == "" {
+			c.fail(w, r, http.StatusBadRequest, "No group given.")
+			return
+		}
+	default:
+		c.fail(w, r, http.StatusBadRequest, "Unknown scope "+strconv.Quote(scope)+": use entry, selection, group or filter.")
+		return
+	}
+
+	ts, err := c.targets(r.Context(), cr, maxAction+1)
+	if err != nil {
+		c.internal(w, r, "select the entries", err)
+		return
+	}
+	d := confirmData{Action: action, Scope: scope, Back: back.Encode()}
+	d.BackURL = listURL("../", back)
+	if scope == "entry" {
+		d.BackURL = "../dlq/" + strconv.FormatInt(cr.IDs[0], 10)
+	}
+	if len(ts) > maxAction {
+		total, err := c.countDead(r.Context(), cr)
+		if err != nil {
+			c.internal(w, r, "count the entries", err)
+			return
+		}
+		ts = ts[:maxAction]
+		d.Notes = append(d.Notes, fmt.Sprintf("%d entries match; this takes the oldest %d. Run it again for the rest.", total, maxAction))
+	}
+	if len(cr.IDs) > len(ts) {
+		d.Notes = append(d.Notes, fmt.Sprintf("%d of the selected entries are gone (replayed or purged meanwhile).", len(cr.IDs)-len(ts)))
+	}
+	ts, d.Notes = eligible(action, ts, d.Notes)
+	d.Entries = len(ts)
+	d.Destinations = destinations(action, ts)
+	d.Summary = summary(action, len(ts), d.Destinations)
+	ids := make([]int64, len(ts))
+	for i, t := range ts {
+		ids[i] = t.ID
+	}
+	d.IDs = formatRanges(ids)
+	c.render(w, r, http.StatusOK, "confirm", c.newPage(r, "Confirm", "dlq", d))
+}
+
+// eligible drops the entries action cannot take, with a note for each
+// kind: a replay to the consumer needs a consumer and a topic (its
+// ReplaySubscriber delivers by both), a replay to the topic a topic.
+func eligible(action string, ts []target, notes []string) ([]target, []string) {
+	var (
+		out              []target
+		dropped, waiting int
+	)
+	for _, t := range ts {
+		switch {
+		case action == actReplayConsumer && (t.Consumer == "" || t.Topic == ""):
+			dropped++
+		case action == actReplayTopic && t.Topic == "":
+			dropped++
+		default:
+			out = append(out, t)
+			if action == actReplayConsumer && t.ReplayRequested {
+				waiting++
+			}
+		}
+	}
+	switch {
+	case dropped > 0 && action == actReplayConsumer:
+		notes = append(notes, fmt.Sprintf("%d %s no consumer or no topic and %s left out: no replay subscriber would deliver %s.",
+			dropped, plural(dropped, "entry has", "entries have"), plural(dropped, "is", "are"), plural(dropped, "it", "them")))
+	case dropped > 0:
+		notes = append(notes, fmt.Sprintf("%d %s no topic and %s left out: there is nowhere to publish %s.",
+			dropped, plural(dropped, "entry has", "entries have"), plural(dropped, "is", "are"), plural(dropped, "it", "them")))
+	}
+	if waiting > 0 {
+		notes = append(notes, fmt.Sprintf("%d of them %s already waiting for %s replay, and %s left as %s.",
+			waiting, plural(waiting, "is", "are"), plural(waiting, "its", "their"), plural(waiting, "is", "are"), plural(waiting, "it is", "they are")))
+	}
+	return out, notes
+}
+
+// destinations counts ts by consumer and topic, or by topic for a replay
+// to the topic, largest first.
+func destinations(action string, ts []target) []destination {
+	type key struct{ consumer, topic string }
+	n := map[key]int{}
+	for _, t := range ts {
+		k := key{t.Consumer, t.Topic}
+		if action == actReplayTopic {
+			k.consumer = ""
+		}
+		n[k]++
+	}
+	out := make([]destination, 0, len(n))
+	for k, v := range n {
+		out = append(out, destination{Consumer: k.consumer, Topic: k.topic, Entries: v})
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Entries != out[j].Entries {
+			return out[i].Entries > out[j].Entries
+		}
+		if out[i].Consumer != out[j].Consumer {
+			return out[i].Consumer < out[j].Consumer
+		}
+		return out[i].Topic < out[j].Topic
+	})
+	return out
+}
+
+// summary is the confirm page's line: what the button does, with the
+// exact count.
+func summary(action string, n int, dests []destination) string {
+	entries := fmt.Sprintf("%d %s", n, plural(n, "entry", "entries"))
+	if n == 0 {
+		return "Nothing to do: no entry matches."
+	}
+	switch action {
+	case actReplayConsumer:
+		if len(dests) == 1 {
+			return fmt.Sprintf("Replay %s to consumer %s (topic %s): only that consumer receives %s, through its replay subscriber.",
+				entries, dests[0].Consumer, dests[0].Topic, plural(n, "it", "them"))
+		}
+		return fmt.Sprintf("Replay %s to their consumers, %d of them: only the consumer of each receives it, through its replay subscriber.", entries, len(dests))
+	case actReplayTopic:
+		if len(dests) == 1 {
+			return fmt.Sprintf("Replay %s to topic %s: every consumer group of it receives %s.", entries, dests[0].Topic, plural(n, "it", "them"))
+		}
+		return fmt.Sprintf("Replay %s to their topics, %d of them: every consumer group of each receives them.", entries, len(dests))
+	default:
+		return fmt.Sprintf("Purge %s: they are deleted for good, never delivered again.", entries)
+	}
+}
+
+// execute runs the confirmed action on the confirmed ids and redirects
+// to the dead letters with the outcome.
+func (c *Console) execute(w http.ResponseWriter, r *http.Request, action string, back url.Values) {
+	ids, err := parseRanges(r.PostFormValue("ids"))
+	if err != nil {
+		c.fail(w, r, http.StatusBadRequest, err.Error())
+		return
+	}
+	if len(ids) == 0 {
+		c.fail(w, r, http.StatusBadRequest, "Nothing confirmed: no entry ids.")
+		return
+	}
+	ctx := r.Context()
+	f := dlq.Filter{IDs: ids}
+	var (
+		n          int
+		verb, rest string
+	)
+	switch action {
+	case actPurge:
+		verb = "Purged"
+		n, err = c.store.Purge(ctx, f)
+	case actReplayConsumer:
+		verb, rest = "Requested a replay of", " to their consumer: each is delivered by its consumer's replay subscriber and deleted once handled"
+		n, err = c.store.RequestReplay(ctx, f)
+	case actReplayTopic:
+		verb, rest = "Replayed", " to their topic"
+		n, err = c.store.Replay(ctx, c.cfg.Publisher, f, nil)
+	}
+	fields := watermill.LogFields{"action": action, "entries": n, "confirmed": len(ids), "ids": formatRanges(ids), "remote": r.RemoteAddr}
+	fl := flash{OK: err == nil, Text: outcome(verb, n, len(ids), rest)}
+	if err != nil {
+		c.cfg.Logger.Error("Console action failed", err, fields)
+		fl.Text = fmt.Sprintf("%s %d of %d %s, then failed: %v. The rest stay in the table.",
+			verb, n, len(ids), plural(len(ids), "entry", "entries"), err)
+	} else {
+		c.cfg.Logger.Info("Console action", fields)
+	}
+	c.setFlash(back, fl)
+	seeOther(w, listURL("../", back))
+}
+
+// outcome words an action's result: "Purged 12 entries." or, when it took
+// fewer than were confirmed, "Purged 10 of 12 entries (…)."
+func outcome(verb string, n, confirmed int, rest string) string {
+	if n == confirmed {
+		return fmt.Sprintf("%s %d %s%s.", verb, n, plural(n, "entry", "entries"), rest)
+	}
+	return fmt.Sprintf("%s %d of %d %s%s (the others were gone, or already waiting for a replay).", verb, n, confirmed, plural(confirmed, "entry", "entries"), rest)
+}
+
+// backQuery keeps of a query string only the filter's fields, for the
+// redirect after an action.
+func backQuery(raw string) url.Values {
+	q, _ := url.ParseQuery(raw) // what parses is kept; it only shapes a link
+	out := url.Values{}
+	for _, k := range []string{"topic", "consumer", "error", "since", "until", "group"} {
+		if v := q.Get(k); v != "" {
+			out.Set(k, v)
+		}
+	}
+	return out
+}
+
+// formIDs parses the id fields of a form.
+func formIDs(values []string) ([]int64, error) {
+	seen := map[int64]bool{}
+	var ids []int64
+	for _, v := range values {
+		id, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		if err != nil || id <= 0 {
+			return nil, fmt.Errorf("%q is not an entry id", v)
+		}
+		if !seen[id] {
+			seen[id] = true
+			ids = append(ids, id)
+		}
+	}
+	if len(ids) > maxAction {
+		return nil, fmt.Errorf("%d entries selected: one action takes at most %d", len(ids), maxAction)
+	}
+	sort.Slice(ids, func(i, j int) bool { return ids[i] < ids[j] })
+	return ids, nil
+}
+
+// formatRanges writes ascending ids as ranges: 3-7,9.
+func formatRanges(ids []int64) string {
+	var b strings.Builder
+	for i := 0; i < len(ids); {
+		j := i
+		for j+1 < len(ids) && ids[j+1] == ids[j]+1 {
+			j++
+		}
+		if b.Len() > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(strconv.FormatInt(ids[i], 10))
+		if j > i {
+			b.WriteByte('-')
+			b.WriteString(strconv.FormatInt(ids[j], 10))
+		}
+		i = j + 1
+	}
+	return b.String()
+}
+
+// parseRanges reads formatRanges' output, at most maxAction ids; it
+// returns them ascending, without repeats.
+func parseRanges(s string) ([]int64, error) {
+	var ids []int64
+	if strings.TrimSpace(s) == "" {
+		return nil, nil
+	}
+	for _, part := range strings.Split(s, ",") {
+		from, to, isRange := strings.Cut(strings.TrimSpace(part), "-")
+		a, err := strconv.ParseInt(from, 10, 64)
+		if err != nil || a <= 0 {
+			return nil, fmt.Errorf("bad id range %q", part)
+		}
+		b := a
+		if isRange {
+			if b, err = strconv.ParseInt(to, 10, 64); err != nil || b < a {
+				return nil, fmt.Errorf("bad id range %q", part)
+			}
+		}
+		if b-a >= int64(maxAction) || len(ids)+int(b-a+1) > maxAction {
+			return nil, fmt.Errorf("more than %d ids: one action takes at most %d", maxAction, maxAction)
+		}
+		for id := a; id <= b; id++ {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids), nil
+}
