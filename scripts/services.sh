@@ -2,8 +2,9 @@
 # Make sure the services used by the integration tests are reachable on
 # 127.0.0.1, starting (or, as root with apt-get, installing) them if needed.
 #
-# Usage: scripts/services.sh [postgres|redis|rabbitmq|sqs|prometheus|kcat ...]
-#        (default: all six)
+# Usage: scripts/services.sh
+#            [postgres|redis|rabbitmq|sqs|prometheus|kcat|chromium ...]
+#        (default: all seven)
 #
 # For a service that is down, the script tries in order: start the locally
 # installed server; `docker compose up -d <service>` if a Docker engine is
@@ -21,6 +22,11 @@
 # (Debian's package, as root with apt-get). The Kafka adapter's tests run
 # it to produce records as a producer that is not Watermill would, into
 # their own in-process broker.
+#
+# chromium is a browser, not a service: it is only installed (Debian's
+# package, as root with apt-get), never started. The console's browser
+# test starts a headless Chromium of its own, on a fresh profile, and
+# drives the operator console with it.
 #
 # Environment:
 #   ONCEMILL_TEST_DATABASE_URL, DATABASE_URL
@@ -366,16 +372,29 @@ ensure_kcat() {
     fi
 }
 
+# ---------------------------------------------------------------- chromium
+
+ensure_chromium() {
+    if have chromium; then
+        echo "chromium: installed at $(command -v chromium)"
+    elif apt_install chromium && have chromium; then
+        echo "chromium: installed"
+    else
+        echo "chromium: not installed (install the chromium package)"
+        return 1
+    fi
+}
+
 # -------------------------------------------------------------------- main
 
 if [ $# -eq 0 ]; then
-    set -- postgres redis rabbitmq sqs prometheus kcat
+    set -- postgres redis rabbitmq sqs prometheus kcat chromium
 fi
 for svc in "$@"; do
     case "$svc" in
-    postgres | redis | rabbitmq | sqs | prometheus | kcat) ;;
+    postgres | redis | rabbitmq | sqs | prometheus | kcat | chromium) ;;
     *)
-        echo "unknown service: $svc (known: postgres redis rabbitmq sqs prometheus kcat)" >&2
+        echo "unknown service: $svc (known: postgres redis rabbitmq sqs prometheus kcat chromium)" >&2
         exit 2
         ;;
     esac

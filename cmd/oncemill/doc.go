@@ -1,6 +1,7 @@
 // Command oncemill is the operator's tool for oncemill's PostgreSQL
 // dead-letter queue (package dlq): it lists, shows, replays and purges the
-// messages that consumers gave up on. It also declares RabbitMQ topology
+// messages that consumers gave up on; it serves the operator console over
+// them and the inbox and outbox tables. It also declares RabbitMQ topology
 // ahead of the consumers, for deploy pipelines.
 //
 // Usage:
@@ -9,6 +10,7 @@
 //	oncemill dlq show   ID [--json]
 //	oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--json]
 //	oncemill dlq purge  [ID ...] [filter flags] [--all] [--json]
+//	oncemill console [--addr HOST:PORT] [--token T] [--read-only] [--broker URL]
 //	oncemill amqp declare --topic T [--topic T ...] [--group G] [--url URL]
 //	                      [--delivery-limit N] [--dead-letter-exchange X]
 //
@@ -41,6 +43,16 @@
 // on stderr it draws a progress bar there. purge deletes the selected
 // entries. Both refuse to run with no selection: give IDs, a filter flag or
 // --all. Named IDs must all exist, or nothing is done.
+//
+// console serves the operator console (package console) on --addr
+// (default 127.0.0.1:8080) until interrupted. Every request needs --token
+// (default $ONCEMILL_CONSOLE_TOKEN; without either one is generated and
+// printed once), as an Authorization: Bearer header or through the login
+// form. --read-only refuses replays and purges. --broker URL also enables
+// replay to the original topic (gochannel:// is refused); otherwise a
+// replay goes only to the entry's consumer, through its
+// dlq.ReplaySubscriber. It takes --database, --schema, --table,
+// --inbox-table and --outbox-table.
 //
 // amqp declare creates on RabbitMQ, for each --topic, the topology a
 // subscriber of consumer group --group declares when it subscribes (see

@@ -34,6 +34,7 @@ const usage = `Usage:
   oncemill dlq purge  [ID ...] [filter flags] [--all] [--json]
   oncemill amqp declare --topic T [--topic T ...] [--group G] [--url URL]
                         [--delivery-limit N] [--dead-letter-exchange X]
+  oncemill console [--addr HOST:PORT] [--token T] [--read-only] [--broker URL]
 
 Filter flags (they combine with each other and with IDs):
   --topic T       original topic the message was consumed from
@@ -74,6 +75,27 @@ A flag and the URL's parameter must not differ.
 Queue arguments must be those the consumers use: the broker refuses to
 declare an existing queue with other arguments.
 
+console serves the operator console, a web UI over oncemill's tables: the
+inbox, the outbox and the dead letters, which it filters, groups by error,
+replays and purges, each after a confirmation page. It takes --database
+and --schema as above, --table for the dead-letter table, and
+  --addr HOST:PORT     where to listen (default 127.0.0.1:8080)
+  --token T            access token, at least 16 characters (default
+                       $ONCEMILL_CONSOLE_TOKEN, which stays out of the
+                       process list; without either, one is generated and
+                       printed once); sent as "Authorization: Bearer T" or
+                       entered on the login page
+  --read-only          refuse replays and purges
+  --broker URL         offer the replay to the original topic too, through
+                       this broker (never $BROKER_URL; gochannel:// is
+                       refused); without it a replay goes only to the
+                       entry's consumer, through the dlq.ReplaySubscriber
+                       it runs
+  --inbox-table NAME   inbox table (default "inbox")
+  --outbox-table NAME  outbox table (default "outbox")
+It serves plain HTTP until interrupted (SIGINT, SIGTERM), then lets the
+requests in flight finish; beyond 127.0.0.1, put it behind a TLS proxy.
+
 Exit status: 0 success (also when nothing matched), 1 failure, 2 usage error.
 `
 
@@ -101,8 +123,10 @@ func run(ctx context.Context, args []string, env func(string) string, stdout, st
 		return runDLQ(ctx, args[1:], env, stdout, stderr)
 	case "amqp":
 		return runAMQP(ctx, args[1:], env, stdout, stderr)
+	case "console":
+		return runConsole(ctx, args[1:], env, stdout, stderr)
 	default:
-		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq or amqp); run 'oncemill -h' for usage\n", args[0])
+		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq, amqp or console); run 'oncemill -h' for usage\n", args[0])
 		return exitUsage
 	}
 }

@@ -1,0 +1,290 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/console"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+const (
+	// defaultConsoleAddr is where the console listens without --addr: the
+	// loopback interface only.
+	defaultConsoleAddr = "127.0.0.1:8080"
+	// consoleTokenEnv names the token when --token is not given.
+	consoleTokenEnv = "ONCEMILL_CONSOLE_TOKEN"
+	// minTokenLength is the shortest token accepted: the token is the
+	// console's only lock.
+	minTokenLength = 16
+	// consoleShutdownTimeout bounds the graceful shutdown: requests in
+	// flight get this long to finish once the command is told to stop.
+	consoleShutdownTimeout = 10 * time.Second
+)
+
+// consoleOptions is "oncemill console"'s command line, checked.
+type consoleOptions struct {
+	addr     string
+	token    string
+	minted   bool // token generated here: printed once at start
+	readOnly bool
+	broker   string
+	pool     *pgxpool.Config
+	schema   sqlschema.Config
+}
+
+// runConsole runs "oncemill console": it serves the operator console until
+// ctx is cancelled.
+func runConsole(ctx context.Context, args []string, env func(string) string, stdout, stderr io.Writer) int {
+	c := &cmd{
+		name:   "oncemill console",
+		env:    env,
+		stdout: stdout,
+		stderr: stderr,
+		now:    time.Now(),
+	}
+	return exit(c.name, c.serveConsole(ctx, args), stdout, stderr)
+}
+
+// consoleOptions parses and checks the console's flags, before anything
+// connects.
+func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
+	o := consoleOptions{}
+	var inboxTable, outboxTable string
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "host:port to listen on")
+	fs.StringVar(&o.token, "token", "", "access token (default $"+consoleTokenEnv+", else a generated one)")
+	fs.BoolVar(&o.readOnly, "read-only", false, "refuse replays and purges")
+	fs.StringVar(&o.broker, "broker", "", "broker URL for replays to the original topic")
+	fs.StringVar(&c.database, "database", "", "PostgreSQL URL (default $DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of oncemill's tables")
+	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "dead-letter table")
+	fs.StringVar(&inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "inbox table")
+	fs.StringVar(&outboxTable, "outbox-table", sqlschema.DefaultOutboxTable, "outbox table")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return o, err
+	}
+	if len(pos) > 0 {
+		return o, usagef("unexpected argument %q: console takes only flags", pos[0])
+	}
+	if err := checkAddr(o.addr); err != nil {
+		return o, err
+	}
+	if o.broker != "" {
+		if o.readOnly {
+			return o, usagef("--read-only replays nothing: drop --broker")
+		}
+		if err := checkDurable(o.broker); err != nil {
+			return o, err
+		}
+	}
+	if o.token == "" {
+		o.token = c.env(consoleTokenEnv)
+	}
+	if o.token == "" {
+		if o.token, err = newToken(); err != nil {
+			return o, err
+		}
+		o.minted = true
+	} else if err := checkToken(o.token); err != nil {
+		return o, err
+	}
+	for _, id := range []struct{ flag, name string }{{"--inbox-table", inboxTable}, {"--outbox-table", outboxTable}} {
+		if err := sqlschema.ValidateIdentifier(id.flag, id.name); err != nil {
+			return o, usageError{msg: err.Error()}
+		}
+	}
+	if o.pool, o.schema, err = c.target(); err != nil {
+		return o, err
+	}
+	o.schema.InboxTable = inboxTable
+	o.schema.OutboxTable = outboxTable
+	return o, nil
+}
+
+// checkAddr refuses, as a usage error, an --addr that is not host:port
+// with a numeric port.
+func checkAddr(addr string) error {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return usagef("--addr %q is not host:port (like 127.0.0.1:8080): %v", addr, err)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return usagef("--addr %q: port %q is not a number from 0 to 65535", addr, port)
+	}
+	return nil
+}
+
+// checkToken refuses, as a usage error, a token that is too short to
+// guard the console or that an Authorization header cannot carry.
+func checkToken(token string) error {
+	if len(token) < minTokenLength {
+		return usagef("--token (or $%s) must be at least %d characters, got %d", consoleTokenEnv, minTokenLength, len(token))
+	}
+	if i := strings.IndexFunc(token, func(r rune) bool { return unicode.IsSpace(r) || unicode.IsControl(r) || r > unicode.MaxASCII }); i >= 0 {
+		return usagef("--token (or $%s) must be printable ASCII without spaces", consoleTokenEnv)
+	}
+	return nil
+}
+
+// newToken returns 32 random bytes in hex.
+func newToken() (string, error) {
+	var b [32]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("generate a console token: %w", err)
+	}
+	return hex.EncodeToString(b[:]), nil
+}
+
+// config is the console's configuration for the options, the pool and the
+// publisher (nil without --broker).
+func (o consoleOptions) config(pool *pgxpool.Pool, pub message.Publisher, logger watermill.LoggerAdapter) console.Config {
+	return console.Config{
+		Pool:      pool,
+		Schema:    o.schema,
+		Token:     o.token,
+		ReadOnly:  o.readOnly,
+		Publisher: pub,
+		Logger:    logger,
+	}
+}
+
+// serveConsole serves the operator console on --addr until ctx is
+// cancelled, then shuts the server down gracefully and closes the broker
+// and the database.
+func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
+	o, err := c.consoleOptions(args)
+	if err != nil {
+		return err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, o.pool)
+	if err != nil {
+		return fmt.Errorf("connect to the database: %w", err)
+	}
+	defer pool.Close()
+	if err := pool.Ping(ctx); err != nil {
+		return fmt.Errorf("connect to the database: %w", err)
+	}
+	logger := watermill.NewStdLoggerWithOut(c.stderr, false, false)
+
+	var pub message.Publisher
+	if o.broker != "" {
+		ps, err := openConsoleBroker(ctx, o.broker, logger)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			if closeErr := ps.Close(); closeErr != nil {
+				err = errors.Join(err, fmt.Errorf("close broker: %w", closeErr))
+			}
+		}()
+		pub = ps.Publisher
+	}
+
+	handler, err := console.New(o.config(pool, pub, logger))
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", o.addr)
+	if err != nil {
+		return fmt.Errorf("listen on %s: %w", o.addr, err)
+	}
+	srv := &http.Server{
+		Handler:           handler,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+	}
+	base := consoleURL(ln.Addr())
+	c.announce(o, base, ln.Addr())
+
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	select {
+	case err := <-served:
+		// Serve returns only on a failure of the listener.
+		return fmt.Errorf("serve on %s: %w", ln.Addr(), err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), consoleShutdownTimeout)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		// Requests still running after the timeout are cut off.
+		_ = srv.Close()
+		<-served
+		return fmt.Errorf("shut down: %w", err)
+	}
+	<-served
+	fmt.Fprintln(c.stdout, "oncemill console stopped")
+	return nil
+}
+
+// openConsoleBroker opens the broker the console replays to the original
+// topic through. The console only publishes; the group merely satisfies
+// brokers whose URL requires one (Kafka). A group the URL names is taken as
+// it is.
+func openConsoleBroker(ctx context.Context, broker string, logger watermill.LoggerAdapter) (*adapters.PubSub, error) {
+	opts := adapters.Options{Logger: logger}
+	if u, err := url.Parse(broker); err != nil || u.Query().Get("group") == "" {
+		opts.ConsumerGroup = "oncemill-console"
+	}
+	ps, err := adapters.Open(ctx, broker, opts)
+	if errors.Is(err, adapters.ErrUnknownScheme) || errors.Is(err, adapters.ErrBadURL) {
+		return nil, usagef("--broker: %v", err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open broker: %w", err)
+	}
+	return ps, nil
+}
+
+// consoleURL is the address to open in a browser for the listener's
+// address: an unspecified address (all interfaces) is reached as
+// localhost.
+func consoleURL(addr net.Addr) string {
+	host, port, err := net.SplitHostPort(addr.String())
+	if err != nil {
+		return "http://" + addr.String() + "/"
+	}
+	if ip := net.ParseIP(host); ip != nil && ip.IsUnspecified() {
+		host = "localhost"
+	}
+	return "http://" + net.JoinHostPort(host, port) + "/"
+}
+
+// announce prints where the console listens and, when it generated the
+// token, the token: the only time it is shown. Serving beyond the loopback
+// interface is plain HTTP, which a warning on stderr points out.
+func (c *cmd) announce(o consoleOptions, base string, addr net.Addr) {
+	mode := ""
+	if o.readOnly {
+		mode = " (read-only)"
+	}
+	fmt.Fprintf(c.stdout, "oncemill console listening on %s%s\n", base, mode)
+	if o.minted {
+		fmt.Fprintf(c.stdout, "console token: %s\n", o.token)
+		fmt.Fprintf(c.stdout, "open %slogin and enter the token (set --token or $%s to choose one)\n", base, consoleTokenEnv)
+	}
+	if tcp, ok := addr.(*net.TCPAddr); ok && !tcp.IP.IsLoopback() {
+		fmt.Fprintf(c.stderr, "%s: warning: serving plain HTTP on %s: the token and the pages cross the network unencrypted; put the console behind a TLS proxy, or listen on 127.0.0.1\n", c.name, addr)
+	}
+}
