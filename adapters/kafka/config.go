@@ -252,7 +252,7 @@ type SubscriberConfig struct {
 	// unacked then are delivered again later. Applies when
 	// MaxInFlightPerPartition is above 1. Defaults to
 	// [DefaultDrainTimeout] or half the rebalance timeout, whichever is
-	// shorter.
+	// shorter; when set, it must be shorter than the rebalance timeout.
 	DrainTimeout time.Duration
 
 	// Sarama, when set, adjusts the Sarama config after this package's
@@ -312,6 +312,10 @@ func (c SubscriberConfig) Validate() error {
 	if rebalance := c.withDefaults().RebalanceTimeout; c.ConsumerGroup != "" && c.ReadTimeout != 0 && c.ReadTimeout <= rebalance {
 		return fmt.Errorf("%w: SubscriberConfig.ReadTimeout is %s, want longer than RebalanceTimeout (%s): the broker holds a JoinGroup request for up to the rebalance timeout",
 			ErrInvalidConfig, c.ReadTimeout, rebalance)
+	}
+	if rebalance := c.withDefaults().RebalanceTimeout; c.DrainTimeout != 0 && c.DrainTimeout >= rebalance {
+		return fmt.Errorf("%w: SubscriberConfig.DrainTimeout is %s, want shorter than RebalanceTimeout (%s): a member still draining when the rebalance times out is dropped from the group, and its commits are refused",
+			ErrInvalidConfig, c.DrainTimeout, rebalance)
 	}
 	return nil
 }

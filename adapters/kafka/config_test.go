@@ -38,6 +38,12 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		"SubscriberConfig.ReadTimeout is 20s, want longer than RebalanceTimeout (20s)": func(c *kafka.SubscriberConfig) {
 			c.ConsumerGroup, c.ReadTimeout, c.RebalanceTimeout = "g", 20*time.Second, 20*time.Second
 		},
+		"SubscriberConfig.DrainTimeout is 1m0s, want shorter than RebalanceTimeout (1m0s)": func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.DrainTimeout = "g", time.Minute
+		},
+		"SubscriberConfig.DrainTimeout is 30s, want shorter than RebalanceTimeout (20s)": func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.DrainTimeout, c.RebalanceTimeout, c.ReadTimeout = "g", 30*time.Second, 20*time.Second, 25*time.Second
+		},
 		`SubscriberConfig.InstanceID "pod 1" has " " at byte 3`: func(c *kafka.SubscriberConfig) {
 			c.ConsumerGroup, c.InstanceID = "g", "pod 1"
 		},
