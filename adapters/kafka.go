@@ -24,7 +24,9 @@ import (
 // rebalance_timeout (Go durations), max_in_flight, the messages of a
 // partition handed out at once, of different keys (a positive integer,
 // default [kafka.DefaultMaxInFlightPerPartition]; 1 for one at a time),
-// and instance_id, which makes the subscriber a static member of the
+// max_in_flight_total, the most in flight across the partitions of a
+// subscription (a positive integer, say the database pool's size; default
+// no limit, see [kafka.SubscriberConfig.MaxInFlight]), and instance_id, which makes the subscriber a static member of the
 // group (see [kafka.SubscriberConfig.InstanceID]); see
 // [kafka.SubscriberConfig].
 // kafka:// with no host starts an embedded in-process broker that lives as
@@ -72,7 +74,7 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 	fail := func(err error) (kafka.PublisherConfig, kafka.SubscriberConfig, time.Duration, error) {
 		return kafka.PublisherConfig{}, kafka.SubscriberConfig{}, 0, err
 	}
-	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "max_in_flight", "instance_id")
+	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "max_in_flight", "max_in_flight_total", "instance_id")
 	if err != nil {
 		return fail(err)
 	}
@@ -115,6 +117,13 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 			return fail(fmt.Errorf("%w: parameter max_in_flight=%q: want a positive integer, the messages of a partition in flight at once (1 for one at a time)", ErrBadURL, v))
 		}
 		scfg.MaxInFlightPerPartition = n
+	}
+	if v := q.Get("max_in_flight_total"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 {
+			return fail(fmt.Errorf("%w: parameter max_in_flight_total=%q: want a positive integer, the messages in flight at once across the partitions of a subscription", ErrBadURL, v))
+		}
+		scfg.MaxInFlight = n
 	}
 	if q.Has("instance_id") {
 		// Present and empty is an error, not dynamic membership: it is

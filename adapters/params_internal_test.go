@@ -167,6 +167,18 @@ func TestKafkaURLMaxInFlight(t *testing.T) {
 	}
 }
 
+// TestKafkaURLMaxInFlightTotal: max_in_flight_total reaches
+// SubscriberConfig.MaxInFlight; without it there is no limit across
+// partitions.
+func TestKafkaURLMaxInFlightTotal(t *testing.T) {
+	_, scfg, _, err := kafkaConfigs(mustParse(t, "kafka://a:9092?group=g&max_in_flight_total=16"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 16, scfg.MaxInFlight)
+	_, scfg, _, err = kafkaConfigs(mustParse(t, "kafka://a:9092?group=g"), Options{})
+	require.NoError(t, err)
+	require.Zero(t, scfg.MaxInFlight)
+}
+
 // TestKafkaURLInstanceID: instance_id reaches SubscriberConfig.InstanceID
 // and so Sarama's Consumer.Group.InstanceId; without it the subscriber is
 // a dynamic member; a present but empty or invalid value is refused,

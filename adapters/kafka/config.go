@@ -245,6 +245,17 @@ type SubscriberConfig struct {
 	// field says, without a ConsumerGroup.
 	MaxInFlightPerPartition int
 
+	// MaxInFlight, when above 0, bounds the messages in flight across all
+	// the partitions of one Subscribe, on top of MaxInFlightPerPartition:
+	// a partition with work waits for a slot. Set it to what the
+	// handlers' resources allow, the database pool's size, say, so that
+	// a member that owns many partitions does not queue hundreds of
+	// handlers on a pool of a few dozen connections (or deadlock handlers
+	// that take a second connection). Applies when MaxInFlightPerPartition
+	// is above 1. Defaults to 0: no limit but MaxInFlightPerPartition times
+	// the partitions owned.
+	MaxInFlight int
+
 	// DrainTimeout is how long, when a partition is revoked or the
 	// subscriber closes, the subscriber waits for the handlers of the
 	// partition's messages in flight, whose contexts it has cancelled, to
@@ -285,6 +296,8 @@ func (c SubscriberConfig) Validate() error {
 		return fmt.Errorf("%w: SubscriberConfig.NackResendSleep is %s, want >= 0 or NoSleep", ErrInvalidConfig, c.NackResendSleep)
 	case c.ReconnectRetrySleep < 0 && c.ReconnectRetrySleep != NoSleep:
 		return fmt.Errorf("%w: SubscriberConfig.ReconnectRetrySleep is %s, want >= 0 or NoSleep", ErrInvalidConfig, c.ReconnectRetrySleep)
+	case c.MaxInFlight < 0:
+		return fmt.Errorf("%w: SubscriberConfig.MaxInFlight is %d, want >= 0 (0: no limit across partitions)", ErrInvalidConfig, c.MaxInFlight)
 	case c.MaxInFlightPerPartition < 0:
 		return fmt.Errorf("%w: SubscriberConfig.MaxInFlightPerPartition is %d, want >= 1, or 0 for the default (%d)", ErrInvalidConfig, c.MaxInFlightPerPartition, DefaultMaxInFlightPerPartition)
 	case c.TopicPartitions < 0:

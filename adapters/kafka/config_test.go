@@ -16,19 +16,20 @@ func TestSubscriberConfigValidate(t *testing.T) {
 	require.NoError(t, ok.Validate())
 
 	for field, tc := range map[string]func(*kafka.SubscriberConfig){
-		"SubscriberConfig.Brokers is empty":       func(c *kafka.SubscriberConfig) { c.Brokers = nil },
-		"SubscriberConfig.Brokers[1]":             func(c *kafka.SubscriberConfig) { c.Brokers = []string{"a:1", "no-port"} },
-		"SubscriberConfig.InitialOffset":          func(c *kafka.SubscriberConfig) { c.InitialOffset = 7 },
-		"SubscriberConfig.CommitInterval":         func(c *kafka.SubscriberConfig) { c.CommitInterval = -time.Second },
-		"SubscriberConfig.NackResendSleep":        func(c *kafka.SubscriberConfig) { c.NackResendSleep = -2 },
-		"SubscriberConfig.ReconnectRetrySleep":    func(c *kafka.SubscriberConfig) { c.ReconnectRetrySleep = -2 },
-		"SubscriberConfig.TopicPartitions":        func(c *kafka.SubscriberConfig) { c.TopicPartitions = -1 },
-		"SubscriberConfig.TopicReplicationFactor": func(c *kafka.SubscriberConfig) { c.TopicReplicationFactor = -1 },
-		"SubscriberConfig.DialTimeout":            func(c *kafka.SubscriberConfig) { c.DialTimeout = -time.Second },
-		"SubscriberConfig.ReadTimeout is -1s":     func(c *kafka.SubscriberConfig) { c.ReadTimeout = -time.Second },
-		"SubscriberConfig.SessionTimeout":         func(c *kafka.SubscriberConfig) { c.SessionTimeout = -time.Second },
-		"SubscriberConfig.RebalanceTimeout":       func(c *kafka.SubscriberConfig) { c.RebalanceTimeout = -time.Second },
-		"SubscriberConfig.DrainTimeout":           func(c *kafka.SubscriberConfig) { c.DrainTimeout = -time.Second },
+		"SubscriberConfig.Brokers is empty":             func(c *kafka.SubscriberConfig) { c.Brokers = nil },
+		"SubscriberConfig.Brokers[1]":                   func(c *kafka.SubscriberConfig) { c.Brokers = []string{"a:1", "no-port"} },
+		"SubscriberConfig.InitialOffset":                func(c *kafka.SubscriberConfig) { c.InitialOffset = 7 },
+		"SubscriberConfig.CommitInterval":               func(c *kafka.SubscriberConfig) { c.CommitInterval = -time.Second },
+		"SubscriberConfig.NackResendSleep":              func(c *kafka.SubscriberConfig) { c.NackResendSleep = -2 },
+		"SubscriberConfig.ReconnectRetrySleep":          func(c *kafka.SubscriberConfig) { c.ReconnectRetrySleep = -2 },
+		"SubscriberConfig.TopicPartitions":              func(c *kafka.SubscriberConfig) { c.TopicPartitions = -1 },
+		"SubscriberConfig.TopicReplicationFactor":       func(c *kafka.SubscriberConfig) { c.TopicReplicationFactor = -1 },
+		"SubscriberConfig.DialTimeout":                  func(c *kafka.SubscriberConfig) { c.DialTimeout = -time.Second },
+		"SubscriberConfig.ReadTimeout is -1s":           func(c *kafka.SubscriberConfig) { c.ReadTimeout = -time.Second },
+		"SubscriberConfig.SessionTimeout":               func(c *kafka.SubscriberConfig) { c.SessionTimeout = -time.Second },
+		"SubscriberConfig.RebalanceTimeout":             func(c *kafka.SubscriberConfig) { c.RebalanceTimeout = -time.Second },
+		"SubscriberConfig.DrainTimeout":                 func(c *kafka.SubscriberConfig) { c.DrainTimeout = -time.Second },
+		"SubscriberConfig.MaxInFlight is -1, want >= 0": func(c *kafka.SubscriberConfig) { c.MaxInFlight = -1 },
 		"SubscriberConfig.MaxInFlightPerPartition is -1, want >= 1, or 0 for the default (64)": func(c *kafka.SubscriberConfig) {
 			c.MaxInFlightPerPartition = -1
 		},

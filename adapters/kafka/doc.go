@@ -19,10 +19,12 @@
 // Close may lose the race and leave its message to be delivered again.)
 //
 // Key-parallel consumption. With a ConsumerGroup and
-// [SubscriberConfig.MaxInFlightPerPartition] above 1, the subscriber
-// runs its own Sarama consumer group instead of watermill-kafka's. Within
-// a partition, messages with different record keys are handed to the
-// router concurrently, up to MaxInFlightPerPartition at once; messages
+// [SubscriberConfig.MaxInFlightPerPartition] above 1 (the default is 64),
+// the subscriber runs its own Sarama consumer group instead of
+// watermill-kafka's. Within a partition, messages with different record
+// keys are handed to the router concurrently, up to
+// MaxInFlightPerPartition at once, and [SubscriberConfig.MaxInFlight], when
+// set, bounds them across all partitions; messages
 // with the same key (the record key, which the [Marshaler] sets to
 // [delivery.PartitionKeyOf] the message) stay strictly in offset order: a
 // key's next message is handed out only once the previous one is acked,

@@ -129,6 +129,7 @@ func (s *parallelSubscriber) Subscribe(ctx context.Context, topic string) (<-cha
 		topic:         topic,
 		output:        make(chan *message.Message),
 		stop:          make(chan struct{}),
+		slots:         newSlots(s.cfg.MaxInFlight),
 		consumeCtx:    consumeCtx,
 		cancelConsume: cancelConsume,
 		fields:        fields,
@@ -177,6 +178,9 @@ type subscription struct {
 
 	// stop is closed when the subscriber closes or ctx is done.
 	stop chan struct{}
+	// slots, when MaxInFlight is set, holds a token per message in flight
+	// across the subscription's partitions; nil for no such limit.
+	slots chan struct{}
 	// consumeCtx is the context of the group's sessions. It is cancelled
 	// only after stop and after every claim has drained and committed,
 	// so that stopping does not look like a rebalance to the claims.
@@ -385,7 +389,16 @@ func (p *partition) run() {
 		if len(p.outstanding)-p.head >= p.buffer {
 			in = nil
 		}
+		// With every slot of the subscription taken, a partition with
+		// work waits for one here, among its other cases.
+		var slot chan struct{}
+		if p.sub.slots != nil && p.canDispatch() {
+			slot = p.sub.slots
+		}
 		select {
+		case slot <- struct{}{}:
+			p.dispatchOne()
+			p.dispatch()
 		case rec, ok := <-in:
 			if !ok {
 				// The claim ended: the partition is being revoked.
@@ -454,22 +467,50 @@ func (p *partition) markReady(key string) {
 
 // dispatch hands out the heads of ready keys while there is room.
 func (p *partition) dispatch() {
-	for !p.stopping && p.inFlight < p.max && len(p.ready) > 0 {
-		key := p.ready[0]
-		p.ready = p.ready[1:]
-		delete(p.queued, key)
-		q := p.queues[key]
-		rec := q[0]
-		if len(q) == 1 {
-			delete(p.queues, key)
-		} else {
-			p.queues[key] = q[1:]
+	for p.canDispatch() {
+		if p.sub.slots != nil {
+			select {
+			case p.sub.slots <- struct{}{}:
+			default:
+				return // run waits for a slot
+			}
 		}
-		p.busy[key] = true
-		p.inFlight++
-		p.wg.Add(1)
-		go p.deliver(rec)
+		p.dispatchOne()
 	}
+}
+
+// canDispatch reports whether the partition has a ready key and room for
+// one more message in flight.
+func (p *partition) canDispatch() bool {
+	return !p.stopping && p.inFlight < p.max && len(p.ready) > 0
+}
+
+// dispatchOne hands out the head of the first ready key; the caller has
+// checked canDispatch and taken a slot, when there are slots.
+func (p *partition) dispatchOne() {
+	key := p.ready[0]
+	p.ready = p.ready[1:]
+	delete(p.queued, key)
+	q := p.queues[key]
+	rec := q[0]
+	if len(q) == 1 {
+		delete(p.queues, key)
+	} else {
+		p.queues[key] = q[1:]
+	}
+	p.busy[key] = true
+	p.inFlight++
+	p.wg.Add(1)
+	go p.deliver(rec)
+}
+
+// newSlots returns the slots of a subscription with at most n messages in
+// flight, or nil for n == 0 (no limit).
+func newSlots(n int) chan struct{} {
+	if n <= 0 {
+		return nil
+	}
+	return make(chan struct{}, n)
 }
 
 // finish takes a delivery's result. An acked record frees its key and may
@@ -479,6 +520,9 @@ func (p *partition) dispatch() {
 // handed out before it.
 func (p *partition) finish(res result, mark bool) {
 	p.inFlight--
+	if p.sub.slots != nil {
+		<-p.sub.slots
+	}
 	if !res.acked {
 		return
 	}

@@ -342,3 +342,64 @@ func TestParallelCloseCommitsAcked(t *testing.T) {
 	require.False(t, open, "the channel is closed after Close")
 	require.Equal(t, int64(2), committedOffset(t, brokers, group, topic, "0"))
 }
+
+// TestParallelMaxInFlight: with MaxInFlight, the messages in flight
+// across all the partitions of a subscription never exceed it, however
+// many each partition may have, and every message is still delivered and
+// acked.
+func TestParallelMaxInFlight(t *testing.T) {
+	t.Parallel()
+	const (
+		partitions = 4
+		messages   = 120
+		limit      = 5
+	)
+	brokers := Brokers(t)
+	topic, group := uniqueName("total"), uniqueName("total")
+	createTopic(t, brokers, topic, partitions)
+	pub := newPublisher(t, brokers)
+	for i := range messages {
+		publishKeyed(t, pub, topic, fmt.Sprint("key-", i), fmt.Sprint(i))
+	}
+	sub := newSubscriber(t, brokers, group, func(c *kafka.SubscriberConfig) {
+		c.MaxInFlightPerPartition = 64
+		c.MaxInFlight = limit
+	})
+	defer func() { require.NoError(t, sub.Close()) }()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	var (
+		held, peak atomic.Int64
+		wg         sync.WaitGroup
+		mu         sync.Mutex
+		seen       = map[string]bool{}
+	)
+	deadline := time.After(time.Minute)
+	for len(seen) < messages {
+		select {
+		case msg := <-msgs:
+			n := held.Add(1)
+			for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+			}
+			mu.Lock()
+			seen[string(msg.Payload)] = true
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				time.Sleep(20 * time.Millisecond) // a handler that takes a while
+				held.Add(-1)
+				msg.Ack()
+			}()
+		case <-deadline:
+			t.Fatalf("received %d of %d messages", len(seen), messages)
+		}
+	}
+	wg.Wait()
+	require.Len(t, seen, messages, "every message delivered")
+	require.LessOrEqual(t, peak.Load(), int64(limit), "never more than MaxInFlight handlers at once across %d partitions", partitions)
+	require.Equal(t, int64(limit), peak.Load(), "the limit is used, not just respected")
+}
