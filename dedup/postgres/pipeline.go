@@ -66,18 +66,30 @@ func (s *Store) InboxStartClaim(ctx context.Context, key dedup.Key, window time.
 		// start.Attempts tells the caller whether the start counted.
 		return start, nil, dedup.Claim{}, errors.Join(err, endConn(ctx, c))
 	}
+	tx, got, err := s.claimedOn(ctx, c, key, window, claim)
+	if err != nil {
+		return start, nil, dedup.Claim{}, err
+	}
+	return start, tx, got, nil
+}
+
+// claimedOn makes c, left in its transaction by a pipeline whose claim
+// answered r, the handler's transaction, and finishes the claim's rare
+// paths in it, as [dedup.InboxTx.InboxClaim] does. On an error the
+// transaction is rolled back and c goes back to the pool.
+func (s *Store) claimedOn(ctx context.Context, c *pgxpool.Conn, key dedup.Key, window time.Duration, r claimRow) (dedup.InboxTx, dedup.Claim, error) {
 	tx := &inboxTx{tx: &connTx{c: c}, q: &s.q}
 	var none error
-	if claim.status == "" {
+	if r.status == "" {
 		none = pgx.ErrNoRows
 	}
-	got, err := tx.claimed(ctx, key, window, claim, none)
+	got, err := tx.claimed(ctx, key, window, r, none)
 	if err != nil {
 		end, cancel := context.WithTimeout(context.WithoutCancel(ctx), endTimeout)
 		defer cancel()
-		return start, nil, dedup.Claim{}, errors.Join(err, tx.Rollback(end))
+		return nil, dedup.Claim{}, errors.Join(err, tx.Rollback(end))
 	}
-	return start, tx, got, nil
+	return tx, got, nil
 }
 
 // startThenClaim is InboxStartClaim without a pipeline.
@@ -86,17 +98,27 @@ func (s *Store) startThenClaim(ctx context.Context, key dedup.Key, window time.D
 	if err != nil || start.State != dedup.StateNew {
 		return start, nil, dedup.Claim{}, err
 	}
-	tx, err := s.InboxBegin(ctx)
+	tx, claim, err := s.beginThenClaim(ctx, key, window)
 	if err != nil {
 		return start, nil, dedup.Claim{}, err
+	}
+	return start, tx, claim, nil
+}
+
+// beginThenClaim is InboxBeginClaim without a pipeline: InboxBegin, then
+// InboxClaim, the transaction rolled back if the claim fails.
+func (s *Store) beginThenClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.InboxTx, dedup.Claim, error) {
+	tx, err := s.InboxBegin(ctx)
+	if err != nil {
+		return nil, dedup.Claim{}, err
 	}
 	claim, err := tx.InboxClaim(ctx, key, window)
 	if err != nil {
 		end, cancel := context.WithTimeout(context.WithoutCancel(ctx), endTimeout)
 		defer cancel()
-		return start, nil, dedup.Claim{}, errors.Join(err, tx.Rollback(end))
+		return nil, dedup.Claim{}, errors.Join(err, tx.Rollback(end))
 	}
-	return start, tx, claim, nil
+	return tx, claim, nil
 }
 
 // pipeline sends [start] Sync [BEGIN] [claim] Sync on c and reads the
@@ -206,17 +228,7 @@ func claimFrom(conn *pgx.Conn, answers []result) (claimRow, error) {
 func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.InboxTx, dedup.Claim, error) {
 	pool, ok := s.db.(acquirer)
 	if !ok {
-		tx, err := s.InboxBegin(ctx)
-		if err != nil {
-			return nil, dedup.Claim{}, err
-		}
-		claim, err := tx.InboxClaim(ctx, key, window)
-		if err != nil {
-			end, cancel := context.WithTimeout(context.WithoutCancel(ctx), endTimeout)
-			defer cancel()
-			return nil, dedup.Claim{}, errors.Join(err, tx.Rollback(end))
-		}
-		return tx, claim, nil
+		return s.beginThenClaim(ctx, key, window)
 	}
 	c, err := pool.Acquire(ctx)
 	if err != nil {
@@ -226,18 +238,7 @@ func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.
 	if err != nil {
 		return nil, dedup.Claim{}, errors.Join(err, endConn(ctx, c))
 	}
-	tx := &inboxTx{tx: &connTx{c: c}, q: &s.q}
-	var none error
-	if r.status == "" {
-		none = pgx.ErrNoRows
-	}
-	got, err := tx.claimed(ctx, key, window, r, none)
-	if err != nil {
-		end, cancel := context.WithTimeout(context.WithoutCancel(ctx), endTimeout)
-		defer cancel()
-		return nil, dedup.Claim{}, errors.Join(err, tx.Rollback(end))
-	}
-	return tx, got, nil
+	return s.claimedOn(ctx, c, key, window, r)
 }
 
 // beginClaim sends BEGIN [claim] Sync on c and reads the answers. It
