@@ -44,6 +44,11 @@ const (
 	// (to the dead-letter entry's id): the inbox reopens the dead key for
 	// it, and for no other copy.
 	Replay = "oncemill_replay"
+	// ReplayConsumer is set on a message republished from the dead-letter
+	// queue to the consumer that dead-lettered it: a replay published to
+	// its original topic reaches every consumer of the topic, and the
+	// inbox of any other consumer acks it without running the handler.
+	ReplayConsumer = "oncemill_replay_consumer"
 )
 
 // IsDeliveryFact reports whether metadata key k is one an adapter sets on
@@ -53,7 +58,7 @@ const (
 // replay from the dead-letter queue does.
 func IsDeliveryFact(k string) bool {
 	switch k {
-	case Topic, Partition, Offset, Attempts, Redelivered, DecodeError, Replay:
+	case Topic, Partition, Offset, Attempts, Redelivered, DecodeError, Replay, ReplayConsumer:
 		return true
 	}
 	return strings.HasPrefix(k, DeadPrefix)

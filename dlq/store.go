@@ -76,7 +76,9 @@ type Entry struct {
 // partition, offset, attempt count and decode error the adapter set), so
 // that the replay is counted and decoded afresh. It carries
 // [delivery.Replay] with the entry's id: the consumer's inbox reopens the
-// dead key for this message, and for no other copy of the key.
+// dead key for this message, and for no other copy of the key. It carries
+// [delivery.ReplayConsumer] with the entry's consumer, when known: the
+// inboxes of the topic's other consumers ack it without running.
 func (e Entry) Message() *message.Message {
 	msg := message.NewMessage(e.UUID, append([]byte(nil), e.Payload...))
 	for k, v := range e.Metadata {
@@ -85,6 +87,9 @@ func (e Entry) Message() *message.Message {
 		}
 	}
 	msg.Metadata.Set(delivery.Replay, strconv.FormatInt(e.ID, 10))
+	if e.Consumer != "" {
+		msg.Metadata.Set(delivery.ReplayConsumer, e.Consumer)
+	}
 	return msg
 }
 

@@ -479,12 +479,27 @@ func TestLeaseHolderFinishingAfterLostRenewalsStillCompletes(t *testing.T) {
 
 // TestReplayReachesOnlyItsConsumer: two consumers read one topic; one of
 // them dead-letters a message the other applied long ago and whose done
-// key it has swept since. The replay, requested for the dead letter's
-// consumer and delivered through its ReplaySubscriber, is applied by that
-// consumer once; the other never sees it (a replay to the topic would
-// have applied it there a second time). The entry goes once it was acked.
+// key it has swept since. The replay is applied by the dead letter's
+// consumer once and never by the other, which would apply it a second
+// time: requested for the consumer and delivered through its
+// ReplaySubscriber, the other never sees it; published to the topic, the
+// other's inbox acks it without running. The entry goes once the replay
+// was acked (through the ReplaySubscriber) or published (to the topic).
 func TestReplayReachesOnlyItsConsumer(t *testing.T) {
 	t.Parallel()
+	for _, toTopic := range []bool{false, true} {
+		name := "to_consumer"
+		if toTopic {
+			name = "to_topic"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testReplayReachesOnlyItsConsumer(t, toTopic)
+		})
+	}
+}
+
+func testReplayReachesOnlyItsConsumer(t *testing.T, toTopic bool) {
 	ctx := context.Background()
 	pool := pgtest.Pool(t, 12)
 	schema := pgtest.Schema(t, pool)
@@ -546,16 +561,29 @@ func TestReplayReachesOnlyItsConsumer(t *testing.T) {
 	require.NoError(t, err)
 
 	broken.Store(false)
-	n, err := entries.RequestReplay(ctx, dlq.Filter{Consumer: "ledger-b"})
-	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	if toTopic {
+		n, err := entries.Replay(ctx, ps, dlq.Filter{Consumer: "ledger-b"}, nil)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+	} else {
+		n, err := entries.RequestReplay(ctx, dlq.Filter{Consumer: "ledger-b"})
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+	}
 	require.Eventually(t, func() bool { return count("ledger-b") == 1 }, 30*time.Second, 10*time.Millisecond, "the replay reaches ledger-b")
 	require.Eventually(t, func() bool {
 		n, err := entries.Count(ctx, dlq.Filter{All: true})
 		require.NoError(t, err)
 		return n == 0
-	}, 30*time.Second, 10*time.Millisecond, "the entry goes once ledger-b acked it")
-	require.Equal(t, 1, count("ledger-a"), "ledger-a never applied it again")
+	}, 30*time.Second, 10*time.Millisecond, "the entry goes once ledger-b took it")
 	a, _ := calls.Load("ledger-a")
-	require.Equal(t, int32(1), a.(*atomic.Int32).Load(), "ledger-a never saw the replay")
+	if toTopic {
+		require.Eventually(t, func() bool { return in.Stats().OthersReplays == 1 }, 30*time.Second, 10*time.Millisecond,
+			"ledger-a's inbox acks the replay meant for ledger-b")
+	} else {
+		require.Zero(t, in.Stats().OthersReplays, "ledger-a never saw the replay")
+	}
+	require.Equal(t, int32(1), a.(*atomic.Int32).Load(), "ledger-a never ran the replay")
+	require.Equal(t, 1, count("ledger-a"), "ledger-a never applied it again")
+	require.Equal(t, 1, count("ledger-b"), "ledger-b applied it once")
 }

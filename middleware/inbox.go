@@ -173,6 +173,9 @@ type InboxStats struct {
 	// DeadCopies counts deliveries of a dead-lettered key acked without
 	// running.
 	DeadCopies int64
+	// OthersReplays counts replays from the dead-letter queue meant for
+	// another consumer of the topic, acked without running.
+	OthersReplays int64
 	// Infrastructure counts attempts that ended for the infrastructure's
 	// fault (the store unavailable, a commit whose outcome is unknown,
 	// conflicts that kept losing): nacked and not counted.
@@ -190,7 +193,7 @@ type Inbox struct {
 
 	applied, duplicates, inFlight, failed         atomic.Int64
 	panicked, abandonedN, crashLooped, deadCopies atomic.Int64
-	infra, conflictRetries                        atomic.Int64
+	infra, conflictRetries, othersReplays         atomic.Int64
 }
 
 // NewInbox returns an inbox for cfg; cfg is copied, defaulted and validated.
@@ -214,6 +217,7 @@ func (in *Inbox) Stats() InboxStats {
 
 		CrashLooped:     in.crashLooped.Load(),
 		DeadCopies:      in.deadCopies.Load(),
+		OthersReplays:   in.othersReplays.Load(),
 		Infrastructure:  in.infra.Load(),
 		ConflictRetries: in.conflictRetries.Load(),
 	}
@@ -270,6 +274,16 @@ func (in *Inbox) handle(msg *message.Message, h message.HandlerFunc, o *attemptO
 		return nil, err
 	}
 	o.consumer = key.Consumer
+	if owner := msg.Metadata.Get(delivery.ReplayConsumer); owner != "" && owner != key.Consumer {
+		// A replay published to the topic reaches every consumer of it;
+		// it belongs to the one that dead-lettered it. Running it here
+		// would apply again an effect whose done key has expired.
+		in.othersReplays.Add(1)
+		o.outcome = observe.OtherConsumer
+		in.cfg.Logger.Debug("Replay for another consumer acked without running",
+			logFields(msg, key).Add(watermill.LogFields{"replay_consumer": owner}))
+		return nil, nil
+	}
 	if slot := slotOf(msg.Context()); slot != nil {
 		// The poison middleware in front dead-letters through this
 		// inbox, with its key and consumer.

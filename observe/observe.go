@@ -64,6 +64,9 @@ const (
 	// Rejected: the message had no usable key or consumer; it was
 	// returned as a permanent error without reaching the store.
 	Rejected Outcome = "rejected"
+	// OtherConsumer: a replay from the dead-letter queue meant for another
+	// consumer of the topic; acked without running the handler.
+	OtherConsumer Outcome = "other_consumer"
 )
 
 // InboxAttempt describes one delivery through the inbox, once it is over.

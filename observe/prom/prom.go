@@ -266,6 +266,7 @@ func outcomes() []observe.Outcome {
 	return []observe.Outcome{
 		observe.Applied, observe.Duplicate, observe.InFlight, observe.Failed, observe.Panicked,
 		observe.Dead, observe.CrashLoop, observe.Abandoned, observe.Unavailable, observe.Rejected,
+		observe.OtherConsumer,
 	}
 }
 
