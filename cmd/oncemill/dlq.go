@@ -98,6 +98,11 @@ func (c *cmd) target() (*pgxpool.Config, sqlschema.Config, error) {
 		return nil, sqlschema.Config{}, usagef("--database: %v", err)
 	}
 	pcfg.MaxConns = 4
+	if pcfg.ConnConfig.ConnectTimeout == 0 {
+		// A database that accepts the connection and never answers would
+		// otherwise hang the command: the same bound as adapters.Open.
+		pcfg.ConnConfig.ConnectTimeout = adapters.DefaultConnectTimeout
+	}
 	return pcfg, sqlschema.Config{Schema: c.schema, DLQTable: c.table}, nil
 }
 

@@ -23,6 +23,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/internal/netfault"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/msgtest"
@@ -197,6 +198,15 @@ func TestRuntimeErrors(t *testing.T) {
 	require.Equal(t, exitFailure, r.code, r.stderr)
 	require.Contains(t, r.stderr, "oncemill dlq list: connect to the database:")
 	require.NotContains(t, r.stderr, "hunter2")
+	requireOneLine(t, r.stderr)
+
+	// A database that accepts the connection and never answers: the
+	// command gives up after adapters.DefaultConnectTimeout and names it.
+	silent := netfault.Silent(t)
+	r = oncemill(t, nil, "dlq", "list", "--database", "postgres://postgres@"+silent+"/x")
+	require.Equal(t, exitFailure, r.code, r.stderr)
+	require.Contains(t, r.stderr, "oncemill dlq list: connect to the database:")
+	require.Contains(t, r.stderr, silent)
 	requireOneLine(t, r.stderr)
 
 	r = f.dlq(t, "list", "--table", "nothere")
