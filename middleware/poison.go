@@ -53,6 +53,14 @@ type PoisonConfig struct {
 	// runs behind this middleware; with one, the inbox's consumer is used.
 	// Defaults to the router handler's name.
 	Consumer string
+	// PublishTimeout bounds the dead-letter publish when no inbox runs
+	// behind this middleware. The publish runs on a context detached from
+	// the message's cancellation, so that a shutdown does not cut short a
+	// dead letter half written, and this bound keeps a hung publisher from
+	// hanging the shutdown instead (the publisher must honour the
+	// message's context, as dlq.Publisher and oncemill's adapters do).
+	// With an inbox, its FinishTimeout bounds the publish. Defaults to 5s.
+	PublishTimeout time.Duration
 	// Key reads the message's key for dead-letter metadata when no inbox
 	// runs behind this middleware (or the inbox could not read a key);
 	// with one, the inbox's key is used, so the two cannot disagree. A
@@ -78,6 +86,9 @@ func (c *PoisonConfig) setDefaults() {
 	if c.MaxBackoff == 0 {
 		c.MaxBackoff = 10 * time.Second
 	}
+	if c.PublishTimeout == 0 {
+		c.PublishTimeout = 5 * time.Second
+	}
 	if c.Key == nil {
 		c.Key = DefaultKey
 	}
@@ -101,6 +112,8 @@ func (c PoisonConfig) Validate() error {
 		return fmt.Errorf("middleware: PoisonConfig.InitialBackoff must not be negative, got %s", c.InitialBackoff)
 	case c.MaxBackoff < c.InitialBackoff:
 		return fmt.Errorf("middleware: PoisonConfig.MaxBackoff (%s) must be at least InitialBackoff (%s)", c.MaxBackoff, c.InitialBackoff)
+	case c.PublishTimeout < 0:
+		return fmt.Errorf("middleware: PoisonConfig.PublishTimeout must not be negative, got %s", c.PublishTimeout)
 	}
 	return nil
 }
@@ -398,7 +411,9 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 			return nil
 		}
 	} else {
-		err = publish(context.WithoutCancel(msg.Context()))
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), p.cfg.PublishTimeout)
+		err = publish(ctx)
+		cancel()
 	}
 	if err != nil {
 		p.deadLetterFailed.Add(1)

@@ -3,6 +3,7 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -327,6 +328,54 @@ func TestPoisonInFlightIsNotCounted(t *testing.T) {
 	require.Equal(t, middleware.PoisonStats{}, poison.Stats())
 }
 
+// hungPublisher is a dead-letter publisher that never answers: Publish
+// returns only once the message's context is done.
+type hungPublisher struct{ calls atomic.Int32 }
+
+func (p *hungPublisher) Publish(_ string, msgs ...*message.Message) error {
+	p.calls.Add(1)
+	<-msgs[0].Context().Done()
+	return fmt.Errorf("dead-letter queue did not answer: %w", msgs[0].Context().Err())
+}
+
+func (p *hungPublisher) Close() error { return nil }
+
+// TestPoisonHungPublisherIsBounded: with no inbox behind it, the poison
+// middleware dead-letters on a context detached from the message's
+// cancellation; a publisher that hangs gives up after PublishTimeout,
+// even once the consumer is shutting down, and the message is nacked (the
+// error returned), never acked without its dead letter.
+func TestPoisonHungPublisherIsBounded(t *testing.T) {
+	t.Parallel()
+	pub := &hungPublisher{}
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{
+		Publisher: pub, Topic: deadTopic, MaxAttempts: 1, Consumer: "charge",
+		InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond, PublishTimeout: 200 * time.Millisecond,
+	})
+	require.NoError(t, err)
+	ctx, shutdown := context.WithCancel(context.Background())
+	msg := delivery("order-9", "x")
+	msg.SetContext(ctx)
+	returned := make(chan error, 1)
+	go func() {
+		_, err := poison.Middleware(func(*message.Message) ([]*message.Message, error) {
+			return nil, middleware.Permanent(errors.New("card number malformed"))
+		})(msg)
+		returned <- err
+	}()
+	require.Eventually(t, func() bool { return pub.calls.Load() == 1 }, 10*time.Second, time.Millisecond)
+	shutdown() // the router closes while the dead letter is being written
+	select {
+	case err := <-returned:
+		require.ErrorIs(t, err, middleware.ErrDeadLetter, "nacked: the dead letter was not written")
+		require.ErrorIs(t, err, context.DeadlineExceeded, "given up at PublishTimeout, not at the shutdown")
+	case <-time.After(30 * time.Second):
+		t.Fatal("a hung dead-letter publisher hangs the consumer")
+	}
+	require.Equal(t, int64(1), poison.Stats().DeadLetterFailed)
+	require.Zero(t, poison.Stats().DeadLettered)
+}
+
 // TestPoisonInProcessRetries: in-process retries run the handler again in
 // the same delivery.
 func TestPoisonInProcessRetries(t *testing.T) {
@@ -360,6 +409,7 @@ func TestPoisonConfigValidate(t *testing.T) {
 		{middleware.PoisonConfig{Publisher: pub, Topic: "t", InProcessRetries: -2}, "PoisonConfig.InProcessRetries"},
 		{middleware.PoisonConfig{Publisher: pub, Topic: "t", InitialBackoff: -time.Second}, "PoisonConfig.InitialBackoff"},
 		{middleware.PoisonConfig{Publisher: pub, Topic: "t", InitialBackoff: time.Minute, MaxBackoff: time.Second}, "PoisonConfig.MaxBackoff"},
+		{middleware.PoisonConfig{Publisher: pub, Topic: "t", PublishTimeout: -time.Second}, "PoisonConfig.PublishTimeout"},
 	} {
 		_, err := middleware.NewPoison(tc.cfg)
 		require.ErrorContains(t, err, tc.want)
