@@ -25,6 +25,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -264,8 +265,26 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 		hint = "DATABASE_URL='" + dbURL + "' " + hint // the default, local URL: no secret in it
 	}
 	fmt.Println("  " + hint)
+	fmt.Println("  see them in the console: DATABASE_URL='" + scrubPassword(dbURL) + "' go run ./cmd/oncemill console")
 	return nil
 }
+
+// scrubPassword returns the database URL or keyword/value string dbURL
+// with its password, if any, replaced by xxxxx, for printing.
+func scrubPassword(dbURL string) string {
+	if u, err := url.Parse(dbURL); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		if q := u.Query(); q.Has("password") {
+			q.Set("password", "xxxxx")
+			u.RawQuery = q.Encode()
+		}
+		return u.Redacted()
+	}
+	return dsnPassword.ReplaceAllString(dbURL, "${1}xxxxx")
+}
+
+// dsnPassword is the password of a keyword/value connection string:
+// password=secret or password='a secret'.
+var dsnPassword = regexp.MustCompile(`(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)`)
 
 // consumer is one process's worth of consuming: a connection and a router.
 type consumer struct {
