@@ -186,7 +186,9 @@ type InboxStats struct {
 }
 
 // Inbox is a router middleware that applies each message key's effect
-// exactly once per consumer. It starts no goroutines.
+// exactly once per consumer. In lease mode each attempt runs one goroutine
+// that renews its lease, ended before the attempt returns; the inbox
+// starts no other.
 type Inbox struct {
 	cfg   InboxConfig
 	hooks observe.Hooks
