@@ -317,11 +317,19 @@ func (h handler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.Con
 		return nil
 	}
 	defer h.sub.leave()
-	cfg := h.sub.s.cfg
-	ctx, cancel := context.WithCancel(h.sub.ctx)
-	defer cancel()
-	p := &partition{
-		sub:       h.sub,
+	p := newPartition(h.sub, sess, claim)
+	defer p.cancel()
+	p.run()
+	return nil
+}
+
+// newPartition returns the state of a claim of sub, ready to run; the
+// caller cancels its context once run has returned.
+func newPartition(sub *subscription, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) *partition {
+	cfg := sub.s.cfg
+	ctx, cancel := context.WithCancel(sub.ctx)
+	return &partition{
+		sub:       sub,
 		sess:      sess,
 		claim:     claim,
 		ctx:       ctx,
@@ -334,10 +342,8 @@ func (h handler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.Con
 		busy:      map[string]bool{},
 		queued:    map[string]bool{},
 		done:      map[int64]bool{},
-		logFields: h.sub.fields.Add(watermill.LogFields{"kafka_partition": claim.Partition(), "kafka_initial_offset": claim.InitialOffset()}),
+		logFields: sub.fields.Add(watermill.LogFields{"kafka_partition": claim.Partition(), "kafka_initial_offset": claim.InitialOffset()}),
 	}
-	p.run()
-	return nil
 }
 
 // result is what a delivery reports: the record, and whether its message
@@ -397,6 +403,14 @@ func (p *partition) run() {
 		}
 		select {
 		case slot <- struct{}{}:
+			if commit, over := p.over(); over {
+				// The slot freed as the session ended or the
+				// subscription began to stop: give it back, hand out
+				// nothing more.
+				<-p.sub.slots
+				p.drain(commit)
+				return
+			}
 			p.dispatchOne()
 			p.dispatch()
 		case rec, ok := <-in:
@@ -436,9 +450,10 @@ func (p *partition) run() {
 // ended or the subscription is stopping, and whether it still commits
 // what was acked (only when stopping: a revoked partition marks nothing
 // more). select picks at random among the cases that are ready, so run
-// asks this before it acts on a record or a result that came with the
-// end: otherwise a revoked partition could hand out a record it has
-// buffered, or mark an offset, after its session ended.
+// asks this before it acts on a record, a result or a freed slot that
+// came with the end, and dispatch before each hand-out: otherwise a
+// revoked partition could hand out a record it has buffered, or mark an
+// offset, after its session ended.
 func (p *partition) over() (commit, over bool) {
 	if p.sub.isStopped() {
 		return true, true
@@ -465,9 +480,15 @@ func (p *partition) markReady(key string) {
 	}
 }
 
-// dispatch hands out the heads of ready keys while there is room.
+// dispatch hands out the heads of ready keys while there is room, until
+// the partition is over: run's select then takes the end. (The session
+// can end while the partition marks or commits an offset, after run asked
+// over.)
 func (p *partition) dispatch() {
 	for p.canDispatch() {
+		if _, over := p.over(); over {
+			return
+		}
 		if p.sub.slots != nil {
 			select {
 			case p.sub.slots <- struct{}{}:
