@@ -118,6 +118,79 @@ func TestParallelKeys(t *testing.T) {
 		10*time.Second, 20*time.Millisecond, "everything acked, committed to the end")
 }
 
+// TestParallelNackOtherKeysGoOn, on one partition: while a nacked message
+// of key A waits out a long NackResendSleep, the messages of key B behind
+// it are delivered and acked, one after the other; then A's message is
+// delivered again, the same message at the same offset, and only once it
+// is acked comes A's next one. The committed offset stays at the nacked
+// message until it is acked, and reaches the end after.
+func TestParallelNackOtherKeysGoOn(t *testing.T) {
+	t.Parallel()
+	brokers := Brokers(t)
+	topic, group := uniqueName("nack"), uniqueName("nack")
+	createTopic(t, brokers, topic, 1)
+	pub := newPublisher(t, brokers)
+	for _, p := range []string{"A0", "B0", "A1", "B1", "B2", "B3", "B4"} {
+		publishKeyed(t, pub, topic, p[:1], p)
+	}
+	const end = 7
+
+	// Long enough that B's four deliveries, each waiting only for the ack
+	// of the one before, come first.
+	const resend = 3 * time.Second
+	sub := newSubscriber(t, brokers, group, func(c *kafka.SubscriberConfig) {
+		c.MaxInFlightPerPartition = 64
+		c.CommitInterval = 50 * time.Millisecond
+		c.NackResendSleep = resend
+	})
+	defer func() { require.NoError(t, sub.Close()) }()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	// The heads of both keys come at once; A1 and B1 wait for them.
+	heads := map[string]*message.Message{}
+	for range 2 {
+		msg := msgtest.Receive(t, msgs, 30*time.Second)
+		heads[string(msg.Payload)] = msg
+	}
+	require.Contains(t, heads, "A0")
+	require.Contains(t, heads, "B0")
+	a0 := heads["A0"]
+	require.Equal(t, int64(0), offsetOf(t, a0))
+	require.True(t, a0.Nack())
+	require.True(t, heads["B0"].Ack())
+
+	for i := 1; i < 5; i++ {
+		msg := msgtest.Receive(t, msgs, 30*time.Second)
+		require.Equal(t, fmt.Sprint("B", i), string(msg.Payload),
+			"B's messages come in order while A0 waits to be delivered again, not after it")
+		require.True(t, msg.Ack())
+	}
+	for range 5 {
+		require.LessOrEqual(t, committedOffset(t, brokers, group, topic, "0"), int64(0),
+			"committed past A0, which was nacked")
+		time.Sleep(50 * time.Millisecond)
+	}
+
+	again := msgtest.Receive(t, msgs, 30*time.Second)
+	require.Equal(t, "A0", string(again.Payload), "the nacked A0 again, before A1")
+	require.Equal(t, a0.UUID, again.UUID)
+	require.Equal(t, int64(0), offsetOf(t, again))
+	require.LessOrEqual(t, committedOffset(t, brokers, group, topic, "0"), int64(0),
+		"committed past A0 before it was acked")
+	msgtest.Nothing(t, msgs, 200*time.Millisecond)
+	require.True(t, again.Ack())
+
+	a1 := msgtest.Receive(t, msgs, 30*time.Second)
+	require.Equal(t, "A1", string(a1.Payload))
+	require.True(t, a1.Ack())
+	msgtest.Nothing(t, msgs, 200*time.Millisecond)
+	require.Eventually(t, func() bool { return committedOffset(t, brokers, group, topic, "0") == end },
+		10*time.Second, 20*time.Millisecond, "everything acked, committed to the end")
+}
+
 // TestParallelRebalance: a subscriber holds messages in flight (their
 // handlers wait for their contexts) when a second member joins the group.
 // The rebalance cancels those contexts, the first member commits nothing
