@@ -20,9 +20,18 @@ import (
 	"github.com/oncemill/oncemill/internal/pgtest"
 )
 
-// brokers lists the conformance table: every broker this machine offers.
+// brokers lists the conformance table: every broker this machine offers,
+// Kafka in both of its subscriber modes.
 func brokers(t *testing.T) []broker {
-	return []broker{goChannelBroker(t), kafkaBroker(t), amqpBroker(t), sqsBroker(t)}
+	kafkaBrokers := kafkaCluster(t)
+	return []broker{
+		goChannelBroker(t),
+		kafkaRow(kafkaBrokers, "kafka", ""),
+		// The one-at-a-time subscriber, watermill-kafka's.
+		kafkaRow(kafkaBrokers, "kafka_max_in_flight_1", "max_in_flight=1"),
+		amqpBroker(t),
+		sqsBroker(t),
+	}
 }
 
 // amqpURL is the RabbitMQ the tests use.
@@ -179,18 +188,35 @@ func (s ackCountingSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 func (ackCountingSubscriber) Close() error { return nil }
 
 // kafkaBroker is the embedded broker, or the cluster named by
-// ONCEMILL_KAFKA_BROKERS; its backlog is the group's lag.
+// ONCEMILL_KAFKA_BROKERS, with the default (key-parallel) subscriber; its
+// backlog is the group's lag.
 func kafkaBroker(t *testing.T) broker {
-	brokers := kafka.BrokersFromEnv()
-	if len(brokers) == 0 {
-		cluster, err := embedded.Start(embedded.Config{DefaultPartitions: 4})
-		require.NoError(t, err)
-		t.Cleanup(func() { require.NoError(t, cluster.Close()) })
-		brokers = cluster.Addrs()
+	return kafkaRow(kafkaCluster(t), "kafka", "")
+}
+
+// kafkaCluster returns the seed brokers of the cluster named by
+// ONCEMILL_KAFKA_BROKERS, else of an embedded one with 4 partitions a
+// topic that t's cleanup closes.
+func kafkaCluster(t *testing.T) []string {
+	if brokers := kafka.BrokersFromEnv(); len(brokers) > 0 {
+		return brokers
 	}
+	cluster, err := embedded.Start(embedded.Config{DefaultPartitions: 4})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, cluster.Close()) })
+	return cluster.Addrs()
+}
+
+// kafkaRow is a Kafka row named name on brokers, opened with the URL
+// parameters params (such as "max_in_flight=1"; empty for the defaults);
+// its backlog is the group's lag.
+func kafkaRow(brokers []string, name, params string) broker {
 	url := "kafka://" + strings.Join(brokers, ",")
+	if params != "" {
+		url += "?" + params
+	}
 	return broker{
-		name: "kafka",
+		name: name,
 		url:  url,
 		open: func(t *testing.T, group string) *adapters.PubSub {
 			ps, err := adapters.Open(context.Background(), url, adapters.Options{ConsumerGroup: group})
