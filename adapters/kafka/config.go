@@ -128,8 +128,13 @@ type SubscriberConfig struct {
 	SyncCommit bool
 
 	// NackResendSleep is how long the subscriber waits before it delivers
-	// a nacked message again; its partition waits meanwhile. Defaults to
-	// 500ms. NoSleep disables the wait.
+	// a nacked message again. Defaults to 500ms. NoSleep disables the
+	// wait. In the key-parallel mode (MaxInFlightPerPartition above 1)
+	// only the message's key waits meanwhile: the partition's other keys
+	// go on, while the waiting message still counts as in flight towards
+	// MaxInFlightPerPartition and MaxInFlight, and the committed offset
+	// does not pass it. With MaxInFlightPerPartition 1, or without a
+	// ConsumerGroup, its whole partition waits.
 	NackResendSleep time.Duration
 
 	// ReconnectRetrySleep is how long the subscriber waits before it

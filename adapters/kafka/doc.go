@@ -1,7 +1,9 @@
 // Package kafka is oncemill's Kafka adapter: a Watermill publisher on
-// Sarama and a subscriber built on watermill-kafka v3, configured for
-// exactly-once effects on Kafka's at-least-once delivery, which the inbox
-// middleware completes by deduplicating by idempotency key.
+// Sarama and a subscriber on Sarama consumer groups (its own key-parallel
+// one by default, watermill-kafka v3's one message per partition at a
+// time), configured for exactly-once effects on Kafka's at-least-once
+// delivery, which the inbox middleware completes by deduplicating by
+// idempotency key.
 //
 // # Guarantees
 //
@@ -11,9 +13,12 @@
 // marks the offset on ack and never before, and Sarama commits marked
 // offsets only, every [SubscriberConfig.CommitInterval], when the
 // subscriber closes and before the group rebalances, or after every ack
-// with [SubscriberConfig.SyncCommit]. A partition delivers its next
-// message only once the previous one is acked; a nacked message is
-// delivered again after [SubscriberConfig.NackResendSleep]. After a crash
+// with [SubscriberConfig.SyncCommit]. With
+// [SubscriberConfig.MaxInFlightPerPartition] 1, a partition delivers its
+// next message only once the previous one is acked, and a nacked message
+// is delivered again after [SubscriberConfig.NackResendSleep] while its
+// partition waits; the key-parallel mode below orders by key instead, and
+// there only the nacked message's key waits. After a crash
 // or a lost ack, the group resumes at its committed offset, so a message
 // may be delivered again, never skipped. (An ack in the same instant as
 // Close may lose the race and leave its message to be delivered again.)
@@ -124,9 +129,17 @@
 //
 // # Brokers
 //
-// Kafka 2.3 or later (Sarama speaks protocol version 2.3.0.0 unless a
-// Sarama hook changes it), or the in-process broker of package embedded, which tests use unless
-// [BrokersEnv] names a real cluster (see [BrokersFromEnv]).
+// Kafka 2.3 or later, or the in-process broker of package embedded, which
+// tests use unless [BrokersEnv] names a real cluster (see
+// [BrokersFromEnv]). The Sarama configs set Version 2.3.0.0, and Sarama
+// sends each request at the newest version that Version allows (among
+// them JoinGroup v5 and OffsetCommit v7, new in Kafka 2.3) without asking
+// the broker which versions it supports, so an older broker refuses them. [SubscriberConfig.InstanceID] needs 2.3 in any case
+// (static membership, KIP-345, is JoinGroup v5). For an older broker
+// without InstanceID, a Sarama hook may lower Version to the broker's,
+// down to 0.11.0.0 (record headers, the idempotent producer). Newer
+// brokers accept these versions, Kafka 4 too: it drops only versions
+// older than Kafka 2.1's (KIP-896).
 //
 // Tests that check for goroutine leaks must ignore
 // github.com/rcrowley/go-metrics.(*meterArbiter).tick, a process-wide
