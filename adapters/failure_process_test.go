@@ -422,8 +422,9 @@ func runCrashLoop(t *testing.T, b broker) {
 	require.Equal(t, "dead", status, "the killer's key is recorded dead")
 	require.Equal(t, int64(1), stats.Inbox.CrashLooped)
 	require.Equal(t, int64(1), stats.Poison.DeadLettered)
-	t.Logf("crash loop on %s: %d child deaths (exit codes %v), killer dead-lettered with %q; last child exited %s after SIGTERM",
-		b.name, len(exits), exits, firstLine(errText), took.Round(time.Millisecond))
+	t.Logf("crash loop on %s: the killer's handler ran %d times, each a child death (exit codes %v), then a later delivery was dead-lettered without running; "+
+		"%d attempts recorded, 1 dead letter with %q, 0 effects of it, %d good keys applied once; last child exited %s after SIGTERM",
+		b.name, crashMaxAttempts, exits, attempts, firstLine(errText), crashGood, took.Round(time.Millisecond))
 }
 
 // TestSigtermDrainProcesses: on Kafka, RabbitMQ and SQS, 300 keys whose
@@ -484,6 +485,12 @@ func runDrain(t *testing.T, b broker) {
 		want := kill * drainKeys / (drainKills + 2)
 		require.Eventually(t, func() bool { return effects() >= want }, 2*time.Minute, 10*time.Millisecond,
 			"kill %d: fewer than %d effects", kill, want)
+		// And while a handler runs: a run of this child whose effect has
+		// not committed yet.
+		require.Eventually(t, func() bool {
+			return db.count(t, `SELECT count(*) FROM {S}.runs r WHERE r.pid = $1 AND NOT EXISTS (SELECT 1 FROM {S}.effects e WHERE e.key = r.key)`,
+				c.Cmd.Process.Pid) > 0
+		}, 2*time.Minute, time.Millisecond, "kill %d: no handler running", kill)
 		took, s := c.terminate(t)
 		add(took, s)
 		require.Less(t, effects(), drainKeys, "kill %d came after the end", kill)
@@ -503,6 +510,8 @@ func runDrain(t *testing.T, b broker) {
 	dead := db.count(t, `SELECT count(*) FROM {S}.dlq`)
 	require.Zero(t, dead, "nothing dead-lettered")
 	require.Zero(t, total.Inbox.Failed)
+	require.Positive(t, total.Inbox.Abandoned+total.FinishedAtShutdown,
+		"some SIGTERM came while a handler ran: cut short (not counted) or finished (committed)")
 	require.Equal(t, int64(drainKeys), total.Inbox.Applied)
 	require.Equal(t, 0, b.pending(t, topic, group), "nothing left on the broker")
 	// A handler that finished while its consumer shut down was committed:

@@ -125,7 +125,7 @@ func runPoison(t *testing.T, b broker, mode poisonMode, pool *pgxpool.Pool, stor
 	dead, err := dlqReader.Subscriber.Subscribe(deadCtx, dlqTopic)
 	require.NoError(t, err)
 
-	var poisonCalls, goodCalls atomic.Int32
+	var poisonCalls, goodCalls, poisonDeliveries atomic.Int32
 	handler := func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		key := middleware.IdempotencyKey(ctx)
@@ -164,7 +164,15 @@ func runPoison(t *testing.T, b broker, mode poisonMode, pool *pgxpool.Pool, stor
 			InitialBackoff: backoff, MaxBackoff: backoff,
 		})
 		require.NoError(t, err)
-		mws := []message.HandlerMiddleware{poison.Middleware}
+		counting := func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				if msg.Metadata.Get(delivery.IdempotencyKey) == "poison" {
+					poisonDeliveries.Add(1)
+				}
+				return h(msg)
+			}
+		}
+		mws := []message.HandlerMiddleware{counting, poison.Middleware}
 		if mode.timeout > 0 {
 			mws = append(mws, wmmiddleware.Timeout(mode.timeout))
 		}
@@ -274,6 +282,9 @@ func runPoison(t *testing.T, b broker, mode poisonMode, pool *pgxpool.Pool, stor
 	require.Equal(t, "dead", status, "the poison key is recorded dead")
 	require.Equal(t, poisonMaxAttempts, attempts)
 	require.Contains(t, lastError, mode.errContains[0])
+	t.Logf("poison %s on %s: %d deliveries of the poison message (a restart after the first), %d handler runs, %d attempts recorded, "+
+		"1 dead letter, %d effects of it; %d good messages behind it applied once each",
+		mode.name, b.name, poisonDeliveries.Load(), poisonCalls.Load(), attempts, poisonEffects, distinct)
 }
 
 // inboxTable is the quoted inbox table in the schema of the quoted effects
