@@ -27,7 +27,7 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 		return dedup.Claim{State: dedup.StateNew}, nil
 	}
 	if err != nil {
-		return dedup.Claim{}, interpret("peek", err)
+		return dedup.Claim{}, interpret(ctx, "peek", err)
 	}
 	if firstFailed != nil {
 		c.FirstFailedAt = *firstFailed
@@ -50,20 +50,20 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 func (s *Store) InboxDoneKeys(ctx context.Context, consumer string, since time.Time, fn func(key string) error) error {
 	rows, err := s.db.Query(ctx, s.q.doneKeys, consumer, since)
 	if err != nil {
-		return interpret("done keys", err)
+		return interpret(ctx, "done keys", err)
 	}
 	defer rows.Close()
 	var key string
 	for rows.Next() {
 		if err := rows.Scan(&key); err != nil {
-			return interpret("done keys", err)
+			return interpret(ctx, "done keys", err)
 		}
 		if err := fn(key); err != nil {
 			return err
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return interpret("done keys", err)
+		return interpret(ctx, "done keys", err)
 	}
 	return nil
 }

@@ -59,7 +59,7 @@ func (s *Store) InboxStartClaim(ctx context.Context, key dedup.Key, window time.
 	}
 	c, err := pool.Acquire(ctx)
 	if err != nil {
-		return dedup.Claim{}, nil, dedup.Claim{}, interpret("start", err)
+		return dedup.Claim{}, nil, dedup.Claim{}, interpret(ctx, "start", err)
 	}
 	start, claim, err := s.pipeline(ctx, c, key, window)
 	if err != nil || start.State != dedup.StateNew {
@@ -131,7 +131,7 @@ func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, wi
 	params := claimParams(key, window)
 	stmts, err := prepare(ctx, conn, s.q.start, s.q.claim)
 	if err != nil {
-		return dedup.Claim{}, claimRow{}, interpret("start", err)
+		return dedup.Claim{}, claimRow{}, interpret(ctx, "start", err)
 	}
 
 	trace := traceStart(ctx, conn, params, s.q.start, "begin", s.q.claim)
@@ -153,13 +153,13 @@ func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, wi
 	if err != nil {
 		// A broken pipeline: which statements ran is unknown. The start
 		// is taken as not counted, as a failed InboxStart is.
-		return dedup.Claim{}, claimRow{}, interpret("start", err)
+		return dedup.Claim{}, claimRow{}, interpret(ctx, "start", err)
 	}
 
 	tm := conn.TypeMap()
 	startRes := first[0]
 	if startRes.err != nil {
-		return dedup.Claim{}, claimRow{}, interpret("start", startRes.err)
+		return dedup.Claim{}, claimRow{}, interpret(ctx, "start", startRes.err)
 	}
 	var (
 		status      string
@@ -186,20 +186,20 @@ func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, wi
 		return dedup.Claim{}, claimRow{}, fmt.Errorf("postgres: start: unexpected status %q", status)
 	}
 	// From here the start is counted: errors return it.
-	r, err := claimFrom(conn, second)
+	r, err := claimFrom(ctx, conn, second)
 	return start, r, err
 }
 
 // claimFrom reads the answers of BEGIN and the claim statement, the
 // claim's row with status "" when it returned none, and checks that the
 // connection is in the transaction.
-func claimFrom(conn *pgx.Conn, answers []result) (claimRow, error) {
+func claimFrom(ctx context.Context, conn *pgx.Conn, answers []result) (claimRow, error) {
 	if begin := answers[0]; begin.err != nil {
-		return claimRow{}, interpret("begin", begin.err)
+		return claimRow{}, interpret(ctx, "begin", begin.err)
 	}
 	claimRes := answers[1]
 	if claimRes.err != nil {
-		return claimRow{}, interpret("claim", claimRes.err)
+		return claimRow{}, interpret(ctx, "claim", claimRes.err)
 	}
 	if st := conn.PgConn().TxStatus(); st != 'T' {
 		return claimRow{}, fmt.Errorf("postgres: begin: connection not in a transaction after BEGIN (status %q)", st)
@@ -232,7 +232,7 @@ func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.
 	}
 	c, err := pool.Acquire(ctx)
 	if err != nil {
-		return nil, dedup.Claim{}, interpret("begin", err)
+		return nil, dedup.Claim{}, interpret(ctx, "begin", err)
 	}
 	r, err := s.beginClaim(ctx, c, key, window)
 	if err != nil {
@@ -249,7 +249,7 @@ func (s *Store) beginClaim(ctx context.Context, c *pgxpool.Conn, key dedup.Key, 
 	params := claimParams(key, window)
 	stmts, err := prepare(ctx, conn, s.q.claim)
 	if err != nil {
-		return claimRow{}, interpret("begin", err)
+		return claimRow{}, interpret(ctx, "begin", err)
 	}
 	trace := traceStart(ctx, conn, params, "begin", s.q.claim)
 	p := conn.PgConn().StartPipeline(ctx)
@@ -263,9 +263,9 @@ func (s *Store) beginClaim(ctx context.Context, c *pgxpool.Conn, key dedup.Key, 
 	err = errors.Join(err, p.Close())
 	trace.end(err, answers)
 	if err != nil {
-		return claimRow{}, interpret("begin", err)
+		return claimRow{}, interpret(ctx, "begin", err)
 	}
-	return claimFrom(conn, answers)
+	return claimFrom(ctx, conn, answers)
 }
 
 // claimParams are the parameters of the start and claim statements, in

@@ -106,7 +106,7 @@ func Tx(ctx context.Context) pgx.Tx {
 func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
 	tx, err := s.db.Begin(ctx)
 	if err != nil {
-		return nil, interpret("begin", err)
+		return nil, interpret(ctx, "begin", err)
 	}
 	return &inboxTx{tx: tx, q: &s.q}, nil
 }
@@ -123,7 +123,7 @@ func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Durat
 	err := s.db.QueryRow(ctx, s.q.start, key.Consumer, key.Key, seconds(window)).
 		Scan(&status, &c.Attempts, &c.Result, &firstFailed)
 	if err != nil {
-		return dedup.Claim{}, interpret("start", err)
+		return dedup.Claim{}, interpret(ctx, "start", err)
 	}
 	if firstFailed != nil {
 		c.FirstFailedAt = *firstFailed
@@ -144,7 +144,7 @@ func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Durat
 // InboxUnstart takes back one started attempt of key.
 func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
 	if _, err := s.db.Exec(ctx, s.q.unstart, key.Consumer, key.Key); err != nil {
-		return interpret("unstart", err)
+		return interpret(ctx, "unstart", err)
 	}
 	return nil
 }
@@ -153,7 +153,7 @@ func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
 func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
 	tag, err := s.db.Exec(ctx, s.q.reopen, key.Consumer, key.Key)
 	if err != nil {
-		return false, interpret("reopen", err)
+		return false, interpret(ctx, "reopen", err)
 	}
 	return tag.RowsAffected() == 1, nil
 }
@@ -161,7 +161,7 @@ func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
 // InboxDeadCopy counts a copy of a dead key on its record.
 func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
 	if _, err := s.db.Exec(ctx, s.q.deadCopy, key.Consumer, key.Key); err != nil {
-		return interpret("count dead copy", err)
+		return interpret(ctx, "count dead copy", err)
 	}
 	return nil
 }
@@ -171,7 +171,7 @@ func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
 func (s *Store) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
 	_, err := s.db.Exec(ctx, s.q.fail, key.Consumer, key.Key, f.Err, f.At, seconds(window))
 	if err != nil {
-		return interpret("record failure", err)
+		return interpret(ctx, "record failure", err)
 	}
 	return nil
 }
@@ -183,7 +183,7 @@ func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) 
 	}
 	tag, err := s.db.Exec(ctx, s.q.deleteExpired, limit)
 	if err != nil {
-		return 0, interpret("delete expired", err)
+		return 0, interpret(ctx, "delete expired", err)
 	}
 	return int(tag.RowsAffected()), nil
 }
@@ -203,7 +203,7 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 			Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result, &r.firstFailed)
 	}
 	if err != nil {
-		return dedup.Claim{}, interpret("lease claim", err)
+		return dedup.Claim{}, interpret(ctx, "lease claim", err)
 	}
 	c := dedup.Claim{Attempts: r.attempts}
 	if r.firstFailed != nil {
@@ -241,7 +241,7 @@ type leaseRow struct {
 func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
 	tag, err := s.db.Exec(ctx, s.q.leaseComplete, key.Consumer, key.Key, token, result)
 	if err != nil {
-		return interpret("lease complete", err)
+		return interpret(ctx, "lease complete", err)
 	}
 	if tag.RowsAffected() == 0 {
 		return dedup.ErrLeaseLost
@@ -257,7 +257,7 @@ func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lea
 		return time.Time{}, dedup.ErrLeaseLost
 	}
 	if err != nil {
-		return time.Time{}, interpret("lease extend", err)
+		return time.Time{}, interpret(ctx, "lease extend", err)
 	}
 	return until, nil
 }
@@ -266,7 +266,7 @@ func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lea
 func (s *Store) LeaseBury(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
 	tag, err := s.db.Exec(ctx, s.q.leaseBury, key.Consumer, key.Key, token, f.Err, f.At)
 	if err != nil {
-		return interpret("lease bury", err)
+		return interpret(ctx, "lease bury", err)
 	}
 	if tag.RowsAffected() == 0 {
 		return dedup.ErrLeaseLost
@@ -287,7 +287,7 @@ func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f 
 		tag, err = s.db.Exec(ctx, s.q.leaseRelease, key.Consumer, key.Key, token, f.Err, f.At)
 	}
 	if err != nil {
-		return interpret("lease release", err)
+		return interpret(ctx, "lease release", err)
 	}
 	if tag.RowsAffected() == 0 {
 		return dedup.ErrLeaseLost
@@ -340,7 +340,7 @@ func (t *inboxTx) claimed(ctx context.Context, key dedup.Key, window time.Durati
 		}
 	}
 	if err != nil {
-		return dedup.Claim{}, interpret("claim", err)
+		return dedup.Claim{}, interpret(ctx, "claim", err)
 	}
 	var first time.Time
 	if firstFailed != nil {
@@ -360,7 +360,7 @@ func (t *inboxTx) claimed(ctx context.Context, key dedup.Key, window time.Durati
 
 func (t *inboxTx) InboxBury(ctx context.Context, key dedup.Key, f dedup.Failure) error {
 	if _, err := t.tx.Exec(ctx, t.q.bury, key.Consumer, key.Key, f.Err, f.At); err != nil {
-		return interpret("bury", err)
+		return interpret(ctx, "bury", err)
 	}
 	return nil
 }
@@ -370,7 +370,7 @@ func (t *inboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byt
 		return nil
 	}
 	if _, err := t.tx.Exec(ctx, t.q.complete, key.Consumer, key.Key, result); err != nil {
-		return interpret("complete", err)
+		return interpret(ctx, "complete", err)
 	}
 	return nil
 }
@@ -391,7 +391,7 @@ func (t *inboxTx) Commit(ctx context.Context) error {
 	if !errors.As(err, &pgErr) && connectionError(err) && !pgconn.SafeToRetry(err) {
 		return fmt.Errorf("postgres: commit: %w: %w", dedup.ErrAmbiguous, err)
 	}
-	return interpret("commit", err)
+	return interpret(ctx, "commit", err)
 }
 
 func (t *inboxTx) Rollback(ctx context.Context) error {
@@ -404,27 +404,47 @@ func (t *inboxTx) Rollback(ctx context.Context) error {
 
 // interpret translates driver errors in one place: a missing table gets a
 // hint for the fix, and the infrastructure's errors wrap the dedup
-// sentinels (see [classify]).
-func interpret(op string, err error) error {
+// sentinels (see [classify]). ctx is the context the failed call ran on.
+func interpret(ctx context.Context, op string, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
 		return fmt.Errorf("postgres: %s: %w: %w", op, ErrNotMigrated, err)
 	}
-	if class := classify(err); class != nil {
+	if class := classify(err, ctx.Err() != nil); class != nil {
 		return fmt.Errorf("postgres: %s: %w: %w", op, class, err)
 	}
 	return fmt.Errorf("postgres: %s: %w", op, err)
 }
 
 // classify returns the dedup sentinel for an infrastructure error, or nil
-// for an error of the statement or the message: a serialization failure or
-// deadlock is a conflict to retry; a server shutting down, out of
-// connections or with a broken connection, and a connection that failed
-// ([connectionError]), is unavailability. The caller's own cancellation or
-// deadline is neither.
-func classify(err error) error {
-	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+// for an error of the statement, the message or the caller. callerDone
+// reports whether the context of the call that failed is done; it is true
+// when that context is not known (an error the handler returned).
+//
+//   - A connect that failed (*pgconn.ConnectError), for whatever reason,
+//     its own connect timeout included, is unavailability: nothing of the
+//     message reached the server.
+//   - A deadline or cancellation is the caller's own when callerDone:
+//     Watermill's Timeout middleware on the message, a handler's
+//     context.WithTimeout, a shutdown. It is the message's, not the
+//     store's. One that the caller's context did not cause (a timeout
+//     inside the driver or the pool) is unavailability, as in dedup/redis.
+//   - A serialization failure or deadlock is a conflict to retry; a server
+//     shutting down, out of connections or with a broken connection, and a
+//     connection that failed ([connectionError]), is unavailability.
+func classify(err error, callerDone bool) error {
+	if err == nil {
 		return nil
+	}
+	var connectErr *pgconn.ConnectError
+	if errors.As(err, &connectErr) {
+		return dedup.ErrUnavailable
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || pgconn.Timeout(err) {
+		if callerDone {
+			return nil
+		}
+		return dedup.ErrUnavailable
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
@@ -460,9 +480,10 @@ func connectionError(err error) bool {
 }
 
 // InboxClassify marks the infrastructure's errors among those the handler
-// returned after writing through the inbox's transaction.
+// returned after writing through the inbox's transaction. A deadline or
+// cancellation in them is the handler's own: it is not marked.
 func (s *Store) InboxClassify(err error) error {
-	if class := classify(err); class != nil && !errors.Is(err, class) {
+	if class := classify(err, true); class != nil && !errors.Is(err, class) {
 		return fmt.Errorf("%w: %w", class, err)
 	}
 	return err

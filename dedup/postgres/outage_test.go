@@ -1,0 +1,178 @@
+package postgres_test
+
+import (
+	"context"
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/internal/netfault"
+	"github.com/oncemill/oncemill/internal/pgtest"
+)
+
+// upstream is the test server's host:port.
+func upstream(t *testing.T) string {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	return net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port)))
+}
+
+// poolVia is a pool with the test server's settings whose connections dial
+// addr instead, giving up a connect after connectTimeout.
+func poolVia(t *testing.T, addr string, connectTimeout time.Duration) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	cfg.ConnConfig.ConnectTimeout = connectTimeout
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, network, addr)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// TestUnansweringServerIsUnavailable: a server that accepts TCP and never
+// answers makes every call fail once pgx's connect timeout passes. That
+// deadline is the driver's, not the caller's: the error wraps
+// dedup.ErrUnavailable, so that the inbox does not count it against the
+// message. It used to be taken for the caller's own deadline.
+func TestUnansweringServerIsUnavailable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 2)
+	store, err := postgres.New(poolVia(t, netfault.Silent(t), 100*time.Millisecond), postgres.Config{Schema: b.schema})
+	require.NoError(t, err)
+	key := dedup.Key{Consumer: "c", Key: "k"}
+	// The caller's own context has a deadline, far off.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	_, err = store.InboxStart(ctx, key, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrUnavailable)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "pgx's connect timeout")
+	_, err = store.InboxBegin(ctx)
+	require.ErrorIs(t, err, dedup.ErrUnavailable)
+	_, _, _, err = store.InboxStartClaim(ctx, key, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrUnavailable)
+	_, _, err = store.InboxBeginClaim(ctx, key, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrUnavailable)
+	_, err = store.LeaseClaim(ctx, key, time.Second, time.Hour)
+	require.ErrorIs(t, err, dedup.ErrUnavailable)
+	require.ErrorIs(t, store.InboxClassify(err), dedup.ErrUnavailable)
+	require.NoError(t, ctx.Err(), "the caller's deadline did not pass")
+}
+
+// TestCallersOwnDeadlineIsNotUnavailable: a deadline of the caller's own
+// context (Watermill's Timeout middleware on the message) is the
+// message's, not the store's: a claim that waits on a row another
+// transaction holds until the caller's deadline passes, and a call made
+// after it passed, do not wrap dedup.ErrUnavailable; nor does a deadline
+// the handler returns.
+func TestCallersOwnDeadlineIsNotUnavailable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	ctx := context.Background()
+	key := dedup.Key{Consumer: "c", Key: "held"}
+
+	holder, err := b.store.InboxBegin(ctx)
+	require.NoError(t, err)
+	_, err = holder.InboxClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, holder.Rollback(ctx)) }()
+
+	for _, pipelined := range []bool{false, true} {
+		t.Run("pipelined="+strconv.FormatBool(pipelined), func(t *testing.T) {
+			if pipelined {
+				short, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+				defer cancel()
+				_, _, err = b.store.InboxBeginClaim(short, key, time.Hour)
+			} else {
+				tx, berr := b.store.InboxBegin(ctx)
+				require.NoError(t, berr)
+				short, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+				defer cancel()
+				_, err = tx.InboxClaim(short, key, time.Hour)
+				_ = tx.Rollback(ctx) // the deadline closed its connection
+			}
+			require.ErrorIs(t, err, context.DeadlineExceeded, "the claim waited on the held row until the deadline")
+			require.NotErrorIs(t, err, dedup.ErrUnavailable)
+			require.NotErrorIs(t, b.store.InboxClassify(err), dedup.ErrUnavailable)
+		})
+	}
+
+	past, cancel := context.WithDeadline(ctx, time.Now().Add(-time.Second))
+	defer cancel()
+	_, err = b.store.InboxStart(past, dedup.Key{Consumer: "c", Key: "late"}, time.Hour)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, dedup.ErrUnavailable)
+
+	require.NotErrorIs(t, b.store.InboxClassify(context.DeadlineExceeded), dedup.ErrUnavailable,
+		"a handler's own deadline")
+}
+
+// TestCommitAnswerLostIsAmbiguous: the COMMIT reaches the server, which
+// commits, and the connection breaks before its answer comes back. The
+// commit returns an error wrapping dedup.ErrAmbiguous (an error without
+// it would be counted as the message's failure), and the server holds
+// the key done with its effect: the redelivery finds a duplicate.
+func TestCommitAnswerLostIsAmbiguous(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	b.createEffects(t)
+	ctx := context.Background()
+	for _, pipelined := range []bool{false, true} {
+		t.Run("pipelined="+strconv.FormatBool(pipelined), func(t *testing.T) {
+			proxy := netfault.CutAtCommit(t, upstream(t))
+			via := poolVia(t, proxy.Addr(), 10*time.Second)
+			store, err := postgres.New(via, postgres.Config{Schema: b.schema})
+			require.NoError(t, err)
+			key := dedup.Key{Consumer: "c", Key: "ambiguous-" + strconv.FormatBool(pipelined)}
+
+			var tx dedup.InboxTx
+			if pipelined {
+				var start dedup.Claim
+				start, tx, _, err = store.InboxStartClaim(ctx, key, time.Hour)
+				require.NoError(t, err)
+				require.Equal(t, dedup.StateNew, start.State)
+			} else {
+				tx, err = store.InboxBegin(ctx)
+				require.NoError(t, err)
+				var c dedup.Claim
+				c, err = tx.InboxClaim(ctx, key, time.Hour)
+				require.NoError(t, err)
+				require.Equal(t, dedup.StateNew, c.State)
+			}
+			hctx := tx.WithTx(ctx)
+			_, err = postgres.Tx(hctx).Exec(hctx, `INSERT INTO "`+b.schema+`".effects (key) VALUES ($1)`, key.Key)
+			require.NoError(t, err)
+			err = tx.Commit(ctx)
+			require.ErrorIs(t, err, dedup.ErrAmbiguous)
+			require.ErrorIs(t, err, dedup.ErrUnavailable, "ambiguous is a kind of unavailable")
+			require.NoError(t, tx.Rollback(ctx), "nothing left to roll back")
+			select {
+			case <-proxy.Cut():
+			default:
+				t.Fatal("the proxy did not cut the COMMIT's answer")
+			}
+
+			r, ok := b.row(t, key)
+			require.True(t, ok)
+			require.Equal(t, "done", r.status, "the server committed")
+			var n int
+			require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM "`+b.schema+`".effects WHERE key = $1`, key.Key).Scan(&n))
+			require.Equal(t, 1, n, "with its effect")
+			requireIdle(t, via)
+		})
+	}
+}
