@@ -1,5 +1,8 @@
-// Package netfault gives tests network peers that misbehave, for proving
-// that every connect gives up in time.
+// Package netfault gives tests network peers that misbehave: a host that
+// accepts and never answers ([Silent]), for proving that every connect
+// gives up in time, and a proxy that loses the answer to a COMMIT
+// ([CutAtCommit]), for proving what happens when a commit's outcome is
+// unknown.
 package netfault
 
 import (
