@@ -183,6 +183,7 @@ oncemill_inbox_messages_total{consumer="charge",outcome="dead",topic="orders"} 0
 oncemill_inbox_messages_total{consumer="charge",outcome="duplicate",topic="orders"} 1
 oncemill_inbox_messages_total{consumer="charge",outcome="failed",topic="orders"} 1
 oncemill_inbox_messages_total{consumer="charge",outcome="in_flight",topic="orders"} 0
+oncemill_inbox_messages_total{consumer="charge",outcome="other_consumer",topic="orders"} 0
 oncemill_inbox_messages_total{consumer="charge",outcome="panicked",topic="orders"} 0
 oncemill_inbox_messages_total{consumer="charge",outcome="rejected",topic="orders"} 0
 oncemill_inbox_messages_total{consumer="charge",outcome="unavailable",topic="orders"} 0
@@ -194,6 +195,7 @@ oncemill_inbox_messages_total{consumer="ship",outcome="duplicate",topic=""} 0
 oncemill_inbox_messages_total{consumer="ship",outcome="failed",topic=""} 0
 oncemill_inbox_messages_total{consumer="ship",outcome="from_the_future",topic=""} 1
 oncemill_inbox_messages_total{consumer="ship",outcome="in_flight",topic=""} 0
+oncemill_inbox_messages_total{consumer="ship",outcome="other_consumer",topic=""} 0
 oncemill_inbox_messages_total{consumer="ship",outcome="panicked",topic=""} 0
 oncemill_inbox_messages_total{consumer="ship",outcome="rejected",topic=""} 1
 oncemill_inbox_messages_total{consumer="ship",outcome="unavailable",topic=""} 0
