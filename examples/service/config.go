@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/url"
 	"strconv"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -36,6 +37,16 @@ type config struct {
 	// LogLevel is the slog level (LOG_LEVEL): debug shows a line per
 	// duplicate dropped and per message handled.
 	LogLevel slog.Level
+	// TracesEndpoint is the URL the spans are exported to with OTLP over
+	// HTTP: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as it is, else
+	// OTEL_EXPORTER_OTLP_ENDPOINT followed by /v1/traces, the variables
+	// of the OpenTelemetry specification. Empty, when neither is set or
+	// OTEL_SDK_DISABLED is true: the service traces nothing and adds no
+	// tracing hook. The exporter and the SDK read their other OTEL_*
+	// variables themselves (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES,
+	// OTEL_TRACES_SAMPLER, OTEL_EXPORTER_OTLP_HEADERS, OTEL_BSP_*, …).
+	// It may hold a password: log it redacted.
+	TracesEndpoint string
 }
 
 // The defaults: a local PostgreSQL and an in-process broker, so that
@@ -109,7 +120,56 @@ func loadConfig(getenv func(string) string) (config, error) {
 			bad("LOG_LEVEL", "want debug, info, warn or error, got %q", lvl)
 		}
 	}
+
+	c.TracesEndpoint = tracesEndpoint(getenv, bad)
 	return c, errors.Join(errs...)
+}
+
+// tracesEndpoint returns where the spans go, as the OTLP/HTTP exporter
+// reads it from the environment, or "" for no tracing; bad reports a
+// value the exporter would not use. The exporter, given a URL it cannot
+// use, logs it and sends to https://localhost:4318 instead: refusing to
+// start names the variable instead.
+func tracesEndpoint(getenv func(string) string, bad func(name, format string, args ...any)) string {
+	if disabled := getenv("OTEL_SDK_DISABLED"); disabled != "" {
+		if off, err := strconv.ParseBool(disabled); err != nil {
+			bad("OTEL_SDK_DISABLED", "want true or false, got %q", disabled)
+		} else if off {
+			return ""
+		}
+	}
+	endpoint := ""
+	for _, v := range []struct{ name, path string }{
+		// The per-signal URL is used as it is and wins over the base URL.
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "/v1/traces"},
+		{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""},
+	} {
+		raw := getenv(v.name)
+		if raw == "" {
+			continue
+		}
+		// url.Parse's error and the value would repeat a password.
+		u, err := url.Parse(raw)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			bad(v.name, "want an http:// or https:// URL with a host, such as http://127.0.0.1:4318")
+			continue
+		}
+		if v.path != "" {
+			u.Path = strings.TrimSuffix(u.Path, "/") + v.path
+		}
+		endpoint = u.String()
+	}
+	if endpoint == "" {
+		return ""
+	}
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"} {
+		switch p := getenv(name); p {
+		case "", "http/protobuf", "http/json":
+		default:
+			bad(name, "the service exports over HTTP: want http/protobuf (the default) or http/json, got %q", p)
+		}
+	}
+	return endpoint
 }
 
 // dlqTopic is the topic dead letters are filed under in the dead-letter

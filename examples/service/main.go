@@ -10,15 +10,23 @@
 // and the janitor that sweeps expired keys run with the router. Every
 // component reports to one Prometheus registry, served at /metrics;
 // /healthz answers 200 only while the database answers and the router and
-// the broker are up. SIGTERM or SIGINT drains the router within
-// Kubernetes' 30 s grace period and exits 0.
+// the broker are up. With OTEL_EXPORTER_OTLP_ENDPOINT set, every
+// component also reports to OpenTelemetry, exported with OTLP over HTTP:
+// one trace goes from the producer's span, in the message's traceparent,
+// through the delivery's inbox span and the outbox row to the relay's
+// span, which the event carries to the broker. SIGTERM or SIGINT drains
+// the router within Kubernetes' 30 s grace period, flushes the last
+// spans and exits 0.
 //
 //	go run ./examples/service                      # gochannel:// and the local PostgreSQL
 //	go run ./examples/service -produce 100         # same, publishing 100 demo orders 3 times each
 //	BROKER_URL=amqp://guest:guest@127.0.0.1:5672/ go run ./examples/service
+//	OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 go run ./examples/service   # traces to a collector
 //
 // Environment: DATABASE_URL, BROKER_URL, HTTP_ADDR, DB_SCHEMA, TOPIC,
-// EVENTS_TOPIC, CONSUMER_GROUP, LOG_LEVEL (see config.go).
+// EVENTS_TOPIC, CONSUMER_GROUP, LOG_LEVEL, OTEL_EXPORTER_OTLP_ENDPOINT or
+// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT and the SDK's other OTEL_* variables
+// (see config.go).
 package main
 
 import (
@@ -60,13 +68,17 @@ import (
 // The drain budget. Kubernetes sends SIGKILL terminationGracePeriodSeconds
 // (30 s by default) after SIGTERM. The router waits up to closeTimeout for
 // running handlers and the relay's batch; a handler that has returned
-// then gets up to finishTimeout to commit: 15 s + 5 s = 20 s. If closing
-// the broker connections and the pool still takes the process past
-// shutdownBudget, it exits 1 on its own, before the SIGKILL, saying so.
+// then gets up to finishTimeout to commit: 15 s + 5 s = 20 s. The HTTP
+// server then gets up to 2 s to answer its last requests, and the spans
+// still buffered up to traceFlushTimeout to reach the collector: 24 s. If
+// closing the broker connections and the pool still takes the process
+// past shutdownBudget, it exits 1 on its own, before the SIGKILL, saying
+// so.
 const (
-	closeTimeout   = 15 * time.Second
-	finishTimeout  = 5 * time.Second
-	shutdownBudget = 25 * time.Second
+	closeTimeout      = 15 * time.Second
+	finishTimeout     = 5 * time.Second
+	traceFlushTimeout = 2 * time.Second
+	shutdownBudget    = 25 * time.Second
 	// handlerTimeout bounds one attempt of the handler (Watermill's
 	// Timeout middleware, behind Poison): one that runs past it fails,
 	// is counted and is dead-lettered after maxAttempts.
@@ -108,8 +120,13 @@ func run(cfg config, produce int) error {
 	signals, stopSignals := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stopSignals()
 	logger := watermill.NewSlogLogger(slog.Default())
+	traces := "off"
+	if cfg.TracesEndpoint != "" {
+		traces = redacted(cfg.TracesEndpoint)
+	}
 	slog.Info("starting", "database", redacted(cfg.DatabaseURL), "broker", redacted(cfg.BrokerURL),
-		"http", cfg.HTTPAddr, "schema", cfg.Schema, "topic", cfg.Topic, "events_topic", cfg.EventsTopic, "group", cfg.ConsumerGroup)
+		"http", cfg.HTTPAddr, "schema", cfg.Schema, "topic", cfg.Topic, "events_topic", cfg.EventsTopic, "group", cfg.ConsumerGroup,
+		"traces", traces)
 
 	startCtx, cancelStart := context.WithTimeout(signals, startTimeout)
 	defer cancelStart()
@@ -152,8 +169,25 @@ func run(cfg config, produce int) error {
 	}
 	reg.MustRegister(dlqSize)
 
+	// The tracer, when there is one, is a hook beside the metrics. Its
+	// stop runs before the closes deferred above: once the router has
+	// drained, every span has ended, and the last ones are exported
+	// within traceFlushTimeout.
+	tracers, stopTracing, err := newTracing(startCtx, cfg)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), traceFlushTimeout)
+		defer cancel()
+		if err := stopTracing(ctx); err != nil {
+			slog.Error("flushing the last spans", "error", err)
+		}
+	}()
+	hooks := append([]observe.Hook{metrics}, tracers...)
+
 	health := newHealth(pool, ps.Subscriber)
-	router, err := newRouter(startCtx, cfg, pool, ps.Subscriber, health.publisher(ps.Publisher), []observe.Hook{metrics}, logger)
+	router, err := newRouter(startCtx, cfg, pool, ps.Subscriber, health.publisher(ps.Publisher), hooks, logger)
 	if err != nil {
 		return err
 	}

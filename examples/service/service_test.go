@@ -351,11 +351,35 @@ func TestConfig(t *testing.T) {
 		{"DB_SCHEMA", "Payments", `DB_SCHEMA: "Payments" is not a valid schema name`},
 		{"EVENTS_TOPIC", "orders", "EVENTS_TOPIC: must differ from TOPIC"},
 		{"LOG_LEVEL", "loud", "LOG_LEVEL: want debug, info, warn or error"},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318", "OTEL_EXPORTER_OTLP_ENDPOINT: want an http:// or https:// URL"},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "127.0.0.1:4318", "OTEL_EXPORTER_OTLP_ENDPOINT: want an http:// or https:// URL"},
+		{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "grpc://u:secret@collector:4317", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: want an http://"},
+		{"OTEL_SDK_DISABLED", "maybe", "OTEL_SDK_DISABLED: want true or false"},
 	} {
 		_, err := loadConfig(env(tc.name, tc.value))
 		require.ErrorContains(t, err, tc.want, "%s=%s", tc.name, tc.value)
 		require.NotContains(t, err.Error(), "secret")
 	}
+	// Tracing: off unless an endpoint is set; the per-signal URL is used
+	// as it is, the base URL gets the traces' path.
+	require.Empty(t, c.TracesEndpoint)
+	c, err = loadConfig(env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"))
+	require.NoError(t, err)
+	require.Equal(t, "http://collector:4318/v1/traces", c.TracesEndpoint)
+	c, err = loadConfig(env("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector/otlp/"))
+	require.NoError(t, err)
+	require.Equal(t, "https://collector/otlp/v1/traces", c.TracesEndpoint)
+	c, err = loadConfig(env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://tempo:4318/ingest"))
+	require.NoError(t, err)
+	require.Equal(t, "http://tempo:4318/ingest", c.TracesEndpoint)
+	c, err = loadConfig(env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318", "OTEL_SDK_DISABLED", "true"))
+	require.NoError(t, err)
+	require.Empty(t, c.TracesEndpoint, "OTEL_SDK_DISABLED=true turns tracing off")
+	_, err = loadConfig(env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318", "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+	require.ErrorContains(t, err, `OTEL_EXPORTER_OTLP_PROTOCOL: the service exports over HTTP`)
+	_, err = loadConfig(env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+	require.NoError(t, err, "the protocol does not matter while nothing is exported")
+
 	_, err = loadConfig(env("HTTP_ADDR", "x", "LOG_LEVEL", "x"))
 	require.ErrorContains(t, err, "HTTP_ADDR")
 	require.ErrorContains(t, err, "LOG_LEVEL", "every problem is reported")
@@ -386,9 +410,12 @@ func startService(t *testing.T, env map[string]string, args ...string) *service 
 	cmd.Env = []string{serviceEnv + "=1", "LOG_LEVEL=info",
 		"GORACE=" + strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0")}
 	for _, kv := range os.Environ() {
-		// The service's own settings come from env alone.
-		switch name, _, _ := strings.Cut(kv, "="); name {
-		case "DATABASE_URL", "BROKER_URL", "HTTP_ADDR", "DB_SCHEMA", "TOPIC", "EVENTS_TOPIC", "CONSUMER_GROUP", "LOG_LEVEL", "GORACE":
+		// The service's own settings come from env alone, OpenTelemetry's
+		// included: no tracing unless the test asks for it.
+		switch name, _, _ := strings.Cut(kv, "="); {
+		case strings.HasPrefix(name, "OTEL_"):
+		case name == "DATABASE_URL", name == "BROKER_URL", name == "HTTP_ADDR", name == "DB_SCHEMA", name == "TOPIC",
+			name == "EVENTS_TOPIC", name == "CONSUMER_GROUP", name == "LOG_LEVEL", name == "GORACE":
 		default:
 			cmd.Env = append(cmd.Env, kv)
 		}
