@@ -317,6 +317,11 @@ func TestRelayRowWithoutContextStartsATrace(t *testing.T) {
 	require.Equal(t, relay.SpanContext().SpanID(), extract(msg).SpanID())
 }
 
+// TestDeadLetterAndReplayStayInTheTrace drives the hooks by hand for a
+// dead letter sent from a context that holds a span (in a service, a
+// tracing middleware of the user's in front of Poison): the dead letter
+// and its replay continue from that span.
+// TestReplayedDeadLetterStaysInTheTrace replays real dead letters.
 func TestDeadLetterAndReplayStayInTheTrace(t *testing.T) {
 	t.Parallel()
 	r := newRecorded(t)
