@@ -362,7 +362,14 @@ func newRouter(ctx context.Context, cfg config, pool *pgxpool.Pool, sub message.
 		return nil, err
 	}
 	router.AddMiddleware(poison.Middleware, wmiddleware.Timeout(handlerTimeout), bloom.Middleware, inbox.Middleware)
-	router.AddHandler(consumerName, cfg.Topic, sub, cfg.EventsTopic, outboxOnly{}, recordPayment(cfg.Schema))
+	// Replays an operator requests for this consumer (oncemill dlq replay
+	// --to-consumer, the console) come through the same handler and
+	// inbox, and reach no other consumer of the topic.
+	replays, err := dlq.NewReplaySubscriber(pool, schema, dlq.ReplaySubscriberConfig{Consumer: consumerName, Logger: logger})
+	if err != nil {
+		return nil, err
+	}
+	router.AddHandler(consumerName, cfg.Topic, dlq.WithReplays(sub, replays), cfg.EventsTopic, outboxOnly{}, recordPayment(cfg.Schema))
 	router.AddPlugin(relay.Plugin, runWithRouter("oncemill_janitor", func() (func() error, error) {
 		j, err := dedup.NewJanitor(store, dedup.JanitorConfig{Logger: logger})
 		if err != nil {

@@ -34,7 +34,9 @@ import (
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/sqlschema"
 )
 
 // serviceEnv, set to 1, makes the test binary run the service's main
@@ -222,6 +224,35 @@ func TestServiceRabbitMQ(t *testing.T) {
 		require.False(t, got[k], "a second event for %s", k)
 		require.True(t, want[k], "an event for %s", k)
 	}
+	// An operator replays the dead letters to the service (oncemill dlq
+	// replay --to-consumer): they come back through its handler chain,
+	// fail again (they can never succeed) and are dead-lettered afresh,
+	// under the same UUIDs.
+	deadLetters, err := dlq.NewStore(pool, sqlschema.Config{Schema: schema})
+	require.NoError(t, err)
+	before, err := deadLetters.List(ctx, dlq.Filter{All: true})
+	require.NoError(t, err)
+	require.Len(t, before, poison)
+	requested, err := deadLetters.RequestReplay(ctx, dlq.Filter{Consumer: consumerName})
+	require.NoError(t, err)
+	require.Equal(t, poison, requested)
+	waitFor(t, 60*time.Second, "the replays reach the service and are dead-lettered again", func() (bool, string) {
+		after, err := deadLetters.List(ctx, dlq.Filter{All: true})
+		if err != nil || len(after) != poison {
+			return false, fmt.Sprintf("%d entries, %v", len(after), err)
+		}
+		old := map[int64]bool{}
+		uuids := map[string]bool{}
+		for _, e := range before {
+			old[e.ID], uuids[e.UUID] = true, true
+		}
+		for _, e := range after {
+			if old[e.ID] || !uuids[e.UUID] {
+				return false, fmt.Sprintf("entry %d (%s) not replayed yet", e.ID, e.UUID)
+			}
+		}
+		return true, ""
+	})
 	code, _ = third.stop(t, 30*time.Second)
 	require.Equal(t, 0, code, "exit code of the third instance")
 
