@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -25,9 +24,11 @@ type privateOutbox struct {
 	b      bundle
 }
 
-func newPrivateOutbox(t *testing.T) privateOutbox {
+// newPrivateOutbox starts a private server with the postgresql.conf lines
+// settings, and migrates an outbox into it.
+func newPrivateOutbox(t *testing.T, settings ...string) privateOutbox {
 	t.Helper()
-	srv := pgtest.StartServer(t)
+	srv := pgtest.StartServer(t, settings...)
 	cfg, err := pgxpool.ParseConfig(srv.URL())
 	require.NoError(t, err)
 	cfg.MaxConns = 8
@@ -197,7 +198,7 @@ func TestLagNamesTheTransactionThatHoldsTheOutbox(t *testing.T) {
 	otherPID := int(other.PgConn().PID())
 
 	o.b.write(t, "orders", event("order-1", 1), event("order-2", 2))
-	logger := watermill.NewCaptureLogger()
+	logger := &lineLogger{}
 	s := &sink{}
 	r := newRelay(t, o.b, s, func(c *forwarder.RelayConfig) {
 		c.StallWarning = 200 * time.Millisecond
@@ -205,7 +206,7 @@ func TestLagNamesTheTransactionThatHoldsTheOutbox(t *testing.T) {
 	})
 	run(t, r)
 
-	require.Eventually(t, func() bool { return logger.HasError(forwarder.ErrStalled) }, 30*time.Second, 20*time.Millisecond,
+	require.Eventually(t, func() bool { return len(logger.stalls()) > 0 }, 30*time.Second, 20*time.Millisecond,
 		"the relay logs the stall")
 	lag, err := r.Lag(ctx)
 	require.NoError(t, err)
@@ -217,13 +218,10 @@ func TestLagNamesTheTransactionThatHoldsTheOutbox(t *testing.T) {
 	require.Equal(t, "idle in transaction", lag.HeldBy.State)
 	require.Positive(t, lag.HeldBy.Age)
 	require.Empty(t, s.snapshot(), "nothing went out while the transaction was open")
-	var logged bool
-	for _, m := range logger.Captured()[watermill.ErrorLogLevel] {
-		if m.Fields["holder_pid"] == otherPID && m.Fields["holder_database"] == "reporting" {
-			logged = true
-		}
+	for _, l := range logger.stalls() {
+		require.Equal(t, otherPID, l.fields["holder_pid"], "the log line names the transaction")
+		require.Equal(t, "reporting", l.fields["holder_database"])
 	}
-	require.True(t, logged, "the log line names the transaction")
 
 	require.NoError(t, otherTx.Commit(ctx))
 	require.Eventually(t, func() bool { return len(s.snapshot()) == 2 }, 30*time.Second, 10*time.Millisecond,

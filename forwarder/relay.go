@@ -19,9 +19,10 @@ import (
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// ErrStalled is the error the relay logs (when its logger has no Warn
-// level) while outbox rows wait on a transaction left open elsewhere on the
-// server; see [Lag.HeldBy].
+// ErrStalled is the error of the stall lines the relay logs at Error, on a
+// logger without a Warn method (see [RelayConfig.Logger]): outbox rows wait
+// on a transaction that has been open for StallWarning or longer; see
+// [Lag.HeldBy].
 var ErrStalled = errors.New("forwarder: outbox rows wait for an open transaction")
 
 // lanes is the number of ordering lanes in the outbox table (the lane
@@ -61,12 +62,22 @@ type RelayConfig struct {
 	// rows stay in the table. Default to 100ms and 10s.
 	MinBackoff, MaxBackoff time.Duration
 	// DrainTimeout bounds how long Run, once stopped, lets the batch in
-	// flight finish publishing and deleting its rows. Defaults to 5s.
+	// flight finish publishing and deleting its rows. Past it the relay
+	// cancels the batch's context, which is its messages' context
+	// (Message.Context): a publisher that honours it returns, the batch
+	// rolls back and its rows stay in the outbox for the next run. Run
+	// cannot return while Publish has not. Defaults to 5s.
 	DrainTimeout time.Duration
-	// StallWarning is how long rows may wait on an open transaction
-	// elsewhere on the server before the relay logs, at Warn, which
-	// transaction holds them back (see [Lag]); it logs again every
-	// StallWarning while the stall lasts. Defaults to 10s.
+	// StallWarning is how long the transaction that outbox rows wait on
+	// (see [Lag.HeldBy]) must have been open before the relay logs it as a
+	// stall, naming its pid (or prepared gid), database and age; the relay
+	// logs at most one such line per StallWarning while rows wait. A
+	// writer that is still in flight, open for less than StallWarning, is
+	// not a stall, however many rows wait on it. The relay looks while it
+	// finds nothing to publish, every StallWarning/2 (one count of the
+	// table, and one look at pg_stat_activity when rows wait), so the
+	// first line comes between StallWarning and about 1.5 × StallWarning
+	// after the transaction began. Defaults to 10s.
 	StallWarning time.Duration
 	// Hooks are told of each batch that took rows or failed
 	// (observe.RelayHook), of the backlog every LagInterval
@@ -77,7 +88,10 @@ type RelayConfig struct {
 	// LagInterval is how often the relay measures its backlog for the
 	// lag hooks (one count of the table). Defaults to 5s.
 	LagInterval time.Duration
-	// Logger receives failed batches and stalls. Defaults to
+	// Logger receives failed batches and stalls. Watermill's LoggerAdapter
+	// has no Warn level: a logger that also has a method
+	// Warn(msg string, fields watermill.LogFields) gets the stall lines
+	// there, any other gets them at Error with [ErrStalled]. Defaults to
 	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -146,22 +160,34 @@ func (c RelayConfig) Validate() error {
 // Relay publishes outbox rows to a broker and deletes them. Several relays
 // may run against one table: each batch takes a set of lanes under
 // transaction-level advisory locks, so no row is published twice in normal
-// operation and each partition key's rows go out in the order they were
-// inserted. A relay that dies between publish and delete publishes the
-// rows again on the next batch, with the same UUIDs; the consumer's inbox
-// absorbs them.
+// operation, and a partition key's rows stay in one lane. A relay that dies
+// between publish and delete publishes the rows again on the next batch,
+// with the same UUIDs; the consumer's inbox absorbs them.
 //
 // # Order
 //
-// Within a lane the relay walks rows by id, the order of their inserts,
-// and stops at the first row it may not take yet: a row goes out only once
-// every transaction older than its own has ended, server-wide (a
-// transaction still open may yet commit rows inserted before it). So a
-// key's events go out in the order they were inserted; for writers that
-// lock the same business row, which is how a key's writers are usually
-// ordered, that is their commit order. Two transactions that insert rows
-// for one key without anything ordering them have no order to keep: their
-// rows go out in id order, whichever committed first.
+// Within a lane the relay walks the committed rows by id, the order of
+// their inserts, and stops at the first row it may not take yet: a row
+// goes out only once every transaction older than its own (by transaction
+// id) has ended, server-wide, so that it does not overtake rows such a
+// transaction inserted before it and has not committed yet.
+//
+// What that promises, for one partition key: the rows of one transaction
+// go out in the order it inserted them, and a row inserted after another
+// writer's commit goes out after that writer's rows. Writers of one key
+// are usually ordered so by a lock the earlier holds until it commits,
+// the key's business row (UPDATE orders … WHERE id = $1, SELECT … FOR
+// UPDATE), taken before the outbox insert: the later writer's row then has
+// the higher id and is committed later, so it cannot leave first, whatever
+// the two transaction ids. Their rows go out in their commit order.
+//
+// What it does not promise: any order between writers that nothing orders,
+// neither insertion order nor commit order. A row can leave before a row
+// with a lower id that an open transaction inserted: if T1 took its
+// transaction id first, T2 inserts row 10 and stays open, and T1 inserts
+// row 11 and commits, row 11 is committed and due (T1 is older than every
+// open transaction) while row 10 is not yet visible, so row 11 goes out
+// first. Nor is there any order between keys: lanes go out concurrently.
 type Relay struct {
 	cfg     RelayConfig
 	hooks   observe.Hooks
@@ -289,10 +315,19 @@ type Holder struct {
 func (h Holder) String() string {
 	if h.State == "prepared" {
 		return fmt.Sprintf("prepared transaction %q in database %q, prepared %s ago (COMMIT PREPARED or ROLLBACK PREPARED it)",
-			h.GID, h.Database, h.Age.Round(time.Second))
+			h.GID, h.Database, roundAge(h.Age))
 	}
 	return fmt.Sprintf("pid %d in database %q (user %q, %s), open for %s, last statement %q",
-		h.PID, h.Database, h.User, h.State, h.Age.Round(time.Second), h.Query)
+		h.PID, h.Database, h.User, h.State, roundAge(h.Age), h.Query)
+}
+
+// roundAge rounds d for a log line: to the second from a minute on, to the
+// millisecond below.
+func roundAge(d time.Duration) time.Duration {
+	if d >= time.Minute {
+		return d.Round(time.Second)
+	}
+	return d.Round(time.Millisecond)
 }
 
 // Lag returns the outbox's pending rows, the age of the oldest, and what
@@ -453,8 +488,9 @@ func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
 // the batch in flight at that moment finishes (within DrainTimeout), so
 // that rows it published are deleted. It polls adaptively (see
 // RelayConfig.PollInterval). Failed batches are logged and retried with
-// backoff; rows that wait on an open transaction for longer than
-// StallWarning are logged at Warn with the transaction that holds them.
+// backoff; while rows wait on a transaction open for StallWarning or
+// longer, the relay logs it once per StallWarning (see
+// RelayConfig.StallWarning and RelayConfig.Logger).
 func (r *Relay) Run(ctx context.Context) error {
 	r.mu.Lock()
 	if r.closed {
@@ -504,7 +540,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			return nil
 		case n > 0:
 			backoff, wait = r.cfg.MinBackoff, 0
-			stall.reset()
+			stall.flowed = time.Now()
 			if n < r.cfg.BatchSize {
 				// The backlog is gone: let the next rows gather for a
 				// moment rather than take them one batch each, which
@@ -566,53 +602,53 @@ func (r *Relay) poll(ctx context.Context, probe bool) (int, error) {
 	return r.RelayBatch(ctx)
 }
 
-// stallWatch tracks how long rows have waited on an open transaction.
+// stallWatch paces the stall checks and their log lines.
 type stallWatch struct {
-	since, checked, warned time.Time
+	// checked is the last check, warned the last line, flowed the last
+	// batch that took rows.
+	checked, warned, flowed time.Time
 }
 
-// reset forgets a stall; the time of the last check stays, so that
-// checks keep their pace.
-func (s *stallWatch) reset() { s.since, s.warned = time.Time{}, time.Time{} }
-
-// watchStall, while the relay finds nothing to publish, checks now and
-// then whether rows wait on an open transaction and logs the transaction
-// at Warn once per StallWarning while they do.
-func (r *Relay) watchStall(ctx context.Context, s *stallWatch, reading *lagReading) {
-	if r.cfg.StallWarning == 0 {
-		return
+// stalled reports whether lag is a stall worth a line at now: rows wait,
+// on a transaction open for at least every, and the last line is at least
+// every old. A transaction younger than every is a writer in flight.
+func (s *stallWatch) stalled(now time.Time, lag Lag, every time.Duration) bool {
+	if lag.Waiting == 0 || lag.HeldBy == nil || lag.HeldBy.Age < every {
+		return false
 	}
+	if !s.warned.IsZero() && now.Sub(s.warned) < every {
+		return false
+	}
+	s.warned = now
+	return true
+}
+
+// watchStall, while the relay finds nothing to publish, checks every
+// StallWarning/2 whether rows wait on a transaction open for StallWarning
+// or longer, and logs it at most once per StallWarning.
+func (r *Relay) watchStall(ctx context.Context, s *stallWatch, reading *lagReading) {
 	now := time.Now()
 	if now.Sub(s.checked) < r.cfg.StallWarning/2 {
 		return
 	}
 	s.checked = now
-	lag, err := reading.measure(ctx, r, r.cfg.StallWarning/4)
-	if err != nil || lag.Waiting == 0 {
-		s.reset()
+	// A reading from before rows last went out may name a transaction
+	// that has ended since.
+	lag, err := reading.measure(ctx, r, min(r.cfg.StallWarning/4, now.Sub(s.flowed)))
+	if err != nil || !s.stalled(now, lag, r.cfg.StallWarning) {
 		return
 	}
-	if s.since.IsZero() {
-		s.since = now
-	}
-	if now.Sub(s.since) < r.cfg.StallWarning || now.Sub(s.warned) < r.cfg.StallWarning {
-		return
-	}
-	s.warned = now
+	h := lag.HeldBy
 	fields := watermill.LogFields{
 		"waiting_rows": lag.Waiting, "pending_rows": lag.Pending,
 		"oldest_row_age": lag.OldestAge.Round(time.Millisecond).String(), "outbox": r.names.Outbox,
+		"holder_pid": h.PID, "holder_database": h.Database, "holder_state": h.State,
+		"holder_age": roundAge(h.Age).String(),
 	}
-	holder := "a transaction that has ended meanwhile"
-	if lag.HeldBy != nil {
-		holder = lag.HeldBy.String()
-		fields["holder_pid"] = lag.HeldBy.PID
-		fields["holder_database"] = lag.HeldBy.Database
-		fields["holder_age"] = lag.HeldBy.Age.Round(time.Second).String()
+	if h.GID != "" {
+		fields["holder_gid"] = h.GID
 	}
-	msg := "Outbox rows wait for an open transaction: " + holder
-	// Watermill's LoggerAdapter has no Warn level: a logger that has one
-	// gets the line there, any other at Error.
+	msg := "Outbox rows wait for an open transaction: " + h.String()
 	if w, ok := r.cfg.Logger.(interface {
 		Warn(msg string, fields watermill.LogFields)
 	}); ok {

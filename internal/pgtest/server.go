@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -30,9 +31,11 @@ type Server struct {
 }
 
 // StartServer initialises and starts a private server, stopped when the
-// test ends. Under CI=true a missing PostgreSQL installation fails the
-// test; elsewhere it is skipped.
-func StartServer(t testing.TB) *Server {
+// test ends. Each of settings is a postgresql.conf line, such as
+// "max_prepared_transactions = 4", added after initdb's defaults (so it
+// overrides them) and kept across restarts. Under CI=true a missing
+// PostgreSQL installation fails the test; elsewhere it is skipped.
+func StartServer(t testing.TB, settings ...string) *Server {
 	t.Helper()
 	bin := serverBin()
 	if bin == "" {
@@ -59,6 +62,11 @@ func StartServer(t testing.TB) *Server {
 		s.chown(s.dir)
 	}
 	s.run("initdb", "-D", s.dir, "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
+	if len(settings) > 0 {
+		if err := appendConf(filepath.Join(s.dir, "postgresql.conf"), settings); err != nil {
+			t.Fatalf("private PostgreSQL: settings: %v", err)
+		}
+	}
 	s.Start()
 	t.Cleanup(func() {
 		// Stop it even if the test left it stopped or failed midway.
@@ -128,6 +136,22 @@ func (s *Server) chown(path string) {
 	if err := os.Chown(path, uid, gid); err != nil {
 		s.t.Fatalf("private PostgreSQL: %v", err)
 	}
+}
+
+// appendConf adds the lines to the configuration file at path.
+func appendConf(path string, lines []string) error {
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString("\n# pgtest.StartServer settings\n" + strings.Join(lines, "\n") + "\n")
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return nil
 }
 
 // serverBin finds the newest installed PostgreSQL's binaries.
