@@ -22,19 +22,29 @@
 // again, and the consumer's inbox absorbs the copy. On a broker error the
 // rows stay and the relay backs off. Several relays may run on one table:
 // each batch locks a set of lanes (a hash of the partition key), so no row
-// goes out twice in normal operation and each key's rows go out in the
-// order they were inserted (see [Relay] for what that means for concurrent
-// writers).
+// goes out twice in normal operation.
+//
+// Per-key order is the order the writers' locks give: a transaction's
+// rows go out in the order it inserted them, and a row inserted after
+// another writer committed goes out after that writer's rows, so writers
+// of one key that insert their outbox row after locking the key's business
+// row (held until they commit) publish in their commit order. Writers that
+// nothing orders get no order, neither insertion nor commit order: a row
+// can leave before a row with a lower id inserted by a transaction still
+// open. See [Relay] for the rule and an example.
 //
 // # Latency and liveness
 //
 // Writers pay nothing at commit: the relay polls, at once while rows flow,
 // backing off to RelayConfig.PollInterval while the table is empty. A row
 // comes due when every transaction older than its own has ended,
-// server-wide (as with watermill-sql): that is what keeps a key's order
-// when transactions commit out of order, and it means a transaction left
-// open anywhere on the server holds the outbox until it ends. [Relay.Lag]
-// names that transaction, and the relay logs it while the stall lasts.
+// server-wide (as with watermill-sql), so that it does not overtake rows an
+// older transaction inserted before it and has not committed yet; it means
+// a transaction left open anywhere on the server holds the outbox until it
+// ends. [Relay.Lag]
+// names that transaction, and once it has been open for
+// RelayConfig.StallWarning the relay logs it, once per StallWarning, while
+// rows wait on it.
 //
 // # Consumer outbox
 //

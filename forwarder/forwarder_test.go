@@ -188,7 +188,9 @@ func TestSeveralRelaysKeepKeyOrderAndPublishOnce(t *testing.T) {
 			b := setup(t, int32(relays*2+4))
 			s := &sink{}
 			for i := 0; i < relays; i++ {
-				// A long poll: only notifications wake the relays quickly.
+				// Small batches of few lanes: the relays contend for the
+				// lanes and take turns on each key's; each key's writers
+				// commit one after another, so their order must hold.
 				run(t, newRelay(t, b, s, func(c *forwarder.RelayConfig) { c.BatchSize = 200; c.LanesPerBatch = 8 }))
 			}
 			seq := 0
