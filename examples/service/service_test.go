@@ -136,6 +136,11 @@ func TestServiceRabbitMQ(t *testing.T) {
 		code, body := svc.healthz()
 		return code == http.StatusServiceUnavailable && strings.Contains(body, "broker: last publish failed"), fmt.Sprintf("%d %s", code, body)
 	})
+	// The relay measures the backlog meanwhile, and Prometheus sees it.
+	waitFor(t, 60*time.Second, "Prometheus sees the outbox's backlog", func() (bool, string) {
+		v, err := prom.query(`sum(oncemill_outbox_lag_rows)`)
+		return err == nil && v > 0, fmt.Sprintf("oncemill_outbox_lag_rows = %v, %v", v, err)
+	})
 	require.NoError(t, amqp.Declare(ctx, amqp.Config{URL: amqpURL, ConsumerGroup: audit}, events))
 	svc.waitHealthy(t, 30*time.Second)
 
@@ -165,6 +170,10 @@ func TestServiceRabbitMQ(t *testing.T) {
 	waitFor(t, 30*time.Second, "the outbox drained", func() (bool, string) {
 		n, err := count(ctx, pool, pgx.Identifier{schema, "outbox"}.Sanitize())
 		return err == nil && n == 0, fmt.Sprintf("%d rows, %v", n, err)
+	})
+	waitFor(t, 60*time.Second, "Prometheus sees the backlog gone", func() (bool, string) {
+		v, err := prom.query(`sum(oncemill_outbox_lag_rows)`)
+		return err == nil && v == 0, fmt.Sprintf("oncemill_outbox_lag_rows = %v, %v", v, err)
 	})
 	got := consumeEvents(t, events+"."+audit, keys)
 	require.Equal(t, want, got, "one event per key")
