@@ -39,13 +39,13 @@ type BloomConfig struct {
 	// Window must be the inbox's window: keys are remembered at least this
 	// long and at most twice as long. Defaults to 72 hours.
 	Window time.Duration
-	// Logger receives store errors (the message then goes on to the inbox,
-	// which decides). Defaults to watermill.NopLogger.
 	// Hooks are told of every check (observe.BloomHook: surely new,
 	// false positive), and of each duplicate the prefilter answers itself
 	// (observe.InboxHook, outcome duplicate), so that with the same hooks
 	// on the inbox a duplicate is counted once whichever answered it.
-	Hooks  []observe.Hook
+	Hooks []observe.Hook
+	// Logger receives store errors (the message then goes on to the inbox,
+	// which decides). Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
 

@@ -66,13 +66,13 @@ type PoisonConfig struct {
 	// with one, the inbox's key is used, so the two cannot disagree. A
 	// key error leaves the field empty. Defaults to [DefaultKey].
 	Key KeyFunc
-	// Logger receives a line for every message dead-lettered and every
-	// dead-letter publish that failed. Defaults to watermill.NopLogger.
 	// Hooks are told of every message dead-lettered
 	// (observe.DeadLetterHook, with the reason's class), and see each
 	// dead letter before it is published (observe.MessageOutHook), which
 	// is where a trace hook carries the trace into the copy.
-	Hooks  []observe.Hook
+	Hooks []observe.Hook
+	// Logger receives a line for every message dead-lettered and every
+	// dead-letter publish that failed. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
 
