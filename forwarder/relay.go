@@ -41,6 +41,21 @@ type RelayConfig struct {
 	// BatchSize is the most rows one transaction publishes. Defaults to
 	// 500.
 	BatchSize int
+	// LockOrderedWriters says that the writers of each partition key are
+	// ordered by a lock each holds until it commits, taken before its
+	// outbox insert (the key's business row: UPDATE orders … WHERE id =
+	// $1, SELECT … FOR UPDATE), which is how the relay's per-key order is
+	// meant to be used. The relay then publishes every committed row at
+	// once instead of waiting until every older transaction on the server
+	// has ended: a later writer's row cannot be committed before an
+	// earlier writer's, so per-key order holds all the same, and a
+	// transaction left open elsewhere on the server (another database, an
+	// idle session, a prepared transaction) no longer stalls the outbox.
+	// Writers that nothing orders lose the partial order the wait gives
+	// them: their rows go out in commit order. [Lag] then reports no
+	// waiting rows. Defaults to false: wait, as for writers of unknown
+	// discipline.
+	LockOrderedWriters bool
 	// LanesPerBatch is the most ordering lanes (of 64) one batch takes;
 	// relays running at once share the lanes, each key's rows stay in one
 	// lane. Defaults to 16.
@@ -212,11 +227,21 @@ type lagQueries struct {
 	lag, holder string
 }
 
-// newLagQueries returns the lag queries on the quoted outbox table t.
-func newLagQueries(t string) lagQueries {
-	xmin := `pg_snapshot_xmin(pg_current_snapshot())`
+// due is the SQL condition on an outbox row's txid column under which the
+// row may go out: its transaction is older than every open one, or, with
+// lock-ordered writers, any committed row.
+func due(txid string, lockOrdered bool) string {
+	if lockOrdered {
+		return "true"
+	}
+	return txid + " < pg_snapshot_xmin(pg_current_snapshot())"
+}
+
+// newLagQueries returns the lag queries on the quoted outbox table t, for
+// relays that wait for older transactions unless lockOrdered.
+func newLagQueries(t string, lockOrdered bool) lagQueries {
 	return lagQueries{
-		lag: `SELECT count(*), count(*) FILTER (WHERE txid >= ` + xmin + `),
+		lag: `SELECT count(*), count(*) FILTER (WHERE NOT (` + due("txid", lockOrdered) + `)),
 	COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM ` + t,
 		// The oldest transaction with an id, open or prepared, on the
 		// whole server: it is the snapshot's xmin, what rows wait for.
@@ -241,7 +266,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	h := fnv.New32a()
 	h.Write([]byte("oncemill:outbox:" + names.Outbox))
 	t := names.Outbox
-	xmin := `pg_snapshot_xmin(pg_current_snapshot())`
+	lockOrdered := cfg.LockOrderedWriters
 	return &Relay{
 		cfg:     cfg,
 		hooks:   observe.New(cfg.Hooks...),
@@ -254,25 +279,26 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 			// inner query, so that only lanes with work are locked, and
 			// LIMIT stops locking early); then the first rows of those
 			// lanes by id, cut in each lane before the first row whose
-			// transaction is not older than every open one: a row after it
-			// was inserted later and must not overtake it.
+			// transaction is not older than every open one (unless
+			// LockOrderedWriters): a row after it was inserted later and
+			// must not overtake it.
 			take: `WITH lanes AS MATERIALIZED (
 	SELECT l FROM (
 		SELECT l FROM generate_series(0, 63) AS l
-		WHERE (SELECT o.txid < ` + xmin + ` FROM ` + t + ` o WHERE o.lane = l ORDER BY o.id LIMIT 1)
+		WHERE (SELECT ` + due("o.txid", lockOrdered) + ` FROM ` + t + ` o WHERE o.lane = l ORDER BY o.id LIMIT 1)
 		ORDER BY random() OFFSET 0) s
 	WHERE pg_try_advisory_xact_lock($1, s.l) LIMIT $2),
 candidates AS MATERIALIZED (
 	SELECT id, lane, txid FROM ` + t + ` WHERE lane IN (SELECT l FROM lanes) ORDER BY id LIMIT $3),
 due AS (
 	SELECT id FROM (
-		SELECT id, bool_and(txid < ` + xmin + `) OVER (PARTITION BY lane ORDER BY id) AS ok FROM candidates) w
+		SELECT id, bool_and(` + due("txid", lockOrdered) + `) OVER (PARTITION BY lane ORDER BY id) AS ok FROM candidates) w
 	WHERE ok)
 DELETE FROM ` + t + ` WHERE id IN (SELECT id FROM due)
 RETURNING id, topic, uuid, payload, metadata`,
 			// One cheap look, outside a transaction, before a batch.
-			probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE txid < ` + xmin + `)`,
-			lagQueries: newLagQueries(t),
+			probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + due("txid", lockOrdered) + `)`,
+			lagQueries: newLagQueries(t, lockOrdered),
 		},
 	}, nil
 }
@@ -339,7 +365,9 @@ func (r *Relay) Lag(ctx context.Context) (Lag, error) {
 // OutboxLag returns what [Relay.Lag] returns, for the outbox table that
 // schema names (as given to sqlschema.Migrate), without a relay: for a
 // dashboard or an operator's console that watches the outbox from another
-// process. It runs the same queries as Relay.Lag. A missing table is an
+// process. It runs the same queries as Relay.Lag of a relay without
+// LockOrderedWriters, so its Waiting rows are the ones such a relay would
+// hold back. A missing table is an
 // error that wraps PostgreSQL's undefined_table (SQLSTATE 42P01).
 func OutboxLag(ctx context.Context, pool *pgxpool.Pool, schema sqlschema.Config) (Lag, error) {
 	if pool == nil {
@@ -349,7 +377,7 @@ func OutboxLag(ctx context.Context, pool *pgxpool.Pool, schema sqlschema.Config)
 	if err := schema.Validate(); err != nil {
 		return Lag{}, fmt.Errorf("forwarder: OutboxLag: %w", err)
 	}
-	return measureLag(ctx, pool, newLagQueries(sqlschema.NamesFor(sqlschema.Postgres, schema).Outbox))
+	return measureLag(ctx, pool, newLagQueries(sqlschema.NamesFor(sqlschema.Postgres, schema).Outbox, false))
 }
 
 // measureLag runs q on pool.

@@ -1,0 +1,146 @@
+package forwarder_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/forwarder"
+)
+
+// lockOrdered configures a relay for writers ordered by the key's lock.
+func lockOrdered(c *forwarder.RelayConfig) { c.LockOrderedWriters = true }
+
+// TestLockOrderedWritersKeepKeyOrder: with LockOrderedWriters, the
+// schedules of TestKeyOrderIsInsertOrder keep the order of the writers'
+// commits, and a transaction left open meanwhile (Long) holds nothing back.
+func TestLockOrderedWritersKeepKeyOrder(t *testing.T) {
+	t.Parallel()
+	o := newPrivateOutbox(t)
+	ctx := context.Background()
+
+	// T2 takes the lower transaction id, T1 marks the order paid and
+	// commits while T2 waits for the order's lock, then T2 marks it
+	// shipped: paid first, although T2's id is older.
+	t.Run("a writer that waited for the lock", func(t *testing.T) {
+		o.reset(t)
+		t2, pid2 := o.begin(t)
+		_, err := t2.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
+		require.NoError(t, err)
+		t1, _ := o.begin(t)
+		require.Less(t, xid(t, t2), xid(t, t1), "the schedule gives T2 the lower transaction id")
+		require.NoError(t, o.setStatus(t, t1, "paid"))
+		// T2 writes shipped once it has the lock, and commits when told.
+		wrote, commit, shipped := make(chan error, 1), make(chan struct{}), make(chan error, 1)
+		go func() {
+			err := o.setStatus(t, t2, "shipped")
+			wrote <- err
+			if err == nil {
+				<-commit
+				err = t2.Commit(ctx)
+			}
+			shipped <- err
+		}()
+		require.Eventually(t, func() bool {
+			var blocked bool
+			require.NoError(t, o.pool.QueryRow(ctx, `SELECT cardinality(pg_blocking_pids($1)) > 0`, int(pid2)).Scan(&blocked))
+			return blocked
+		}, 30*time.Second, 5*time.Millisecond, "T2 waits for T1's lock")
+		require.NoError(t, t1.Commit(ctx))
+		require.NoError(t, <-wrote)
+
+		// Paid is committed and goes at once; shipped is written, not yet
+		// committed, and waits for T2.
+		s := &sink{}
+		r := newRelay(t, o.b, s, lockOrdered)
+		relayAll(t, r, 1)
+		n, err := r.RelayBatch(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n, "shipped is not committed yet")
+		require.Equal(t, []string{"paid"}, statuses(s))
+		close(commit)
+		require.NoError(t, <-shipped)
+		relayAll(t, r, 1)
+		require.Equal(t, []string{"paid", "shipped"}, statuses(s))
+	})
+
+	// Created, then Early (older id) and Long open, Late marks the order
+	// paid and commits, Early marks it shipped and commits; Long stays
+	// open throughout and holds nothing back.
+	t.Run("an open transaction holds nothing back", func(t *testing.T) {
+		o.reset(t)
+		created, _ := o.begin(t)
+		require.NoError(t, o.setStatus(t, created, "created"))
+		require.NoError(t, created.Commit(ctx))
+		early, _ := o.begin(t)
+		_, err := early.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
+		require.NoError(t, err)
+		long, _ := o.begin(t)
+		_, err = long.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
+		require.NoError(t, err)
+		late, _ := o.begin(t)
+		require.NoError(t, o.setStatus(t, late, "paid"))
+		require.NoError(t, late.Commit(ctx))
+		require.NoError(t, o.setStatus(t, early, "shipped"))
+		require.NoError(t, early.Commit(ctx))
+
+		s := &sink{}
+		r := newRelay(t, o.b, s, lockOrdered)
+		relayAll(t, r, 3)
+		require.Equal(t, []string{"created", "paid", "shipped"}, statuses(s), "in commit order, Long still open")
+		lag, err := r.Lag(ctx)
+		require.NoError(t, err)
+		require.Zero(t, lag.Pending)
+		require.Zero(t, lag.Waiting)
+		require.Nil(t, lag.HeldBy)
+		require.NoError(t, long.Rollback(ctx))
+	})
+}
+
+// TestLockOrderedWritersDoNotStall: a transaction left open in another
+// database of the server, which stalls a relay that waits for older
+// transactions (TestLagNamesTheTransactionThatHoldsTheOutbox), holds back
+// nothing with LockOrderedWriters: the rows go out, Lag reports no waiting
+// rows and the relay logs no stall.
+func TestLockOrderedWritersDoNotStall(t *testing.T) {
+	t.Parallel()
+	o := newPrivateOutbox(t)
+	ctx := context.Background()
+	o.reset(t)
+	_, err := o.pool.Exec(ctx, `CREATE DATABASE reporting`)
+	require.NoError(t, err)
+	other, err := pgx.Connect(ctx, strings.Replace(o.server.URL(), "/postgres?", "/reporting?", 1))
+	require.NoError(t, err)
+	defer other.Close(ctx)
+	otherTx, err := other.Begin(ctx)
+	require.NoError(t, err)
+	var otherXID uint64
+	require.NoError(t, otherTx.QueryRow(ctx, `SELECT pg_current_xact_id()::text::bigint`).Scan(&otherXID))
+
+	o.b.write(t, "orders", event("order-1", 1), event("order-2", 2))
+	strict, err := forwarder.OutboxLag(ctx, o.pool, o.b.schema)
+	require.NoError(t, err)
+	require.Equal(t, 2, strict.Waiting, "a relay that waits would hold both rows back")
+
+	logger := &lineLogger{}
+	s := &sink{}
+	r := newRelay(t, o.b, s, func(c *forwarder.RelayConfig) {
+		lockOrdered(c)
+		c.StallWarning = 200 * time.Millisecond
+		c.Logger = logger
+	})
+	run(t, r)
+	require.Eventually(t, func() bool { return len(s.snapshot()) == 2 }, 30*time.Second, 10*time.Millisecond,
+		"the rows go out while the other database's transaction is open")
+	lag, err := r.Lag(ctx)
+	require.NoError(t, err)
+	require.Zero(t, lag.Pending)
+	require.Zero(t, lag.Waiting)
+	require.Nil(t, lag.HeldBy)
+	require.Empty(t, logger.stalls(), "no stall logged")
+	require.NoError(t, otherTx.Rollback(ctx))
+}
