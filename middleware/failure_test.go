@@ -107,6 +107,40 @@ func TestPoisonPanicEndsInDLQ(t *testing.T) {
 	})
 }
 
+// TestPanicWithRecovererOutermost: Watermill's Recoverer in front of
+// Poison and the inbox, where a user who always adds it puts it, sees no
+// panic (the inbox recovers it in its own frame) and changes nothing: the
+// message is attempted exactly MaxAttempts times and dead-lettered with
+// the panic as its reason, its effect never committed.
+func TestPanicWithRecovererOutermost(t *testing.T) {
+	t.Parallel()
+	txBackends(t, 4, func(t *testing.T, b txBackend) {
+		dlq := &lateDLQ{}
+		poison := newPoison(t, dlq, 3)
+		in := newInbox(t, middleware.InboxConfig{TxStore: b.store})
+		var calls atomic.Int32
+		c := startChain(t, func(msg *message.Message) error {
+			calls.Add(1)
+			if err := b.effect(msg.Context(), middleware.IdempotencyKey(msg.Context())); err != nil {
+				return err
+			}
+			panic("ledger: negative balance")
+		}, wmmiddleware.Recoverer, poison.Middleware, in.Middleware)
+		dlq.pub.Store(c.pubSub)
+		c.publish(t, "order-r")
+		dead := msgtest.Receive(t, c.dead, 30*time.Second)
+		dead.Ack()
+		require.Equal(t, "3", dead.Metadata.Get(dlv.DeadAttempts))
+		require.Contains(t, dead.Metadata.Get(dlv.DeadError), middleware.ErrPanicked.Error())
+		require.Contains(t, dead.Metadata.Get(dlv.DeadError), "negative balance")
+		msgtest.Nothing(t, c.dead, 200*time.Millisecond)
+		require.Equal(t, int32(3), calls.Load(), "exactly MaxAttempts attempts")
+		require.Equal(t, 0, b.effects(t), "the effect never committed")
+		require.Equal(t, "dead", b.status(t, "charge", "order-r"))
+		require.Equal(t, int64(3), in.Stats().Panicked)
+	})
+}
+
 // TestPoisonPanicWithoutInbox: with no inbox in the chain, the poison
 // middleware recovers the panic itself and counts it.
 func TestPoisonPanicWithoutInbox(t *testing.T) {
