@@ -23,10 +23,10 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/oncemill/oncemill/adapters"
-	"github.com/oncemill/oncemill/internal/netfault"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/netfault"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
