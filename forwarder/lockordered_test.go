@@ -23,35 +23,11 @@ func TestLockOrderedWritersKeepKeyOrder(t *testing.T) {
 	o := newPrivateOutbox(t)
 	ctx := context.Background()
 
-	// T2 takes the lower transaction id, T1 marks the order paid and
-	// commits while T2 waits for the order's lock, then T2 marks it
-	// shipped: paid first, although T2's id is older.
+	// The schedules of TestKeyOrderIsInsertOrder: paid first, although
+	// T2's transaction id is older.
 	t.Run("a writer that waited for the lock", func(t *testing.T) {
 		o.reset(t)
-		t2, pid2 := o.begin(t)
-		_, err := t2.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
-		require.NoError(t, err)
-		t1, _ := o.begin(t)
-		require.Less(t, xid(t, t2), xid(t, t1), "the schedule gives T2 the lower transaction id")
-		require.NoError(t, o.setStatus(t, t1, "paid"))
-		// T2 writes shipped once it has the lock, and commits when told.
-		wrote, commit, shipped := make(chan error, 1), make(chan struct{}), make(chan error, 1)
-		go func() {
-			err := o.setStatus(t, t2, "shipped")
-			wrote <- err
-			if err == nil {
-				<-commit
-				err = t2.Commit(ctx)
-			}
-			shipped <- err
-		}()
-		require.Eventually(t, func() bool {
-			var blocked bool
-			require.NoError(t, o.pool.QueryRow(ctx, `SELECT cardinality(pg_blocking_pids($1)) > 0`, int(pid2)).Scan(&blocked))
-			return blocked
-		}, 30*time.Second, 5*time.Millisecond, "T2 waits for T1's lock")
-		require.NoError(t, t1.Commit(ctx))
-		require.NoError(t, <-wrote)
+		commitShipped := o.waitedForLock(t)
 
 		// Paid is committed and goes at once; shipped is written, not yet
 		// committed, and waits for T2.
@@ -62,31 +38,15 @@ func TestLockOrderedWritersKeepKeyOrder(t *testing.T) {
 		require.NoError(t, err)
 		require.Zero(t, n, "shipped is not committed yet")
 		require.Equal(t, []string{"paid"}, statuses(s))
-		close(commit)
-		require.NoError(t, <-shipped)
+		require.NoError(t, commitShipped())
 		relayAll(t, r, 1)
 		require.Equal(t, []string{"paid", "shipped"}, statuses(s))
 	})
 
-	// Created, then Early (older id) and Long open, Late marks the order
-	// paid and commits, Early marks it shipped and commits; Long stays
-	// open throughout and holds nothing back.
+	// Long stays open throughout and holds nothing back.
 	t.Run("an open transaction holds nothing back", func(t *testing.T) {
 		o.reset(t)
-		created, _ := o.begin(t)
-		require.NoError(t, o.setStatus(t, created, "created"))
-		require.NoError(t, created.Commit(ctx))
-		early, _ := o.begin(t)
-		_, err := early.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
-		require.NoError(t, err)
-		long, _ := o.begin(t)
-		_, err = long.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
-		require.NoError(t, err)
-		late, _ := o.begin(t)
-		require.NoError(t, o.setStatus(t, late, "paid"))
-		require.NoError(t, late.Commit(ctx))
-		require.NoError(t, o.setStatus(t, early, "shipped"))
-		require.NoError(t, early.Commit(ctx))
+		long, _ := o.longOpen(t)
 
 		s := &sink{}
 		r := newRelay(t, o.b, s, lockOrdered)

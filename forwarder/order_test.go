@@ -92,6 +92,69 @@ func statuses(s *sink) []string {
 	return out
 }
 
+// waitedForLock runs the first schedule of the reorder tests: T2 writes
+// first (an audit row) and so takes the lower transaction id; T1 marks
+// order 1 paid and commits while T2 waits for the order's lock; T2 then
+// marks it shipped. Paid happened first. It returns once T2 has written
+// shipped, uncommitted; the function it returns commits T2.
+func (o privateOutbox) waitedForLock(t *testing.T) (commitShipped func() error) {
+	t.Helper()
+	ctx := context.Background()
+	t2, pid2 := o.begin(t)
+	_, err := t2.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
+	require.NoError(t, err)
+	t1, _ := o.begin(t)
+	require.Less(t, xid(t, t2), xid(t, t1), "the schedule gives T2 the lower transaction id")
+	require.NoError(t, o.setStatus(t, t1, "paid"))
+
+	wrote, commit, shipped := make(chan error, 1), make(chan struct{}), make(chan error, 1)
+	go func() {
+		err := o.setStatus(t, t2, "shipped")
+		wrote <- err
+		if err == nil {
+			<-commit
+			err = t2.Commit(ctx)
+		}
+		shipped <- err
+	}()
+	// T2 blocks on the order's row lock, which T1 holds.
+	require.Eventually(t, func() bool {
+		var blocked bool
+		require.NoError(t, o.pool.QueryRow(ctx, `SELECT cardinality(pg_blocking_pids($1)) > 0`, int(pid2)).Scan(&blocked))
+		return blocked
+	}, 30*time.Second, 5*time.Millisecond, "T2 waits for T1's lock")
+	require.NoError(t, t1.Commit(ctx))
+	require.NoError(t, <-wrote)
+	return func() error {
+		close(commit)
+		return <-shipped
+	}
+}
+
+// longOpen runs the second schedule of the reorder tests: order 1 was
+// created (an event free to go); Early writes first; Long opens and stays
+// open; Late marks the order paid and commits; Early then marks it shipped
+// and commits. It returns Long, still open, and its backend's pid.
+func (o privateOutbox) longOpen(t *testing.T) (pgx.Tx, uint32) {
+	t.Helper()
+	ctx := context.Background()
+	created, _ := o.begin(t)
+	require.NoError(t, o.setStatus(t, created, "created"))
+	require.NoError(t, created.Commit(ctx))
+	early, _ := o.begin(t)
+	_, err := early.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
+	require.NoError(t, err)
+	long, longPID := o.begin(t)
+	_, err = long.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
+	require.NoError(t, err)
+	late, _ := o.begin(t)
+	require.NoError(t, o.setStatus(t, late, "paid"))
+	require.NoError(t, late.Commit(ctx))
+	require.NoError(t, o.setStatus(t, early, "shipped"))
+	require.NoError(t, early.Commit(ctx))
+	return long, longPID
+}
+
 // TestKeyOrderIsInsertOrder: a key's events go out in the order their rows
 // were inserted, which for writers that lock the key's business row is the
 // order they committed, whatever their transaction ids.
@@ -105,29 +168,8 @@ func TestKeyOrderIsInsertOrder(t *testing.T) {
 	// order's lock; T2 then marks it shipped. Paid happened first.
 	t.Run("a writer that waited for the lock", func(t *testing.T) {
 		o.reset(t)
-		t2, pid2 := o.begin(t)
-		_, err := t2.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
-		require.NoError(t, err)
-		t1, _ := o.begin(t)
-		require.Less(t, xid(t, t2), xid(t, t1), "the schedule gives T2 the lower transaction id")
-		require.NoError(t, o.setStatus(t, t1, "paid"))
-
-		shipped := make(chan error, 1)
-		go func() {
-			err := o.setStatus(t, t2, "shipped")
-			if err == nil {
-				err = t2.Commit(ctx)
-			}
-			shipped <- err
-		}()
-		// T2 blocks on the order's row lock, which T1 holds.
-		require.Eventually(t, func() bool {
-			var blocked bool
-			require.NoError(t, o.pool.QueryRow(ctx, `SELECT cardinality(pg_blocking_pids($1)) > 0`, int(pid2)).Scan(&blocked))
-			return blocked
-		}, 30*time.Second, 5*time.Millisecond, "T2 waits for T1's lock")
-		require.NoError(t, t1.Commit(ctx))
-		require.NoError(t, <-shipped)
+		commitShipped := o.waitedForLock(t)
+		require.NoError(t, commitShipped())
 
 		s := &sink{}
 		relayAll(t, newRelay(t, o.b, s, nil), 2)
@@ -141,21 +183,7 @@ func TestKeyOrderIsInsertOrder(t *testing.T) {
 	// although Early's id is older than Long's.
 	t.Run("a later row of an older transaction waits behind an earlier one", func(t *testing.T) {
 		o.reset(t)
-		// An event from before, free to go: the lane's first row.
-		created, _ := o.begin(t)
-		require.NoError(t, o.setStatus(t, created, "created"))
-		require.NoError(t, created.Commit(ctx))
-		early, _ := o.begin(t)
-		_, err := early.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
-		require.NoError(t, err)
-		long, longPID := o.begin(t)
-		_, err = long.Exec(ctx, `INSERT INTO shop.audit DEFAULT VALUES`)
-		require.NoError(t, err)
-		late, _ := o.begin(t)
-		require.NoError(t, o.setStatus(t, late, "paid"))
-		require.NoError(t, late.Commit(ctx))
-		require.NoError(t, o.setStatus(t, early, "shipped"))
-		require.NoError(t, early.Commit(ctx))
+		long, longPID := o.longOpen(t)
 
 		s := &sink{}
 		r := newRelay(t, o.b, s, nil)
