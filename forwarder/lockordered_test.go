@@ -2,11 +2,9 @@ package forwarder_test
 
 import (
 	"context"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/forwarder"
@@ -73,13 +71,7 @@ func TestLockOrderedWritersDoNotStall(t *testing.T) {
 	o.reset(t)
 	_, err := o.pool.Exec(ctx, `CREATE DATABASE reporting`)
 	require.NoError(t, err)
-	other, err := pgx.Connect(ctx, strings.Replace(o.server.URL(), "/postgres?", "/reporting?", 1))
-	require.NoError(t, err)
-	defer other.Close(ctx)
-	otherTx, err := other.Begin(ctx)
-	require.NoError(t, err)
-	var otherXID uint64
-	require.NoError(t, otherTx.QueryRow(ctx, `SELECT pg_current_xact_id()::text::bigint`).Scan(&otherXID))
+	otherTx, _ := o.openIn(t, "reporting")
 
 	o.b.write(t, "orders", event("order-1", 1), event("order-2", 2))
 	strict, err := forwarder.OutboxLag(ctx, o.pool, o.b.schema)

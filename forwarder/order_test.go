@@ -2,7 +2,6 @@ package forwarder_test
 
 import (
 	"context"
-	"strings"
 	"testing"
 	"time"
 
@@ -216,14 +215,7 @@ func TestLagNamesTheTransactionThatHoldsTheOutbox(t *testing.T) {
 	o.reset(t)
 	_, err := o.pool.Exec(ctx, `CREATE DATABASE reporting`)
 	require.NoError(t, err)
-	other, err := pgx.Connect(ctx, strings.Replace(o.server.URL(), "/postgres?", "/reporting?", 1))
-	require.NoError(t, err)
-	defer other.Close(ctx)
-	otherTx, err := other.Begin(ctx)
-	require.NoError(t, err)
-	var otherXID uint64
-	require.NoError(t, otherTx.QueryRow(ctx, `SELECT pg_current_xact_id()::text::bigint`).Scan(&otherXID))
-	otherPID := int(other.PgConn().PID())
+	otherTx, otherPID := o.openIn(t, "reporting")
 
 	o.b.write(t, "orders", event("order-1", 1), event("order-2", 2))
 	logger := &lineLogger{}
