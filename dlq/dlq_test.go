@@ -122,8 +122,8 @@ func TestPublisherParsesDeadMetadata(t *testing.T) {
 	require.Equal(t, []byte(m.Payload), []byte(replay.Payload))
 	require.Equal(t, map[string]string{
 		delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1",
-		delivery.Replay: strconv.FormatInt(got.ID, 10),
-	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay of this entry")
+		delivery.Replay: strconv.FormatInt(got.ID, 10), delivery.ReplayConsumer: "charge",
+	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay of this entry for its consumer")
 }
 
 // TestPublisherAcceptsAnything stores messages whose dead-letter metadata is
@@ -438,7 +438,7 @@ func TestReplayToGoChannel(t *testing.T) {
 		require.Equal(t, want.Payload, []byte(got.Payload))
 		require.Equal(t, map[string]string{
 			delivery.IdempotencyKey: want.Key, "trace_id": "tr-1",
-			delivery.Replay: strconv.FormatInt(want.ID, 10),
+			delivery.Replay: strconv.FormatInt(want.ID, 10), delivery.ReplayConsumer: "charge",
 		}, map[string]string(got.Metadata))
 	}
 	require.Equal(t, []int64{ids[2], ids[3], ids[4], ids[5]}, e.ids(t), "replayed rows deleted, the others kept")

@@ -448,8 +448,11 @@ func requireReplayed(t *testing.T, want *message.Message, got *message.Message) 
 	require.Equal(t, string(want.Payload), string(got.Payload))
 	md := map[string]string(got.Metadata)
 	require.NotEmpty(t, md[delivery.Replay], "marked as a replay")
+	require.Equal(t, want.Metadata.Get(delivery.DeadConsumer), md[delivery.ReplayConsumer],
+		"marked for the consumer that dead-lettered it")
 	md = maps.Clone(md)
 	delete(md, delivery.Replay)
+	delete(md, delivery.ReplayConsumer)
 	require.Equal(t, original(want), md, "original metadata, no oncemill_dlq_* keys")
 	for k := range got.Metadata {
 		require.False(t, strings.HasPrefix(k, "oncemill_dlq_"), k)
