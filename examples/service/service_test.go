@@ -336,8 +336,11 @@ func TestServiceGoChannel(t *testing.T) {
 		applied := sumSeries(body, "oncemill_inbox_messages_total", `outcome="applied"`)
 		dup := sumSeries(body, "oncemill_inbox_messages_total", `outcome="duplicate"`)
 		dead := sumSeries(body, "oncemill_dlq_messages_total")
-		return applied == orders && dup == orders*(demoCopies-1) && dead == 1,
-			fmt.Sprintf("applied %v, duplicate %v, dead-lettered %v, %v", applied, dup, dead, err)
+		// One event per order, relayed from the outbox a moment after
+		// its order was applied.
+		published := sumSeries(body, "oncemill_outbox_published_total")
+		return applied == orders && dup == orders*(demoCopies-1) && dead == 1 && published == orders,
+			fmt.Sprintf("applied %v, duplicate %v, dead-lettered %v, published %v, %v", applied, dup, dead, published, err)
 	})
 	body, err := svc.get("/metrics")
 	require.NoError(t, err)
