@@ -6,12 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"reflect"
 	"sort"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -25,6 +27,13 @@ import (
 // [Lag.HeldBy].
 var ErrStalled = errors.New("forwarder: outbox rows wait for an open transaction")
 
+// ErrLossyPublisher is wrapped by the error NewRelay returns for a
+// RelayConfig.Publisher that reports success for messages it drops: a
+// non-persistent Watermill GoChannel (*gochannel.GoChannel) drops what it
+// publishes to a topic that nothing subscribes to, and the relay would
+// delete the rows.
+var ErrLossyPublisher = errors.New("forwarder: RelayConfig.Publisher drops the messages that nothing subscribes to")
+
 // lanes is the number of ordering lanes in the outbox table (the lane
 // column is hashtext(partition_key) & 63).
 const lanes = 64
@@ -33,8 +42,14 @@ const lanes = 64
 type RelayConfig struct {
 	// Pool is the database holding the outbox. Required.
 	Pool *pgxpool.Pool
-	// Publisher receives the rows as messages: any Watermill publisher.
-	// Required.
+	// Publisher receives the rows as messages: any Watermill publisher
+	// whose Publish fails when the broker did not take the messages, since
+	// the relay deletes the rows it published. A non-persistent
+	// *gochannel.GoChannel is refused with [ErrLossyPublisher]: it drops
+	// the messages of a topic that nothing subscribes to and returns nil.
+	// Use adapters.NewGoChannel (what adapters.Open returns for
+	// gochannel://), whose Publish fails then, or a persistent GoChannel.
+	// A decorator around a raw GoChannel cannot be seen through. Required.
 	Publisher message.Publisher
 	// Schema names the outbox table, as given to sqlschema.Migrate.
 	Schema sqlschema.Config
@@ -152,6 +167,9 @@ func (c RelayConfig) Validate() error {
 		return errors.New("forwarder: RelayConfig.Pool is required")
 	case c.Publisher == nil:
 		return errors.New("forwarder: RelayConfig.Publisher is required")
+	case dropsUnsubscribed(c.Publisher):
+		return fmt.Errorf("%w: it is a non-persistent *gochannel.GoChannel, which returns nil for a topic nobody subscribes to; "+
+			"use adapters.NewGoChannel, whose Publish fails then, or set gochannel.Config.Persistent", ErrLossyPublisher)
 	case c.BatchSize < 1 || c.BatchSize > 10000:
 		return fmt.Errorf("forwarder: RelayConfig.BatchSize must be 1 to 10000, got %d", c.BatchSize)
 	case c.LanesPerBatch < 1 || c.LanesPerBatch > lanes:
@@ -170,6 +188,23 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("forwarder: RelayConfig.LagInterval must not be negative, got %s", c.LagInterval)
 	}
 	return c.Schema.Validate()
+}
+
+// dropsUnsubscribed reports whether p is a Watermill GoChannel that is not
+// persistent. GoChannel does not export its config; its Persistent flag is
+// read by reflection, and a GoChannel whose flag cannot be found counts as
+// not persistent.
+func dropsUnsubscribed(p message.Publisher) bool {
+	gc, ok := p.(*gochannel.GoChannel)
+	if !ok || gc == nil {
+		return false
+	}
+	cfg := reflect.ValueOf(gc).Elem().FieldByName("config")
+	if cfg.Kind() != reflect.Struct {
+		return true
+	}
+	persistent := cfg.FieldByName("Persistent")
+	return persistent.Kind() != reflect.Bool || !persistent.Bool()
 }
 
 // Relay publishes outbox rows to a broker and deletes them. Several relays

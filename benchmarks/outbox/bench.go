@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
@@ -537,7 +538,7 @@ func (e *env) newSink(ctx context.Context, broker, topic string) (*sink, error) 
 	rec := newRecorder()
 	switch broker {
 	case brokerGo:
-		gc := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
+		gc := adapters.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
 		msgs, err := gc.Subscribe(ctx, topic)
 		if err != nil {
 			return nil, err

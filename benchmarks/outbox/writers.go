@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
@@ -296,7 +297,7 @@ func (*insertCapture) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEn
 // newDrain returns a GoChannel with a subscriber on topic that acks every
 // message and keeps nothing, and a function that closes both.
 func newDrain(ctx context.Context, topic string) (message.Publisher, func() error, error) {
-	gc := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
+	gc := adapters.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
 	msgs, err := gc.Subscribe(ctx, topic)
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("subscribe: %w", err), gc.Close())

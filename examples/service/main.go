@@ -208,6 +208,22 @@ func run(cfg config, produce int) error {
 		_ = server.Shutdown(ctx)
 	}()
 
+	if strings.HasPrefix(cfg.BrokerURL, "gochannel:") {
+		// In-process, the events have no other reader: this one stands
+		// for the downstream service. Without a subscriber GoChannel
+		// refuses the relay's publish and the events stay in the outbox.
+		events, err := ps.Subscriber.Subscribe(signals, cfg.EventsTopic)
+		if err != nil {
+			return fmt.Errorf("subscribe to EVENTS_TOPIC: %w", err)
+		}
+		go func() {
+			for m := range events {
+				slog.Debug("event", "topic", cfg.EventsTopic, "uuid", m.UUID)
+				m.Ack()
+			}
+		}()
+	}
+
 	// The router's context is not the signals': Close, not a cancelled
 	// context, is what drains it and reports whether it drained in time.
 	routed := make(chan error, 1)

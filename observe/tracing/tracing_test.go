@@ -19,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 
+	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/forwarder"
@@ -481,7 +482,7 @@ func TestTraceFollowsEventThroughOutboxRelayAndInbox(t *testing.T) {
 
 	// The consumer: a router with the inbox, whose handler writes an
 	// event of its own through the consumer outbox.
-	broker := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+	broker := adapters.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = broker.Close() })
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{
 		TxStore:  store,
@@ -554,8 +555,17 @@ func TestTraceFollowsEventThroughOutboxRelayAndInbox(t *testing.T) {
 	require.Equal(t, applied.SpanContext(), first.span, "the handler ran in the inbox span")
 
 	// The consumer's own event carries its inbox span on: the relay that
-	// publishes it is the inbox span's child.
+	// publishes it is the inbox span's child. A downstream consumer
+	// subscribes first: the GoChannel refuses a topic nobody reads.
+	downstream, err := broker.Subscribe(ctx, shipped)
+	require.NoError(t, err)
 	relayRows(t, relay, 1)
+	select {
+	case m := <-downstream:
+		m.Ack()
+	case <-time.After(30 * time.Second):
+		t.Fatal("the downstream consumer got no event")
+	}
 	next := waitSpan(t, r, func(s sdktrace.ReadOnlySpan) bool {
 		return s.Name() == "oncemill.relay" && s.Parent().SpanID() == applied.SpanContext().SpanID()
 	})
