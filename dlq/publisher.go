@@ -42,11 +42,13 @@ func NewPublisher(pool *pgxpool.Pool, cfg sqlschema.Config) (*Publisher, error) 
 		// One entry per message and consumer: a copy dead-lettered again
 		// (its ack was lost to a crash or a rebalance) is not written
 		// twice, unless the first is on its way back (replay requested).
+		// The unique index of migration 009 decides, so that concurrent
+		// writers cannot both insert: the later waits for the earlier's
+		// commit and then writes nothing.
 		insert: `INSERT INTO ` + table + ` (uuid, topic, dlq_topic, consumer, key, attempts, error, permanent,
 	first_failed_at, last_failed_at, kafka_partition, kafka_offset, payload, metadata)
-SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14
-WHERE NOT EXISTS (SELECT 1 FROM ` + table + `
-	WHERE consumer = $4 AND uuid = $1 AND topic = $2 AND replay_requested_at IS NULL)`,
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+ON CONFLICT (consumer, topic, uuid) WHERE replay_requested_at IS NULL DO NOTHING`,
 	}, nil
 }
 
@@ -68,9 +70,9 @@ func tableFor(pool *pgxpool.Pool, cfg sqlschema.Config) (string, error) {
 // consumer and original topic (same UUID), and whose replay was not
 // requested, is not written again: a message whose ack was lost after it
 // was dead-lettered comes back and is dead-lettered again, and the table
-// keeps one entry for it, so that a replay sends it once. (Two consumers
-// of one group dead-lettering the same copy at the same instant can still
-// both write it.) When the first message's context carries an inbox
+// keeps one entry for it, so that a replay sends it once; a unique index
+// keeps it so for writers at the same instant too (two consumers of one
+// group dead-lettering the same copy), without an inbox. When the first message's context carries an inbox
 // transaction on the same database (postgres.Tx), as the poison
 // middleware's dead-lettering under a key's claim does, the rows are
 // written in that transaction, so that the dead letter and the key's dead
