@@ -2,6 +2,8 @@ package dedup
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"time"
@@ -248,14 +250,55 @@ type LeaseStore interface {
 // Graveyard keeps the dead keys of both modes: a key dead-lettered by the
 // poison middleware stays dead, its later copies acked without running,
 // until the dead letter is replayed.
+//
+// A replay is authorised by the store, never by a message's metadata
+// alone: the operator's replay writes a grant, a random value that no
+// producer knows ([NewReplayGrant]), on the dead key's record
+// ([Graveyard.InboxGrantReplay]) before the replayed copy is published
+// with the grant in its metadata (delivery.Replay). Only a copy that
+// carries the grant the record holds reopens the key
+// ([Graveyard.InboxReopen]); any other copy of a dead key, a producer's
+// retry or a forwarded message with a stale or forged marker, is acked
+// without running. A reopen needs the key dead and the grant is cleared
+// when the key is dead-lettered again, so one grant reopens a key once.
 type Graveyard interface {
+	// InboxGrantReplay writes grant on key's record if the key is dead,
+	// replacing any grant written before, so that the replay that carries
+	// it may reopen the key. It reports whether the key was dead; a key
+	// that is not dead needs no grant (a copy of it is claimed or answered
+	// as a duplicate as any copy is). An empty grant is refused.
+	InboxGrantReplay(ctx context.Context, key Key, grant string) (bool, error)
 	// InboxReopen makes a dead key claimable again, with its attempt
-	// counts reset, for the replay of its dead letter. It reports whether
-	// the key was dead.
-	InboxReopen(ctx context.Context, key Key) (bool, error)
+	// counts reset, for the replay of its dead letter, only if grant is
+	// the one [Graveyard.InboxGrantReplay] wrote on it. It reports whether
+	// it reopened the key: false when the key is not dead, holds no grant
+	// or another one. An empty grant never matches.
+	InboxReopen(ctx context.Context, key Key, grant string) (bool, error)
+	// InboxReplayGranted reports whether key's record holds grant: a
+	// replay of its dead letter was granted with it, and the record has
+	// not been dead-lettered again since (the grant stays on a key that
+	// its replay reopened, until the key is dead-lettered again or
+	// expires). The inbox of another consumer of the topic asks it before
+	// it acks, without running, a replay meant for key's consumer. An
+	// empty grant never matches.
+	InboxReplayGranted(ctx context.Context, key Key, grant string) (bool, error)
 	// InboxDeadCopy counts one more copy of a dead key that arrived and
 	// was acked without running, for operators to see on the dead letter.
 	InboxDeadCopy(ctx context.Context, key Key) error
+}
+
+// ErrNoGrant is returned, wrapped, by [Graveyard.InboxGrantReplay] for an
+// empty grant.
+var ErrNoGrant = errors.New("dedup: replay grant is empty")
+
+// NewReplayGrant returns a new replay grant: 128 bits from crypto/rand,
+// hex-encoded, which no producer can guess.
+func NewReplayGrant() (string, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("dedup: new replay grant: %w", err)
+	}
+	return hex.EncodeToString(b[:]), nil
 }
 
 // Peeker reads a key's record without claiming it: the cheap check a

@@ -15,6 +15,7 @@ package memory
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -43,6 +44,7 @@ type entry struct {
 	lastErr     string
 	doneAt      time.Time
 	deadCopies  int
+	grant       string // the replay grant; cleared when buried
 }
 
 // Store keeps leases in a map. It is safe for concurrent use and starts no
@@ -132,7 +134,7 @@ func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f 
 // record keeps its expiry.
 func (s *Store) LeaseBury(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
 	return s.end(ctx, key, token, func(e *entry) {
-		e.status = dead
+		e.status, e.grant = dead, ""
 		e.recordFailure(f)
 	})
 }
@@ -166,9 +168,12 @@ func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lea
 	return e.until, nil
 }
 
-// InboxReopen makes a dead key claimable again, as a failed one with no
-// attempts, and reports whether it was dead.
-func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
+// InboxGrantReplay writes grant on key if it is dead and reports whether
+// it was.
+func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, fmt.Errorf("memory: grant replay of consumer %q key %q: %w", key.Consumer, key.Key, dedup.ErrNoGrant)
+	}
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
@@ -178,8 +183,36 @@ func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
 	if e == nil || e.status != dead {
 		return false, nil
 	}
+	e.grant = grant
+	return true, nil
+}
+
+// InboxReopen makes a dead key claimable again, as a failed one with no
+// attempts, if grant is the one written on it, and reports whether it
+// reopened it.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.keys[key]
+	if e == nil || e.status != dead || grant == "" || e.grant != grant {
+		return false, nil
+	}
 	e.status, e.attempts = failed, 0
 	return true, nil
+}
+
+// InboxReplayGranted reports whether key holds grant.
+func (s *Store) InboxReplayGranted(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.keys[key]
+	return e != nil && grant != "" && e.grant == grant, nil
 }
 
 // InboxDeadCopy counts a copy of key that arrived while it was dead; it

@@ -149,13 +149,43 @@ func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
 	return nil
 }
 
-// InboxReopen makes a dead key claimable again with its counts reset.
-func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
-	tag, err := s.db.Exec(ctx, s.q.reopen, key.Consumer, key.Key)
+// InboxGrantReplay writes grant on key's row if the key is dead, so that
+// the replay that carries it may reopen the key. dlq.Store does this
+// itself on the inbox table beside the dead-letter table.
+func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, fmt.Errorf("postgres: grant replay of consumer %q key %q: %w", key.Consumer, key.Key, dedup.ErrNoGrant)
+	}
+	tag, err := s.db.Exec(ctx, s.q.grant, key.Consumer, key.Key, grant)
 	if err != nil {
-		return false, interpret(ctx, "reopen", err)
+		return false, interpret(ctx, "grant replay", err)
 	}
 	return tag.RowsAffected() == 1, nil
+}
+
+// InboxReopen makes a dead key claimable again with its counts reset, only
+// for the grant written on it.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, nil
+	}
+	var n int
+	if err := s.db.QueryRow(ctx, s.q.reopen, key.Consumer, key.Key, grant).Scan(&n); err != nil {
+		return false, interpret(ctx, "reopen", err)
+	}
+	return n == 1, nil
+}
+
+// InboxReplayGranted reports whether key's row holds grant.
+func (s *Store) InboxReplayGranted(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, nil
+	}
+	var ok bool
+	if err := s.db.QueryRow(ctx, s.q.granted, key.Consumer, key.Key, grant).Scan(&ok); err != nil {
+		return false, interpret(ctx, "read replay grant", err)
+	}
+	return ok, nil
 }
 
 // InboxDeadCopy counts a copy of a dead key on its record.

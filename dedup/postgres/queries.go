@@ -11,6 +11,7 @@ import (
 // spliced in.
 type queries struct {
 	start, unstart, bury, reopen, deadCopy              string
+	grant, granted                                      string
 	claim, reclaim, read, complete, fail, deleteExpired string
 	leaseClaim, leaseRead, leaseComplete, leaseRelease  string
 	leaseExtend, leaseBury, leaseAbandon                string
@@ -45,15 +46,28 @@ WHERE consumer = $1 AND key = $2 AND started > 0`),
 		// Runs in the transaction that claimed the key.
 		// The claim that took the key for burying counted itself as an
 		// attempt; the bury takes that back.
+		// It clears the key's replay grant: a grant reopens a key once.
 		bury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), result = NULL, done_at = NULL,
-	attempts = GREATEST(attempts - 1, 0),
+	attempts = GREATEST(attempts - 1, 0), replay_grant = NULL,
 	first_error = COALESCE(first_error, $3), first_failed_at = COALESCE(first_failed_at, $4),
 	last_error = $3, last_failed_at = $4, updated_at = now()
 WHERE consumer = $1 AND key = $2`),
 
-		reopen: r.Replace(`WITH del AS (DELETE FROM {S} WHERE consumer = $1 AND key = $2)
-UPDATE {T} SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, updated_at = now()
+		// Only for the grant written on the dead key; the attempts that
+		// started are forgotten only when it reopens.
+		reopen: r.Replace(`WITH up AS (
+	UPDATE {T} SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, updated_at = now()
+	WHERE consumer = $1 AND key = $2 AND status = 'dead' AND replay_grant = $3
+	RETURNING 1
+), del AS (
+	DELETE FROM {S} WHERE consumer = $1 AND key = $2 AND EXISTS (SELECT 1 FROM up)
+)
+SELECT count(*) FROM up`),
+
+		grant: r.Replace(`UPDATE {T} SET replay_grant = $3, updated_at = now()
 WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
+
+		granted: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2 AND replay_grant = $3)`),
 
 		deadCopy: r.Replace(`UPDATE {T} SET dead_copies = dead_copies + 1
 WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
@@ -154,7 +168,7 @@ WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),
 WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'
 RETURNING lease_until`),
 
-		leaseBury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), lease_until = NULL,
+		leaseBury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), lease_until = NULL, replay_grant = NULL,
 	first_error = COALESCE(first_error, $4), first_failed_at = COALESCE(first_failed_at, $5),
 	last_error = $4, last_failed_at = $5, updated_at = now()
 WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),

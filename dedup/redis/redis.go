@@ -170,7 +170,7 @@ type Store struct {
 	logger watermill.LoggerAdapter
 
 	claim, complete, release, bury, extend *goredis.Script
-	peek, reopen, deadCopy                 *goredis.Script
+	peek, reopen, deadCopy, grant          *goredis.Script
 
 	// breaker guards claims and peeks under FailOpen; openErr is the cause
 	// logged for the answers it fails open.
@@ -206,6 +206,7 @@ func New(cfg Config) (*Store, error) {
 		peek:     goredis.NewScript(peekSource),
 		reopen:   goredis.NewScript(reopenSource),
 		deadCopy: goredis.NewScript(deadCopySource),
+		grant:    goredis.NewScript(grantSource),
 		breaker:  breaker.New(cfg.BreakerFailures, cfg.BreakerProbe),
 		openErr: fmt.Errorf("redis: circuit breaker open after %d unavailable calls in a row, Redis probed every %s: %w",
 			cfg.BreakerFailures, cfg.BreakerProbe, ErrUnavailable),
@@ -371,15 +372,48 @@ func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lea
 	return time.UnixMilli(until), nil
 }
 
+// InboxGrantReplay writes grant on key's record if the key is dead, in
+// the record's replay_grant field, and reports whether it was dead. It
+// never fails open.
+func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, fmt.Errorf("redis: grant replay of consumer %q key %q: %w", key.Consumer, key.Key, dedup.ErrNoGrant)
+	}
+	n, err := s.grant.Run(ctx, s.client, []string{s.recordKey(key)}, grant).Int64()
+	if err != nil {
+		return false, s.wrap(ctx, "grant replay", err)
+	}
+	return n == 1, nil
+}
+
 // InboxReopen makes a dead key claimable again, as a failed key with no
-// attempts, and reports whether it was dead. Its failure history and
-// expiry stay. It never fails open.
-func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
-	n, err := s.reopen.Run(ctx, s.client, []string{s.recordKey(key)}).Int64()
+// attempts, if grant is the one written on it, and reports whether it
+// reopened it. Its failure history and expiry stay. It never fails open.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, nil
+	}
+	n, err := s.reopen.Run(ctx, s.client, []string{s.recordKey(key)}, grant).Int64()
 	if err != nil {
 		return false, s.wrap(ctx, "reopen", err)
 	}
 	return n == 1, nil
+}
+
+// InboxReplayGranted reports whether key's record holds grant. It never
+// fails open.
+func (s *Store) InboxReplayGranted(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, nil
+	}
+	got, err := s.client.HGet(ctx, s.recordKey(key), "replay_grant").Result()
+	if errors.Is(err, goredis.Nil) {
+		return false, nil
+	}
+	if err != nil {
+		return false, s.wrap(ctx, "read replay grant", err)
+	}
+	return got == grant, nil
 }
 
 // InboxDeadCopy counts a copy of a dead key in the record's dead_copies

@@ -106,8 +106,9 @@ return 1
 
 // burySource marks the key dead, until it is reopened, if ARGV[1] is the
 // current token of a key being processed, and records the failure with the
-// arguments of releaseSource. The record keeps its expiry. The reply is 1
-// when the key was buried, 0 when the lease was lost.
+// arguments of releaseSource. It clears the key's replay grant: a grant
+// reopens a key once. The record keeps its expiry. The reply is 1 when the
+// key was buried, 0 when the lease was lost.
 const burySource = `
 if redis.replicate_commands then redis.replicate_commands() end
 local r = redis.call('HMGET', KEYS[1], 'status', 'token')
@@ -119,7 +120,7 @@ if at == '' then
 	local t = redis.call('TIME')
 	at = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end
-redis.call('HDEL', KEYS[1], 'lease_until')
+redis.call('HDEL', KEYS[1], 'lease_until', 'replay_grant')
 redis.call('HSET', KEYS[1], 'status', 'dead', 'last_error', ARGV[2], 'last_failed_at', at)
 redis.call('HSETNX', KEYS[1], 'first_error', ARGV[2])
 redis.call('HSETNX', KEYS[1], 'first_failed_at', at)
@@ -147,11 +148,22 @@ end
 return leaseUntil
 `
 
-// reopenSource makes a dead key claimable again, as a failed key with no
-// attempts; its failure history and expiry stay. The reply is 1 when the
-// key was dead, else 0.
-const reopenSource = `
+// grantSource writes the replay grant ARGV[1] on a dead key. The reply is
+// 1 when the key was dead, else 0.
+const grantSource = `
 if redis.call('HGET', KEYS[1], 'status') ~= 'dead' then
+	return 0
+end
+redis.call('HSET', KEYS[1], 'replay_grant', ARGV[1])
+return 1
+`
+
+// reopenSource makes a dead key claimable again, as a failed key with no
+// attempts, if ARGV[1] is its replay grant; its failure history and expiry
+// stay. The reply is 1 when the key was reopened, else 0.
+const reopenSource = `
+local r = redis.call('HMGET', KEYS[1], 'status', 'replay_grant')
+if r[1] ~= 'dead' or r[2] ~= ARGV[1] then
 	return 0
 end
 redis.call('HSET', KEYS[1], 'status', 'failed', 'attempts', '0')

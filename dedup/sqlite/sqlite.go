@@ -216,9 +216,30 @@ func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
 	return nil
 }
 
-// InboxReopen makes a dead key claimable again with its counts reset.
-func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
-	res, err := s.db.ExecContext(ctx, s.q.reopen, micros(time.Now()), key.Consumer, key.Key)
+// InboxGrantReplay writes grant on key's row if the key is dead, so that
+// the replay that carries it may reopen the key.
+func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, fmt.Errorf("sqlite: grant replay of consumer %q key %q: %w", key.Consumer, key.Key, dedup.ErrNoGrant)
+	}
+	res, err := s.db.ExecContext(ctx, s.q.grant, grant, micros(time.Now()), key.Consumer, key.Key)
+	if err != nil {
+		return false, interpret("grant replay", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("sqlite: grant replay: rows affected: %w", err)
+	}
+	return n == 1, nil
+}
+
+// InboxReopen makes a dead key claimable again with its counts reset, only
+// for the grant written on it.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, nil
+	}
+	res, err := s.db.ExecContext(ctx, s.q.reopen, micros(time.Now()), key.Consumer, key.Key, grant)
 	if err != nil {
 		return false, interpret("reopen", err)
 	}
@@ -226,10 +247,25 @@ func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("sqlite: reopen: rows affected: %w", err)
 	}
+	if n != 1 {
+		return false, nil
+	}
 	if _, err := s.db.ExecContext(ctx, s.q.clearStart, key.Consumer, key.Key); err != nil {
 		return false, interpret("reopen", err)
 	}
-	return n == 1, nil
+	return true, nil
+}
+
+// InboxReplayGranted reports whether key's row holds grant.
+func (s *Store) InboxReplayGranted(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, nil
+	}
+	var ok bool
+	if err := s.db.QueryRowContext(ctx, s.q.granted, key.Consumer, key.Key, grant).Scan(&ok); err != nil {
+		return false, interpret("read replay grant", err)
+	}
+	return ok, nil
 }
 
 // InboxDeadCopy counts a copy of a dead key on its record.
@@ -372,6 +408,7 @@ type queries struct {
 
 	start, startRead, unstart, clearStart, deleteExpiredStarts string
 	bury, reopen, deadCopy                                     string
+	grant, granted                                             string
 }
 
 func newQueries(cfg Config) queries {
@@ -401,15 +438,22 @@ WHERE consumer = ? AND key = ? AND status IN ('done', 'dead')`),
 		// Arguments: error, failed_at, now, consumer, key.
 		// The claim that took the key for burying counted itself as an
 		// attempt; the bury takes that back.
+		// It clears the key's replay grant: a grant reopens a key once.
 		bury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = ?3, result = NULL, done_at = NULL,
-	attempts = MAX(attempts - 1, 0),
+	attempts = MAX(attempts - 1, 0), replay_grant = NULL,
 	first_error = COALESCE(first_error, ?1), first_failed_at = COALESCE(first_failed_at, ?2),
 	last_error = ?1, last_failed_at = ?2, updated_at = ?3
 WHERE consumer = ?4 AND key = ?5`),
 
-		// Arguments: now, consumer, key.
+		// Arguments: now, consumer, key, grant.
 		reopen: r.Replace(`UPDATE {T} SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, updated_at = ?
-WHERE consumer = ? AND key = ? AND status = 'dead'`),
+WHERE consumer = ? AND key = ? AND status = 'dead' AND replay_grant = ?`),
+
+		// Arguments: grant, now, consumer, key.
+		grant: r.Replace(`UPDATE {T} SET replay_grant = ?, updated_at = ? WHERE consumer = ? AND key = ? AND status = 'dead'`),
+
+		// Arguments: consumer, key, grant.
+		granted: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = ? AND key = ? AND replay_grant = ?)`),
 
 		// Arguments: consumer, key.
 		deadCopy: r.Replace(`UPDATE {T} SET dead_copies = dead_copies + 1 WHERE consumer = ? AND key = ? AND status = 'dead'`),

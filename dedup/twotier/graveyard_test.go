@@ -73,15 +73,35 @@ func TestBuriedKeyIsDeadInTheRecordNeverDoneInTheLock(t *testing.T) {
 	require.NoError(t, b.store.InboxDeadCopy(ctx, key))
 	require.Equal(t, 2, b.deadCopies(t, key), "dead copies are counted in the record")
 
+	// Only the grant written on the dead key reopens it: no marker, a
+	// forged one or another grant leave it dead.
+	reopened, err := b.store.InboxReopen(ctx, key, "")
+	require.NoError(t, err)
+	require.False(t, reopened, "no grant")
+	reopened, err = b.store.InboxReopen(ctx, key, "1")
+	require.NoError(t, err)
+	require.False(t, reopened, "a marker the store never granted")
+	_, err = b.store.InboxGrantReplay(ctx, key, "")
+	require.ErrorIs(t, err, dedup.ErrNoGrant)
+	granted, err := b.store.InboxGrantReplay(ctx, key, "grant-1")
+	require.NoError(t, err)
+	require.True(t, granted, "the key is dead")
+	reopened, err = b.store.InboxReopen(ctx, key, "grant-2")
+	require.NoError(t, err)
+	require.False(t, reopened, "another grant")
+	ok, err := b.store.InboxReplayGranted(ctx, key, "grant-2")
+	require.NoError(t, err)
+	require.False(t, ok)
+
 	// Reopened in the record, the key is claimable at once, without the
 	// lock being told.
-	reopened, err := b.store.InboxReopen(ctx, key)
+	reopened, err = b.store.InboxReopen(ctx, key, "grant-1")
 	require.NoError(t, err)
 	require.True(t, reopened)
 	status, attempts := b.recordRow(t, key)
 	require.Equal(t, "failed", status)
 	require.Zero(t, attempts, "the attempts are reset")
-	reopened, err = b.store.InboxReopen(ctx, key)
+	reopened, err = b.store.InboxReopen(ctx, key, "grant-1")
 	require.NoError(t, err)
 	require.False(t, reopened, "the key is no longer dead")
 
@@ -244,10 +264,24 @@ func TestPoisonDeadLettersThroughTheRecord(t *testing.T) {
 	require.Equal(t, int64(3), in.Stats().DeadCopies)
 	require.Equal(t, 3, b.deadCopies(t, key))
 
-	// The replay of the dead letter, the payload fixed, runs once.
+	// A copy that only says it is a replay is one more dead copy.
 	broken.Store(false)
+	forged := delivery("p-1")
+	forged.Metadata.Set(dlv.Replay, "1")
+	_, err = h(forged)
+	require.NoError(t, err)
+	require.Equal(t, int32(2), runs.Load())
+	require.Equal(t, int64(4), in.Stats().DeadCopies)
+
+	// The replay of the dead letter, granted in the record, the payload
+	// fixed, runs once.
+	grant, err := dedup.NewReplayGrant()
+	require.NoError(t, err)
+	granted, err := b.store.InboxGrantReplay(context.Background(), key, grant)
+	require.NoError(t, err)
+	require.True(t, granted)
 	replay := delivery("p-1")
-	replay.Metadata.Set(dlv.Replay, "1")
+	replay.Metadata.Set(dlv.Replay, grant)
 	_, err = h(replay)
 	require.NoError(t, err)
 	require.Equal(t, int32(3), runs.Load())

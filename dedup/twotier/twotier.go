@@ -362,15 +362,35 @@ func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
 	return nil
 }
 
-// InboxReopen reopens a dead key in the record and reports whether it was
-// dead. The lock needs no change: it holds no dead mark, and a dead key
-// was never marked done in it.
-func (s *Store) InboxReopen(ctx context.Context, key dedup.Key) (bool, error) {
-	reopened, err := s.record.InboxReopen(ctx, key)
+// InboxGrantReplay writes grant on a dead key in the record, which holds
+// the dead marks, and reports whether the key was dead.
+func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	granted, err := s.record.InboxGrantReplay(ctx, key, grant)
+	if err != nil {
+		return false, fmt.Errorf("twotier: grant replay: %w", err)
+	}
+	return granted, nil
+}
+
+// InboxReopen reopens a dead key in the record, if grant is the one
+// written on it there, and reports whether it reopened it. The lock needs
+// no change: it holds no dead mark, and a dead key was never marked done
+// in it.
+func (s *Store) InboxReopen(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	reopened, err := s.record.InboxReopen(ctx, key, grant)
 	if err != nil {
 		return false, fmt.Errorf("twotier: reopen: %w", err)
 	}
 	return reopened, nil
+}
+
+// InboxReplayGranted reports whether key's record holds grant.
+func (s *Store) InboxReplayGranted(ctx context.Context, key dedup.Key, grant string) (bool, error) {
+	ok, err := s.record.InboxReplayGranted(ctx, key, grant)
+	if err != nil {
+		return false, fmt.Errorf("twotier: read replay grant: %w", err)
+	}
+	return ok, nil
 }
 
 // InboxDeadCopy counts a copy of a dead key in the record.

@@ -386,7 +386,17 @@ func (l *failingLock) LeaseBury(context.Context, dedup.Key, int64, dedup.Failure
 	return errors.New("dial tcp: connection refused")
 }
 
-func (l *failingLock) InboxReopen(context.Context, dedup.Key) (bool, error) {
+func (l *failingLock) InboxGrantReplay(context.Context, dedup.Key, string) (bool, error) {
+	l.calls.Add(1)
+	return false, errors.New("dial tcp: connection refused")
+}
+
+func (l *failingLock) InboxReopen(context.Context, dedup.Key, string) (bool, error) {
+	l.calls.Add(1)
+	return false, errors.New("dial tcp: connection refused")
+}
+
+func (l *failingLock) InboxReplayGranted(context.Context, dedup.Key, string) (bool, error) {
 	l.calls.Add(1)
 	return false, errors.New("dial tcp: connection refused")
 }

@@ -1,0 +1,1 @@
+ALTER TABLE {{.Inbox}} DROP COLUMN IF EXISTS replay_grant;

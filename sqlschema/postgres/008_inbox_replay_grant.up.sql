@@ -1,0 +1,11 @@
+-- Replay grants: a replay reopens a dead key only if the store says so,
+-- never on a message's metadata alone. The operator's replay (dlq.Store,
+-- the oncemill command, the console) writes a random grant on the dead
+-- key's row before it publishes the replayed copy with the grant in its
+-- oncemill_replay metadata; the inbox reopens the key only for a copy
+-- that carries the grant the row holds. A reopen needs the key dead, and
+-- dead-lettering the key again clears the grant, so one grant reopens the
+-- key once. The grant stays on a reopened key until then, so that the
+-- topic's other consumers can tell a replay meant for this consumer from
+-- a forged one.
+ALTER TABLE {{.Inbox}} ADD COLUMN IF NOT EXISTS replay_grant text;
