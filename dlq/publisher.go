@@ -1,11 +1,13 @@
 package dlq
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -24,7 +26,17 @@ import (
 type Publisher struct {
 	pool   *pgxpool.Pool
 	insert string
+
+	// mu guards the identities, learnt once per pool and per backend.
+	mu       sync.Mutex
+	poolID   *serverID
+	backends map[string]serverID
 }
+
+// maxBackends bounds the identities a Publisher keeps of the inbox
+// transactions' connections; past it, it forgets them all and learns
+// again.
+const maxBackends = 1024
 
 var _ message.Publisher = (*Publisher)(nil)
 
@@ -76,7 +88,11 @@ func tableFor(pool *pgxpool.Pool, cfg sqlschema.Config) (string, error) {
 // transaction on the same database (postgres.Tx), as the poison
 // middleware's dead-lettering under a key's claim does, the rows are
 // written in that transaction, so that the dead letter and the key's dead
-// mark commit together. topic, the topic the publisher was called with, is kept
+// mark commit together. The same database is what the two sessions'
+// server reports, whatever host name each connected to: its
+// pg_control_system() system identifier (where the role may call it,
+// as by default), its start time and the database's name; the first
+// dead letter on each connection asks, in the transaction. topic, the topic the publisher was called with, is kept
 // as the entry's DLQTopic; the original topic and the other columns come
 // from the delivery.Dead* metadata. The statements run with the first
 // message's context, as Watermill's SQL publisher does.
@@ -101,7 +117,15 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		batch.Queue(p.insert, args...)
 	}
 	ctx := msgs[0].Context()
-	if tx := postgres.Tx(ctx); tx != nil && p.sameDatabase(tx.Conn()) {
+	same := false
+	if tx := postgres.Tx(ctx); tx != nil {
+		var err error
+		if same, err = p.sameDatabase(ctx, tx); err != nil {
+			return wrap(fmt.Sprintf("publish %d messages to %q", len(msgs), topic), err)
+		}
+	}
+	if same {
+		tx := postgres.Tx(ctx)
 		// Dead-lettered under an inbox claim in this database (the poison
 		// middleware puts the claim's transaction in the context): the row
 		// commits or rolls back with the key's dead mark.
@@ -119,14 +143,103 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	return nil
 }
 
-// sameDatabase reports whether conn is connected to the pool's server and
-// database, where the dead-letter table is.
-func (p *Publisher) sameDatabase(conn *pgx.Conn) bool {
-	if conn == nil {
+// serverID tells apart where sessions are connected: the server (its
+// system identifier, and when it started) and the database.
+type serverID struct {
+	// system is pg_control_system()'s system_identifier, or 0 where the
+	// role may not call pg_control_system().
+	system   int64
+	started  time.Time
+	database string
+}
+
+// same reports whether a and b are the same database of the same server.
+// Without a system identifier on either side, the server's start time (to
+// the microsecond) and the database name decide.
+func (a serverID) same(b serverID) bool {
+	if a.database != b.database || !a.started.Equal(b.started) {
 		return false
 	}
-	a, b := p.pool.Config().ConnConfig, conn.Config()
-	return a.Host == b.Host && a.Port == b.Port && a.Database == b.Database
+	return a.system == 0 || b.system == 0 || a.system == b.system
+}
+
+// queryRower is a pool or a transaction.
+type queryRower interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// identify reads db's serverID. Each statement is one that cannot fail
+// for lack of a privilege, so that a transaction it runs in stays usable.
+func identify(ctx context.Context, db queryRower) (serverID, error) {
+	var (
+		id      serverID
+		control bool
+	)
+	err := db.QueryRow(ctx, `SELECT has_function_privilege('pg_catalog.pg_control_system()', 'EXECUTE'),
+	pg_postmaster_start_time(), current_database()`).Scan(&control, &id.started, &id.database)
+	if err != nil {
+		return serverID{}, fmt.Errorf("identify the server: %w", err)
+	}
+	if control {
+		if err := db.QueryRow(ctx, `SELECT system_identifier FROM pg_catalog.pg_control_system()`).Scan(&id.system); err != nil {
+			return serverID{}, fmt.Errorf("identify the server: %w", err)
+		}
+	}
+	return id, nil
+}
+
+// sameDatabase reports whether tx runs on the server and database of the
+// pool, where the dead-letter table is. It compares what the servers say
+// of themselves, not the host names (localhost and 127.0.0.1 are one
+// server; one host may serve several databases): the system identifier
+// of pg_control_system(), where the role may call it, the server's start
+// time and the database's name. The pool's identity is learnt once, each
+// connection's once per backend (its process id and cancel key): at most
+// two statements in tx the first time a backend dead-letters, none after.
+func (p *Publisher) sameDatabase(ctx context.Context, tx pgx.Tx) (bool, error) {
+	conn := tx.Conn()
+	if conn == nil || conn.PgConn() == nil {
+		return false, nil
+	}
+	pool, err := p.poolIdentity(ctx)
+	if err != nil {
+		return false, err
+	}
+	pc := conn.PgConn()
+	backend := strconv.FormatUint(uint64(pc.PID()), 10) + ":" + string(pc.SecretKey())
+	p.mu.Lock()
+	id, ok := p.backends[backend]
+	p.mu.Unlock()
+	if !ok {
+		if id, err = identify(ctx, tx); err != nil {
+			return false, err
+		}
+		p.mu.Lock()
+		if p.backends == nil || len(p.backends) >= maxBackends {
+			p.backends = map[string]serverID{}
+		}
+		p.backends[backend] = id
+		p.mu.Unlock()
+	}
+	return pool.same(id), nil
+}
+
+// poolIdentity returns the pool's serverID, learnt on first use.
+func (p *Publisher) poolIdentity(ctx context.Context) (serverID, error) {
+	p.mu.Lock()
+	id := p.poolID
+	p.mu.Unlock()
+	if id != nil {
+		return *id, nil
+	}
+	learnt, err := identify(ctx, p.pool)
+	if err != nil {
+		return serverID{}, err
+	}
+	p.mu.Lock()
+	p.poolID = &learnt
+	p.mu.Unlock()
+	return learnt, nil
 }
 
 // Close does nothing: the pool belongs to the caller. It returns nil.
