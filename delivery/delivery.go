@@ -40,14 +40,19 @@ const (
 	// record into a message; the payload then holds the raw bytes. The
 	// message must go to the dead-letter queue, not to the handler.
 	DecodeError = "oncemill_decode_error"
-	// Replay is set on a message republished from the dead-letter queue
-	// (to the dead-letter entry's id): the inbox reopens the dead key for
-	// it, and for no other copy.
+	// Replay is set on a message republished from the dead-letter queue,
+	// to the replay grant that the replay wrote on the dead key's record
+	// (a random value, dedup.NewReplayGrant). It is a claim, not a right:
+	// the inbox reopens the dead key only when the store holds the same
+	// grant on the key's record, and treats any other copy that carries
+	// it, forged, forwarded or already used, as a copy of the dead key.
 	Replay = "oncemill_replay"
 	// ReplayConsumer is set on a message republished from the dead-letter
 	// queue to the consumer that dead-lettered it: a replay published to
 	// its original topic reaches every consumer of the topic, and the
-	// inbox of any other consumer acks it without running the handler.
+	// inbox of another consumer acks it without running the handler when
+	// its store holds the message's Replay grant on the named consumer's
+	// record of the key; otherwise it handles the message as any other.
 	ReplayConsumer = "oncemill_replay_consumer"
 )
 

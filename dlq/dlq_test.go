@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"sort"
 	"strconv"
 	"sync"
@@ -117,13 +118,15 @@ func TestPublisherParsesDeadMetadata(t *testing.T) {
 	require.Equal(t, want, got.Metadata, "the full metadata, Dead* keys included")
 	require.False(t, got.DeadAt.IsZero())
 
-	replay := got.Message()
+	replay := got.Message("grant-1")
 	require.Equal(t, m.UUID, replay.UUID)
 	require.Equal(t, []byte(m.Payload), []byte(replay.Payload))
 	require.Equal(t, map[string]string{
 		delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1",
-		delivery.Replay: strconv.FormatInt(got.ID, 10), delivery.ReplayConsumer: "charge",
-	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay of this entry for its consumer")
+		delivery.Replay: "grant-1", delivery.ReplayConsumer: "charge",
+	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay granted for its consumer")
+	require.Equal(t, map[string]string{delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1"},
+		map[string]string(got.Message("").Metadata), "no grant, no replay marker")
 }
 
 // TestPublisherAcceptsAnything stores messages whose dead-letter metadata is
@@ -436,10 +439,12 @@ func TestReplayToGoChannel(t *testing.T) {
 		got.Ack()
 		require.Equal(t, want.UUID, got.UUID)
 		require.Equal(t, want.Payload, []byte(got.Payload))
+		md := maps.Clone(map[string]string(got.Metadata))
+		require.Len(t, md[delivery.Replay], 32, "a fresh 128-bit grant, hex")
+		delete(md, delivery.Replay)
 		require.Equal(t, map[string]string{
-			delivery.IdempotencyKey: want.Key, "trace_id": "tr-1",
-			delivery.Replay: strconv.FormatInt(want.ID, 10), delivery.ReplayConsumer: "charge",
-		}, map[string]string(got.Metadata))
+			delivery.IdempotencyKey: want.Key, "trace_id": "tr-1", delivery.ReplayConsumer: "charge",
+		}, md)
 	}
 	require.Equal(t, []int64{ids[2], ids[3], ids[4], ids[5]}, e.ids(t), "replayed rows deleted, the others kept")
 

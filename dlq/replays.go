@@ -48,6 +48,11 @@ type ReplaySubscriberConfig struct {
 	// Logger receives a line for every replay delivered and every read
 	// that failed. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
+	// Granter writes the replay grant of each entry on its dead key before
+	// the entry is delivered (see [Granter]). Defaults to the PostgreSQL
+	// inbox table beside the dead-letter table; set it to the consumer's
+	// inbox store when that is elsewhere.
+	Granter Granter
 }
 
 func (c *ReplaySubscriberConfig) setDefaults() {
@@ -102,6 +107,9 @@ func NewReplaySubscriber(pool *pgxpool.Pool, schema sqlschema.Config, cfg Replay
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
+	}
+	if cfg.Granter == nil {
+		cfg.Granter = tableGranter{pool: pool, inbox: sqlschema.NamesFor(sqlschema.Postgres, schema.WithDefaults()).Inbox}
 	}
 	return &ReplaySubscriber{pool: pool, table: table, cfg: cfg, closing: make(chan struct{})}, nil
 }
@@ -165,7 +173,14 @@ ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
 	if err != nil {
 		return false, wrap("replay: read", err)
 	}
-	msg := e.Message()
+	// A fresh grant for every delivery, committed before the consumer can
+	// see the message: a copy handed out before and nacked no longer
+	// reopens the key.
+	grant, err := grantReplay(ctx, r.cfg.Granter, e)
+	if err != nil {
+		return false, err
+	}
+	msg := e.Message(grant)
 	msgCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	msg.SetContext(msgCtx)

@@ -2,7 +2,6 @@ package dlq_test
 
 import (
 	"context"
-	"strconv"
 	"testing"
 	"time"
 
@@ -45,10 +44,12 @@ func TestReplaySubscriber(t *testing.T) {
 	require.NoError(t, err)
 
 	first := msgtest.Receive(t, msgs, 10*time.Second)
-	require.Equal(t, ids[0], replayID(t, first))
+	require.Equal(t, ids[0], e.replayID(t, first))
 	first.Nack()
 	again := msgtest.Receive(t, msgs, 10*time.Second)
-	require.Equal(t, ids[0], replayID(t, again), "a nacked replay comes back")
+	require.Equal(t, ids[0], e.replayID(t, again), "a nacked replay comes back")
+	require.NotEqual(t, first.Metadata.Get(delivery.Replay), again.Metadata.Get(delivery.Replay),
+		"with a fresh grant: the nacked copy's no longer reopens the key")
 	require.Equal(t, ids, e.ids(t), "nothing deleted before the ack")
 	again.Ack()
 	require.Eventually(t, func() bool { return len(e.ids(t)) == 3 }, 10*time.Second, 10*time.Millisecond)
@@ -57,9 +58,10 @@ func TestReplaySubscriber(t *testing.T) {
 }
 
 // replayID is the dead-letter entry a replayed message came from.
-func replayID(t *testing.T, m *message.Message) int64 {
+func (e env) replayID(t *testing.T, m *message.Message) int64 {
 	t.Helper()
-	id, err := strconv.ParseInt(m.Metadata.Get(delivery.Replay), 10, 64)
-	require.NoError(t, err)
+	require.NotEmpty(t, m.Metadata.Get(delivery.Replay), "marked as a replay")
+	var id int64
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT id FROM `+e.table()+` WHERE uuid = $1`, m.UUID).Scan(&id))
 	return id
 }

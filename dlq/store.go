@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -72,21 +71,28 @@ type Entry struct {
 
 // Message returns the message a replay of e publishes: e's UUID and
 // payload, and its metadata without the facts of the failed delivery
-// ([delivery.IsDeliveryFact]: the dead-letter fields, and the topic,
-// partition, offset, attempt count and decode error the adapter set), so
-// that the replay is counted and decoded afresh. It carries
-// [delivery.Replay] with the entry's id: the consumer's inbox reopens the
-// dead key for this message, and for no other copy of the key. It carries
-// [delivery.ReplayConsumer] with the entry's consumer, when known: the
-// inboxes of the topic's other consumers ack it without running.
-func (e Entry) Message() *message.Message {
+// ([delivery.IsDeliveryFact]: the dead-letter fields, any replay marker,
+// and the topic, partition, offset, attempt count and decode error the
+// adapter set), so that the replay is counted and decoded afresh. It
+// carries [delivery.Replay] set to grant, the replay grant written on the
+// dead key's record ([Granter]; [Store.Replay] and [ReplaySubscriber] write
+// one for every replay): the consumer's inbox reopens the dead key for
+// this message, and for no copy whose grant the record does not hold. It
+// carries [delivery.ReplayConsumer] with the entry's consumer, when known:
+// the inboxes of the topic's other consumers that find grant on that
+// consumer's record ack it without running. With an empty grant the
+// message carries no replay marker.
+func (e Entry) Message(grant string) *message.Message {
 	msg := message.NewMessage(e.UUID, append([]byte(nil), e.Payload...))
 	for k, v := range e.Metadata {
 		if !delivery.IsDeliveryFact(k) {
 			msg.Metadata.Set(k, v)
 		}
 	}
-	msg.Metadata.Set(delivery.Replay, strconv.FormatInt(e.ID, 10))
+	if grant == "" {
+		return msg
+	}
+	msg.Metadata.Set(delivery.Replay, grant)
 	if e.Consumer != "" {
 		msg.Metadata.Set(delivery.ReplayConsumer, e.Consumer)
 	}
@@ -125,9 +131,10 @@ func scanEntry(row pgx.CollectableRow) (Entry, error) {
 // Store reads and changes the dead-letter table. It is safe for concurrent
 // use, by one process or several, and starts no goroutines.
 type Store struct {
-	pool  *pgxpool.Pool
-	table string
-	inbox string
+	pool   *pgxpool.Pool
+	table  string
+	inbox  string
+	grants Granter
 }
 
 // NewStore returns a store on the dead-letter table that cfg names
@@ -139,7 +146,21 @@ func NewStore(pool *pgxpool.Pool, cfg sqlschema.Config) (*Store, error) {
 		return nil, err
 	}
 	inbox := sqlschema.NamesFor(sqlschema.Postgres, cfg.WithDefaults()).Inbox
-	return &Store{pool: pool, table: table, inbox: inbox}, nil
+	return &Store{pool: pool, table: table, inbox: inbox, grants: tableGranter{pool: pool, inbox: inbox}}, nil
+}
+
+// WithGranter returns a copy of s whose replays write their grants
+// through g, the inbox store of the consumers whose dead letters it
+// replays, instead of on the inbox table beside the dead-letter table: for
+// consumers whose inbox is not that table (Redis, SQLite, another schema).
+// A nil g is refused with an error naming it.
+func (s *Store) WithGranter(g Granter) (*Store, error) {
+	if g == nil {
+		return nil, errors.New("dlq: WithGranter: granter is nil")
+	}
+	c := *s
+	c.grants = g
+	return &c, nil
 }
 
 // CopiesSince returns how many copies of e's key reached e's consumer
@@ -229,9 +250,13 @@ WHERE NOT EXISTS (SELECT 1 FROM `+s.table+` d WHERE d.id = u.id) ORDER BY u.id`,
 
 // Replay publishes the entries f selects to pub, in id order, and deletes
 // them. Each entry takes its own transaction: the row is locked (FOR
-// UPDATE SKIP LOCKED), published to its original topic with its original
-// UUID, payload and metadata (see [Entry.Message]), then deleted, and the
-// transaction commits. An entry that another replay or purge holds or has
+// UPDATE SKIP LOCKED), a replay grant is written on its dead key (see
+// [Granter]; the write commits before the publish), the entry is published
+// to its original topic with its original UUID, payload and metadata and
+// the grant (see [Entry.Message]), then deleted, and the transaction
+// commits. Each replay writes a fresh grant, so the copy an earlier replay
+// of the entry published no longer reopens the key once a later one is
+// granted. An entry that another replay or purge holds or has
 // already removed is skipped, so replays running at once never publish an
 // entry twice.
 //
@@ -312,7 +337,11 @@ func (s *Store) replayOne(ctx context.Context, pub message.Publisher, id int64) 
 	if e.Topic == "" {
 		return false, fmt.Errorf("dlq: replay entry %d (uuid %s): %w", id, e.UUID, ErrNoTopic)
 	}
-	msg := e.Message()
+	grant, err := grantReplay(ctx, s.grants, e)
+	if err != nil {
+		return false, err
+	}
+	msg := e.Message(grant)
 	msg.SetContext(ctx)
 	if err := pub.Publish(e.Topic, msg); err != nil {
 		return false, fmt.Errorf("dlq: replay entry %d (uuid %s) to %q: %w", id, e.UUID, e.Topic, err)
