@@ -336,13 +336,21 @@ func TestHooksSeeReplayForOtherConsumer(t *testing.T) {
 			ctx := msg.Context()
 			return nil, b.effect(ctx, middleware.IdempotencyKey(ctx))
 		})
+		// ledger-b dead-lettered pay-r in the same store, and its replay
+		// was granted.
+		buryIn(t, b.store, dedup.Key{Consumer: "ledger-b", Key: "pay-r"})
+		grant, err := dedup.NewReplayGrant()
+		require.NoError(t, err)
+		granted, err := b.store.InboxGrantReplay(context.Background(), dedup.Key{Consumer: "ledger-b", Key: "pay-r"}, grant)
+		require.NoError(t, err)
+		require.True(t, granted)
 		replay := func(consumer string) *message.Message {
 			msg := hookMsg("pay-r")
-			msg.Metadata.Set(dlv.Replay, "1")
+			msg.Metadata.Set(dlv.Replay, grant)
 			msg.Metadata.Set(dlv.ReplayConsumer, consumer)
 			return msg
 		}
-		_, err := c.run(replay("ledger-b"))
+		_, err = c.run(replay("ledger-b"))
 		require.NoError(t, err, "acked")
 		require.Zero(t, c.runs.Load(), "another consumer's replay does not run")
 		require.Zero(t, b.effects(t))

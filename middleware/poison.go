@@ -366,9 +366,15 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 		key, _ = p.cfg.Key(msg)
 	}
 
+	// The copy keeps the message's own metadata (its key, its partition
+	// key) but none of the facts of this delivery (delivery.IsDeliveryFact):
+	// a replay marker in particular must not travel into the dead letter,
+	// which a replay publishes again with a fresh grant of its own.
 	dead := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
-		dead.Metadata.Set(k, v)
+		if !delivery.IsDeliveryFact(k) {
+			dead.Metadata.Set(k, v)
+		}
 	}
 	md := dead.Metadata
 	md.Set(delivery.DeadTopic, topic)
