@@ -223,7 +223,7 @@ func TestMigrateUpgradesToDLQ(t *testing.T) {
 	require.NoError(t, err)
 	indexes, err = pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
-	require.Equal(t, []string{"dlq_consumer_idx", "dlq_dead_at_idx", "dlq_pkey", "dlq_replay_idx", "dlq_topic_idx", "dlq_uuid_idx"}, indexes)
+	require.Equal(t, []string{"dlq_consumer_idx", "dlq_dead_at_idx", "dlq_once_idx", "dlq_pkey", "dlq_replay_idx", "dlq_topic_idx", "dlq_uuid_idx"}, indexes)
 
 	// Down reverts the step; a second Migrate is a no-op.
 	_, err = pool.Exec(ctx, ms[2].Down)
