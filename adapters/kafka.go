@@ -21,7 +21,8 @@ import (
 // idempotent producer: kafka://h1:9092,h2:9092?group=g. Parameters:
 // group (required, here or in Options), offset=oldest|newest,
 // connect_timeout, the client's read_timeout, session_timeout and
-// rebalance_timeout (Go durations), max_in_flight, the messages of a
+// rebalance_timeout, drain_timeout, how long Close waits for the messages
+// in flight (Go durations; see [kafka.SubscriberConfig.DrainTimeout]), max_in_flight, the messages of a
 // partition handed out at once, of different keys (a positive integer,
 // default [kafka.DefaultMaxInFlightPerPartition]; 1 for one at a time),
 // max_in_flight_total, the most in flight across the partitions of a
@@ -74,7 +75,7 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 	fail := func(err error) (kafka.PublisherConfig, kafka.SubscriberConfig, time.Duration, error) {
 		return kafka.PublisherConfig{}, kafka.SubscriberConfig{}, 0, err
 	}
-	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "max_in_flight", "max_in_flight_total", "instance_id")
+	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "drain_timeout", "max_in_flight", "max_in_flight_total", "instance_id")
 	if err != nil {
 		return fail(err)
 	}
@@ -106,6 +107,7 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 		{"read_timeout", &scfg.ReadTimeout},
 		{"session_timeout", &scfg.SessionTimeout},
 		{"rebalance_timeout", &scfg.RebalanceTimeout},
+		{"drain_timeout", &scfg.DrainTimeout},
 	} {
 		if *p.to, err = durationParam(q, p.name, false); err != nil {
 			return fail(err)

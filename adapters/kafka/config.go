@@ -47,10 +47,16 @@ const (
 	// default [SubscriberConfig.ReadTimeout] is, as the Java client waits
 	// for a JoinGroup response.
 	JoinGroupMargin = 5 * time.Second
-	// DefaultDrainTimeout is the longest default
-	// [SubscriberConfig.DrainTimeout]; the default is at most half the
+	// DefaultDrainTimeout is the default [SubscriberConfig.DrainTimeout]:
+	// the inbox's default drain budget (20s) and its FinishTimeout (5s),
+	// so that a handler the inbox lets finish while the router closes is
+	// acked and its offset committed, within Kubernetes' default
+	// termination grace period of 30s.
+	DefaultDrainTimeout = 25 * time.Second
+	// DefaultRevokeTimeout is the longest default
+	// [SubscriberConfig.RevokeTimeout]; the default is at most half the
 	// rebalance timeout.
-	DefaultDrainTimeout = 5 * time.Second
+	DefaultRevokeTimeout = 5 * time.Second
 )
 
 // DefaultMaxInFlightPerPartition is the default
@@ -261,15 +267,32 @@ type SubscriberConfig struct {
 	// the partitions owned.
 	MaxInFlight int
 
-	// DrainTimeout is how long, when a partition is revoked or the
-	// subscriber closes, the subscriber waits for the handlers of the
-	// partition's messages in flight, whose contexts it has cancelled, to
-	// ack or nack before it lets the partition go; messages still
-	// unacked then are delivered again later. Applies when
-	// MaxInFlightPerPartition is above 1. Defaults to
-	// [DefaultDrainTimeout] or half the rebalance timeout, whichever is
-	// shorter; when set, it must be shorter than the rebalance timeout.
+	// DrainTimeout is how long Close waits for the handlers of the
+	// messages in flight to ack or nack. From the start of Close nothing
+	// more is handed out (a message the router has not taken yet is taken
+	// back), each acked offset is marked as it comes, and the message
+	// contexts are left alone (a router that closes cancels them itself,
+	// and the inbox keeps its handler's context alive for its own drain
+	// budget); once DrainTimeout has passed, the contexts of the messages
+	// still in flight are cancelled and those messages are delivered
+	// again later. Then the member commits what was acked and leaves the
+	// group. Keep it at least the inbox's drain budget plus its
+	// FinishTimeout, and the router's CloseTimeout at least this. Applies
+	// when MaxInFlightPerPartition is above 1. Defaults to
+	// [DefaultDrainTimeout] (25s).
 	DrainTimeout time.Duration
+
+	// RevokeTimeout is DrainTimeout for a partition revoked in a
+	// rebalance: how long it waits, handing out nothing more, for the
+	// handlers of its messages in flight to ack or nack, before it
+	// cancels their contexts and lets the partition go; nothing more of
+	// it is marked once its session has ended, so the messages not
+	// committed are delivered again to its next owner. The whole group
+	// waits for the revoked partitions, so it is short. Applies when
+	// MaxInFlightPerPartition is above 1. Defaults to
+	// [DefaultRevokeTimeout] or half the rebalance timeout, whichever is
+	// shorter; when set, it must be shorter than the rebalance timeout.
+	RevokeTimeout time.Duration
 
 	// Sarama, when set, adjusts the Sarama config after this package's
 	// defaults (Version 2.3.0.0, ClientID "oncemill", the timeouts above,
@@ -324,6 +347,7 @@ func (c SubscriberConfig) Validate() error {
 		{"SessionTimeout", c.SessionTimeout},
 		{"RebalanceTimeout", c.RebalanceTimeout},
 		{"DrainTimeout", c.DrainTimeout},
+		{"RevokeTimeout", c.RevokeTimeout},
 	}); err != nil {
 		return err
 	}
@@ -331,9 +355,9 @@ func (c SubscriberConfig) Validate() error {
 		return fmt.Errorf("%w: SubscriberConfig.ReadTimeout is %s, want longer than RebalanceTimeout (%s): the broker holds a JoinGroup request for up to the rebalance timeout",
 			ErrInvalidConfig, c.ReadTimeout, rebalance)
 	}
-	if rebalance := c.withDefaults().RebalanceTimeout; c.DrainTimeout != 0 && c.DrainTimeout >= rebalance {
-		return fmt.Errorf("%w: SubscriberConfig.DrainTimeout is %s, want shorter than RebalanceTimeout (%s): a member still draining when the rebalance times out is dropped from the group, and its commits are refused",
-			ErrInvalidConfig, c.DrainTimeout, rebalance)
+	if rebalance := c.withDefaults().RebalanceTimeout; c.RevokeTimeout != 0 && c.RevokeTimeout >= rebalance {
+		return fmt.Errorf("%w: SubscriberConfig.RevokeTimeout is %s, want shorter than RebalanceTimeout (%s): a member still draining when the rebalance times out is dropped from the group, and its commits are refused",
+			ErrInvalidConfig, c.RevokeTimeout, rebalance)
 	}
 	return nil
 }
@@ -428,7 +452,10 @@ func (c SubscriberConfig) withDefaults() SubscriberConfig {
 		c.RebalanceTimeout = DefaultRebalanceTimeout
 	}
 	if c.DrainTimeout == 0 {
-		c.DrainTimeout = min(DefaultDrainTimeout, c.RebalanceTimeout/2)
+		c.DrainTimeout = DefaultDrainTimeout
+	}
+	if c.RevokeTimeout == 0 {
+		c.RevokeTimeout = min(DefaultRevokeTimeout, c.RebalanceTimeout/2)
 	}
 	if c.ReadTimeout == 0 {
 		c.ReadTimeout = readTimeoutFor(c.RebalanceTimeout)

@@ -29,6 +29,7 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		"SubscriberConfig.SessionTimeout":               func(c *kafka.SubscriberConfig) { c.SessionTimeout = -time.Second },
 		"SubscriberConfig.RebalanceTimeout":             func(c *kafka.SubscriberConfig) { c.RebalanceTimeout = -time.Second },
 		"SubscriberConfig.DrainTimeout":                 func(c *kafka.SubscriberConfig) { c.DrainTimeout = -time.Second },
+		"SubscriberConfig.RevokeTimeout":                func(c *kafka.SubscriberConfig) { c.RevokeTimeout = -time.Second },
 		"SubscriberConfig.MaxInFlight is -1, want >= 0": func(c *kafka.SubscriberConfig) { c.MaxInFlight = -1 },
 		"SubscriberConfig.MaxInFlightPerPartition is -1, want >= 1, or 0 for the default (64)": func(c *kafka.SubscriberConfig) {
 			c.MaxInFlightPerPartition = -1
@@ -39,11 +40,11 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		"SubscriberConfig.ReadTimeout is 20s, want longer than RebalanceTimeout (20s)": func(c *kafka.SubscriberConfig) {
 			c.ConsumerGroup, c.ReadTimeout, c.RebalanceTimeout = "g", 20*time.Second, 20*time.Second
 		},
-		"SubscriberConfig.DrainTimeout is 1m0s, want shorter than RebalanceTimeout (1m0s)": func(c *kafka.SubscriberConfig) {
-			c.ConsumerGroup, c.DrainTimeout = "g", time.Minute
+		"SubscriberConfig.RevokeTimeout is 1m0s, want shorter than RebalanceTimeout (1m0s)": func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.RevokeTimeout = "g", time.Minute
 		},
-		"SubscriberConfig.DrainTimeout is 30s, want shorter than RebalanceTimeout (20s)": func(c *kafka.SubscriberConfig) {
-			c.ConsumerGroup, c.DrainTimeout, c.RebalanceTimeout, c.ReadTimeout = "g", 30*time.Second, 20*time.Second, 25*time.Second
+		"SubscriberConfig.RevokeTimeout is 30s, want shorter than RebalanceTimeout (20s)": func(c *kafka.SubscriberConfig) {
+			c.ConsumerGroup, c.RevokeTimeout, c.RebalanceTimeout, c.ReadTimeout = "g", 30*time.Second, 20*time.Second, 25*time.Second
 		},
 		`SubscriberConfig.InstanceID "pod 1" has " " at byte 3`: func(c *kafka.SubscriberConfig) {
 			c.ConsumerGroup, c.InstanceID = "g", "pod 1"

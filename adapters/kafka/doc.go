@@ -39,15 +39,17 @@
 // past one that is in flight or nacked; acked messages above it are
 // delivered again after a crash or a rebalance. When a partition is
 // revoked, nothing more of it is handed out or marked once its session
-// has ended: the contexts of its messages in flight are cancelled, and
-// the claim waits up to [SubscriberConfig.DrainTimeout] for their
-// handlers before it lets the partition go. A handler still running then
-// is abandoned: its message is delivered again to the partition's next
-// owner, so handlers should honour their context (with the inbox, the
-// next owner's delivery waits for the abandoned handler's claim). Close
-// does the same for every partition, but commits what the handlers acked
-// while it waited, and returns once every goroutine the subscriber
-// started has stopped. Messages are decoded by the same
+// has ended, and the claim waits up to [SubscriberConfig.RevokeTimeout]
+// for the handlers of its messages in flight, whose contexts it leaves
+// alone until then, before it cancels them and lets the partition go. A
+// handler still running then is abandoned: its message is delivered again
+// to the partition's next owner, so handlers should honour their context
+// (with the inbox, the next owner's delivery waits for the abandoned
+// handler's claim). Close drains every partition the same way for up to
+// [SubscriberConfig.DrainTimeout], long enough by default for the inbox's
+// own drain, but marks and commits what the handlers ack while it waits,
+// before the member leaves the group, and returns once every goroutine
+// the subscriber started has stopped. Messages are decoded by the same
 // [Marshaler], with the same metadata; watermill-kafka's context
 // accessors (MessageKeyFromCtx and friends) find nothing in this mode:
 // read [delivery.Partition] and [delivery.Offset] from the metadata.

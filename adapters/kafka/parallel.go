@@ -51,13 +51,14 @@ var (
 )
 
 func newParallelSubscriber(cfg SubscriberConfig, wcfg wkafka.SubscriberConfig, logger watermill.LoggerAdapter) (*parallelSubscriber, error) {
-	drainDefault := cfg.DrainTimeout == 0
+	revokeDefault := cfg.RevokeTimeout == 0
 	cfg = cfg.withDefaults()
 	sc := wcfg.OverwriteSaramaConfig
-	if drainDefault {
-		// Within the rebalance timeout, so that a revoked partition's
-		// handlers cannot keep the whole group waiting.
-		cfg.DrainTimeout = min(DefaultDrainTimeout, sc.Consumer.Group.Rebalance.Timeout/2)
+	if revokeDefault {
+		// Within the rebalance timeout the Sarama hook may have changed,
+		// so that a revoked partition's handlers cannot keep the whole
+		// group waiting.
+		cfg.RevokeTimeout = min(DefaultRevokeTimeout, sc.Consumer.Group.Rebalance.Timeout/2)
 	}
 	init, err := wkafka.NewSubscriber(wcfg, logger)
 	if err != nil {
@@ -78,10 +79,14 @@ func (s *parallelSubscriber) SubscribeInitialize(topic string) error {
 	return s.init.SubscribeInitialize(topic)
 }
 
-// Close stops every subscription: it cancels the contexts of the
-// messages in flight, waits up to the drain timeout for their handlers to
-// ack or nack, commits what was acked, leaves the group and closes the
-// clients. It returns once every goroutine the subscriber started has
+// Close stops every subscription: it hands out no more messages, waits up
+// to [SubscriberConfig.DrainTimeout] for the handlers of the messages in
+// flight to ack or nack, marking each acked offset as it comes, then
+// cancels the contexts of the messages still in flight, commits what was
+// acked, leaves the group and closes the clients. It does not cancel a
+// message's context before the drain timeout (a router that closes
+// cancels the Subscribe context, and with it the message contexts,
+// itself). It returns once every goroutine the subscriber started has
 // stopped (a handler that outlives the drain timeout runs on, in the
 // router). It is idempotent and safe for concurrent use.
 func (s *parallelSubscriber) Close() error {
@@ -337,6 +342,7 @@ func newPartition(sub *subscription, sess sarama.ConsumerGroupSession, claim sar
 		max:       cfg.MaxInFlightPerPartition,
 		buffer:    bufferFor(cfg.MaxInFlightPerPartition),
 		results:   make(chan result, cfg.MaxInFlightPerPartition),
+		withdraw:  make(chan struct{}),
 		abandon:   make(chan struct{}),
 		queues:    map[string][]*sarama.ConsumerMessage{},
 		busy:      map[string]bool{},
@@ -364,8 +370,13 @@ type partition struct {
 	max    int // messages in flight at most
 	buffer int // records held, received and not acked, at most
 
-	results  chan result
-	abandon  chan struct{} // closed when the drain timeout passes
+	results chan result
+	// withdraw is closed when the drain starts: a message not yet taken
+	// by the router is taken back, a nacked one is not handed out again.
+	withdraw chan struct{}
+	// abandon is closed when the drain timeout passes, after the message
+	// contexts are cancelled: the deliveries stop waiting for acks.
+	abandon  chan struct{}
 	wg       sync.WaitGroup
 	inFlight int
 	stopping bool
@@ -570,14 +581,22 @@ func (p *partition) finish(res result, mark bool) {
 	p.dispatch()
 }
 
-// drain stops the partition: it cancels the message contexts, waits up to
-// the drain timeout for the handlers to ack or nack, then abandons the
-// rest. With commit, acked offsets are still marked and then committed;
-// without (a revocation), nothing more is marked.
+// drain stops the partition: it hands out nothing more (a message the
+// router has not taken yet is taken back), waits for the handlers of the
+// messages in flight to ack or nack, with live contexts, and once the
+// drain budget has passed cancels their contexts and abandons them. With
+// commit (the subscription stops), acked offsets are still marked, and
+// committed at the end, and the budget is DrainTimeout; without (a
+// revocation), nothing more is marked, and the budget is RevokeTimeout,
+// for the whole group waits for the revoked partitions.
 func (p *partition) drain(commit bool) {
 	p.stopping = true
-	p.cancel()
-	timer := time.NewTimer(p.sub.s.cfg.DrainTimeout)
+	close(p.withdraw)
+	budget := p.sub.s.cfg.RevokeTimeout
+	if commit {
+		budget = p.sub.s.cfg.DrainTimeout
+	}
+	timer := time.NewTimer(budget)
 	defer timer.Stop()
 	abandoned := false
 	for p.inFlight > 0 {
@@ -587,8 +606,9 @@ func (p *partition) drain(commit bool) {
 		case <-timer.C:
 			if !abandoned {
 				abandoned = true
+				p.cancel()
 				close(p.abandon)
-				p.sub.s.logger.Info("Drain timeout: handlers still running, their messages will be delivered again", p.logFields.Add(watermill.LogFields{"in_flight": p.inFlight}))
+				p.sub.s.logger.Info("Drain timeout: handlers still running, their messages will be delivered again", p.logFields.Add(watermill.LogFields{"in_flight": p.inFlight, "drain_timeout": budget.String()}))
 			}
 		}
 	}
@@ -615,10 +635,22 @@ func (p *partition) handOut(rec *sarama.ConsumerMessage) bool {
 	fields := p.logFields.Add(watermill.LogFields{"kafka_partition_offset": rec.Offset, "message_uuid": msg.UUID})
 	sleep := p.sub.s.cfg.NackResendSleep
 	for {
+		// The drain may have started while this delivery waited: a
+		// select with several ready cases picks one at random, so ask
+		// first, and hand out nothing once it has.
+		select {
+		case <-p.withdraw:
+			return false
+		case <-ctx.Done():
+			return false
+		default:
+		}
 		msg.SetContext(ctx)
 		select {
 		case p.sub.output <- msg:
 			p.sub.s.logger.Trace("Message sent to consumer", fields)
+		case <-p.withdraw:
+			return false
 		case <-ctx.Done():
 			return false
 		}
@@ -635,6 +667,9 @@ func (p *partition) handOut(rec *sarama.ConsumerMessage) bool {
 				t := time.NewTimer(sleep)
 				select {
 				case <-t.C:
+				case <-p.withdraw:
+					t.Stop()
+					return false
 				case <-ctx.Done():
 					t.Stop()
 					return false

@@ -86,7 +86,7 @@ func TestParallelNoHandOutAfterSessionEnd(t *testing.T) {
 }
 
 func noHandOutAfterEnd(t *testing.T, closing bool) {
-	cfg := SubscriberConfig{MaxInFlight: 1, DrainTimeout: 50 * time.Millisecond}.withDefaults()
+	cfg := SubscriberConfig{MaxInFlight: 1, DrainTimeout: 50 * time.Millisecond, RevokeTimeout: 50 * time.Millisecond}.withDefaults()
 	s := &parallelSubscriber{cfg: cfg, logger: watermill.NopLogger{}}
 	consumeCtx, cancelConsume := context.WithCancel(context.Background())
 	defer cancelConsume()

@@ -3,6 +3,7 @@ package kafka_test
 import (
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
@@ -110,6 +111,10 @@ func suitePubSub(t *testing.T, brokers []string, group string, maxInFlight int, 
 		NackResendSleep: kafka.NoSleep,
 		TopicPartitions: 4,
 		Sarama:          fastGroups,
+		// TestMessageCtx closes the subscriber while its message is
+		// unacked and wants the message's context cancelled within its
+		// timeout: Close cancels it when the drain ends.
+		DrainTimeout: time.Second,
 
 		MaxInFlightPerPartition: maxInFlight,
 	}, testLogger())
