@@ -24,8 +24,9 @@ func amqpClientParams() []string {
 
 // openAMQP opens RabbitMQ with durable quorum queues and manual acks.
 // Parameters: group (queue "<topic>.<group>"), prefetch, delivery_limit,
-// dead_letter_exchange and connect_timeout, which are removed before the
-// URL reaches the client, and amqp091's own (see amqpClientParams).
+// dead_letter_exchange, drain_timeout (a Go duration; see
+// [amqp.Config.DrainTimeout]) and connect_timeout, which are removed before
+// the URL reaches the client, and amqp091's own (see amqpClientParams).
 func openAMQP(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
 	cfg, err := amqpConfig(u, opts)
 	if err != nil {
@@ -50,7 +51,7 @@ func openAMQP(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
 
 // amqpConfig reads an amqp:// URL and opts into a checked config.
 func amqpConfig(u *url.URL, opts Options) (amqp.Config, error) {
-	q, err := query(u, append([]string{"prefetch", "delivery_limit", "dead_letter_exchange"}, amqpClientParams()...)...)
+	q, err := query(u, append([]string{"prefetch", "delivery_limit", "dead_letter_exchange", "drain_timeout"}, amqpClientParams()...)...)
 	if err != nil {
 		return amqp.Config{}, err
 	}
@@ -67,7 +68,10 @@ func amqpConfig(u *url.URL, opts Options) (amqp.Config, error) {
 	if cfg.DeliveryLimit, err = intParam(q, "delivery_limit"); err != nil {
 		return amqp.Config{}, err
 	}
-	for _, p := range []string{"group", "prefetch", "delivery_limit", "dead_letter_exchange", "connect_timeout"} {
+	if cfg.DrainTimeout, err = durationParam(q, "drain_timeout", false); err != nil {
+		return amqp.Config{}, err
+	}
+	for _, p := range []string{"group", "prefetch", "delivery_limit", "dead_letter_exchange", "drain_timeout", "connect_timeout"} {
 		q.Del(p)
 	}
 	clean := *u

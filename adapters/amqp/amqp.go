@@ -8,14 +8,15 @@ import (
 )
 
 // NewSubscriber connects to the broker at cfg.URL and returns a
-// watermill-amqp subscriber configured by [Config.WatermillConfig]. Subscribe
+// watermill-amqp subscriber configured by [Config.WatermillConfig], wrapped
+// in a [Subscriber] whose Close drains (see [Config.DrainTimeout]). Subscribe
 // (or SubscribeInitialize) declares the topic's durable fanout exchange and
 // the durable quorum queue [Config.QueueName], binds them and consumes with
 // manual acknowledgement and a prefetch of cfg.Prefetch. Each subscription
 // hands the handler one message at a time and acknowledges it to the broker
 // only when the handler acks; a nack requeues it (or dead-letters it when
-// cfg.NoRequeueOnNack is set). Messages not acked when the subscriber
-// closes are returned to the queue.
+// cfg.NoRequeueOnNack is set). Messages not acked when the subscriber's
+// drain ends are returned to the queue.
 //
 // It starts a goroutine that watches the connection and reconnects with
 // backoff when it drops, and each Subscribe starts one that consumes until
@@ -24,7 +25,7 @@ import (
 //
 // The error wraps [ErrInvalidConfig] for a bad cfg and [ErrConnect] when the
 // broker cannot be reached; it never contains the URL's password.
-func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*wamqp.Subscriber, error) {
+func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	wcfg, err := cfg.WatermillConfig()
 	if err != nil {
 		return nil, err
@@ -40,7 +41,7 @@ func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*wamqp.Subscribe
 		"url":            redactURL(cfg.URL),
 		"consumer_group": cfg.ConsumerGroup,
 	})
-	return sub, nil
+	return newSubscriber(sub, cfg.withDefaults().DrainTimeout, logger), nil
 }
 
 // connectError wraps err, from creating a publisher or subscriber (what),

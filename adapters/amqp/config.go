@@ -21,6 +21,12 @@ const (
 	DefaultPublishChannels = 8
 	// DefaultConnectTimeout is the default [Config.ConnectTimeout].
 	DefaultConnectTimeout = 10 * time.Second
+	// DefaultDrainTimeout is the default [Config.DrainTimeout]: the
+	// inbox's default drain budget (20s) and its FinishTimeout (5s), so
+	// that a handler the inbox lets finish while the router closes is
+	// acked on the broker, within Kubernetes' default termination grace
+	// period of 30s.
+	DefaultDrainTimeout = 25 * time.Second
 )
 
 // maxPrefetch is the largest prefetch count AMQP 0.9.1 can carry (a short).
@@ -126,6 +132,16 @@ type Config struct {
 	// sets). Zero means the URL's connection_timeout (milliseconds) if it
 	// has one, else [DefaultConnectTimeout]; setting both is an error.
 	ConnectTimeout time.Duration
+
+	// DrainTimeout is how long the subscriber's Close waits, handing out
+	// nothing more, for the messages already handed out to be acked or
+	// nacked before it closes the channels and the connection, so that
+	// those acks reach the broker; what is still unacked then is returned
+	// to the queue and delivered again. Keep it at least the inbox's
+	// drain budget plus its FinishTimeout, and the router's CloseTimeout
+	// at least this. The publisher ignores it. Defaults to
+	// [DefaultDrainTimeout] (25s).
+	DrainTimeout time.Duration
 }
 
 // withDefaults returns a copy of c with zero fields set to their defaults.
@@ -135,6 +151,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.PublishChannels == 0 {
 		c.PublishChannels = DefaultPublishChannels
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = DefaultDrainTimeout
 	}
 	return c
 }
@@ -164,6 +183,9 @@ func (c Config) Validate() error {
 	}
 	if c.ConnectTimeout < 0 || (c.ConnectTimeout > 0 && c.ConnectTimeout < time.Millisecond) {
 		return fmt.Errorf("%w: ConnectTimeout must be at least 1ms, or 0 for the default, got %s", ErrInvalidConfig, c.ConnectTimeout)
+	}
+	if c.DrainTimeout < 0 {
+		return fmt.Errorf("%w: DrainTimeout must be > 0, or 0 for the default, got %s", ErrInvalidConfig, c.DrainTimeout)
 	}
 	if c.ConnectTimeout != 0 && urlConnectionTimeout(c.URL) {
 		return fmt.Errorf("%w: ConnectTimeout is set and the URL has connection_timeout; set one of them", ErrInvalidConfig)

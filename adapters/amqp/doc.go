@@ -37,8 +37,11 @@
 //     [Config.NoRequeueOnNack], dead-letters it (drops it without a
 //     dead-letter exchange). Messages unacked when the subscriber closes,
 //     its connection drops or the process dies are returned to the queue
-//     and delivered again. Closing a subscriber also nacks the message its
-//     handler holds, with requeue, or without it under NoRequeueOnNack.
+//     and delivered again. Closing a subscriber drains: it hands out
+//     nothing more and waits up to [Config.DrainTimeout], with the channel
+//     open, for the messages its handlers hold to be acked or nacked;
+//     then it nacks what they still hold, with requeue, or without it
+//     under NoRequeueOnNack.
 //   - Queue order is FIFO, but competing consumers and redeliveries
 //     reorder.
 //
@@ -74,8 +77,8 @@
 //     x-acquired-count), but the broker's delivery limit no longer stops a
 //     handler that keeps nacking: only the poison middleware does.
 //
-// Attempts counts deliveries, not handler failures. When a subscriber
-// closes while its handler holds a message, watermill-amqp nacks it with
+// Attempts counts deliveries, not handler failures. When a subscriber's
+// drain ends while its handler holds a message, watermill-amqp nacks it with
 // requeue while the channel is still open, the broker may hand it (and the
 // prefetched messages) back to the closing consumer, and the channel close
 // returns them again: one shutdown can add two or more to the count. Leave

@@ -3,6 +3,7 @@ package amqp_test
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
@@ -72,6 +73,10 @@ func TestPubSub(t *testing.T) {
 	constructor := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
 		cfg := testConfig()
 		cfg.ConsumerGroup = group
+		// TestMessageCtx closes the subscriber while its message is
+		// unacked and wants the message's context cancelled within its
+		// timeout: Close cancels it when the drain ends.
+		cfg.DrainTimeout = time.Second
 		pub, err := amqp.NewPublisher(cfg, testLogger())
 		require.NoError(t, err)
 		sub, err := amqp.NewSubscriber(cfg, testLogger())
