@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/credentials"
@@ -20,7 +21,10 @@ import (
 // emulators) or else the AWS default chain. A topic is a queue; create=true
 // creates missing queues. Parameters: endpoint, create,
 // visibility_timeout (whole seconds, 1s to 12h; see
-// [sqs.SubscriberConfig]), connect_timeout, and group, which is accepted
+// [sqs.SubscriberConfig]), max_messages (1 to 10, the messages one
+// receive asks for; see [sqs.SubscriberConfig.MaxNumberOfMessages]),
+// drain_timeout (a Go duration; see [sqs.SubscriberConfig.DrainTimeout]),
+// connect_timeout, and group, which is accepted
 // and ignored: every subscriber of a queue competes for its messages.
 func openSQS(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
 	pcfg, scfg, timeout, err := sqsConfigs(u, opts)
@@ -49,7 +53,7 @@ func sqsConfigs(u *url.URL, opts Options) (sqs.PublisherConfig, sqs.SubscriberCo
 	fail := func(err error) (sqs.PublisherConfig, sqs.SubscriberConfig, time.Duration, error) {
 		return sqs.PublisherConfig{}, sqs.SubscriberConfig{}, 0, err
 	}
-	q, err := query(u, "endpoint", "create", "visibility_timeout")
+	q, err := query(u, "endpoint", "create", "visibility_timeout", "max_messages", "drain_timeout")
 	if err != nil {
 		return fail(err)
 	}
@@ -71,6 +75,16 @@ func sqsConfigs(u *url.URL, opts Options) (sqs.PublisherConfig, sqs.SubscriberCo
 	if err != nil {
 		return fail(err)
 	}
+	drain, err := durationParam(q, "drain_timeout", false)
+	if err != nil {
+		return fail(err)
+	}
+	maxMessages := 0
+	if v := q.Get("max_messages"); v != "" {
+		if maxMessages, err = strconv.Atoi(v); err != nil || maxMessages < 1 || maxMessages > 10 {
+			return fail(fmt.Errorf("%w: parameter max_messages=%q: want an integer from 1 to 10, the messages one receive asks for", ErrBadURL, v))
+		}
+	}
 	if visibility != 0 && (visibility < time.Second || visibility > sqs.MaxVisibilityTimeout || visibility%time.Second != 0) {
 		return fail(fmt.Errorf("%w: parameter visibility_timeout=%s: want whole seconds from 1s to %s", ErrBadURL, q.Get("visibility_timeout"), sqs.MaxVisibilityTimeout))
 	}
@@ -91,7 +105,7 @@ func sqsConfigs(u *url.URL, opts Options) (sqs.PublisherConfig, sqs.SubscriberCo
 		cfg.Credentials = credentials.NewStaticCredentialsProvider(u.User.Username(), secret, "")
 	}
 	pcfg := sqs.PublisherConfig{Config: cfg}
-	scfg := sqs.SubscriberConfig{Config: cfg, VisibilityTimeout: visibility}
+	scfg := sqs.SubscriberConfig{Config: cfg, VisibilityTimeout: visibility, MaxNumberOfMessages: maxMessages, DrainTimeout: drain}
 	if err := scfg.Validate(); err != nil {
 		return fail(fmt.Errorf("%w: %w", ErrBadURL, err))
 	}

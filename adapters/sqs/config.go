@@ -36,6 +36,12 @@ const (
 	DefaultNackBackoffMax = 5 * time.Minute
 	// DefaultConnectTimeout is the default [Config.ConnectTimeout].
 	DefaultConnectTimeout = 10 * time.Second
+	// DefaultDrainTimeout is the default [SubscriberConfig.DrainTimeout]:
+	// the inbox's default drain budget (20s) and its FinishTimeout (5s),
+	// so that a handler the inbox lets finish while the router closes has
+	// its message deleted, within Kubernetes' default termination grace
+	// period of 30s.
+	DefaultDrainTimeout = 25 * time.Second
 )
 
 // Limits of SQS that the configuration is checked against.
@@ -229,6 +235,15 @@ type SubscriberConfig struct {
 	// seconds and clamped to 0..12h; 0 makes the message visible at once.
 	// Defaults to [DefaultNackBackoff].
 	NackBackoff func(attempt int) time.Duration
+
+	// DrainTimeout is how long a subscription that ends (Close, or its
+	// context done) waits, handing out nothing more, for the message its
+	// handler holds to be acked, which deletes it, or nacked; the
+	// heartbeat keeps the message invisible meanwhile. A message still
+	// held then is left to its visibility timeout. Keep it at least the
+	// inbox's drain budget plus its FinishTimeout, and the router's
+	// CloseTimeout at least this. Defaults to [DefaultDrainTimeout] (25s).
+	DrainTimeout time.Duration
 }
 
 // setDefaults sets the zero fields of c to their defaults.
@@ -245,6 +260,9 @@ func (c *SubscriberConfig) setDefaults() {
 	}
 	if c.NackBackoff == nil {
 		c.NackBackoff = DefaultNackBackoff
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = DefaultDrainTimeout
 	}
 }
 
@@ -264,6 +282,9 @@ func (c SubscriberConfig) Validate() error {
 	}
 	if c.VisibilityTimeout < time.Second || c.VisibilityTimeout > MaxVisibilityTimeout || c.VisibilityTimeout%time.Second != 0 {
 		return fmt.Errorf("%w: VisibilityTimeout must be a whole number of seconds from 1s to %s, got %s", ErrInvalidConfig, MaxVisibilityTimeout, c.VisibilityTimeout)
+	}
+	if c.DrainTimeout < 0 {
+		return fmt.Errorf("%w: DrainTimeout must be > 0, or 0 for the default, got %s", ErrInvalidConfig, c.DrainTimeout)
 	}
 	return nil
 }

@@ -81,6 +81,10 @@ func TestPubSub(t *testing.T) {
 		require.NoError(t, err)
 		cfg := testSubscriberConfig()
 		cfg.NackBackoff = func(int) time.Duration { return 0 }
+		// TestMessageCtx closes the subscriber while its message is
+		// unacked and wants the message's context cancelled within its
+		// timeout: Close cancels it when the drain ends.
+		cfg.DrainTimeout = time.Second
 		sub, err := sqs.NewSubscriber(cfg)
 		require.NoError(t, err)
 		closers.Add(sub.Close, pub.Close)

@@ -91,15 +91,20 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 //
 // Messages come one at a time: the next is sent once the previous one is
 // acked or nacked. An ack deletes the message from the queue; a nack makes
-// it visible again after [SubscriberConfig.NackBackoff]. A message that is
-// neither acked nor nacked when the subscription ends is left as it is:
-// SQS delivers it again once its visibility timeout has passed. Messages
+// it visible again after [SubscriberConfig.NackBackoff]. When the
+// subscription ends (ctx is done or the subscriber closes) while a handler
+// holds a message, it drains: it hands out nothing more and waits up to
+// [SubscriberConfig.DrainTimeout] for the ack (which deletes the message)
+// or the nack, the heartbeat still extending the message's visibility; a
+// message neither acked nor nacked by then is left as it is, and SQS
+// delivers it again once its visibility timeout has passed. Messages
 // received but not yet handed out when it ends are made visible at once.
 //
 // Every message has the metadata delivery.Topic (topic) and
 // delivery.Attempts (ApproximateReceiveCount), and its context derives from
-// ctx and is cancelled once the message is acked or nacked or the
-// subscription ends. A message that cannot be decoded is still delivered,
+// ctx and is cancelled once the message is acked or nacked or the drain
+// ends; Close does not cancel it before (a router that closes cancels ctx
+// itself). A message that cannot be decoded is still delivered,
 // with delivery.DecodeError set and the raw body as payload.
 //
 // On a FIFO queue the order within a message group is kept: after a nack,
@@ -130,20 +135,24 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, err)
 	}
 
+	hbCtx, stopHeartbeat := context.WithCancel(context.WithoutCancel(subCtx))
 	sub := &subscription{
-		s:       s,
-		api:     s.client.api,
-		cfg:     s.cfg,
-		topic:   topic,
-		queue:   name,
-		url:     url,
-		fifo:    isFIFO(name),
-		ctx:     subCtx,
-		cancel:  func() { stop(); cancel() },
-		out:     make(chan *message.Message),
-		held:    map[string]types.Message{},
-		logger:  s.logger.With(watermill.LogFields{"topic": topic, "queue": name}),
-		visSecs: int32(s.cfg.VisibilityTimeout / time.Second),
+		s:             s,
+		api:           s.client.api,
+		cfg:           s.cfg,
+		topic:         topic,
+		queue:         name,
+		url:           url,
+		fifo:          isFIFO(name),
+		ctx:           subCtx,
+		cancel:        func() { stop(); cancel() },
+		msgCtx:        ctx,
+		hbCtx:         hbCtx,
+		stopHeartbeat: stopHeartbeat,
+		out:           make(chan *message.Message),
+		held:          map[string]types.Message{},
+		logger:        s.logger.With(watermill.LogFields{"topic": topic, "queue": name}),
+		visSecs:       int32(s.cfg.VisibilityTimeout / time.Second),
 	}
 	s.wg.Add(1)
 	go sub.heartbeat()
@@ -169,13 +178,15 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 	return nil
 }
 
-// Close ends every subscription: it cancels their polls and message
-// contexts, waits for their goroutines and closes their channels. Messages
-// a handler holds are neither deleted nor nacked: SQS delivers them again
-// after their visibility timeout (an ack that arrives while Close waits
-// still deletes its message). Messages received but not yet handed out are
-// made visible at once. Close is idempotent; every call returns nil once
-// the first has finished.
+// Close ends every subscription: it cancels their polls, hands out
+// nothing more, waits up to [SubscriberConfig.DrainTimeout] for the
+// messages handlers hold to be acked (deleted) or nacked, keeping them
+// invisible meanwhile, then cancels the contexts of those still held,
+// waits for the goroutines and closes the channels. A message still held
+// after the drain is neither deleted nor nacked: SQS delivers it again
+// after its visibility timeout. Messages received but not yet handed out
+// are made visible at once. Close is idempotent; every call returns nil
+// once the first has finished.
 func (s *Subscriber) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -205,9 +216,18 @@ type subscription struct {
 	fifo              bool
 	visSecs           int32
 
+	// ctx ends the subscription: no more polls or hand-outs. It is
+	// Subscribe's context, also cancelled by Close.
 	ctx    context.Context
 	cancel context.CancelFunc
-	out    chan *message.Message
+	// msgCtx, Subscribe's context, is the parent of the message
+	// contexts, which Close leaves alone until the drain ends.
+	msgCtx context.Context
+	// hbCtx is the heartbeat's: it outlives ctx by the drain, so that a
+	// message a handler finishes meanwhile stays invisible.
+	hbCtx         context.Context
+	stopHeartbeat context.CancelFunc
+	out           chan *message.Message
 
 	// mu guards held and is held for the whole of each heartbeat request,
 	// so that once a message leaves held no heartbeat extends it any more
@@ -229,7 +249,8 @@ const (
 func (sub *subscription) run() {
 	defer sub.s.wg.Done()
 	defer close(sub.out)
-	defer sub.cancel() // stops the heartbeat
+	defer sub.stopHeartbeat()
+	defer sub.cancel()
 
 	retry := receiveRetryMin
 	for sub.ctx.Err() == nil {
@@ -312,7 +333,7 @@ func (sub *subscription) handleBatch(msgs []types.Message) bool {
 // deliver hands m to the output channel and waits for its ack or nack.
 func (sub *subscription) deliver(m types.Message) outcome {
 	msg := unmarshal(m, sub.topic)
-	ctx, cancel := context.WithCancel(sub.ctx)
+	ctx, cancel := context.WithCancel(sub.msgCtx)
 	defer cancel()
 	msg.SetContext(ctx)
 
@@ -325,6 +346,12 @@ func (sub *subscription) deliver(m types.Message) outcome {
 		sub.logger.Error("Cannot decode SQS message; delivering it with its decode error", nil, fields.Add(watermill.LogFields{"decode_error": why}))
 	}
 
+	// Asked first: a select with several ready cases picks one at
+	// random, and nothing is handed out once the subscription ends.
+	if sub.ctx.Err() != nil {
+		sub.release([]types.Message{m}, "subscription closed")
+		return closing
+	}
 	select {
 	case sub.out <- msg:
 		sub.logger.Trace("Message sent to handler", fields)
@@ -342,17 +369,22 @@ func (sub *subscription) deliver(m types.Message) outcome {
 		return nacked
 	case <-sub.ctx.Done():
 	}
-	// Closing while the handler holds the message: honour an ack or nack
-	// that raced with it, else leave the message to its visibility
-	// timeout; the handler may still be working on it.
+	// Closing while the handler holds the message: drain, the heartbeat
+	// still extending its visibility; past the drain, cancel its context
+	// and leave it to its visibility timeout, as the handler may still be
+	// working on it.
+	timer := time.NewTimer(sub.cfg.DrainTimeout)
+	defer timer.Stop()
 	select {
 	case <-msg.Acked():
 		sub.ack(m, fields)
 	case <-msg.Nacked():
 		sub.nack(m, fields)
-	default:
+	case <-timer.C:
+		cancel()
 		sub.unhold(m)
-		sub.logger.Info("Subscription closed while the handler holds a message; SQS delivers it again after its visibility timeout", fields)
+		sub.logger.Info("Drain timeout while the handler holds a message; SQS delivers it again after its visibility timeout",
+			fields.Add(watermill.LogFields{"drain_timeout": sub.cfg.DrainTimeout.String()}))
 	}
 	return closing
 }
@@ -433,7 +465,7 @@ func (sub *subscription) release(msgs []types.Message, why string) {
 }
 
 // heartbeat extends the visibility timeout of the held messages every
-// VisibilityTimeout/3 until the subscription ends.
+// VisibilityTimeout/3 until the subscription has ended and drained.
 func (sub *subscription) heartbeat() {
 	defer sub.s.wg.Done()
 	interval := sub.cfg.VisibilityTimeout / 3
@@ -441,7 +473,7 @@ func (sub *subscription) heartbeat() {
 	defer t.Stop()
 	for {
 		select {
-		case <-sub.ctx.Done():
+		case <-sub.hbCtx.Done():
 			return
 		case <-t.C:
 			sub.extend()
@@ -477,7 +509,7 @@ func (sub *subscription) changeVisibility(msgs []types.Message, secs int32, deta
 	if detached {
 		ctx, cancel = sub.detached()
 	} else {
-		ctx, cancel = context.WithTimeout(sub.ctx, sub.cfg.VisibilityTimeout/3)
+		ctx, cancel = context.WithTimeout(sub.hbCtx, sub.cfg.VisibilityTimeout/3)
 	}
 	defer cancel()
 	entries := make([]types.ChangeMessageVisibilityBatchRequestEntry, len(msgs))
@@ -494,7 +526,7 @@ func (sub *subscription) changeVisibility(msgs []types.Message, secs int32, deta
 		Entries:  entries,
 	})
 	if err != nil {
-		if !detached && sub.ctx.Err() != nil {
+		if !detached && sub.hbCtx.Err() != nil {
 			return // the subscription ended during the heartbeat
 		}
 		sub.logger.Error("Cannot change the visibility timeout of messages", err, fields)
