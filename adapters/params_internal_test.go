@@ -215,3 +215,50 @@ func TestKafkaURLInstanceID(t *testing.T) {
 		}
 	}
 }
+
+// TestURLDrainTimeout: drain_timeout reaches each broker's drain budget
+// (the subscriber's DrainTimeout, which its Close waits for the messages
+// in flight); absent, the adapter's default applies; a value that is not
+// a positive duration is refused, naming the parameter. SQS's
+// max_messages reaches MaxNumberOfMessages and is checked the same way.
+func TestURLDrainTimeout(t *testing.T) {
+	_, kcfg, _, err := kafkaConfigs(mustParse(t, "kafka://a:9092?group=g&drain_timeout=12s"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 12*time.Second, kcfg.DrainTimeout)
+	acfg, err := amqpConfig(mustParse(t, "amqp://guest:guest@127.0.0.1:5672/?drain_timeout=1500ms&heartbeat=5"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 1500*time.Millisecond, acfg.DrainTimeout)
+	require.Equal(t, "amqp://guest:guest@127.0.0.1:5672/?heartbeat=5", acfg.URL, "drain_timeout does not reach amqp091")
+	_, scfg, _, err := sqsConfigs(mustParse(t, "sqs://eu-west-1?drain_timeout=7s&max_messages=1"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 7*time.Second, scfg.DrainTimeout)
+	require.Equal(t, 1, scfg.MaxNumberOfMessages)
+
+	_, kcfg, _, err = kafkaConfigs(mustParse(t, "kafka://a:9092?group=g"), Options{})
+	require.NoError(t, err)
+	require.Zero(t, kcfg.DrainTimeout, "the subscriber's default")
+	acfg, err = amqpConfig(mustParse(t, "amqp://guest:guest@127.0.0.1:5672/"), Options{})
+	require.NoError(t, err)
+	require.Zero(t, acfg.DrainTimeout, "the subscriber's default")
+	_, scfg, _, err = sqsConfigs(mustParse(t, "sqs://eu-west-1"), Options{})
+	require.NoError(t, err)
+	require.Zero(t, scfg.DrainTimeout, "the subscriber's default")
+
+	open := map[string]func(u *url.URL) error{
+		"kafka://a:9092?group=g&": func(u *url.URL) error { _, _, _, err := kafkaConfigs(u, Options{}); return err },
+		"amqp://127.0.0.1/?":      func(u *url.URL) error { _, err := amqpConfig(u, Options{}); return err },
+		"sqs://eu-west-1?":        func(u *url.URL) error { _, _, _, err := sqsConfigs(u, Options{}); return err },
+	}
+	for prefix, parse := range open {
+		for _, bad := range []string{"0s", "-1s", "ten", "10"} {
+			err := parse(mustParse(t, prefix+"drain_timeout="+bad))
+			require.ErrorIs(t, err, ErrBadURL, prefix+bad)
+			require.ErrorContains(t, err, "parameter drain_timeout=", prefix+bad)
+		}
+	}
+	for _, bad := range []string{"0", "11", "x"} {
+		_, _, _, err := sqsConfigs(mustParse(t, "sqs://eu-west-1?max_messages="+bad), Options{})
+		require.ErrorIs(t, err, ErrBadURL, bad)
+		require.ErrorContains(t, err, "parameter max_messages=", bad)
+	}
+}

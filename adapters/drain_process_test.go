@@ -1,0 +1,404 @@
+package adapters_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/middleware"
+)
+
+// inflightEnv, when set, makes the test binary run one consumer of
+// TestSigtermInFlightProcesses (see init), configured by its JSON value,
+// an inflightConsumer.
+const inflightEnv = "ONCEMILL_TEST_INFLIGHT_CONSUMER"
+
+const (
+	inflightReady = "INFLIGHT READY"
+	// inflightAllIn is printed once every handler of the first consumer
+	// runs: all the messages are in flight at once.
+	inflightAllIn = "INFLIGHT ALL IN"
+	inflightStats = "INFLIGHT STATS "
+
+	// inflightJobs is how many messages are in flight, with handlers of
+	// 1–3s, when the first consumer is sent SIGTERM; the slow message is
+	// in flight with them.
+	inflightJobs = 50
+	inflightSlow = "slow"
+	// inflightSlowFor is how long the slow message's handler works in the
+	// first consumer: longer than any drain.
+	inflightSlowFor = 10 * time.Minute
+
+	// inflightInboxDrain is the inbox's DrainTimeout in the consumers,
+	// and inflightDrain the adapters' drain_timeout: the broker side
+	// waits for the inbox's drain and the commit after it.
+	inflightInboxDrain = 5 * time.Second
+	inflightDrain      = 10 * time.Second
+	// inflightExitBound is how long a consumer may take to exit after
+	// SIGTERM: the adapter's drain, which ends at the latest when
+	// inflightDrain has passed, and 2s for what comes after it, the
+	// commit of the acked offsets, leaving the group or closing the
+	// connection, and the process's exit. The drain itself ends sooner,
+	// once every handler has finished or the inbox has cancelled it
+	// (inflightInboxDrain), so the bound is generous.
+	inflightExitBound = inflightDrain + 2*time.Second
+)
+
+// inflightConsumer is a consumer process of TestSigtermInFlightProcesses:
+// the broker opened by BrokerURL, Handlers router handlers on Topic (one
+// subscription each; RabbitMQ and SQS hand a subscription one message at
+// a time, Kafka's subscriber hands out many), and the PostgreSQL inbox
+// around a handler that records its run outside the transaction, inserts
+// the key's effect row in the inbox's transaction (postgres.Tx) and then
+// works for the duration its message names.
+type inflightConsumer struct {
+	BrokerURL   string
+	Group       string
+	Topic       string
+	DatabaseURL string
+	Schema      string
+	Consumer    string
+	Handlers    int
+	// HoldUntilTerm, when set, makes the handlers wait, before they
+	// work, until all of them run (the consumer then prints
+	// inflightAllIn) and the consumer has been sent SIGTERM: every
+	// message is in flight when the shutdown begins, and its handler's
+	// work happens during the drain.
+	HoldUntilTerm int
+	// SlowFirst makes the slow message's handler work inflightSlowFor.
+	SlowFirst bool
+}
+
+// inflightResult is what a consumer prints on its last line.
+type inflightResult struct {
+	Runs int64 // handler runs
+	// FinishedAtShutdown counts handler runs that returned nil after the
+	// consumer was sent SIGTERM, which the router then acked.
+	FinishedAtShutdown int64
+	Inbox              middleware.InboxStats
+}
+
+func init() {
+	if raw := os.Getenv(inflightEnv); raw != "" {
+		os.Exit(runInflightConsumer(raw))
+	}
+}
+
+func runInflightConsumer(raw string) int {
+	// Registered first: a SIGTERM that comes while the consumer starts is
+	// handled once it runs.
+	term := make(chan os.Signal, 1)
+	signal.Notify(term, syscall.SIGTERM)
+	var cfg inflightConsumer
+	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "inflight consumer: bad config:", err)
+		return childBadSetup
+	}
+	code, err := cfg.run(term)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "inflight consumer:", err)
+	}
+	return code
+}
+
+func (cfg inflightConsumer) run(term <-chan os.Signal) (int, error) {
+	ctx := context.Background()
+	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return childBadSetup, err
+	}
+	// A connection for each message in flight, each holding the inbox's
+	// transaction while its handler works, and a few more.
+	poolCfg.MaxConns = int32(inflightJobs + 6)
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		return childBadSetup, err
+	}
+	defer pool.Close()
+	// The runs table has a pool of its own, so that a handler never waits
+	// for a second connection of the inbox's pool.
+	booksCfg := poolCfg.Copy()
+	booksCfg.MaxConns = 4
+	books, err := pgxpool.NewWithConfig(ctx, booksCfg)
+	if err != nil {
+		return childBadSetup, err
+	}
+	defer books.Close()
+	store, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
+	if err != nil {
+		return childBadSetup, err
+	}
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: cfg.Consumer, DrainTimeout: inflightInboxDrain})
+	if err != nil {
+		return childBadSetup, err
+	}
+	ps, err := adapters.Open(ctx, cfg.BrokerURL, adapters.Options{ConsumerGroup: cfg.Group})
+	if err != nil {
+		return childBadSetup, err
+	}
+
+	// terminated is closed when SIGTERM comes; the router's close follows.
+	terminated := make(chan struct{})
+	routerTerm := make(chan os.Signal, 1)
+	var relay sync.WaitGroup
+	relay.Add(1)
+	go func() {
+		defer relay.Done()
+		sig := <-term
+		close(terminated)
+		routerTerm <- sig
+	}()
+	defer relay.Wait()
+
+	var (
+		runs, finishedAtShutdown, held atomic.Int64
+		allIn                          = make(chan struct{})
+	)
+	schema := pgx.Identifier{cfg.Schema}.Sanitize()
+	handler := func(msg *message.Message) error {
+		ctx := msg.Context()
+		key := middleware.IdempotencyKey(ctx)
+		runs.Add(1)
+		if _, err := books.Exec(context.WithoutCancel(ctx), `INSERT INTO `+schema+`.runs (key, pid) VALUES ($1, $2)`, key, os.Getpid()); err != nil {
+			return err
+		}
+		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+schema+`.effects (key) VALUES ($1)`, key); err != nil {
+			return err
+		}
+		if cfg.HoldUntilTerm > 0 {
+			if held.Add(1) == int64(cfg.HoldUntilTerm) {
+				fmt.Println(inflightAllIn)
+				close(allIn)
+			}
+			for _, wait := range []chan struct{}{allIn, terminated} {
+				select {
+				case <-wait:
+				case <-ctx.Done():
+					return fmt.Errorf("held %q: %w", key, ctx.Err())
+				}
+			}
+		}
+		ms, err := strconv.Atoi(string(msg.Payload))
+		if err != nil {
+			return middleware.Permanent(fmt.Errorf("payload %q is no duration: %w", msg.Payload, err))
+		}
+		d := time.Duration(ms) * time.Millisecond
+		if cfg.SlowFirst && key == inflightSlow {
+			d = inflightSlowFor
+		}
+		timer := time.NewTimer(d)
+		defer timer.Stop()
+		select {
+		case <-timer.C:
+		case <-ctx.Done():
+			return fmt.Errorf("work on %q interrupted: %w", key, ctx.Err())
+		}
+		select {
+		case <-terminated:
+			finishedAtShutdown.Add(1)
+		default:
+		}
+		return nil
+	}
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: inflightDrain}, watermill.NopLogger{})
+	if err != nil {
+		return childBadSetup, errors.Join(err, ps.Close())
+	}
+	r.AddMiddleware(inbox.Middleware)
+	for i := range cfg.Handlers {
+		r.AddNoPublisherHandler(fmt.Sprintf("%s_%d", cfg.Consumer, i), cfg.Topic, ps.Subscriber, handler)
+	}
+	code := 0
+	switch err := proctest.RunRouter(ctx, r, inflightReady, routerTerm); {
+	case errors.Is(err, proctest.ErrRouterNotStarted):
+		return childBadSetup, errors.Join(err, ps.Close())
+	case errors.Is(err, proctest.ErrRouterStopped):
+		return childBadClose, errors.Join(err, ps.Close())
+	case err != nil:
+		code = childBadClose
+		fmt.Fprintln(os.Stderr, "inflight consumer: router close:", err)
+	}
+	if err := ps.Close(); err != nil {
+		code = childBadClose
+		fmt.Fprintln(os.Stderr, "inflight consumer: close broker:", err)
+	}
+	stats, err := json.Marshal(inflightResult{Runs: runs.Load(), FinishedAtShutdown: finishedAtShutdown.Load(), Inbox: inbox.Stats()})
+	if err != nil {
+		return childBadClose, err
+	}
+	fmt.Println(inflightStats + string(stats))
+	return code, nil
+}
+
+// startInflight starts a consumer and waits until its router runs.
+func startInflight(t *testing.T, cfg inflightConsumer) *proctest.Process {
+	t.Helper()
+	raw, err := json.Marshal(cfg)
+	require.NoError(t, err)
+	p, err := proctest.Start([]string{inflightEnv + "=" + string(raw)}, inflightReady, time.Minute)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		if !p.Exited() {
+			p.Kill()
+			t.Logf("consumer %d killed at the end of the test; output:\n%s", p.Cmd.Process.Pid, p.Out.String())
+		}
+	})
+	return p
+}
+
+// terminateInflight sends SIGTERM to p and waits for it to exit, which it
+// must do within inflightExitBound and with code 0; it returns how long it
+// took and what the consumer printed.
+func terminateInflight(t *testing.T, p *proctest.Process) (time.Duration, inflightResult) {
+	t.Helper()
+	start := time.Now()
+	require.NoError(t, p.Terminate(inflightExitBound))
+	took := time.Since(start)
+	require.Equal(t, 0, p.Code(), "consumer exit code; output:\n%s", p.Out.String())
+	line, ok := p.Out.Line(inflightStats)
+	require.True(t, ok, "consumer printed no stats; output:\n%s", p.Out.String())
+	var res inflightResult
+	require.NoError(t, json.Unmarshal([]byte(line), &res))
+	return took, res
+}
+
+// withParams appends URL parameters to rawURL.
+func withParams(rawURL, params string) string {
+	if strings.Contains(rawURL, "?") {
+		return rawURL + "&" + params
+	}
+	return rawURL + "?" + params
+}
+
+// TestSigtermInFlightProcesses: on Kafka, RabbitMQ and SQS, a consumer
+// process with the PostgreSQL inbox holds 50 messages whose handlers work
+// 1–3s, and one whose handler works longer than any drain, all in flight
+// at once, when it is sent SIGTERM. It drains: it exits 0 within the
+// adapter's drain_timeout + 2s; the 50 handlers finish during the drain
+// and their effects are committed, and their acks reach the broker; the
+// slow handler is cancelled when the inbox's drain ends, and its effect
+// rolled back. A second consumer started afterwards applies the slow
+// message, once, and nothing else: no message of the 50 runs its handler
+// again (a Kafka message acked above the slow one's offset comes again,
+// as a duplicate the inbox drops). No attempt was counted against any
+// key, and the broker holds nothing at the end.
+func TestSigtermInFlightProcesses(t *testing.T) {
+	// Not parallel: each consumer holds a database connection per message
+	// in flight.
+	for _, b := range processBrokers(t, "kafka", "amqp", "sqs") {
+		t.Run(b.name, func(t *testing.T) { runInFlight(t, b) })
+	}
+}
+
+func runInFlight(t *testing.T, b broker) {
+	id := pgtest.Name(t)
+	topic, group := "jobs_"+id, "workers_"+id
+	producer := b.open(t, "producer_"+id)
+	defer closeQuietly(t, producer)
+	if b.cleanup != nil {
+		t.Cleanup(func() { b.cleanup(t, topic, group) })
+	}
+	db := newProcessDB(t)
+	// Kafka's subscriber hands out every key of a partition at once; a
+	// RabbitMQ or SQS subscription one message at a time, so those get a
+	// subscription per message, each taking one message at a time
+	// (prefetch, max_messages).
+	handlers, params := 1, "drain_timeout="+inflightDrain.String()
+	switch b.name {
+	case "amqp":
+		handlers, params = inflightJobs+1, params+"&prefetch=1"
+	case "sqs":
+		handlers, params = inflightJobs+1, params+"&max_messages=1"
+	}
+	first := inflightConsumer{
+		BrokerURL: withParams(b.url, params), Group: group, Topic: topic,
+		DatabaseURL: pgtest.URL(), Schema: db.schema, Consumer: "workers_" + b.name,
+		Handlers: handlers, HoldUntilTerm: inflightJobs + 1, SlowFirst: true,
+	}
+	a := startInflight(t, first)
+	publish := func(key string, work time.Duration) {
+		msg := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(int(work.Milliseconds()))))
+		msg.Metadata.Set(delivery.IdempotencyKey, key)
+		msg.Metadata.Set(delivery.PartitionKey, key)
+		require.NoError(t, producer.Publisher.Publish(topic, msg))
+	}
+	for i := range inflightJobs {
+		publish(fmt.Sprintf("job-%d", i), time.Second+time.Duration(i*2000/(inflightJobs-1))*time.Millisecond)
+	}
+	publish(inflightSlow, time.Second) // slow in the first consumer only
+
+	require.Eventually(t, func() bool { _, ok := a.Out.Line(inflightAllIn); return ok || a.Exited() }, 2*time.Minute, 10*time.Millisecond,
+		"not every message in flight in the first consumer")
+	_, allIn := a.Out.Line(inflightAllIn)
+	require.True(t, allIn, "the first consumer exited; output:\n%s", a.Out.String())
+	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.effects`), "nothing committed before SIGTERM")
+	tookA, resA := terminateInflight(t, a)
+
+	// What the first consumer left: the 50 effects committed, the slow
+	// one rolled back, and on the broker the slow message only (on Kafka,
+	// from its offset on, in its partition).
+	require.Equal(t, inflightJobs, db.count(t, `SELECT count(*) FROM {S}.effects`), "every handler that finished in the drain is committed")
+	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.effects WHERE key = $1`, inflightSlow), "the slow handler's effect is rolled back")
+	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE key = $1 AND status = 'done'`, inflightSlow), "the slow key is not done")
+	require.Equal(t, inflightJobs+1, db.count(t, `SELECT count(*) FROM {S}.runs WHERE pid = $1`, a.Cmd.Process.Pid))
+	require.Equal(t, int64(inflightJobs), resA.FinishedAtShutdown, "every fast handler finished after SIGTERM")
+	require.Equal(t, int64(inflightJobs), resA.Inbox.Applied)
+	require.Equal(t, int64(1), resA.Inbox.Abandoned, "the slow attempt is cut short by the shutdown")
+	require.Zero(t, resA.Inbox.Failed, "a shutdown is not a failure")
+	leftA := b.pending(t, topic, group)
+	if b.name == "kafka" {
+		require.Positive(t, leftA, "the slow message's offset is not committed")
+	} else {
+		require.Equal(t, 1, leftA, "every message acked in the drain left the broker, the slow one stayed")
+	}
+
+	second := first
+	second.HoldUntilTerm, second.SlowFirst = 0, false
+	c := startInflight(t, second)
+	require.Eventually(t, func() bool { return db.count(t, `SELECT count(*) FROM {S}.effects`) >= inflightJobs+1 }, 2*time.Minute, 20*time.Millisecond,
+		"the second consumer applies the slow message")
+	require.Eventually(t, func() bool { return b.pending(t, topic, group) == 0 }, 2*time.Minute, 100*time.Millisecond,
+		"everything acknowledged")
+	tookC, resC := terminateInflight(t, c)
+
+	require.Equal(t, inflightJobs+1, db.count(t, `SELECT count(*) FROM {S}.effects`), "exactly one effect per key")
+	require.Equal(t, inflightJobs+1, db.count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
+	require.Equal(t, inflightJobs, db.count(t, `SELECT count(*) FROM {S}.runs WHERE key <> $1`, inflightSlow),
+		"no message of the 50 ran its handler again")
+	require.Equal(t, inflightJobs, db.count(t, `SELECT count(DISTINCT key) FROM {S}.runs WHERE key <> $1`, inflightSlow))
+	require.Equal(t, 1, db.count(t, `SELECT count(*) FROM {S}.runs WHERE key = $1 AND pid = $2`, inflightSlow, c.Cmd.Process.Pid),
+		"the slow message runs once more, in the second consumer")
+	require.Equal(t, 1, db.count(t, `SELECT count(*) FROM {S}.runs WHERE pid = $1`, c.Cmd.Process.Pid), "and nothing else does")
+	require.Equal(t, int64(1), resC.Inbox.Applied)
+	require.Equal(t, inflightJobs+1, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE consumer = $1 AND status = 'done'`, first.Consumer))
+	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE attempts > 1 OR last_error IS NOT NULL`),
+		"the cancelled attempt is not counted")
+	require.Equal(t, 0, b.pending(t, topic, group), "nothing left on the broker")
+	t.Logf("SIGTERM with %d messages in flight on %s: first consumer exited after %s (bound %s), %d effects committed in the drain, %d finished after SIGTERM, %d abandoned; "+
+		"left on the broker %d; second consumer: %d run (%d applied, %d duplicates), exited after %s; handler runs of the 50: %d, effects %d",
+		inflightJobs+1, b.name, tookA.Round(time.Millisecond), inflightExitBound, resA.Inbox.Applied, resA.FinishedAtShutdown, resA.Inbox.Abandoned,
+		leftA, resC.Runs, resC.Inbox.Applied, resC.Inbox.Duplicates, tookC.Round(time.Millisecond),
+		db.count(t, `SELECT count(*) FROM {S}.runs WHERE key <> $1`, inflightSlow), db.count(t, `SELECT count(*) FROM {S}.effects`))
+}
