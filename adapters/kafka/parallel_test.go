@@ -374,9 +374,11 @@ func partitionEnds(t testing.TB, brokers []string, topic string, partitions int)
 	return ends
 }
 
-// TestParallelCloseCommitsAcked: Close cancels the contexts of the
-// messages in flight, waits for their handlers, and commits what they
-// acked meanwhile; a new member resumes at the first message not acked.
+// TestParallelCloseCommitsAcked: as a router closes (the Subscribe
+// context cancelled, then Close), the handlers of the messages in flight,
+// whose contexts have ended, still ack or nack, and Close waits for them
+// and commits what they acked; a new member resumes at the first message
+// not acked.
 func TestParallelCloseCommitsAcked(t *testing.T) {
 	t.Parallel()
 	brokers := Brokers(t)
@@ -388,7 +390,9 @@ func TestParallelCloseCommitsAcked(t *testing.T) {
 	}
 
 	sub := parallelSubscriber(t, brokers, group)
-	msgs, err := sub.Subscribe(context.Background(), topic)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	var got []*message.Message
 	for range 4 {
@@ -409,11 +413,70 @@ func TestParallelCloseCommitsAcked(t *testing.T) {
 			}
 		}()
 	}
+	cancel()
 	require.NoError(t, sub.Close())
 	wg.Wait()
 	_, open := <-msgs
 	require.False(t, open, "the channel is closed after Close")
 	require.Equal(t, int64(2), committedOffset(t, brokers, group, topic, "0"))
+}
+
+// TestParallelCloseDrainsLiveContexts: Close leaves the contexts of the
+// messages in flight alone while it drains: handlers that ack after Close
+// began find their context live and their offsets committed; a handler
+// that does not finish has its context cancelled when DrainTimeout has
+// passed, and its message is not committed.
+func TestParallelCloseDrainsLiveContexts(t *testing.T) {
+	t.Parallel()
+	brokers := Brokers(t)
+	topic, group := uniqueName("drain"), uniqueName("drain")
+	createTopic(t, brokers, topic, 1)
+	pub := newPublisher(t, brokers)
+	for i := range 4 {
+		publishKeyed(t, pub, topic, fmt.Sprint("k", i), fmt.Sprint(i))
+	}
+
+	sub := newSubscriber(t, brokers, group, func(c *kafka.SubscriberConfig) {
+		c.MaxInFlightPerPartition = 64
+		c.CommitInterval = 50 * time.Millisecond
+		c.DrainTimeout = 2 * time.Second
+	})
+	msgs, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	var got []*message.Message
+	for range 4 {
+		got = append(got, msgtest.Receive(t, msgs, 30*time.Second))
+	}
+	closing := make(chan struct{})
+	live := make([]error, len(got))
+	var wg sync.WaitGroup
+	for i, msg := range got {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if offsetOf(t, msg) == 3 {
+				// Slower than the drain: it ends with its context.
+				<-msg.Context().Done()
+				msg.Nack()
+				return
+			}
+			<-closing
+			// Give Close time to begin its drain: the handler acks while
+			// Close waits.
+			time.Sleep(100 * time.Millisecond)
+			live[i] = msg.Context().Err()
+			msg.Ack()
+		}()
+	}
+	close(closing)
+	require.NoError(t, sub.Close())
+	wg.Wait()
+	for i, err := range live {
+		if offsetOf(t, got[i]) != 3 {
+			require.NoError(t, err, "message %d's context during the drain", offsetOf(t, got[i]))
+		}
+	}
+	require.Equal(t, int64(3), committedOffset(t, brokers, group, topic, "0"), "committed up to the slow message")
 }
 
 // TestParallelMaxInFlight: with MaxInFlight, the messages in flight
