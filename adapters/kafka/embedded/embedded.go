@@ -11,6 +11,14 @@
 // It is not a production broker: it keeps the log in memory unless
 // [Config.DataDir] is set, and it has no replication.
 //
+// A client that goes away (a consumer process killed) is noticed as Kafka
+// notices it: only once the broker has answered the requests it holds for
+// it, such as a JoinGroup waiting for a rebalance. A consumer killed in a
+// JoinGroup therefore leaves its group one session timeout after the
+// rebalance completes, as in Kafka, however many consumers were killed
+// before it; kfake alone would keep such a member, without a session,
+// until a later rebalance timed out.
+//
 // Sarama consumer groups must speak a protocol version below 2.4.0.0, as
 // package kafka's subscriber does by default: from 2.4 on Sarama fetches
 // committed offsets with OffsetFetch v6+, and kfake answers a partition
@@ -138,6 +146,9 @@ func Start(cfg Config) (*Cluster, error) {
 		kfake.NumBrokers(cfg.Brokers),
 		kfake.DefaultNumPartitions(int(cfg.DefaultPartitions)),
 		kfake.GroupMinSessionTimeout(cfg.GroupMinSessionTimeout),
+		// A client's end reaches the broker once its held requests are
+		// answered, as in Kafka; see heldConn.
+		kfake.ListenFn(listen),
 	}
 	if _, nop := cfg.Logger.(watermill.NopLogger); !nop {
 		// kfake formats a line per request; skip that for no logger.
