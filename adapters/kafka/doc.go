@@ -121,13 +121,11 @@
 // timeout, it gets its partitions back without a rebalance and the rest
 // of the group never stops, but it sends no LeaveGroup when it closes, so
 // after a SIGTERM that no restart follows, its partitions wait out the
-// session timeout. The embedded broker implements static membership. It
-// differs from Kafka where a member is killed while its JoinGroup waits
-// for a rebalance: it drops such a member only when the rebalance's
-// deadline passes, and every join postpones the deadline, so a crash loop
-// faster than the session timeout can hold its group in a rebalance for
-// minutes; run such tests on a real cluster ([BrokersEnv]), or with
-// static members.
+// session timeout. The embedded broker implements static membership,
+// and drops a member killed while its JoinGroup waits one session timeout
+// after the rebalance completes, as Kafka does, so that after a burst of
+// crashes the last replacement consumes about one session timeout after
+// the last crash, however many came before it.
 //
 // # Brokers
 //
