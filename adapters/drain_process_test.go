@@ -9,7 +9,6 @@ import (
 	"os/signal"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -161,15 +160,17 @@ func (cfg inflightConsumer) run(term <-chan os.Signal) (int, error) {
 	// terminated is closed when SIGTERM comes; the router's close follows.
 	terminated := make(chan struct{})
 	routerTerm := make(chan os.Signal, 1)
-	var relay sync.WaitGroup
-	relay.Add(1)
+	relayStop, relayDone := make(chan struct{}), make(chan struct{})
 	go func() {
-		defer relay.Done()
-		sig := <-term
-		close(terminated)
-		routerTerm <- sig
+		defer close(relayDone)
+		select {
+		case sig := <-term:
+			close(terminated)
+			routerTerm <- sig
+		case <-relayStop:
+		}
 	}()
-	defer relay.Wait()
+	defer func() { close(relayStop); <-relayDone }()
 
 	var (
 		runs, finishedAtShutdown, held atomic.Int64

@@ -154,6 +154,22 @@ func consume(cfg childConfig, term <-chan os.Signal) (int, error) {
 		return childBadSetup, errors.Join(err, ps.Close())
 	}
 	schema := pgx.Identifier{cfg.Schema}.Sanitize()
+	// terminated is closed when SIGTERM comes, before the router's close:
+	// the inbox hands the handler a context that outlives the message's
+	// cancellation, so the handler cannot tell the shutdown from it.
+	terminated := make(chan struct{})
+	routerTerm := make(chan os.Signal, 1)
+	relayStop, relayDone := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(relayDone)
+		select {
+		case sig := <-term:
+			close(terminated)
+			routerTerm <- sig
+		case <-relayStop:
+		}
+	}()
+	defer func() { close(relayStop); <-relayDone }()
 	var deliveries, finishedAtShutdown atomic.Int64
 	counting := func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -186,8 +202,10 @@ func consume(cfg childConfig, term <-chan os.Signal) (int, error) {
 		if err := work(ctx, key); err != nil {
 			return err
 		}
-		if msg.Context().Err() != nil {
+		select {
+		case <-terminated:
 			finishedAtShutdown.Add(1)
+		default:
 		}
 		return nil
 	}
@@ -199,7 +217,7 @@ func consume(cfg childConfig, term <-chan os.Signal) (int, error) {
 	r.AddMiddleware(counting, poison.Middleware, inbox.Middleware)
 	r.AddNoPublisherHandler(cfg.Consumer, cfg.Topic, ps.Subscriber, handler)
 	code := 0
-	switch err := proctest.RunRouter(ctx, r, childReady, term); {
+	switch err := proctest.RunRouter(ctx, r, childReady, routerTerm); {
 	case errors.Is(err, proctest.ErrRouterNotStarted):
 		return childBadSetup, errors.Join(err, ps.Close())
 	case errors.Is(err, proctest.ErrRouterStopped):
