@@ -37,13 +37,19 @@ var (
 	ErrConflict = errors.New("dedup: transaction conflict; retry")
 )
 
-// Classifier is implemented by stores that can tell their driver's
-// infrastructure errors apart in errors that did not come from the store
-// itself, such as those the handler returns after writing its effect
-// through the store's transaction.
+// Classifier is implemented by an [InboxTx] that can tell, of an error the
+// handler returned after writing its effect through the transaction,
+// whether the transaction itself failed for the infrastructure's fault.
+// It asks the transaction, not the error: a handler's own error is the
+// message's whatever it wraps (a payload that fails to decode wraps
+// io.EOF, an HTTP client that is refused wraps a net.Error), so an
+// implementation never marks an error for what its chain holds alone.
 type Classifier interface {
-	// InboxClassify returns err wrapped with ErrUnavailable, ErrAmbiguous
-	// or ErrConflict when it is one of those, else err unchanged.
+	// InboxClassify returns err wrapped with ErrUnavailable when the
+	// transaction's connection was lost (closed or broken), or with
+	// ErrConflict when the database aborted the transaction for a
+	// conflict (a serialization failure or a deadlock, as the database's
+	// own answer), else err unchanged.
 	InboxClassify(err error) error
 }
 
@@ -146,7 +152,10 @@ type TxStore interface {
 	// not run again, and otherwise StateNew with Attempts counting every
 	// attempt started and not completed, this one included. The count is
 	// forgotten when the key commits. It need not survive a crash of the
-	// database server: losing it only delays a dead-letter.
+	// database server: losing it only delays a dead-letter. With an
+	// error, a Claim whose State is StateNew says the statement was sent
+	// and may have been counted (the connection broke before its answer);
+	// the zero Claim says it was not.
 	InboxStart(ctx context.Context, key Key, window time.Duration) (Claim, error)
 	// InboxUnstart takes back the count of an attempt that did not run its
 	// course through no fault of the message: the consumer was shutting
@@ -204,7 +213,12 @@ type StartClaimer interface {
 	//     tx is nil, whatever was opened has been ended. The caller takes
 	//     the count back ([TxStore.InboxUnstart]), or runs the transaction
 	//     again with InboxBegin when err wraps [ErrConflict].
-	//   - err is not nil and start.Attempts is zero: nothing was counted,
+	//   - err is not nil, start.State is StateNew and start.Attempts is
+	//     zero: the exchange broke after the start was sent, and it may
+	//     have been counted. The caller takes a count back once the store
+	//     answers again (at worst a crash loop is dead-lettered one
+	//     attempt later).
+	//   - err is not nil and start is the zero Claim: nothing was counted,
 	//     as when InboxStart fails.
 	InboxStartClaim(ctx context.Context, key Key, window time.Duration) (start Claim, tx InboxTx, claim Claim, err error)
 }

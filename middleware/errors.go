@@ -52,6 +52,34 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
+// unavailableError marks an error of a dependency that is down.
+type unavailableError struct{ err error }
+
+func (e unavailableError) Error() string { return e.err.Error() }
+func (e unavailableError) Unwrap() error { return e.err }
+
+// Is makes a marked error match dedup.ErrUnavailable, so that every check
+// of the infrastructure's errors ([IsInfrastructure]) sees it.
+func (e unavailableError) Is(target error) bool { return target == dedup.ErrUnavailable }
+
+// Unavailable marks err as the fault of a dependency that is down, not of
+// the message: a payment API that refuses connections, a service that
+// answers 503. The inbox and the poison middleware then treat the attempt
+// like a store outage: not counted, never dead-lettered, nacked after a
+// backoff, so that the message comes back, in its order, when the
+// dependency does. Without it an error the handler returns is the
+// message's, whatever it wraps (io.EOF, a net.Error): a payload that fails
+// to decode wraps io.EOF too. It returns nil for a nil err.
+func Unavailable(err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, dedup.ErrUnavailable) {
+		return err
+	}
+	return unavailableError{err: err}
+}
+
 // attemptError carries the store's durable count of a failed attempt from
 // the inbox out to the poison middleware, which may sit several middlewares
 // further out.

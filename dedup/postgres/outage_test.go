@@ -2,8 +2,11 @@ package postgres_test
 
 import (
 	"context"
+	"fmt"
+	"io"
 	"net"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -69,7 +72,6 @@ func TestUnansweringServerIsUnavailable(t *testing.T) {
 	require.ErrorIs(t, err, dedup.ErrUnavailable)
 	_, err = store.LeaseClaim(ctx, key, time.Second, time.Hour)
 	require.ErrorIs(t, err, dedup.ErrUnavailable)
-	require.ErrorIs(t, store.InboxClassify(err), dedup.ErrUnavailable)
 	require.NoError(t, ctx.Err(), "the caller's deadline did not pass")
 }
 
@@ -77,8 +79,9 @@ func TestUnansweringServerIsUnavailable(t *testing.T) {
 // context (Watermill's Timeout middleware on the message) is the
 // message's, not the store's: a claim that waits on a row another
 // transaction holds until the caller's deadline passes, and a call made
-// after it passed, do not wrap dedup.ErrUnavailable; nor does a deadline
-// the handler returns.
+// after it passed, do not wrap dedup.ErrUnavailable. (A deadline the
+// handler returns is never given to InboxClassify: the inbox asks the
+// transaction only while the handler's context is alive.)
 func TestCallersOwnDeadlineIsNotUnavailable(t *testing.T) {
 	t.Parallel()
 	b := setup(t, 4)
@@ -107,7 +110,6 @@ func TestCallersOwnDeadlineIsNotUnavailable(t *testing.T) {
 			}
 			require.ErrorIs(t, err, context.DeadlineExceeded, "the claim waited on the held row until the deadline")
 			require.NotErrorIs(t, err, dedup.ErrUnavailable)
-			require.NotErrorIs(t, b.store.InboxClassify(err), dedup.ErrUnavailable)
 		})
 	}
 
@@ -116,9 +118,6 @@ func TestCallersOwnDeadlineIsNotUnavailable(t *testing.T) {
 	_, err = b.store.InboxStart(past, dedup.Key{Consumer: "c", Key: "late"}, time.Hour)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	require.NotErrorIs(t, err, dedup.ErrUnavailable)
-
-	require.NotErrorIs(t, b.store.InboxClassify(context.DeadlineExceeded), dedup.ErrUnavailable,
-		"a handler's own deadline")
 }
 
 // TestCommitAnswerLostIsAmbiguous: the COMMIT reaches the server, which
@@ -175,4 +174,36 @@ func TestCommitAnswerLostIsAmbiguous(t *testing.T) {
 			requireIdle(t, via)
 		})
 	}
+}
+
+// TestClassifyAsksTheConnection: of the errors a handler returns after
+// writing through the inbox's transaction, only those of the transaction
+// itself are the infrastructure's. An io.EOF from decoding an empty body
+// and a refused HTTP call are the message's while the connection is
+// healthy, whatever they wrap; once the server has closed the
+// transaction's connection, its failed statement is unavailability.
+func TestClassifyAsksTheConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	ctx := context.Background()
+	tx, err := b.store.InboxBegin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }() // its connection is gone by then
+	c := tx.(dedup.Classifier)
+
+	decode := fmt.Errorf("decode order: %w", io.EOF)
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
+	for _, err := range []error{decode, fmt.Errorf("payment API: %w", refused), io.ErrUnexpectedEOF} {
+		require.NotErrorIs(t, c.InboxClassify(err), dedup.ErrUnavailable, "%v", err)
+		require.NotErrorIs(t, c.InboxClassify(err), dedup.ErrConflict, "%v", err)
+	}
+
+	conn := postgres.Tx(tx.WithTx(ctx))
+	_, err = b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, conn.Conn().PgConn().PID())
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `SELECT 1`)
+	require.Error(t, err)
+	require.ErrorIs(t, c.InboxClassify(err), dedup.ErrUnavailable, "the transaction's connection was lost")
+	require.ErrorIs(t, c.InboxClassify(decode), dedup.ErrUnavailable,
+		"whatever the handler returns once its transaction's connection is gone")
 }

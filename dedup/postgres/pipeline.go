@@ -145,15 +145,19 @@ func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, wi
 	if err == nil {
 		first, err = readSegment(p, 1)
 	}
+	var brokenAfterStart error
 	if err == nil {
-		second, err = readSegment(p, 2)
+		if second, err = readSegment(p, 2); err != nil {
+			brokenAfterStart, err = err, nil
+		}
 	}
 	err = errors.Join(err, p.Close())
-	trace.end(err, first, second)
+	trace.end(errors.Join(err, brokenAfterStart), first, second)
 	if err != nil {
-		// A broken pipeline: which statements ran is unknown. The start
-		// is taken as not counted, as a failed InboxStart is.
-		return dedup.Claim{}, claimRow{}, interpret(ctx, "start", err)
+		// The pipeline broke before the start's answer came back: the
+		// start may have committed. StateNew with no count says so; the
+		// caller takes a count back once the store answers.
+		return dedup.Claim{State: dedup.StateNew}, claimRow{}, interpret(ctx, "start", err)
 	}
 
 	tm := conn.TypeMap()
@@ -186,6 +190,9 @@ func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, wi
 		return dedup.Claim{}, claimRow{}, fmt.Errorf("postgres: start: unexpected status %q", status)
 	}
 	// From here the start is counted: errors return it.
+	if brokenAfterStart != nil {
+		return start, claimRow{}, interpret(ctx, "claim", brokenAfterStart)
+	}
 	r, err := claimFrom(ctx, conn, second)
 	return start, r, err
 }

@@ -245,7 +245,7 @@ func TestStartClaimConflictAndErrors(t *testing.T) {
 		e1, e2 = e2, e1
 	}
 	require.NoError(t, e2, "one of them goes on")
-	require.ErrorIs(t, b.store.InboxClassify(e1), dedup.ErrConflict, "the other is a conflict")
+	require.ErrorIs(t, tx1.(dedup.Classifier).InboxClassify(e1), dedup.ErrConflict, "the other is a conflict")
 	require.NoError(t, tx1.Rollback(ctx))
 	require.NoError(t, tx2.Rollback(ctx))
 	requireHealthy(t, b)

@@ -68,13 +68,14 @@ type Store struct {
 	q  queries
 }
 
+var _ dedup.Classifier = (*inboxTx)(nil)
+
 var (
 	_ dedup.TxStore    = (*Store)(nil)
 	_ dedup.LeaseStore = (*Store)(nil)
 	_ dedup.Expirer    = (*Store)(nil)
 	_ dedup.Peeker     = (*Store)(nil)
 	_ dedup.KeyLister  = (*Store)(nil)
-	_ dedup.Classifier = (*Store)(nil)
 )
 
 // New returns a store on db. It does not create the table: run
@@ -123,6 +124,15 @@ func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Durat
 	err := s.db.QueryRow(ctx, s.q.start, key.Consumer, key.Key, seconds(window)).
 		Scan(&status, &c.Attempts, &c.Result, &firstFailed)
 	if err != nil {
+		var (
+			pgErr      *pgconn.PgError
+			connectErr *pgconn.ConnectError
+		)
+		if !errors.As(err, &pgErr) && !errors.As(err, &connectErr) && connectionError(err) && !pgconn.SafeToRetry(err) {
+			// Sent, and the connection broke before the answer: the
+			// start may have committed.
+			return dedup.Claim{State: dedup.StateNew}, interpret(ctx, "start", err)
+		}
 		return dedup.Claim{}, interpret(ctx, "start", err)
 	}
 	if firstFailed != nil {
@@ -509,12 +519,28 @@ func connectionError(err error) bool {
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE)
 }
 
-// InboxClassify marks the infrastructure's errors among those the handler
-// returned after writing through the inbox's transaction. A deadline or
-// cancellation in them is the handler's own: it is not marked.
-func (s *Store) InboxClassify(err error) error {
-	if class := classify(err, true); class != nil && !errors.Is(err, class) {
-		return fmt.Errorf("%w: %w", class, err)
+// InboxClassify marks, among the errors the handler returned after writing
+// through this transaction, those of the transaction itself: its
+// connection was lost (closed by a network error, a server that shut down
+// or crashed, a FATAL error) — unavailability — or the server aborted it
+// for a serialization failure or a deadlock — a conflict to run again. It
+// asks the connection and reads only the server's own answer
+// (*pgconn.PgError), never what else the error wraps: an io.EOF or a
+// net.Error from the handler's own decoding or HTTP calls is the
+// message's.
+func (t *inboxTx) InboxClassify(err error) error {
+	if err == nil {
+		return nil
+	}
+	if conn := t.tx.Conn(); conn == nil || conn.IsClosed() {
+		if errors.Is(err, dedup.ErrUnavailable) {
+			return err
+		}
+		return fmt.Errorf("%w: the transaction's connection was lost: %w", dedup.ErrUnavailable, err)
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01") && !errors.Is(err, dedup.ErrConflict) {
+		return fmt.Errorf("%w: %w", dedup.ErrConflict, err)
 	}
 	return err
 }

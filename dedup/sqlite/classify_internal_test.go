@@ -37,6 +37,6 @@ func TestBusyIsAConflict(t *testing.T) {
 	_, err = other.BeginTx(ctx, nil) // BEGIN IMMEDIATE waits for the write lock
 	require.Error(t, err)
 	require.ErrorIs(t, interpret("begin", err), dedup.ErrConflict)
-	require.ErrorIs(t, (&Store{}).InboxClassify(err), dedup.ErrConflict)
-	require.NotErrorIs(t, (&Store{}).InboxClassify(errors.New("card declined")), dedup.ErrConflict)
+	require.ErrorIs(t, (&inboxTx{}).InboxClassify(err), dedup.ErrConflict)
+	require.NotErrorIs(t, (&inboxTx{}).InboxClassify(errors.New("card declined")), dedup.ErrConflict)
 }

@@ -64,7 +64,7 @@ var (
 	_ dedup.TxStore    = (*Store)(nil)
 	_ dedup.Expirer    = (*Store)(nil)
 	_ dedup.Peeker     = (*Store)(nil)
-	_ dedup.Classifier = (*Store)(nil)
+	_ dedup.Classifier = (*inboxTx)(nil)
 	_ dedup.KeyLister  = (*Store)(nil)
 )
 
@@ -535,9 +535,11 @@ func classify(err error) error {
 	return nil
 }
 
-// InboxClassify marks a busy or locked database among the errors the
-// handler returned after writing through the inbox's transaction.
-func (s *Store) InboxClassify(err error) error {
+// InboxClassify marks a busy or locked database, SQLite's own answer,
+// among the errors the handler returned after writing through this
+// transaction: a conflict to run again. An embedded database has no
+// connection to lose; any other error is the message's.
+func (t *inboxTx) InboxClassify(err error) error {
 	if class := classify(err); class != nil && !errors.Is(err, class) {
 		return fmt.Errorf("%w: %w", class, err)
 	}

@@ -682,10 +682,10 @@ func (t *inboxTx) settle(ctx context.Context, op func(context.Context) error, ms
 	}
 }
 
-// InboxClassify lets the record store mark its driver's infrastructure
-// errors among those the handler returned.
-func (s *Store) InboxClassify(err error) error {
-	if c, ok := s.record.(dedup.Classifier); ok {
+// InboxClassify lets the record's transaction mark its driver's
+// infrastructure errors among those the handler returned.
+func (t *inboxTx) InboxClassify(err error) error {
+	if c, ok := t.rec.(dedup.Classifier); ok {
 		return c.InboxClassify(err)
 	}
 	return err
