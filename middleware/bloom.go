@@ -246,13 +246,16 @@ func (b *Bloom) report(msg *message.Message, consumer string, surelyNew, falsePo
 	})
 }
 
-// topicOf is the topic a message came from: the adapter's metadata, else
-// the router's.
+// topicOf is the topic a message came from: the one the router subscribed
+// to, which is what the hooks label with and where a dead letter is
+// replayed to. The message's metadata is read only outside a router: a
+// producer can write it as it likes, and a label per forged topic would
+// grow the metrics without bound.
 func topicOf(msg *message.Message) string {
-	if t := msg.Metadata.Get(delivery.Topic); t != "" {
+	if t := message.SubscribeTopicFromCtx(msg.Context()); t != "" {
 		return t
 	}
-	return message.SubscribeTopicFromCtx(msg.Context())
+	return msg.Metadata.Get(delivery.Topic)
 }
 
 // run calls h and remembers the key once its effect is done.

@@ -246,7 +246,9 @@ func TestInboxShutdownCommitsFinishedWork(t *testing.T) {
 	func(t *testing.T, b txBackend) {
 		dlq := &lateDLQ{}
 		poison := newPoison(t, dlq, 1)
-		in := newInbox(t, middleware.InboxConfig{TxStore: b.store})
+		// The handlers wait for their context to end: at the end of the
+		// drain, which the router's close starts.
+		in := newInbox(t, middleware.InboxConfig{TxStore: b.store, DrainTimeout: 500 * time.Millisecond})
 		started := make(chan string, 2)
 		c := &chain{pubSub: gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64, Persistent: true}, watermill.NopLogger{})}
 		t.Cleanup(func() { require.NoError(t, c.pubSub.Close()) })

@@ -47,11 +47,23 @@ type InboxConfig struct {
 	// FinishTimeout bounds the commit, complete or release that ends an
 	// attempt whose handler has returned. It runs on a context detached
 	// from the message's, so that work finished when the consumer begins
-	// to shut down is committed, not rolled back; keep the router's
-	// CloseTimeout plus this within the platform's grace period (30 s by
-	// default in Kubernetes' terminationGracePeriodSeconds). Defaults to 5
-	// seconds.
+	// to shut down is committed, not rolled back; keep DrainTimeout plus
+	// this within the router's CloseTimeout, and that within the
+	// platform's grace period. Defaults to 5 seconds.
 	FinishTimeout time.Duration
+	// DrainTimeout is how long a handler that is running when the
+	// consumer begins to shut down keeps a live context. Watermill's
+	// router cancels every in-flight message's context the moment it
+	// closes; the inbox hands the handler a context that ignores that
+	// cancellation for DrainTimeout, so that work in flight at a SIGTERM
+	// finishes and is committed and acked, and only then cancels it (the
+	// attempt is rolled back and not counted). A deadline on the message's
+	// context (Watermill's Timeout middleware) still applies. With the
+	// defaults, 20 s of drain and 5 s of FinishTimeout fit the router's
+	// CloseTimeout (30 s by default) and Kubernetes'
+	// terminationGracePeriodSeconds (30 s by default). Defaults to 20
+	// seconds.
+	DrainTimeout time.Duration
 	// InFlightDelay is how long a delivery whose key is held by another
 	// live lease waits before it is nacked, so that it is not redelivered
 	// in a tight loop. It is cut short when the lease ends sooner, and
@@ -122,6 +134,9 @@ func (c *InboxConfig) setDefaults() {
 	if c.InFlightDelay == 0 {
 		c.InFlightDelay = time.Second
 	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = DefaultDrainTimeout
+	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
@@ -148,6 +163,8 @@ func (c InboxConfig) Validate() error {
 		return errors.New("middleware: InboxConfig.Outbox needs TxStore: the outbox is written in the claim's transaction")
 	case c.InFlightDelay < 0:
 		return fmt.Errorf("middleware: InboxConfig.InFlightDelay must not be negative, got %s", c.InFlightDelay)
+	case c.DrainTimeout < 0:
+		return fmt.Errorf("middleware: InboxConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
 	}
 	return nil
 }
@@ -174,7 +191,8 @@ type InboxStats struct {
 	// running.
 	DeadCopies int64
 	// OthersReplays counts replays from the dead-letter queue meant for
-	// another consumer of the topic, acked without running.
+	// another consumer of the topic, acked without running: those whose
+	// grant the store holds on that consumer's record of the key.
 	OthersReplays int64
 	// Infrastructure counts attempts that ended for the infrastructure's
 	// fault (the store unavailable, a commit whose outcome is unknown,
@@ -196,6 +214,8 @@ type Inbox struct {
 	applied, duplicates, inFlight, failed         atomic.Int64
 	panicked, abandonedN, crashLooped, deadCopies atomic.Int64
 	infra, conflictRetries, othersReplays         atomic.Int64
+
+	debts debts
 }
 
 // NewInbox returns an inbox for cfg; cfg is copied, defaulted and validated.
@@ -278,13 +298,27 @@ func (in *Inbox) handle(msg *message.Message, h message.HandlerFunc, o *attemptO
 	o.consumer = key.Consumer
 	if owner := msg.Metadata.Get(delivery.ReplayConsumer); owner != "" && owner != key.Consumer {
 		// A replay published to the topic reaches every consumer of it;
-		// it belongs to the one that dead-lettered it. Running it here
-		// would apply again an effect whose done key has expired.
-		in.othersReplays.Add(1)
-		o.outcome = observe.OtherConsumer
-		in.cfg.Logger.Debug("Replay for another consumer acked without running",
+		// it belongs to the one that dead-lettered it, and running it here
+		// would apply again an effect whose done key has expired. It is
+		// acked without running only when the store confirms it: the
+		// owner's record of the key holds the grant the message carries,
+		// which the operator's replay wrote there and no producer knows.
+		// Metadata alone never makes a consumer skip a message: a forged
+		// or forwarded marker, or an owner whose record is in another
+		// store, leaves the message to be handled as any copy is.
+		othersReplay, err := in.othersReplay(msg.Context(), owner, key, msg.Metadata.Get(delivery.Replay))
+		if err != nil {
+			return nil, err
+		}
+		if othersReplay {
+			in.othersReplays.Add(1)
+			o.outcome = observe.OtherConsumer
+			in.cfg.Logger.Debug("Replay for another consumer acked without running",
+				logFields(msg, key).Add(watermill.LogFields{"replay_consumer": owner}))
+			return nil, nil
+		}
+		in.cfg.Logger.Info("Replay marker for another consumer without its grant, handled as a plain copy",
 			logFields(msg, key).Add(watermill.LogFields{"replay_consumer": owner}))
-		return nil, nil
 	}
 	if slot := slotOf(msg.Context()); slot != nil {
 		// The poison middleware in front dead-letters through this
@@ -303,10 +337,7 @@ func (in *Inbox) handle(msg *message.Message, h message.HandlerFunc, o *attemptO
 func (in *Inbox) observed(msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
 	began := time.Now()
 	base := msg.Context()
-	topic := msg.Metadata.Get(delivery.Topic)
-	if topic == "" {
-		topic = message.SubscribeTopicFromCtx(base)
-	}
+	topic := topicOf(msg)
 	consumer := in.cfg.Consumer
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(base)
@@ -385,6 +416,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		preErr   error
 	)
 	if !in.cfg.SkipAttemptRecord {
+		in.debts.pay(base, in.cfg.TxStore, key)
 		var err error
 		if sc, ok := in.cfg.TxStore.(dedup.StartClaimer); ok && in.cfg.PipelineClaim {
 			start, pre, preClaim, err = sc.InboxStartClaim(base, key, in.cfg.Window)
@@ -396,6 +428,12 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			start, err = in.cfg.TxStore.InboxStart(base, key, in.cfg.Window)
 		}
 		if err != nil {
+			if start.State == dedup.StateNew {
+				// The exchange broke after the start was sent: it may
+				// have been counted. Take one back once the store
+				// answers again.
+				in.debts.owe(key)
+			}
 			return nil, err
 		}
 		switch start.State {
@@ -534,7 +572,10 @@ func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.H
 	}
 	o.step(base, observe.StepClaimed)
 
-	produced, err := in.run(tx.WithTx(base), msg, key, h, o)
+	hctx, endDrain := drainContext(tx.WithTx(base), in.cfg.DrainTimeout)
+	produced, err := in.run(hctx, msg, key, h, o)
+	cut := hctx.Err() != nil // its deadline passed, or the drain ran out
+	endDrain()
 
 	// The handler has returned: what it did is committed, or rolled back
 	// and recorded, even if the consumer is shutting down meanwhile.
@@ -544,6 +585,14 @@ func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.H
 		if err = in.callOutbox(tx.WithTx(finish), produced); err == nil {
 			produced = nil // committed with the effect; the relay publishes them
 		}
+	}
+	if err != nil && !cut {
+		// The handler's error is the message's, whatever it wraps, unless
+		// the transaction it wrote through says it failed itself (its
+		// connection was lost, or the database aborted it for a
+		// conflict). A handler cut short by its deadline failed through
+		// its own slowness, even if the cut broke the connection.
+		err = classifyTx(tx, err)
 	}
 	if err == nil {
 		var result []byte
@@ -559,7 +608,7 @@ func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.H
 			}
 		}
 	}
-	err = errors.Join(in.classify(err), in.rollback(finish, tx))
+	err = errors.Join(err, in.rollback(finish, tx))
 	switch {
 	case stopping(base):
 		return nil, in.abandoned(finish, msg, key, err, o)
@@ -580,11 +629,10 @@ func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.H
 	return nil, attempted(errors.Join(err, failErr), dedup.Claim{Attempts: start.Attempts, FirstFailedAt: claim.FirstFailedAt}, f.At)
 }
 
-// classify marks the infrastructure's errors among those the handler or
-// the store's transaction returned, when the store can tell them
-// (dedup.Classifier).
-func (in *Inbox) classify(err error) error {
-	if c, ok := in.store().(dedup.Classifier); ok {
+// classifyTx lets tx mark the infrastructure's errors among those the
+// handler returned after writing through it (dedup.Classifier).
+func classifyTx(tx dedup.InboxTx, err error) error {
+	if c, ok := tx.(dedup.Classifier); ok {
 		return c.InboxClassify(err)
 	}
 	return err
@@ -614,9 +662,11 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 	}
 
 	o.step(base, observe.StepClaimed)
-	held, release := in.holdLease(base, key, claim)
+	hctx, endDrain := drainContext(base, in.cfg.DrainTimeout)
+	held, release := in.holdLease(hctx, key, claim)
 	produced, err := in.run(withToken(held, claim.Token), msg, key, h, o)
 	lost := release()
+	endDrain()
 
 	finish, cancel := in.finishContext(base)
 	defer cancel()
@@ -640,6 +690,14 @@ func (in *Inbox) handleLease(msg *message.Message, key dedup.Key, h message.Hand
 		if stopping(base) {
 			relErr := ignoreLost(store.LeaseRelease(finish, key, claim.Token, dedup.Failure{Abandoned: true}))
 			return nil, in.abandoned(finish, msg, key, errors.Join(err, relErr), o)
+		}
+		if IsInfrastructure(err) {
+			// The handler said a dependency is down (Unavailable): give
+			// the key up with the attempt's count taken back.
+			in.infra.Add(1)
+			o.outcome = observe.Unavailable
+			relErr := ignoreLost(store.LeaseRelease(finish, key, claim.Token, dedup.Failure{Abandoned: true}))
+			return nil, errors.Join(err, relErr)
 		}
 		in.failed.Add(1)
 		o.failed(err)
@@ -712,6 +770,7 @@ func (in *Inbox) abandoned(ctx context.Context, msg *message.Message, key dedup.
 	o.outcome = observe.Abandoned
 	if in.cfg.TxStore != nil && !in.cfg.SkipAttemptRecord {
 		if uerr := in.cfg.TxStore.InboxUnstart(ctx, key); uerr != nil {
+			in.debts.owe(key)
 			err = errors.Join(err, uerr)
 		}
 	}
@@ -728,6 +787,9 @@ func (in *Inbox) unstart(base context.Context, key dedup.Key, cause error) error
 	ctx, cancel := in.finishContext(base)
 	defer cancel()
 	if err := in.cfg.TxStore.InboxUnstart(ctx, key); err != nil {
+		// The store is down, most likely: the count stays until the key
+		// comes back and the store answers.
+		in.debts.owe(key)
 		return errors.Join(cause, err)
 	}
 	return cause
@@ -758,23 +820,31 @@ func (in *Inbox) callOutbox(ctx context.Context, produced []*message.Message) (e
 	return in.cfg.Outbox(ctx, produced)
 }
 
-// deadCopy answers a delivery of a dead key. A replay of its dead letter
-// reopens the key and runs once; any other copy is acked without running
-// and counted on the key's record: its message already sits in the
-// dead-letter queue, and running it could apply an effect that an
+// deadCopy answers a delivery of a dead key. The replay of its dead
+// letter reopens the key and runs once: the copy whose delivery.Replay is
+// the grant the operator's replay wrote on the key's record
+// ([dedup.Graveyard.InboxReopen]). Any other copy, a producer's retry or a
+// message whose replay marker the store did not grant (forged, forwarded
+// with all its headers, or a replay already used), is acked without
+// running and counted on the key's record: its message already sits in
+// the dead-letter queue, and running it could apply an effect that an
 // operator is compensating by hand.
 func (in *Inbox) deadCopy(msg *message.Message, key dedup.Key, h message.HandlerFunc, reopened bool, o *attemptObs) ([]*message.Message, error) {
 	ctx := msg.Context()
 	store := in.graveyard()
-	if !reopened && msg.Metadata.Get(delivery.Replay) != "" {
-		if _, err := store.InboxReopen(ctx, key); err != nil {
+	if grant := msg.Metadata.Get(delivery.Replay); !reopened && grant != "" {
+		ok, err := store.InboxReopen(ctx, key, grant)
+		if err != nil {
 			return nil, err
 		}
-		in.cfg.Logger.Info("Dead key reopened for its replay", logFields(msg, key))
-		if in.cfg.TxStore != nil {
-			return in.handleTx(msg, key, h, true, o)
+		if ok {
+			in.cfg.Logger.Info("Dead key reopened for its replay", logFields(msg, key))
+			if in.cfg.TxStore != nil {
+				return in.handleTx(msg, key, h, true, o)
+			}
+			return in.handleLease(msg, key, h, true, o)
 		}
-		return in.handleLease(msg, key, h, true, o)
+		in.cfg.Logger.Info("Replay marker not granted by the store, copy of a dead key acked without running", logFields(msg, key))
 	}
 	if err := store.InboxDeadCopy(ctx, key); err != nil {
 		in.cfg.Logger.Error("Could not count a copy of a dead key", err, logFields(msg, key))
@@ -783,6 +853,16 @@ func (in *Inbox) deadCopy(msg *message.Message, key dedup.Key, h message.Handler
 	o.outcome = observe.Dead
 	in.cfg.Logger.Debug("Copy of a dead-lettered key acked without running", logFields(msg, key))
 	return nil, nil
+}
+
+// othersReplay reports whether a message marked as the replay of owner's
+// dead letter is one: owner's record of key, in this inbox's store, holds
+// grant. Without a grant, or with owner's record elsewhere, it is not.
+func (in *Inbox) othersReplay(ctx context.Context, owner string, key dedup.Key, grant string) (bool, error) {
+	if grant == "" {
+		return false, nil
+	}
+	return in.graveyard().InboxReplayGranted(ctx, dedup.Key{Consumer: owner, Key: key.Key}, grant)
 }
 
 func (in *Inbox) graveyard() dedup.Graveyard {

@@ -355,10 +355,7 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(msg.Context())
 	}
-	topic := msg.Metadata.Get(delivery.Topic)
-	if topic == "" {
-		topic = message.SubscribeTopicFromCtx(msg.Context())
-	}
+	topic := topicOf(msg)
 	var key string
 	if slot != nil && slot.inbox != nil {
 		consumer, key = slot.key.Consumer, slot.key.Key

@@ -38,6 +38,13 @@ const poisonTopic, deadTopic = "payments", "payments.dlq"
 // poison and the inbox of b, until the test ends.
 func startPoisonRig(t *testing.T, b txBackend, cfg middleware.PoisonConfig, handler func(n int32, msg *message.Message) error) *poisonRig {
 	t.Helper()
+	return startPoisonRigWith(t, b, cfg, middleware.InboxConfig{}, handler)
+}
+
+// startPoisonRigWith is startPoisonRig with the inbox configured by icfg,
+// its TxStore set to b's.
+func startPoisonRigWith(t *testing.T, b txBackend, cfg middleware.PoisonConfig, icfg middleware.InboxConfig, handler func(n int32, msg *message.Message) error) *poisonRig {
+	t.Helper()
 	logger := watermill.NopLogger{}
 	rig := &poisonRig{pubSub: gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64, Persistent: true}, logger)}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -54,7 +61,8 @@ func startPoisonRig(t *testing.T, b txBackend, cfg middleware.PoisonConfig, hand
 	}
 	rig.poison, err = middleware.NewPoison(cfg)
 	require.NoError(t, err)
-	rig.inbox = newInbox(t, middleware.InboxConfig{TxStore: b.store})
+	icfg.TxStore = b.store
+	rig.inbox = newInbox(t, icfg)
 
 	router, err := message.NewRouter(message.RouterConfig{}, logger)
 	require.NoError(t, err)
