@@ -329,11 +329,9 @@ func TestKafkaRestartProcesses(t *testing.T) {
 			kills: []time.Duration{4 * s, 3 * s, 6 * s, 4 * s, 8 * s, 3 * s, 5 * s},
 		},
 		{
-			// The URL's defaults. The kills are further apart than the
-			// session timeout: a member killed while its JoinGroup
-			// waits for a rebalance is where the embedded broker
-			// differs from Kafka (see the package doc of
-			// adapters/kafka).
+			// The URL's defaults, one kill further apart than the
+			// session timeout. A burst of kills closer together is
+			// TestKafkaCrashBurstProcesses.
 			name: "dynamic_defaults", session: kafka.DefaultSessionTimeout,
 			kills: []time.Duration{4 * s, kafka.DefaultSessionTimeout + 4*s},
 		},

@@ -67,8 +67,10 @@ import (
 
 // The drain budget. Kubernetes sends SIGKILL terminationGracePeriodSeconds
 // (30 s by default) after SIGTERM. The router waits up to closeTimeout for
-// running handlers and the relay's batch; a handler that has returned
-// then gets up to finishTimeout to commit: 15 s + 5 s = 20 s. The HTTP
+// running handlers and the relay's batch. A handler running at SIGTERM
+// keeps a live context (the inbox's DrainTimeout, 20 s) until it finishes
+// or handlerTimeout ends it, at most 10 s; one that has returned then gets
+// up to finishTimeout to commit: 15 s + 5 s = 20 s. The HTTP
 // server then gets up to 2 s to answer its last requests, and the spans
 // still buffered up to traceFlushTimeout to reach the collector: 24 s. If
 // closing the broker connections and the pool still takes the process
