@@ -198,11 +198,14 @@ func closedPort(t *testing.T) string {
 // run, and the key is dead-lettered only after MaxAttempts runs.
 func TestConcurrentCopiesCountOnlyTheirRuns(t *testing.T) {
 	t.Parallel()
-	for _, c := range []struct{ copies, max int }{{3, 2}, {5, 3}} {
+	for _, c := range []struct {
+		copies, max int
+		pipelined   bool
+	}{{3, 2, false}, {5, 3, false}, {3, 2, true}, {5, 3, true}} {
 		b := postgresBackend(t, int32(c.copies+4))
 		var runs atomic.Int32
 		p, dead := poisonInFront(t, b, c.max)
-		h := p.Middleware(newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "charge"}).Middleware(
+		h := p.Middleware(newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "charge", PipelineClaim: c.pipelined}).Middleware(
 			func(msg *message.Message) ([]*message.Message, error) {
 				runs.Add(1)
 				time.Sleep(300 * time.Millisecond) // the other copies queue on the claim
@@ -216,7 +219,7 @@ func TestConcurrentCopiesCountOnlyTheirRuns(t *testing.T) {
 		}
 		wg.Wait()
 		require.Equal(t, 1, dead(), "dead-lettered once")
-		require.Equal(t, int32(c.max), runs.Load(), "%d copies, MaxAttempts %d: it ran MaxAttempts times before the dead letter", c.copies, c.max)
+		require.Equal(t, int32(c.max), runs.Load(), "%d copies, MaxAttempts %d, pipelined %t: it ran MaxAttempts times before the dead letter", c.copies, c.max, c.pipelined)
 		require.Equal(t, 0, b.effects(t))
 	}
 }
