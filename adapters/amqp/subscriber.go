@@ -96,11 +96,20 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 
 // forward hands the messages of in to out until ctx is done, Close
 // begins or in is closed. A message it has received and not handed out
-// when it stops is left to watermill-amqp, which nacks it with requeue
-// when it closes.
+// when Close begins is left to watermill-amqp, which nacks it with
+// requeue when it closes. When ctx is done it nacks that message and
+// every later one until watermill-amqp closes in: watermill-amqp sends
+// on in without watching ctx, and would hold its channel's prefetched
+// deliveries, unacked, until Close.
 func (s *Subscriber) forward(ctx context.Context, in <-chan *message.Message, out chan<- *message.Message) {
 	defer s.workers.Done()
-	defer close(out)
+	cancelled := func(held *message.Message) {
+		close(out)
+		if held != nil {
+			held.Nack()
+		}
+		s.refuse(in)
+	}
 	for {
 		var (
 			msg *message.Message
@@ -109,14 +118,18 @@ func (s *Subscriber) forward(ctx context.Context, in <-chan *message.Message, ou
 		select {
 		case msg, ok = <-in:
 			if !ok {
+				close(out)
 				return
 			}
 		case <-s.closing:
+			close(out)
 			return
 		case <-ctx.Done():
+			cancelled(nil)
 			return
 		}
 		if !s.enter() {
+			close(out)
 			return
 		}
 		// Asked first: a select with several ready cases picks one at
@@ -124,6 +137,7 @@ func (s *Subscriber) forward(ctx context.Context, in <-chan *message.Message, ou
 		select {
 		case <-s.closing:
 			s.leave()
+			close(out)
 			return
 		default:
 		}
@@ -131,13 +145,32 @@ func (s *Subscriber) forward(ctx context.Context, in <-chan *message.Message, ou
 		case out <- msg:
 		case <-s.closing:
 			s.leave()
+			close(out)
 			return
 		case <-ctx.Done():
 			s.leave()
+			cancelled(msg)
 			return
 		}
 		s.workers.Add(1)
 		go s.watch(msg)
+	}
+}
+
+// refuse nacks what watermill-amqp still sends on in after the
+// subscription's context is done, until it closes in or Close begins
+// (watermill-amqp then nacks by itself).
+func (s *Subscriber) refuse(in <-chan *message.Message) {
+	for {
+		select {
+		case msg, ok := <-in:
+			if !ok {
+				return
+			}
+			msg.Nack()
+		case <-s.closing:
+			return
+		}
 	}
 }
 
