@@ -315,6 +315,18 @@ func NewReplayGrant() (string, error) {
 	return hex.EncodeToString(b[:]), nil
 }
 
+// RecordFinder tells whether a key has a record at all. A replay asks it
+// when the key of a dead letter is not dead in the store it grants on:
+// a record that is done, failed or in flight makes the replayed copy a
+// duplicate or a normal retry, while no record means the consumer's
+// inbox is another store, or its record expired, and the copy would run
+// as a new key or be acked as a dead copy elsewhere.
+type RecordFinder interface {
+	// InboxHasRecord reports whether the store holds a record of key, in
+	// any state (failed, in flight, done or dead). It writes nothing.
+	InboxHasRecord(ctx context.Context, key Key) (bool, error)
+}
+
 // Peeker reads a key's record without claiming it: the cheap check a
 // prefilter makes when it may have seen a key before.
 type Peeker interface {

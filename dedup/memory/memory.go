@@ -59,10 +59,11 @@ type Store struct {
 }
 
 var (
-	_ dedup.LeaseStore = (*Store)(nil)
-	_ dedup.Expirer    = (*Store)(nil)
-	_ dedup.Peeker     = (*Store)(nil)
-	_ dedup.KeyLister  = (*Store)(nil)
+	_ dedup.LeaseStore   = (*Store)(nil)
+	_ dedup.Expirer      = (*Store)(nil)
+	_ dedup.Peeker       = (*Store)(nil)
+	_ dedup.RecordFinder = (*Store)(nil)
+	_ dedup.KeyLister    = (*Store)(nil)
 )
 
 // New returns an empty store.
@@ -185,6 +186,17 @@ func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant strin
 	}
 	e.grant = grant
 	return true, nil
+}
+
+// InboxHasRecord reports whether key has an entry, in any state, that
+// [Store.InboxDeleteExpired] has not deleted.
+func (s *Store) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.keys[key] != nil, nil
 }
 
 // InboxReopen makes a dead key claimable again, as a failed one with no

@@ -45,6 +45,15 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 	return c, nil
 }
 
+// InboxHasRecord reports whether key has a row, in any state.
+func (s *Store) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
+	var ok bool
+	if err := s.db.QueryRow(ctx, s.q.hasRecord, key.Consumer, key.Key).Scan(&ok); err != nil {
+		return false, interpret(ctx, "read record", err)
+	}
+	return ok, nil
+}
+
 // InboxDoneKeys streams the keys consumer completed at or after since, one
 // row at a time from the server.
 func (s *Store) InboxDoneKeys(ctx context.Context, consumer string, since time.Time, fn func(key string) error) error {

@@ -71,11 +71,12 @@ type Store struct {
 var _ dedup.Classifier = (*inboxTx)(nil)
 
 var (
-	_ dedup.TxStore    = (*Store)(nil)
-	_ dedup.LeaseStore = (*Store)(nil)
-	_ dedup.Expirer    = (*Store)(nil)
-	_ dedup.Peeker     = (*Store)(nil)
-	_ dedup.KeyLister  = (*Store)(nil)
+	_ dedup.TxStore      = (*Store)(nil)
+	_ dedup.LeaseStore   = (*Store)(nil)
+	_ dedup.Expirer      = (*Store)(nil)
+	_ dedup.Peeker       = (*Store)(nil)
+	_ dedup.RecordFinder = (*Store)(nil)
+	_ dedup.KeyLister    = (*Store)(nil)
 )
 
 // New returns a store on db. It does not create the table: run

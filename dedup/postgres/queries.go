@@ -15,7 +15,7 @@ type queries struct {
 	claim, reclaim, read, complete, fail, deleteExpired string
 	leaseClaim, leaseRead, leaseComplete, leaseRelease  string
 	leaseExtend, leaseBury, leaseAbandon                string
-	peek, doneKeys                                      string
+	peek, doneKeys, hasRecord                           string
 }
 
 func newQueries(names sqlschema.Names) queries {
@@ -128,6 +128,10 @@ FROM {T} WHERE consumer = $1 AND key = $2 AND expires_at > now()`),
 
 		doneKeys: r.Replace(`SELECT key FROM {T}
 WHERE consumer = $1 AND status = 'done' AND done_at >= $2 AND expires_at > now()`),
+
+		// Any row, expired or not: a claim reads the row until cleanup
+		// deletes it.
+		hasRecord: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2)`),
 
 		// SKIP LOCKED: a row being claimed right now is not waited for.
 		// Start counts left behind by a duplicate that lost a race go

@@ -181,9 +181,10 @@ type Store struct {
 }
 
 var (
-	_ dedup.LeaseStore = (*Store)(nil)
-	_ dedup.Peeker     = (*Store)(nil)
-	_ dedup.KeyLister  = (*Store)(nil)
+	_ dedup.LeaseStore   = (*Store)(nil)
+	_ dedup.Peeker       = (*Store)(nil)
+	_ dedup.RecordFinder = (*Store)(nil)
+	_ dedup.KeyLister    = (*Store)(nil)
 )
 
 // New returns a store on cfg.Client; cfg is copied, defaulted and
@@ -414,6 +415,16 @@ func (s *Store) InboxReplayGranted(ctx context.Context, key dedup.Key, grant str
 		return false, s.wrap(ctx, "read replay grant", err)
 	}
 	return got == grant, nil
+}
+
+// InboxHasRecord reports whether key has a record, in any state; Redis
+// has deleted the records that expired. It never fails open.
+func (s *Store) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
+	n, err := s.client.Exists(ctx, s.recordKey(key)).Result()
+	if err != nil {
+		return false, s.wrap(ctx, "read record", err)
+	}
+	return n == 1, nil
 }
 
 // InboxDeadCopy counts a copy of a dead key in the record's dead_copies

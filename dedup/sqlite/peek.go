@@ -40,6 +40,15 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 	return c, nil
 }
 
+// InboxHasRecord reports whether key has a row, in any state.
+func (s *Store) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
+	var ok bool
+	if err := s.db.QueryRowContext(ctx, s.q.hasRecord, key.Consumer, key.Key).Scan(&ok); err != nil {
+		return false, interpret("read record", err)
+	}
+	return ok, nil
+}
+
 // InboxDoneKeys streams the keys consumer completed at or after since.
 func (s *Store) InboxDoneKeys(ctx context.Context, consumer string, since time.Time, fn func(key string) error) error {
 	rows, err := s.db.QueryContext(ctx, s.q.doneKeys, consumer, micros(since), micros(time.Now()))

@@ -61,11 +61,12 @@ type Store struct {
 }
 
 var (
-	_ dedup.TxStore    = (*Store)(nil)
-	_ dedup.Expirer    = (*Store)(nil)
-	_ dedup.Peeker     = (*Store)(nil)
-	_ dedup.Classifier = (*inboxTx)(nil)
-	_ dedup.KeyLister  = (*Store)(nil)
+	_ dedup.TxStore      = (*Store)(nil)
+	_ dedup.Expirer      = (*Store)(nil)
+	_ dedup.Peeker       = (*Store)(nil)
+	_ dedup.RecordFinder = (*Store)(nil)
+	_ dedup.Classifier   = (*inboxTx)(nil)
+	_ dedup.KeyLister    = (*Store)(nil)
 )
 
 // Open opens (creating it if needed) the SQLite database file at path with
@@ -404,7 +405,7 @@ func (t *inboxTx) Rollback(context.Context) error {
 // spliced in.
 type queries struct {
 	claim, read, complete, fail, deleteExpired string
-	peek, doneKeys                             string
+	peek, doneKeys, hasRecord                  string
 
 	start, startRead, unstart, clearStart, deleteExpiredStarts string
 	bury, reopen, deadCopy                                     string
@@ -474,6 +475,10 @@ RETURNING attempts, first_failed_at`),
 		// Arguments: consumer, key, now.
 		peek: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T}
 WHERE consumer = ? AND key = ? AND expires_at > ?`),
+
+		// Arguments: consumer, key. Any row, expired or not: a claim
+		// reads the row until cleanup deletes it.
+		hasRecord: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = ? AND key = ?)`),
 
 		// Arguments: consumer, since, now.
 		doneKeys: r.Replace(`SELECT key FROM {T}

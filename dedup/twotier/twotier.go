@@ -195,10 +195,11 @@ type Store struct {
 }
 
 var (
-	_ dedup.TxStore   = (*Store)(nil)
-	_ dedup.Expirer   = (*Store)(nil)
-	_ dedup.Peeker    = (*Store)(nil)
-	_ dedup.KeyLister = (*Store)(nil)
+	_ dedup.TxStore      = (*Store)(nil)
+	_ dedup.Expirer      = (*Store)(nil)
+	_ dedup.Peeker       = (*Store)(nil)
+	_ dedup.RecordFinder = (*Store)(nil)
+	_ dedup.KeyLister    = (*Store)(nil)
 )
 
 // New returns a store for cfg; cfg is copied, defaulted and validated.
@@ -370,6 +371,20 @@ func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant strin
 		return false, fmt.Errorf("twotier: grant replay: %w", err)
 	}
 	return granted, nil
+}
+
+// InboxHasRecord reports whether the record holds key, in any state; it
+// returns an error if the record is not a [dedup.RecordFinder].
+func (s *Store) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
+	f, ok := s.record.(dedup.RecordFinder)
+	if !ok {
+		return false, fmt.Errorf("twotier: read record: the record store %T does not implement dedup.RecordFinder", s.record)
+	}
+	found, err := f.InboxHasRecord(ctx, key)
+	if err != nil {
+		return false, fmt.Errorf("twotier: read record: %w", err)
+	}
+	return found, nil
 }
 
 // InboxReopen reopens a dead key in the record, if grant is the one
