@@ -46,12 +46,15 @@ func (f *fixture) replayRequested() []int64 {
 func TestReplayToConsumer(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t)
-	ids := f.seed(
+	letters := []*message.Message{
 		f.deadLetter("orders", "charge", "declined", []byte(`{"n":1}`)),
 		f.deadLetter("orders", "charge", "declined", []byte(`{"n":2}`)),
 		f.deadLetter("orders", "ship", "no address", nil),
+	}
+	f.bury(letters...)
+	ids := f.seed(append(letters,
 		message.NewMessage(watermill.NewUUID(), nil), // no consumer, no topic
-	)
+	)...)
 	cl := bearer(t, f.console(nil))
 
 	summary, _ := cl.confirm(url.Values{"action": {"replay-consumer"}, "scope": {"selection"}, "id": {idText(ids[0]), idText(ids[2]), idText(ids[3])}})
@@ -144,6 +147,7 @@ func TestReplayToTopic(t *testing.T) {
 		f.deadLetter("orders", "ship", "declined", []byte(`{"n":2}`)),
 		f.deadLetter("orders", "charge", "timeout", []byte(`{"n":3}`)),
 	}
+	f.bury(msgs...)
 	ids := f.seed(msgs...)
 	other := f.seed(f.deadLetter("refunds", "refund", "declined", nil))
 	pub := &recordingPublisher{f: f, next: broker}
@@ -171,7 +175,9 @@ func TestReplayToTopic(t *testing.T) {
 
 	// The broker fails on the second entry: the first is replayed and
 	// gone, the second and third stay.
-	ids = f.seed(f.deadLetter("orders", "charge", "x", nil), f.deadLetter("orders", "charge", "y", nil), f.deadLetter("orders", "charge", "z", nil))
+	more := []*message.Message{f.deadLetter("orders", "charge", "x", nil), f.deadLetter("orders", "charge", "y", nil), f.deadLetter("orders", "charge", "z", nil)}
+	f.bury(more...)
+	ids = f.seed(more...)
 	failing := &recordingPublisher{f: f, next: broker, failAt: 2}
 	cl = bearer(t, f.console(func(c *console.Config) { c.Publisher = failing }))
 	_, next = cl.confirm(url.Values{"action": {"replay-topic"}, "scope": {"filter"}, "topic": {"orders"}})

@@ -21,6 +21,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/console"
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/pgtest"
@@ -80,6 +82,22 @@ func (f *fixture) deadLetter(topic, consumer, errText string, payload []byte) *m
 	m.Metadata.Set(delivery.DeadFirstFailedAt, "2026-03-01T10:00:00Z")
 	m.Metadata.Set(delivery.DeadLastFailedAt, "2026-03-01T10:05:00Z")
 	return m
+}
+
+// bury marks the key of each of msgs dead in the inbox table beside the
+// dead-letter table, as the consumer's inbox does before the poison
+// middleware writes its dead letter: a replay grants on that record.
+func (f *fixture) bury(msgs ...*message.Message) {
+	f.t.Helper()
+	ctx := context.Background()
+	store, err := postgres.New(f.pool, postgres.Config{Schema: f.schema.Schema})
+	require.NoError(f.t, err)
+	for _, m := range msgs {
+		k := dedup.Key{Consumer: m.Metadata.Get(delivery.DeadConsumer), Key: m.Metadata.Get(delivery.DeadKey)}
+		c, err := store.LeaseClaim(ctx, k, time.Minute, time.Hour)
+		require.NoError(f.t, err)
+		require.NoError(f.t, store.LeaseBury(ctx, k, c.Token, dedup.Failure{Err: "seeded", At: time.Now()}))
+	}
 }
 
 // seed writes msgs as dead letters and returns their ids.

@@ -19,6 +19,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/msgtest"
@@ -74,13 +76,37 @@ func dead(topic, consumer, errText string) *message.Message {
 	return m
 }
 
+// seed dead-letters msgs as a consumer's inbox and poison middleware do:
+// the key of each message that names one is dead in the inbox table
+// beside the dead-letter table, and the message is in the table.
 func (e env) seed(t *testing.T, msgs ...*message.Message) []int64 {
 	t.Helper()
 	before := len(e.ids(t))
+	for _, m := range msgs {
+		bury(t, e.pool, e.cfg.Schema, m.Metadata.Get(delivery.DeadConsumer), m.Metadata.Get(delivery.DeadKey))
+	}
 	require.NoError(t, e.pub.Publish("orders.dlq", msgs...))
 	ids := e.ids(t)
 	require.Len(t, ids, before+len(msgs))
 	return ids[before:]
+}
+
+// bury marks key dead for consumer in the PostgreSQL inbox table of
+// schema, as the inbox does when it gives up on a message; it does
+// nothing without a consumer or key.
+func bury(t *testing.T, pool *pgxpool.Pool, schema, consumer, key string) {
+	t.Helper()
+	if consumer == "" || key == "" {
+		return
+	}
+	ctx := context.Background()
+	store, err := postgres.New(pool, postgres.Config{Schema: schema})
+	require.NoError(t, err)
+	k := dedup.Key{Consumer: consumer, Key: key}
+	c, err := store.LeaseClaim(ctx, k, time.Minute, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, c.State)
+	require.NoError(t, store.LeaseBury(ctx, k, c.Token, dedup.Failure{Err: "seeded", At: time.Now()}))
 }
 
 func TestPublisherParsesDeadMetadata(t *testing.T) {

@@ -11,21 +11,38 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 )
 
+// ErrNoDeadKey is returned, wrapped, by [Store.Replay] for an entry whose
+// key has no record in the store its replay grants on: the consumer's
+// inbox is another store (Redis, SQLite, another schema), where the key
+// stays dead and the copy would be acked without running, or its record
+// expired after the dedup window. The entry stays in the table, and
+// nothing is published for it. Pass the consumer's inbox store
+// ([Store.WithGranter]; oncemill dlq replay --inbox URL); for a record
+// that expired, [Store.WithNewKeys] (--force) replays the entry as a new
+// key.
+var ErrNoDeadKey = errors.New("dlq: the key has no record in the inbox store the replay grants on")
+
 // Granter writes replay grants on the dead keys of a consumer's inbox
 // store: the inbox reopens a dead key only for the replayed copy that
 // carries the grant written on the key's record, never for a copy that
 // merely says it is a replay. Every oncemill store implements it
-// ([dedup.Graveyard]). By default a [Store] and a [ReplaySubscriber] write
-// grants on the PostgreSQL inbox table beside the dead-letter table (the
-// same sqlschema.Config); a consumer whose inbox lives elsewhere (Redis,
-// SQLite, another schema) passes its store instead ([Store.WithGranter],
-// [ReplaySubscriberConfig.Granter]), or its replays are acked without
-// running while its key stays dead.
+// ([dedup.Graveyard]). By default a [Store] and a
+// [ReplaySubscriber] write grants on the PostgreSQL inbox table beside the
+// dead-letter table (the same sqlschema.Config); a consumer whose inbox
+// lives elsewhere (Redis, SQLite, another schema) passes its store instead
+// ([Store.WithGranter], [ReplaySubscriberConfig.Granter]). A replay whose
+// key is not dead in the granter's store goes on only when the granter
+// is a [dedup.RecordFinder], as every oncemill store is, that holds a
+// record of the key (done, failed or in flight: the copy is a duplicate
+// or a normal retry); otherwise it is refused with [ErrNoDeadKey], since
+// the key's dead mark may be in another store.
 type Granter interface {
 	// InboxGrantReplay writes grant on key's record if the key is dead,
 	// and reports whether it was.
 	InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error)
 }
+
+var _ dedup.RecordFinder = tableGranter{}
 
 // tableGranter writes grants on a PostgreSQL inbox table.
 type tableGranter struct {
@@ -51,13 +68,32 @@ WHERE consumer = $1 AND key = $2 AND status = 'dead'`, key.Consumer, key.Key, gr
 	return tag.RowsAffected() == 1, nil
 }
 
+// InboxHasRecord reports whether key has a row in the inbox table; a
+// missing table holds none.
+func (g tableGranter) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
+	var ok bool
+	err := g.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+g.inbox+` WHERE consumer = $1 AND key = $2)`,
+		key.Consumer, key.Key).Scan(&ok)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+		return false, nil
+	}
+	return ok, err
+}
+
+// String names the table, for errors.
+func (g tableGranter) String() string { return "the PostgreSQL inbox table " + g.inbox }
+
 // grantReplay writes a new replay grant for e's key through g, before e's
 // replay is published, and returns it for the replayed copy to carry
 // (delivery.Replay). The write commits on its own: the copy may reach the
 // consumer before anything else the replay does commits. An entry with no
-// consumer or key has no record to grant on; it still gets a fresh
-// marker.
-func grantReplay(ctx context.Context, g Granter, e Entry) (string, error) {
+// consumer or key has no record to grant on: its copy runs as a plain
+// message, and it still gets a fresh marker. When the key is not dead in
+// g, the replay goes on only if g holds a record of the key (the copy is
+// then a duplicate or a retry there), or if newKeys says to run it as a
+// new key; otherwise the error wraps [ErrNoDeadKey].
+func grantReplay(ctx context.Context, g Granter, e Entry, newKeys bool) (string, error) {
 	grant, err := dedup.NewReplayGrant()
 	if err != nil {
 		return "", fmt.Errorf("dlq: replay entry %d: %w", e.ID, err)
@@ -65,8 +101,30 @@ func grantReplay(ctx context.Context, g Granter, e Entry) (string, error) {
 	if e.Consumer == "" || e.Key == "" {
 		return grant, nil
 	}
-	if _, err := g.InboxGrantReplay(ctx, dedup.Key{Consumer: e.Consumer, Key: e.Key}, grant); err != nil {
+	key := dedup.Key{Consumer: e.Consumer, Key: e.Key}
+	dead, err := g.InboxGrantReplay(ctx, key, grant)
+	if err != nil {
 		return "", fmt.Errorf("dlq: replay entry %d: grant the replay to consumer %q key %q: %w", e.ID, e.Consumer, e.Key, err)
 	}
-	return grant, nil
+	if dead || newKeys {
+		return grant, nil
+	}
+	if f, ok := g.(dedup.RecordFinder); ok {
+		found, err := f.InboxHasRecord(ctx, key)
+		if err != nil {
+			return "", fmt.Errorf("dlq: replay entry %d: read the record of consumer %q key %q: %w", e.ID, e.Consumer, e.Key, err)
+		}
+		if found {
+			return grant, nil
+		}
+	}
+	where := "the inbox store the replay grants on"
+	if s, ok := g.(fmt.Stringer); ok {
+		where = s.String()
+	}
+	return "", fmt.Errorf("dlq: replay entry %d (uuid %s): consumer %q key %q has no record in %s: %w; "+
+		"the entry stays: if the consumer's inbox is another store (Redis, SQLite, another schema), "+
+		"pass it (Store.WithGranter or ReplaySubscriberConfig.Granter in Go, --inbox URL on the command line), or the copy is acked there without running; "+
+		"if its record expired, replay it as a new key (Store.WithNewKeys, or --force)",
+		e.ID, e.UUID, e.Consumer, e.Key, where, ErrNoDeadKey)
 }

@@ -51,7 +51,9 @@ type ReplaySubscriberConfig struct {
 	// Granter writes the replay grant of each entry on its dead key before
 	// the entry is delivered (see [Granter]). Defaults to the PostgreSQL
 	// inbox table beside the dead-letter table; set it to the consumer's
-	// inbox store when that is elsewhere.
+	// inbox store when that is elsewhere. An entry whose key has no record
+	// there is not delivered: its request is withdrawn and an error
+	// wrapping [ErrNoDeadKey] is logged, and the entry stays.
 	Granter Granter
 }
 
@@ -176,7 +178,22 @@ ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
 	// A fresh grant for every delivery, committed before the consumer can
 	// see the message: a copy handed out before and nacked no longer
 	// reopens the key.
-	grant, err := grantReplay(ctx, r.cfg.Granter, e)
+	grant, err := grantReplay(ctx, r.cfg.Granter, e, false)
+	if errors.Is(err, ErrNoDeadKey) {
+		// Delivered, the copy would be acked as a dead copy where the key
+		// is dead, and the entry deleted; asked again at every poll, it
+		// would hold up the replays behind it. The request is withdrawn,
+		// the entry stays.
+		if _, uerr := tx.Exec(ctx, `UPDATE `+r.table+` SET replay_requested_at = NULL WHERE id = $1`, e.ID); uerr != nil {
+			return false, errors.Join(err, wrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), uerr))
+		}
+		if cerr := tx.Commit(ctx); cerr != nil {
+			return false, errors.Join(err, wrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), cerr))
+		}
+		r.cfg.Logger.Error("Replay refused, its request withdrawn; the entry stays", err,
+			watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": e.ID, "message_uuid": e.UUID})
+		return true, nil
+	}
 	if err != nil {
 		return false, err
 	}

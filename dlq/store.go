@@ -135,6 +135,8 @@ type Store struct {
 	table  string
 	inbox  string
 	grants Granter
+	// newKeys replays an entry whose key has no record as a new key.
+	newKeys bool
 }
 
 // NewStore returns a store on the dead-letter table that cfg names
@@ -161,6 +163,18 @@ func (s *Store) WithGranter(g Granter) (*Store, error) {
 	c := *s
 	c.grants = g
 	return &c, nil
+}
+
+// WithNewKeys returns a copy of s whose replays also publish the entries
+// whose key has no record in the granter's store, which [Store.Replay]
+// otherwise refuses with [ErrNoDeadKey]: for a key whose record expired
+// after the dedup window, the copy runs as a new key. Use it only when the
+// granter is the consumer's inbox store: a consumer whose key is dead in
+// another store acks the copy without running.
+func (s *Store) WithNewKeys() *Store {
+	c := *s
+	c.newKeys = true
+	return &c
 }
 
 // CopiesSince returns how many copies of e's key reached e's consumer
@@ -260,9 +274,14 @@ WHERE NOT EXISTS (SELECT 1 FROM `+s.table+` d WHERE d.id = u.id) ORDER BY u.id`,
 // already removed is skipped, so replays running at once never publish an
 // entry twice.
 //
-// Replay stops at the first entry it cannot replay — pub fails, or the
-// entry has no topic ([ErrNoTopic]) — and returns how many entries it
-// replayed with the error; that entry and the ones after it stay. A commit
+// Replay stops at the first entry it cannot replay — pub fails, the
+// entry has no topic ([ErrNoTopic]), or its key is not dead in the
+// granter's store and has no record there ([ErrNoDeadKey]: the
+// consumer's inbox is elsewhere, or the record expired; see
+// [Store.WithGranter] and [Store.WithNewKeys]) — and returns how many
+// entries it replayed with the error; that entry and the ones after it
+// stay, and nothing is published for them. An entry with no consumer or
+// key is published as a plain message. A commit
 // that fails after pub took the message leaves the entry in the table, to be
 // published again, with the same UUID, by a later replay.
 //
@@ -337,7 +356,7 @@ func (s *Store) replayOne(ctx context.Context, pub message.Publisher, id int64) 
 	if e.Topic == "" {
 		return false, fmt.Errorf("dlq: replay entry %d (uuid %s): %w", id, e.UUID, ErrNoTopic)
 	}
-	grant, err := grantReplay(ctx, s.grants, e)
+	grant, err := grantReplay(ctx, s.grants, e, s.newKeys)
 	if err != nil {
 		return false, err
 	}

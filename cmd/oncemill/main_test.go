@@ -23,6 +23,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/msgtest"
@@ -86,14 +88,44 @@ func (f fixture) ids(t *testing.T) []int64 {
 	return ids
 }
 
-// seed dead-letters msgs through dlq.Publisher and returns their ids.
+// seed dead-letters msgs as a consumer's inbox and poison middleware do
+// (the key of each is dead in the inbox table beside the dead-letter
+// table, and the message goes through dlq.Publisher) and returns their ids.
 func (f fixture) seed(t *testing.T, msgs ...*message.Message) []int64 {
+	t.Helper()
+	for _, m := range msgs {
+		bury(t, f.pool, f.schema, m.Metadata.Get(delivery.DeadConsumer), m.Metadata.Get(delivery.DeadKey))
+	}
+	return f.seedEntries(t, msgs...)
+}
+
+// seedEntries writes msgs through dlq.Publisher only, with no inbox
+// record, and returns their ids.
+func (f fixture) seedEntries(t *testing.T, msgs ...*message.Message) []int64 {
 	t.Helper()
 	before := len(f.ids(t))
 	require.NoError(t, f.pub.Publish("dead-letters", msgs...))
 	ids := f.ids(t)
 	require.Len(t, ids, before+len(msgs))
 	return ids[before:]
+}
+
+// bury marks key dead for consumer in the PostgreSQL inbox table of
+// schema, as the inbox does when it gives up on a message; it does
+// nothing without a consumer or key.
+func bury(t *testing.T, pool *pgxpool.Pool, schema, consumer, key string) {
+	t.Helper()
+	if consumer == "" || key == "" {
+		return
+	}
+	ctx := context.Background()
+	store, err := postgres.New(pool, postgres.Config{Schema: schema})
+	require.NoError(t, err)
+	k := dedup.Key{Consumer: consumer, Key: key}
+	c, err := store.LeaseClaim(ctx, k, time.Minute, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, c.State)
+	require.NoError(t, store.LeaseBury(ctx, k, c.Token, dedup.Failure{Err: "seeded", At: time.Now()}))
 }
 
 func (f fixture) setDeadAt(t *testing.T, id int64, at time.Time) {
@@ -335,7 +367,7 @@ func TestShow(t *testing.T) {
 	text.Metadata.Set(delivery.DeadPartition, "3")
 	binary := dead("orders", "charge", "undecodable")
 	binary.Payload = []byte{0xde, 0xad, 0xbe, 0xef}
-	ids := f.seed(t, text, binary)
+	ids := f.seedEntries(t, text, binary)
 	// The inbox beside the table holds text's key dead, with two copies
 	// acked since it was dead-lettered; binary's key has no record.
 	_, err := f.pool.Exec(context.Background(), `INSERT INTO `+pgx.Identifier{f.schema, "inbox"}.Sanitize()+
