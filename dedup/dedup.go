@@ -233,6 +233,31 @@ type BeginClaimer interface {
 	InboxBeginClaim(ctx context.Context, key Key, window time.Duration) (tx InboxTx, claim Claim, err error)
 }
 
+// ErrMaybeCounted is wrapped by the error of a batch start
+// ([BatchClaimer.InboxStartBatch]) whose connection broke after the
+// statement was sent: its attempts may have been counted. The caller takes
+// the counts back once the store answers again.
+var ErrMaybeCounted = errors.New("dedup: the start was sent and may have been counted")
+
+// BatchClaimer is implemented by a [TxStore] that can claim the keys of
+// many deliveries of one consumer in one transaction (group commit): one
+// start, one claim and one commit for the batch.
+type BatchClaimer interface {
+	// InboxStartBatch does what [TxStore.InboxStart] does for each of
+	// keys (distinct, of one consumer), in one exchange: claims[i] answers
+	// keys[i]. With an error nothing was counted, unless it wraps
+	// [ErrMaybeCounted].
+	InboxStartBatch(ctx context.Context, consumer string, keys []string, window time.Duration) (claims []Claim, err error)
+	// InboxBeginClaimBatch begins a transaction and claims in it each of
+	// keys (distinct, of one consumer) that is new: claims[i].State is
+	// StateNew for the keys the transaction holds. A key that has a
+	// record already (done meanwhile, failed before, dead) is not taken:
+	// its claim is the zero Claim, and the caller runs it on the
+	// single-message path. An error wrapping [ErrConflict] says another
+	// transaction holds one of the keys; with any error nothing is held.
+	InboxBeginClaimBatch(ctx context.Context, consumer string, keys []string, window time.Duration) (tx InboxTx, claims []Claim, err error)
+}
+
 // LeaseStore claims keys as fenced leases, for effects that live outside the
 // store's database.
 type LeaseStore interface {

@@ -98,6 +98,11 @@ type InboxConfig struct {
 	// instead of three. bench-dedup measures both. Transactional mode.
 	// Defaults to false.
 	PipelineClaim bool
+	// Batch groups deliveries of different keys into one transaction
+	// (group commit); see [BatchConfig]. Transactional mode, with a store
+	// that implements dedup.BatchClaimer. Off unless Batch.MaxMessages is
+	// above 1.
+	Batch BatchConfig
 
 	// Outbox, when set, writes the messages the handler produced into an
 	// outbox inside the inbox's transaction (the consumer outbox), instead
@@ -137,6 +142,7 @@ func (c *InboxConfig) setDefaults() {
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = DefaultDrainTimeout
 	}
+	c.Batch.setDefaults()
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
@@ -165,8 +171,15 @@ func (c InboxConfig) Validate() error {
 		return fmt.Errorf("middleware: InboxConfig.InFlightDelay must not be negative, got %s", c.InFlightDelay)
 	case c.DrainTimeout < 0:
 		return fmt.Errorf("middleware: InboxConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
+	case c.Batch.enabled() && !isBatchClaimer(c.TxStore):
+		return errors.New("middleware: InboxConfig.Batch needs a TxStore that implements dedup.BatchClaimer (the PostgreSQL store)")
 	}
-	return nil
+	return c.Batch.validate()
+}
+
+func isBatchClaimer(s dedup.TxStore) bool {
+	_, ok := s.(dedup.BatchClaimer)
+	return ok
 }
 
 // InboxStats counts what an [Inbox] did since it was made.
@@ -215,7 +228,8 @@ type Inbox struct {
 	panicked, abandonedN, crashLooped, deadCopies atomic.Int64
 	infra, conflictRetries, othersReplays         atomic.Int64
 
-	debts debts
+	debts   debts
+	batcher *batcher // nil unless batching
 }
 
 // NewInbox returns an inbox for cfg; cfg is copied, defaulted and validated.
@@ -224,7 +238,11 @@ func NewInbox(cfg InboxConfig) (*Inbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Inbox{cfg: cfg, hooks: observe.New(cfg.Hooks...)}, nil
+	in := &Inbox{cfg: cfg, hooks: observe.New(cfg.Hooks...)}
+	if cfg.Batch.enabled() {
+		in.batcher = newBatcher(in, cfg.TxStore.(dedup.BatchClaimer))
+	}
+	return in, nil
 }
 
 // Stats returns the inbox's counters.
@@ -324,6 +342,11 @@ func (in *Inbox) handle(msg *message.Message, h message.HandlerFunc, o *attemptO
 		// The poison middleware in front dead-letters through this
 		// inbox, with its key and consumer.
 		slot.inbox, slot.key = in, key
+	}
+	if in.batcher != nil {
+		if produced, ok, err := in.batcher.handle(msg, key, h, o); ok {
+			return produced, err
+		}
 	}
 	if in.cfg.TxStore != nil {
 		return in.handleTx(msg, key, h, false, o)

@@ -16,6 +16,7 @@ type queries struct {
 	leaseClaim, leaseRead, leaseComplete, leaseRelease  string
 	leaseExtend, leaseBury, leaseAbandon                string
 	peek, doneKeys, hasRecord                           string
+	startBatch, claimBatch                              string
 }
 
 func newQueries(names sqlschema.Names) queries {
@@ -39,6 +40,38 @@ func newQueries(names sqlschema.Names) queries {
 SELECT status, attempts, result, first_failed_at FROM rec
 UNION ALL
 SELECT 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
+
+		// start for many keys of one consumer ($2, distinct), in one
+		// statement: each key's row says new (counted), done or dead.
+		startBatch: r.Replace(`WITH k AS (
+	SELECT unnest($2::text[]) AS key
+), rec AS (
+	SELECT t.key, t.status, t.attempts, t.result, t.first_failed_at FROM {T} t
+	WHERE t.consumer = $1 AND t.key IN (SELECT key FROM k) AND t.status IN ('done', 'dead')
+), st AS (
+	INSERT INTO {S} AS s (consumer, key, started, expires_at)
+	SELECT $1, k.key, 1, now() + make_interval(secs => $3) FROM k
+	WHERE NOT EXISTS (SELECT 1 FROM rec WHERE rec.key = k.key)
+	ON CONFLICT (consumer, key) DO UPDATE SET started = s.started + 1, expires_at = EXCLUDED.expires_at
+	RETURNING key, started
+)
+SELECT key, status, attempts, result, first_failed_at FROM rec
+UNION ALL
+SELECT key, 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
+
+		// claim for many keys of one consumer ($2, distinct), in the
+		// batch's transaction: the new keys are taken as done (visible
+		// at commit), and their start counts go with the commit; a key
+		// with a record already is not taken and returns no row.
+		claimBatch: r.Replace(`WITH ins AS (
+	INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
+	SELECT $1, k, 'done', 1, now(), now() + make_interval(secs => $3) FROM unnest($2::text[]) AS k
+	ON CONFLICT (consumer, key) DO NOTHING
+	RETURNING key, attempts, first_failed_at
+), del AS (
+	DELETE FROM {S} WHERE consumer = $1 AND key IN (SELECT key FROM ins)
+)
+SELECT key, attempts, first_failed_at FROM ins`),
 
 		unstart: r.Replace(`UPDATE {S} SET started = started - 1
 WHERE consumer = $1 AND key = $2 AND started > 0`),

@@ -1,0 +1,164 @@
+package postgres
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/oncemill/oncemill/dedup"
+)
+
+var _ dedup.BatchClaimer = (*Store)(nil)
+
+// batchLockTimeout bounds how long the claim of a batch waits on a key
+// that another transaction holds: past it the batch gives way, and its
+// deliveries take the single-message path, where each waits for its own
+// key only.
+const batchLockTimeout = "100ms"
+
+// InboxStartBatch counts an attempt of every key of consumer in one
+// statement that commits at once (the starts table is UNLOGGED), and
+// answers done and dead keys from the same statement, as
+// [Store.InboxStart] does for one key. keys must be distinct.
+func (s *Store) InboxStartBatch(ctx context.Context, consumer string, keys []string, window time.Duration) ([]dedup.Claim, error) {
+	rows, err := s.db.Query(ctx, s.q.startBatch, consumer, keys, seconds(window))
+	if err != nil {
+		return nil, s.batchStartError(ctx, err)
+	}
+	claims := make([]dedup.Claim, len(keys))
+	at := index(keys)
+	for rows.Next() {
+		var (
+			key, status string
+			c           dedup.Claim
+			firstFailed *time.Time
+		)
+		if err := rows.Scan(&key, &status, &c.Attempts, &c.Result, &firstFailed); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("postgres: start batch: %w", err)
+		}
+		if firstFailed != nil {
+			c.FirstFailedAt = *firstFailed
+		}
+		switch status {
+		case "new":
+			c.State = dedup.StateNew
+		case "done":
+			c.State = dedup.StateDone
+		case "dead":
+			c.State, c.Result = dedup.StateDead, nil
+		default:
+			rows.Close()
+			return nil, fmt.Errorf("postgres: start batch: unexpected status %q", status)
+		}
+		i, ok := at[key]
+		if !ok {
+			rows.Close()
+			return nil, fmt.Errorf("postgres: start batch: key %q was not asked for", key)
+		}
+		claims[i] = c
+	}
+	if err := rows.Err(); err != nil {
+		return nil, s.batchStartError(ctx, err)
+	}
+	for i, c := range claims {
+		if c.State == 0 {
+			return nil, fmt.Errorf("postgres: start batch: no answer for key %q", keys[i])
+		}
+	}
+	return claims, nil
+}
+
+// batchStartError interprets a failed start of a batch; like
+// [Store.InboxStart] it tells a statement that may have been counted
+// (the connection broke after it was sent) by wrapping
+// [dedup.ErrMaybeCounted].
+func (s *Store) batchStartError(ctx context.Context, err error) error {
+	var (
+		pgErr      *pgconn.PgError
+		connectErr *pgconn.ConnectError
+	)
+	if !errors.As(err, &pgErr) && !errors.As(err, &connectErr) && connectionError(err) && !pgconn.SafeToRetry(err) {
+		return fmt.Errorf("%w: %w", dedup.ErrMaybeCounted, interpret(ctx, "start batch", err))
+	}
+	return interpret(ctx, "start batch", err)
+}
+
+// InboxBeginClaimBatch begins a transaction and claims every key of
+// consumer in it, in one round trip when the store's DB is a
+// *pgxpool.Pool: BEGIN, a lock timeout for the claim, the claim of all
+// the keys and the lock timeout's reset go out together. A key is taken
+// when it is new (claims[i].State is StateNew); a key that has a record
+// already (done meanwhile, failed before, dead) is left alone, its claim
+// the zero Claim, for the caller to run on the single-message path. A
+// key that another transaction holds makes the whole claim fail with an
+// error wrapping [dedup.ErrConflict] within 100 ms, so that one held key
+// never stalls a batch. keys must be distinct.
+//
+// The transaction's [Tx] is the one [Store.InboxStartClaim] returns.
+func (s *Store) InboxBeginClaimBatch(ctx context.Context, consumer string, keys []string, window time.Duration) (dedup.InboxTx, []dedup.Claim, error) {
+	pool, ok := s.db.(acquirer)
+	if !ok {
+		return nil, nil, errors.New("postgres: claim batch: the store's DB is not a pool")
+	}
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return nil, nil, interpret(ctx, "claim batch", err)
+	}
+	b := &pgx.Batch{}
+	b.Queue("begin")
+	b.Queue("set local lock_timeout = '" + batchLockTimeout + "'")
+	claimed := b.Queue(s.q.claimBatch, consumer, keys, seconds(window))
+	b.Queue("set local lock_timeout to default")
+	claims := make([]dedup.Claim, len(keys))
+	at := index(keys)
+	claimed.Query(func(rows pgx.Rows) error {
+		for rows.Next() {
+			var (
+				key         string
+				c           dedup.Claim
+				firstFailed *time.Time
+			)
+			if err := rows.Scan(&key, &c.Attempts, &firstFailed); err != nil {
+				return err
+			}
+			if firstFailed != nil {
+				c.FirstFailedAt = *firstFailed
+			}
+			i, ok := at[key]
+			if !ok {
+				return fmt.Errorf("key %q was not asked for", key)
+			}
+			c.State = dedup.StateNew
+			claims[i] = c
+		}
+		return rows.Err()
+	})
+	err = c.Conn().SendBatch(ctx, b).Close()
+	if err == nil && c.Conn().PgConn().TxStatus() != 'T' {
+		err = fmt.Errorf("connection not in a transaction after BEGIN (status %q)", c.Conn().PgConn().TxStatus())
+	}
+	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
+			err = fmt.Errorf("%w: a key of the batch is held by another transaction: %w", dedup.ErrConflict, err)
+		} else {
+			err = interpret(ctx, "claim batch", err)
+		}
+		return nil, nil, errors.Join(err, endConn(ctx, c))
+	}
+	return &inboxTx{tx: &connTx{c: c}, q: &s.q}, claims, nil
+}
+
+// index maps each key to its place.
+func index(keys []string) map[string]int {
+	at := make(map[string]int, len(keys))
+	for i, k := range keys {
+		at[k] = i
+	}
+	return at
+}

@@ -1,0 +1,458 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/observe"
+)
+
+// BatchConfig groups the deliveries of different keys that arrive
+// together into one database transaction (group commit): one start that
+// counts their attempts, one claim of all their keys, their handlers one
+// after the other in the transaction, one commit. What a delivery costs
+// the database is then mostly its own effect. Transactional mode, with a
+// store that implements dedup.BatchClaimer (the PostgreSQL store on a
+// pool).
+//
+// The handlers are unchanged: postgres.Tx(msg.Context()) is the batch's
+// transaction. A handler's failure does not fail its batch mates: the
+// transaction is rolled back, the failure recorded for its message alone,
+// and the others run again in a new transaction. No message is acked
+// before its batch commits; a crash mid-batch acks none of them. Two
+// messages of one key are never in one batch, and never in two batches
+// at once. A delivery that finds anything unusual on the way (a dead
+// key, a failed key being retried, a key another transaction holds, a
+// crash loop) takes the single-message path.
+//
+// What it costs in latency: a delivery waits for the batch it is in, so
+// for the handlers before it in the batch and the commit, and, when every
+// batch slot is busy, for the running batches to end. Linger adds to
+// that only when no batch is full.
+type BatchConfig struct {
+	// MaxMessages is the most deliveries one batch holds; 0 or 1 turns
+	// batching off. Defaults to 0 (off).
+	MaxMessages int
+	// Linger is how long a batch that is not full waits for more
+	// deliveries before it starts. Under load batches fill while the
+	// slots are busy, so that a linger only adds latency when the
+	// consumer is idle. Defaults to 0: a batch starts as soon as a slot
+	// is free.
+	Linger time.Duration
+	// Parallel is how many batches run at once, each on a connection of
+	// its own. Defaults to 4.
+	Parallel int
+}
+
+func (c BatchConfig) enabled() bool { return c.MaxMessages > 1 }
+
+func (c *BatchConfig) setDefaults() {
+	if c.Parallel == 0 {
+		c.Parallel = 4
+	}
+}
+
+func (c BatchConfig) validate() error {
+	switch {
+	case c.MaxMessages < 0:
+		return fmt.Errorf("middleware: InboxConfig.Batch.MaxMessages must not be negative, got %d", c.MaxMessages)
+	case c.Linger < 0:
+		return fmt.Errorf("middleware: InboxConfig.Batch.Linger must not be negative, got %s", c.Linger)
+	case c.Parallel < 1:
+		return fmt.Errorf("middleware: InboxConfig.Batch.Parallel must be at least 1, got %d", c.Parallel)
+	}
+	return nil
+}
+
+// queued is one delivery waiting for its batch.
+type queued struct {
+	msg *message.Message
+	key dedup.Key
+	h   message.HandlerFunc
+	o   *attemptObs
+
+	wake chan struct{} // a token: done, or asked to lead
+	// Set under the batcher's lock.
+	lead bool
+	done bool
+	// The outcome, set before done.
+	produced []*message.Message
+	err      error
+	single   bool // run it on the single-message path
+	// start is the attempt's count once the batch's start counted it.
+	start dedup.Claim
+}
+
+// batcher forms batches from the deliveries that call it and runs them
+// in the callers' own goroutines: the first caller that finds a slot free
+// leads, runs batches until its own delivery is done, then hands the lead
+// to a waiting delivery. It starts no goroutine.
+type batcher struct {
+	in    *Inbox
+	store dedup.BatchClaimer
+
+	mu      sync.Mutex
+	queues  map[string][]*queued // by consumer, in arrival order
+	running map[dedup.Key]bool   // keys in a batch that runs
+	leaders int                  // slots taken
+	linger  map[string]time.Time // when the oldest queued delivery arrived, by consumer
+}
+
+func newBatcher(in *Inbox, store dedup.BatchClaimer) *batcher {
+	return &batcher{in: in, store: store, queues: map[string][]*queued{}, running: map[dedup.Key]bool{}, linger: map[string]time.Time{}}
+}
+
+// handle runs one delivery through a batch and returns its outcome; ok
+// is false when it must take the single-message path instead (nothing of
+// it is counted then).
+func (b *batcher) handle(msg *message.Message, key dedup.Key, h message.HandlerFunc, o *attemptObs) ([]*message.Message, bool, error) {
+	q := &queued{msg: msg, key: key, h: h, o: o, wake: make(chan struct{}, 1)}
+	b.mu.Lock()
+	for _, other := range b.queues[key.Consumer] {
+		if other.key == key {
+			// Another delivery of the key waits: order them on the
+			// single-message path, where the claim serialises them.
+			b.mu.Unlock()
+			return nil, false, nil
+		}
+	}
+	if len(b.queues[key.Consumer]) == 0 {
+		b.linger[key.Consumer] = time.Now()
+	}
+	b.queues[key.Consumer] = append(b.queues[key.Consumer], q)
+	lead := b.leaders < b.in.cfg.Batch.Parallel
+	if lead {
+		b.leaders++
+	}
+	b.mu.Unlock()
+	if lead {
+		b.lead(q)
+	}
+	for {
+		b.mu.Lock()
+		done, asked := q.done, q.lead
+		q.lead = false
+		b.mu.Unlock()
+		if done {
+			return q.produced, !q.single, q.err
+		}
+		if asked {
+			b.lead(q)
+			continue
+		}
+		<-q.wake
+	}
+}
+
+// lead runs batches of self's consumer until self is done, then passes
+// the lead on to a waiting delivery, or frees the slot.
+func (b *batcher) lead(self *queued) {
+	consumer := self.key.Consumer
+	for {
+		batch := b.take(consumer)
+		if len(batch) > 0 {
+			b.in.runBatch(b.store, batch, false)
+			b.finish(batch)
+		}
+		b.mu.Lock()
+		if self.done {
+			if q := b.queues[consumer]; len(q) > 0 {
+				next := q[0]
+				next.lead = true
+				b.mu.Unlock()
+				signal(next)
+				return
+			}
+			b.leaders--
+			b.mu.Unlock()
+			return
+		}
+		b.mu.Unlock()
+		if len(batch) == 0 {
+			// self is queued behind keys that run in other batches.
+			time.Sleep(time.Millisecond)
+		}
+	}
+}
+
+// take removes the next batch of consumer from its queue: up to
+// MaxMessages deliveries of distinct keys that no running batch holds,
+// after the linger when the batch would not be full.
+func (b *batcher) take(consumer string) []*queued {
+	cfg := b.in.cfg.Batch
+	if cfg.Linger > 0 {
+		b.mu.Lock()
+		n, since := len(b.queues[consumer]), b.linger[consumer]
+		b.mu.Unlock()
+		if wait := cfg.Linger - time.Since(since); n < cfg.MaxMessages && wait > 0 {
+			time.Sleep(wait)
+		}
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	queue := b.queues[consumer]
+	var batch, rest []*queued
+	for _, q := range queue {
+		if len(batch) < cfg.MaxMessages && !b.running[q.key] {
+			b.running[q.key] = true
+			batch = append(batch, q)
+			continue
+		}
+		rest = append(rest, q)
+	}
+	b.queues[consumer] = rest
+	b.linger[consumer] = time.Now()
+	return batch
+}
+
+// finish marks the deliveries of a batch done and wakes them.
+func (b *batcher) finish(batch []*queued) {
+	b.mu.Lock()
+	for _, q := range batch {
+		delete(b.running, q.key)
+		q.done = true
+	}
+	b.mu.Unlock()
+	for _, q := range batch {
+		signal(q)
+	}
+}
+
+func signal(q *queued) {
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
+}
+
+// runBatch runs one batch: counts its attempts (unless counted, when it
+// runs again after a batch mate failed), claims its keys, runs the
+// handlers in the transaction and commits. Every delivery of batch ends
+// with an outcome or with single set.
+func (in *Inbox) runBatch(store dedup.BatchClaimer, batch []*queued, counted bool) {
+	consumer := batch[0].key.Consumer
+	// The batch's own statements run detached from any one message's
+	// cancellation, each bounded by FinishTimeout: a delivery whose
+	// context ends must not fail its batch mates.
+	base := batch[0].msg.Context()
+
+	if !counted && !in.cfg.SkipAttemptRecord {
+		ctx, cancel := in.finishContext(base)
+		for _, q := range batch {
+			in.debts.pay(ctx, in.cfg.TxStore, q.key)
+		}
+		starts, err := store.InboxStartBatch(ctx, consumer, keysOf(batch), in.cfg.Window)
+		cancel()
+		if err != nil {
+			for _, q := range batch {
+				if errors.Is(err, dedup.ErrMaybeCounted) {
+					in.debts.owe(q.key)
+				}
+				q.err = err
+			}
+			return
+		}
+		var keep []*queued
+		for i, q := range batch {
+			q.start = starts[i]
+			switch {
+			case starts[i].State == dedup.StateDone:
+				q.produced, q.err = in.duplicate(q.msg, q.key, starts[i], q.o)
+			case starts[i].State != dedup.StateNew:
+				q.single = true // a dead key: nothing was counted
+			case in.overLimit(q.msg.Context(), starts[i]):
+				q.err = in.unstart(q.msg.Context(), q.key, nil)
+				q.single = q.err == nil
+			default:
+				keep = append(keep, q)
+			}
+		}
+		batch = keep
+	}
+	if len(batch) == 0 {
+		return
+	}
+
+	ctx, cancel := in.finishContext(base)
+	tx, claims, err := store.InboxBeginClaimBatch(ctx, consumer, keysOf(batch), in.cfg.Window)
+	cancel()
+	if err != nil {
+		for _, q := range batch {
+			if errors.Is(err, dedup.ErrConflict) {
+				// A key is held elsewhere: each waits for its own key.
+				q.err = in.unstart(q.msg.Context(), q.key, nil)
+				q.single = q.err == nil
+				continue
+			}
+			in.infra.Add(1)
+			q.o.outcome = observe.Unavailable
+			q.err = in.unstart(q.msg.Context(), q.key, err)
+		}
+		return
+	}
+	var held []*queued
+	for i, q := range batch {
+		if claims[i].State != dedup.StateNew {
+			// A record exists already (a failed key retried, done or dead
+			// meanwhile): the single-message path knows what to do.
+			q.err = in.unstart(q.msg.Context(), q.key, nil)
+			q.single = q.err == nil
+			continue
+		}
+		if in.cfg.SkipAttemptRecord {
+			q.start.Attempts = claims[i].Attempts
+		}
+		held = append(held, q)
+	}
+	if len(held) == 0 {
+		ctx, cancel := in.finishContext(base)
+		_ = in.rollback(ctx, tx)
+		cancel()
+		return
+	}
+
+	for i, q := range held {
+		err := in.runInBatch(tx, q)
+		if err == nil {
+			continue
+		}
+		// q failed: its transaction mates lose what they wrote with it.
+		// Roll back, end q's attempt alone, and run the others again in
+		// a new transaction, unless the transaction's connection is gone
+		// or the consumer is shutting down: then they are nacked,
+		// uncounted.
+		ctx, cancel := in.finishContext(q.msg.Context())
+		err = errors.Join(err, in.rollback(ctx, tx))
+		q.err = in.endFailed(ctx, q, err)
+		rest := append(append([]*queued(nil), held[:i]...), held[i+1:]...)
+		for _, r := range rest {
+			r.produced, r.o.outcome = nil, ""
+		}
+		if IsInfrastructure(err) || stopping(q.msg.Context()) {
+			for _, r := range rest {
+				r.err = in.endUncounted(ctx, r, fmt.Errorf("batch mate %s failed: %w", q.msg.UUID, err))
+			}
+			cancel()
+			return
+		}
+		cancel()
+		if len(rest) > 0 {
+			in.runBatch(store, rest, true)
+		}
+		return
+	}
+
+	// Every handler succeeded: store their results and commit once.
+	ctx, cancel = in.finishContext(base)
+	defer cancel()
+	for _, q := range held {
+		result, rerr := encodeResult(q.produced)
+		if rerr == nil {
+			rerr = tx.InboxComplete(ctx, q.key, result)
+		}
+		if rerr != nil {
+			err = rerr
+			break
+		}
+	}
+	if err == nil {
+		err = tx.Commit(ctx)
+	}
+	if err != nil {
+		err = errors.Join(err, in.rollback(ctx, tx))
+		for _, q := range held {
+			q.produced = nil
+			if IsInfrastructure(err) {
+				// An outage, or a commit whose outcome is unknown: the
+				// redeliveries find their keys done, or apply them once.
+				in.infra.Add(1)
+				q.o.outcome = observe.Unavailable
+				q.err = in.unstart(ctx, q.key, err)
+				continue
+			}
+			// The commit itself refused (a deferred constraint, say):
+			// which message is at fault is unknown, so each runs alone.
+			q.o.outcome = ""
+			q.err = in.unstart(ctx, q.key, nil)
+			q.single = q.err == nil
+		}
+		return
+	}
+	for _, q := range held {
+		in.applied.Add(1)
+		q.o.outcome = observe.Applied
+		q.o.step(q.msg.Context(), observe.StepCommitted)
+	}
+}
+
+// endUncounted ends the attempt of q, rolled back with its batch for a
+// batch mate's outage or shutdown, without counting it.
+func (in *Inbox) endUncounted(ctx context.Context, q *queued, err error) error {
+	q.produced = nil
+	if stopping(q.msg.Context()) {
+		return in.abandoned(ctx, q.msg, q.key, err, q.o)
+	}
+	in.infra.Add(1)
+	q.o.outcome = observe.Unavailable
+	return in.unstart(ctx, q.key, fmt.Errorf("%w: %w", dedup.ErrUnavailable, err))
+}
+
+// runInBatch runs q's handler in the batch's transaction, and its outbox
+// write; it keeps what the handler produced in q.
+func (in *Inbox) runInBatch(tx dedup.InboxTx, q *queued) error {
+	base := q.msg.Context()
+	q.o.step(base, observe.StepClaimed)
+	hctx, endDrain := drainContext(tx.WithTx(base), in.cfg.DrainTimeout)
+	produced, err := in.run(hctx, q.msg, q.key, q.h, q.o)
+	cut := hctx.Err() != nil
+	endDrain()
+	if err == nil && in.cfg.Outbox != nil && len(produced) > 0 {
+		finish, cancel := in.finishContext(base)
+		err = in.callOutbox(tx.WithTx(finish), produced)
+		cancel()
+		if err == nil {
+			produced = nil // committed with the effect; the relay publishes them
+		}
+	}
+	if err != nil && !cut {
+		err = classifyTx(tx, err)
+	}
+	q.produced = produced
+	return err
+}
+
+// endFailed ends the attempt of q, whose transaction failed with err and
+// is rolled back, as the single-message path does: a shutdown and the
+// infrastructure are not counted; anything else is recorded as a failed
+// attempt.
+func (in *Inbox) endFailed(ctx context.Context, q *queued, err error) error {
+	base := q.msg.Context()
+	q.produced = nil
+	switch {
+	case stopping(base):
+		return in.abandoned(ctx, q.msg, q.key, err, q.o)
+	case IsInfrastructure(err):
+		in.infra.Add(1)
+		q.o.outcome = observe.Unavailable
+		return in.unstart(ctx, q.key, err)
+	}
+	in.failed.Add(1)
+	q.o.failed(err)
+	f := dedup.Failure{Err: err.Error(), At: time.Now()}
+	failErr := in.cfg.TxStore.InboxFail(ctx, q.key, f, in.cfg.Window)
+	return attempted(errors.Join(err, failErr), dedup.Claim{Attempts: q.start.Attempts, FirstFailedAt: q.start.FirstFailedAt}, f.At)
+}
+
+func keysOf(batch []*queued) []string {
+	keys := make([]string, len(batch))
+	for i, q := range batch {
+		keys[i] = q.key.Key
+	}
+	return keys
+}
