@@ -81,6 +81,11 @@ type Config struct {
 	// entry's consumer (dlq.Store.RequestReplay), which that consumer's
 	// dlq.ReplaySubscriber delivers.
 	Publisher message.Publisher
+	// Granter writes the replay grants of replays to the topic on the
+	// consumers' dead keys (see dlq.Granter); set it to the consumers'
+	// inbox store when that is not the inbox table of Schema (Redis,
+	// SQLite, another schema). Defaults to the inbox table of Schema.
+	Granter dlq.Granter
 	// PageSize is the dead letters per page; default 50, at most 1000.
 	PageSize int
 	// MaxPayload caps the payload (and stored result) bytes shown on an
@@ -166,6 +171,11 @@ func New(cfg Config) (*Console, error) {
 	store, err := dlq.NewStore(cfg.Pool, cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("console: %w", err)
+	}
+	if cfg.Granter != nil {
+		if store, err = store.WithGranter(cfg.Granter); err != nil {
+			return nil, fmt.Errorf("console: %w", err)
+		}
 	}
 	c := &Console{
 		cfg:   cfg,

@@ -22,6 +22,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/console"
+	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -46,6 +47,7 @@ type consoleOptions struct {
 	minted   bool // token generated here: printed once at start
 	readOnly bool
 	broker   string
+	inbox    *inboxTarget // nil without --inbox
 	pool     *pgxpool.Config
 	schema   sqlschema.Config
 }
@@ -67,7 +69,7 @@ func runConsole(ctx context.Context, args []string, env func(string) string, std
 // connects.
 func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	o := consoleOptions{}
-	var inboxTable, outboxTable string
+	var inboxTable, outboxTable, inboxURL string
 	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.Usage = func() {}
@@ -75,6 +77,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	fs.StringVar(&o.token, "token", "", "access token (default $"+consoleTokenEnv+", else a generated one)")
 	fs.BoolVar(&o.readOnly, "read-only", false, "refuse replays and purges")
 	fs.StringVar(&o.broker, "broker", "", "broker URL for replays to the original topic")
+	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where replays to the topic write their grants (redis://, sqlite:PATH, postgres://)")
 	fs.StringVar(&c.database, "database", "", "PostgreSQL URL (default $DATABASE_URL)")
 	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of oncemill's tables")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "dead-letter table")
@@ -95,6 +98,14 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 			return o, usagef("--read-only replays nothing: drop --broker")
 		}
 		if err := checkDurable(o.broker); err != nil {
+			return o, err
+		}
+	}
+	if inboxURL != "" {
+		if o.broker == "" {
+			return o, usagef("--inbox is where replays to the topic write their grants: give --broker too")
+		}
+		if o.inbox, err = parseInbox(inboxURL); err != nil {
 			return o, err
 		}
 	}
@@ -158,13 +169,14 @@ func newToken() (string, error) {
 
 // config is the console's configuration for the options, the pool and the
 // publisher (nil without --broker).
-func (o consoleOptions) config(pool *pgxpool.Pool, pub message.Publisher, logger watermill.LoggerAdapter) console.Config {
+func (o consoleOptions) config(pool *pgxpool.Pool, pub message.Publisher, granter dlq.Granter, logger watermill.LoggerAdapter) console.Config {
 	return console.Config{
 		Pool:      pool,
 		Schema:    o.schema,
 		Token:     o.token,
 		ReadOnly:  o.readOnly,
 		Publisher: pub,
+		Granter:   granter,
 		Logger:    logger,
 	}
 }
@@ -200,8 +212,17 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 		}()
 		pub = ps.Publisher
 	}
+	var granter dlq.Granter
+	if o.inbox != nil {
+		g, closeInbox, err := o.inbox.open(ctx)
+		if err != nil {
+			return err
+		}
+		defer closeInbox()
+		granter = g
+	}
 
-	handler, err := console.New(o.config(pool, pub, logger))
+	handler, err := console.New(o.config(pool, pub, granter, logger))
 	if err != nil {
 		return err
 	}

@@ -273,19 +273,33 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	var (
 		f          dlq.Filter
 		broker     string
+		inboxURL   string
 		toConsumer bool
+		force      bool
 	)
 	fs := c.flags()
 	fs.StringVar(&broker, "broker", "", "broker URL (default $BROKER_URL)")
 	fs.BoolVar(&toConsumer, "to-consumer", false, "deliver each entry to its own consumer only, through the dlq.ReplaySubscriber it runs, instead of publishing it to the topic")
+	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where the replay grants are written (redis://, sqlite:PATH, postgres://)")
+	fs.BoolVar(&force, "force", false, "replay an entry whose key has no record in the inbox as a new key (its record expired)")
 	if err := c.selection(fs, &f, args); err != nil {
 		return err
 	}
 	if toConsumer {
-		if broker != "" {
+		switch {
+		case broker != "":
 			return usagef("--to-consumer publishes nothing: drop --broker")
+		case inboxURL != "", force:
+			return usagef("--to-consumer writes no grant (the consumer's replay subscriber does): drop --inbox and --force")
 		}
 		return c.requestReplay(ctx, f)
+	}
+	var inbox *inboxTarget
+	if inboxURL != "" {
+		var err error
+		if inbox, err = parseInbox(inboxURL); err != nil {
+			return err
+		}
 	}
 	if broker == "" {
 		broker = c.env("BROKER_URL")
@@ -301,6 +315,19 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeDB()
+	if inbox != nil {
+		g, closeInbox, err := inbox.open(ctx)
+		if err != nil {
+			return fmt.Errorf("nothing replayed: %w", err)
+		}
+		defer closeInbox()
+		if store, err = store.WithGranter(g); err != nil {
+			return err
+		}
+	}
+	if force {
+		store = store.WithNewKeys()
+	}
 
 	// The command only publishes; the group merely satisfies brokers
 	// whose URL requires one (Kafka), it is never subscribed. A group the

@@ -8,7 +8,7 @@
 //
 //	oncemill dlq list   [filter flags] [--json]
 //	oncemill dlq show   ID [--json]
-//	oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--json]
+//	oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--inbox URL] [--force] [--json]
 //	oncemill dlq purge  [ID ...] [filter flags] [--all] [--json]
 //	oncemill console [--addr HOST:PORT] [--token T] [--read-only] [--broker URL]
 //	oncemill amqp declare --topic T [--topic T ...] [--group G] [--url URL]
@@ -40,7 +40,12 @@
 // entry and the rest stay. gochannel:// is refused as a usage error before
 // any entry is read: its subscribers live in this process only, so the
 // replayed messages would be lost. With more than 20 entries and a terminal
-// on stderr it draws a progress bar there. purge deletes the selected
+// on stderr it draws a progress bar there. Before publishing an entry it
+// writes a replay grant on the key's dead record (see dlq.Granter), in the
+// inbox table beside the dead-letter table or in the store --inbox names
+// (redis://…?prefix=P, sqlite:PATH?table=T, postgres://…?schema=S&table=T);
+// an entry whose key has no record there stops the replay and stays, and
+// --force replays it as a new key. purge deletes the selected
 // entries. Both refuse to run with no selection: give IDs, a filter flag or
 // --all. Named IDs must all exist, or nothing is done.
 //

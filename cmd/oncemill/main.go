@@ -30,11 +30,13 @@ const (
 const usage = `Usage:
   oncemill dlq list   [filter flags] [--json]
   oncemill dlq show   ID [--json]
-  oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--json]
+  oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL]
+                      [--inbox URL] [--force] [--json]
   oncemill dlq purge  [ID ...] [filter flags] [--all] [--json]
   oncemill amqp declare --topic T [--topic T ...] [--group G] [--url URL]
                         [--delivery-limit N] [--dead-letter-exchange X]
   oncemill console [--addr HOST:PORT] [--token T] [--read-only] [--broker URL]
+                   [--inbox URL]
 
 Filter flags (they combine with each other and with IDs):
   --topic T       original topic the message was consumed from
@@ -57,6 +59,14 @@ payload and metadata (without the oncemill_* facts of the failed delivery), thro
 gochannel:// is refused: it has no durable subscribers, so the replayed
 messages would be lost when the command exits. replay and purge need IDs,
 a filter flag or --all.
+
+Before publishing an entry, replay writes a replay grant on its key's dead
+record, which lets the copy reopen the key once. It writes it on the inbox
+table beside the dead-letter table, unless --inbox URL names the consumers'
+inbox store: redis://[:PASSWORD@]HOST:PORT[/DB][?prefix=P],
+sqlite:PATH[?table=T] or postgres://...[?schema=S&table=T]. An entry whose
+key has no record there is refused and stays (the inbox is elsewhere: give
+--inbox); --force replays it anyway, as a new key (its record expired).
 
 amqp declare creates on RabbitMQ, for each --topic, what a subscriber of
 consumer group --group declares: the topic's durable fanout exchange (named
@@ -91,6 +101,8 @@ and --schema as above, --table for the dead-letter table, and
                        refused); without it a replay goes only to the
                        entry's consumer, through the dlq.ReplaySubscriber
                        it runs
+  --inbox URL          where replays to the topic write their grants, as
+                       for dlq replay (needs --broker)
   --inbox-table NAME   inbox table (default "inbox")
   --outbox-table NAME  outbox table (default "outbox")
 It serves plain HTTP until interrupted (SIGINT, SIGTERM), then lets the

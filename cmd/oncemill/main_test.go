@@ -218,7 +218,7 @@ func TestHelp(t *testing.T) {
 	for _, args := range [][]string{{"-h"}, {"help"}, {"dlq", "--help"}, {"dlq", "list", "-h"}, {"dlq", "replay", "3", "--help"}} {
 		r := oncemill(t, nil, args...)
 		require.Equal(t, exitOK, r.code, args)
-		require.Contains(t, r.stdout, "oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL] [--json]", args)
+		require.Contains(t, r.stdout, "oncemill dlq replay [ID ...] [filter flags] [--all] [--broker URL]\n                      [--inbox URL] [--force] [--json]", args)
 		require.Empty(t, r.stderr, args)
 	}
 }
