@@ -86,8 +86,9 @@
 // MessageDeduplicationId to its idempotency key, else its UUID; an ID that
 // SQS would reject (over 128 characters, or characters other than ASCII
 // letters, digits and punctuation) is replaced by its SHA-256 in hex. A
-// replay of a dead letter (delivery.Replay) and a dead-lettered copy
-// (delivery.DeadConsumer, delivery.DeadLastFailedAt) get an ID of their
+// replay of a dead letter (delivery.Replay, its replay grant, fresh for
+// every replay) and a dead-lettered copy (delivery.DeadConsumer,
+// delivery.DeadLastFailedAt) get an ID of their
 // own, a hash of the key and those fields, so that SQS does not drop them
 // as retries of the original. SQS then drops a message published again
 // with the same idempotency key within 5 minutes, and delivers the messages of a group in order, one

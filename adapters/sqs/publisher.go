@@ -163,12 +163,12 @@ func newEntry(msg *message.Message, fifo bool) (entry, error) {
 // publish: the same for a producer's retries of it, different for another
 // publish of the same message. A message that is neither a replay nor a
 // dead letter has its idempotency key, else its UUID, as [fifoID] makes it.
-// A replay from the dead-letter queue (delivery.Replay, the entry's id) and
-// a dead-lettered copy (delivery.DeadConsumer and delivery.DeadLastFailedAt,
-// which differ between two dead-letterings of one message) are publishes of
-// their own: their ID is the SHA-256, in hex, of the key and those fields,
-// after as much of the key as fits in 128 characters when SQS accepts its
-// characters.
+// A replay from the dead-letter queue (delivery.Replay, the replay grant,
+// fresh for every replay) and a dead-lettered copy (delivery.DeadConsumer
+// and delivery.DeadLastFailedAt, which differ between two dead-letterings
+// of one message) are publishes of their own: their ID is the SHA-256, in
+// hex, of the key and those fields, after as much of the key as fits in
+// 128 characters when SQS accepts its characters.
 func dedupID(msg *message.Message) string {
 	key := msg.Metadata.Get(delivery.IdempotencyKey)
 	if key == "" {
