@@ -41,15 +41,22 @@ const (
 	// PipelineClaim: the attempt record, BEGIN and the claim in one round
 	// trip, the same guarantees.
 	sysPipelined = "parallel-pipelined"
+	// sysBatched is the key-parallel subscriber with the inbox's group
+	// commit (InboxConfig.Batch): the deliveries in flight share
+	// transactions, the same guarantees.
+	sysBatched = "parallel-batched"
 	// sysNoInbox is the key-parallel subscriber with the same handler and
 	// no inbox: the effect is autocommitted, deduplicated by a unique
 	// index (INSERT … ON CONFLICT DO NOTHING).
 	sysNoInbox = "no-inbox"
 )
 
+// batchConfig is the group commit of the batched row.
+var batchConfig = middleware.BatchConfig{MaxMessages: 32}
+
 // systems lists every subscriber row, in report order.
 func systems() []string {
-	return []string{sysStock, sysSerial, sysParallel, sysPipelined, sysNoInbox}
+	return []string{sysStock, sysSerial, sysParallel, sysPipelined, sysBatched, sysNoInbox}
 }
 
 // usesInbox reports whether sys runs the handler under the inbox.
@@ -437,7 +444,7 @@ func (e *env) newSubscriber(sys, group string, logger watermill.LoggerAdapter) (
 		return sub, nil
 	case sysSerial:
 		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: 1}, logger)
-	case sysParallel, sysPipelined, sysNoInbox:
+	case sysParallel, sysPipelined, sysBatched, sysNoInbox:
 		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: e.cfg.MaxInFlight}, logger)
 	}
 	return nil, fmt.Errorf("unknown subscriber %q", sys)
@@ -474,7 +481,11 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 		if err != nil {
 			return smp, errors.Join(fmt.Errorf("postgres store: %w", err), sub.Close())
 		}
-		if inbox, err = middleware.NewInbox(middleware.InboxConfig{TxStore: store, Logger: logger, PipelineClaim: sys == sysPipelined}); err != nil {
+		icfg := middleware.InboxConfig{TxStore: store, Logger: logger, PipelineClaim: sys == sysPipelined}
+		if sys == sysBatched {
+			icfg.Batch = batchConfig
+		}
+		if inbox, err = middleware.NewInbox(icfg); err != nil {
 			return smp, errors.Join(fmt.Errorf("inbox: %w", err), sub.Close())
 		}
 	} else {

@@ -23,6 +23,8 @@ func chartName(sys string, cfg Config) string {
 		return fmt.Sprintf("oncemill key-parallel (%d)", cfg.maxInFlight())
 	case sysPipelined:
 		return fmt.Sprintf("key-parallel (%d), pipelined", cfg.maxInFlight())
+	case sysBatched:
+		return fmt.Sprintf("key-parallel (%d), batched", cfg.maxInFlight())
 	case sysNoInbox:
 		return fmt.Sprintf("key-parallel (%d), no inbox", cfg.maxInFlight())
 	}
