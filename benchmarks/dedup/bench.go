@@ -34,10 +34,7 @@ const (
 // deliver hands spec to the process's handler chain as a fresh message,
 // as a subscriber would, and acks it with ack unless the process died.
 func (p *process) deliver(spec *msgSpec, d *delivery, ack func()) (outcome, error) {
-	msg := message.NewMessage(spec.UUID, spec.Payload)
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, spec.Key)
-	msg.SetContext(context.WithValue(p.ctx, deliveryKey{}, d))
-	_, err := p.handler(msg)
+	_, err := p.handler(p.message(spec, d))
 	switch {
 	case err == nil && d.fault == faultAfterCommit:
 		p.crash()
@@ -53,6 +50,15 @@ func (p *process) deliver(spec *msgSpec, d *delivery, ack func()) (outcome, erro
 		return nackedInFlight, err
 	}
 	return nackedError, err
+}
+
+// message builds a fresh message of spec for delivery d, as a subscriber
+// would, its context carrying d.
+func (p *process) message(spec *msgSpec, d *delivery) *message.Message {
+	msg := message.NewMessage(spec.UUID, spec.Payload)
+	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, spec.Key)
+	msg.SetContext(context.WithValue(p.ctx, deliveryKey{}, d))
+	return msg
 }
 
 // queue holds the stream positions waiting for delivery and those in
@@ -100,6 +106,27 @@ func (q *queue) done(pos int, requeue bool) {
 		q.items = append(q.items, pos)
 	}
 	q.cond.Broadcast()
+}
+
+// nextN is next for up to n positions: it waits for the first as next
+// does and takes as many more as are queued, up to n; nil when there is
+// no more work or the queue was stopped.
+func (q *queue) nextN(n int) []int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for len(q.items) == 0 && len(q.inflight) > 0 && !q.stopped {
+		q.cond.Wait()
+	}
+	if q.stopped || len(q.items) == 0 {
+		return nil
+	}
+	k := min(n, len(q.items))
+	out := slices.Clone(q.items[:k])
+	q.items = q.items[k:]
+	for _, pos := range out {
+		q.inflight[pos]++
+	}
+	return out
 }
 
 func (q *queue) stop() {
@@ -178,6 +205,53 @@ func drive(ctx context.Context, p *process, s *stream, positions []int, workers 
 	return q.unacked(), func() { <-all }
 }
 
+// driveBatches is drive for the batched raw floor: each of workers
+// goroutines takes up to size positions off the queue at once and hands
+// them to p.rawBatch, one transaction for all of them; every message of
+// the batch is acked when it commits and put back when it fails. Each
+// message's latency is its batch's. Speed runs only: nothing crashes.
+func driveBatches(ctx context.Context, p *process, s *stream, positions []int, workers, size int, rec record) (left []int, join func()) {
+	q := newQueue(positions)
+	stopOnCtx := context.AfterFunc(ctx, q.stop)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for {
+				batch := q.nextN(size)
+				if batch == nil {
+					return
+				}
+				ds := make([]*delivery, len(batch))
+				msgs := make([]*message.Message, len(batch))
+				for i, pos := range batch {
+					ds[i] = &delivery{}
+					msgs[i] = p.message(&s.Msgs[pos], ds[i])
+				}
+				start := time.Now()
+				err := p.rawBatch(msgs)
+				took := time.Since(start)
+				for i, pos := range batch {
+					o := nackedError
+					if err == nil && p.ack(func() { q.done(pos, false) }) {
+						o = acked
+					} else {
+						q.done(pos, true)
+					}
+					rec(w, pos, ds[i], o, err, took)
+				}
+			}
+		})
+	}
+	all := make(chan struct{})
+	go func() {
+		wg.Wait()
+		stopOnCtx()
+		close(all)
+	}()
+	<-all
+	return q.unacked(), func() {}
+}
+
 // SpeedResult is one speed measurement.
 type SpeedResult struct {
 	Strategy    string
@@ -195,6 +269,9 @@ type SpeedResult struct {
 	// and per new-key message and per duplicate, both kinds summed.
 	PGRT, RedisRT float64
 	RTNew, RTDup  float64
+	// Commits counts the COMMIT statements the deliveries sent: the
+	// transactions that committed (or tried to).
+	Commits int64
 	// AllocPerMsg is TotalAlloc's growth over the run divided by N;
 	// HeapInuse is the heap in use after the run (after a GC, with the
 	// strategy's state still alive) and HeapGrowth its growth since
@@ -234,6 +311,7 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 	type workerStats struct {
 		lat                        []time.Duration
 		rtNew, rtDup, pg, redis    int64
+		commits                    int64
 		deliveries, inFlight, errs int
 		firstErr                   error
 	}
@@ -248,6 +326,7 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 		pg, rd := dl.pg.Load(), dl.redis.Load()
 		st.pg += pg
 		st.redis += rd
+		st.commits += dl.commits.Load()
 		if s.Msgs[pos].Dup {
 			st.rtDup += pg + rd
 		} else {
@@ -284,7 +363,13 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	start := time.Now()
-	left, join := drive(runCtx, p, s, positions, c, func(int) fault { return faultNone }, rec)
+	var left []int
+	var join func()
+	if d.Name == stRawBatched {
+		left, join = driveBatches(runCtx, p, s, positions, c, rawBatchSize, rec)
+	} else {
+		left, join = drive(runCtx, p, s, positions, c, func(int) fault { return faultNone }, rec)
+	}
 	r.Elapsed = time.Since(start)
 	join()
 	runtime.ReadMemStats(&after)
@@ -310,6 +395,7 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 	for _, st := range ws {
 		lats = append(lats, st.lat...)
 		pg, rd, rtNew, rtDup = pg+st.pg, rd+st.redis, rtNew+st.rtNew, rtDup+st.rtDup
+		r.Commits += st.commits
 		r.Deliveries += st.deliveries
 		r.InFlight += st.inFlight
 		r.Errors += st.errs

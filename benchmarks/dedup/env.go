@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -117,7 +118,7 @@ func (e *env) newFixture(ctx context.Context, d strategyDef) (_ *fixture, err er
 	if d.Postgres {
 		f.schema = "bench_dedup_" + f.id
 		s := pgx.Identifier{f.schema}.Sanitize()
-		if d.Name == stRaw {
+		if d.Name == stRaw || d.Name == stRawBatched {
 			if _, err := e.pool.Exec(ctx, `CREATE SCHEMA `+s); err != nil {
 				return nil, fmt.Errorf("create schema %s: %w", f.schema, err)
 			}
@@ -305,6 +306,8 @@ func (f fault) short() string {
 type delivery struct {
 	fault     fault
 	pg, redis atomic.Int64
+	// commits counts the COMMIT statements among pg.
+	commits atomic.Int64
 }
 
 type deliveryKey struct{}
@@ -321,9 +324,12 @@ func deliveryOf(ctx context.Context) *delivery {
 // ROLLBACK included) against the delivery in its context.
 type pgTracer struct{}
 
-func (pgTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+func (pgTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, q pgx.TraceQueryStartData) context.Context {
 	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
 		d.pg.Add(1)
+		if strings.EqualFold(q.SQL, "commit") {
+			d.commits.Add(1)
+		}
 	}
 	return ctx
 }

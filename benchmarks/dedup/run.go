@@ -42,7 +42,7 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 	res := &Results{}
 	total := 0
 	if !cfg.SkipSpeed {
-		total += len(cfg.DupRatios) * len(cfg.Concurrency) * (len(defs) + 1)
+		total += len(cfg.DupRatios) * len(cfg.Concurrency) * (len(defs) + len(baselineDefs()))
 	}
 	if !cfg.SkipCorrectness {
 		total += len(defs) * len(faults())
@@ -53,14 +53,14 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 		for _, ratio := range cfg.DupRatios {
 			s := newStream(cfg.N, ratio, cfg.Seed)
 			for _, c := range cfg.Concurrency {
-				for _, d := range append([]strategyDef{rawDef()}, defs...) {
+				for _, d := range append(baselineDefs(), defs...) {
 					r, err := e.speed(ctx, d, &s, c)
 					if err != nil {
 						return res, fmt.Errorf("speed %s, %d%% duplicates, %d workers: %w", d.Name, pct(ratio), c, err)
 					}
 					res.Speed = append(res.Speed, r)
-					p.line("speed %-22s dup %2d%% c=%-2d %7.0f msgs/s  p50 %s p99 %s  %.2f RT/msg  %d in-flight nacks  %d double",
-						d.Name, r.DupPct, c, r.MsgsPerSec, fmtMs(r.P50), fmtMs(r.P99), r.PGRT+r.RedisRT, r.InFlight, r.Effects.Doubles)
+					p.line("speed %-22s dup %2d%% c=%-2d %7.0f msgs/s  p50 %s p99 %s  %.2f RT/msg  %s msgs/COMMIT  %d in-flight nacks  %d double",
+						d.Name, r.DupPct, c, r.MsgsPerSec, fmtMs(r.P50), fmtMs(r.P99), r.PGRT+r.RedisRT, msgsPerCommit(r), r.InFlight, r.Effects.Doubles)
 				}
 			}
 		}
