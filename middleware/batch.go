@@ -78,6 +78,10 @@ type queued struct {
 	o   *attemptObs
 
 	wake chan struct{} // a token: done, or asked to lead
+	// drain is the context its handler runs on (with the batch's
+	// transaction added): its drain budget starts when the delivery's
+	// context is cancelled, not when its turn in the batch comes.
+	drain context.Context
 	// Set under the batcher's lock.
 	lead bool
 	done bool
@@ -113,6 +117,9 @@ func newBatcher(in *Inbox, store dedup.BatchClaimer) *batcher {
 // it is counted then).
 func (b *batcher) handle(msg *message.Message, key dedup.Key, h message.HandlerFunc, o *attemptObs) ([]*message.Message, bool, error) {
 	q := &queued{msg: msg, key: key, h: h, o: o, wake: make(chan struct{}, 1)}
+	var endDrain func()
+	q.drain, endDrain = drainContext(msg.Context(), b.in.cfg.DrainTimeout)
+	defer endDrain()
 	b.mu.Lock()
 	for _, other := range b.queues[key.Consumer] {
 		if other.key == key {
@@ -408,10 +415,9 @@ func (in *Inbox) endUncounted(ctx context.Context, q *queued, err error) error {
 func (in *Inbox) runInBatch(tx dedup.InboxTx, q *queued) error {
 	base := q.msg.Context()
 	q.o.step(base, observe.StepClaimed)
-	hctx, endDrain := drainContext(tx.WithTx(base), in.cfg.DrainTimeout)
+	hctx := tx.WithTx(q.drain)
 	produced, err := in.run(hctx, q.msg, q.key, q.h, q.o)
 	cut := hctx.Err() != nil
-	endDrain()
 	if err == nil && in.cfg.Outbox != nil && len(produced) > 0 {
 		finish, cancel := in.finishContext(base)
 		err = in.callOutbox(tx.WithTx(finish), produced)
