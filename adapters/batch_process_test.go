@@ -1,0 +1,422 @@
+package adapters_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"maps"
+	"os"
+	"os/signal"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// batchConsumerEnv, when set, makes the test binary run one consumer of
+// TestBatchCrashProcesses (configured by the variable's JSON value, a
+// batchConsumer) instead of the tests; see init.
+const batchConsumerEnv = "ONCEMILL_TEST_BATCH_CONSUMER"
+
+const (
+	batchReadyLine = "BATCH READY"
+	batchStatsLine = "BATCH STATS "
+	// batchMaxMessages is the consumers' Batch.MaxMessages.
+	batchMaxMessages = 16
+	// batchKeys is how many keys the crash test publishes, batchKills how
+	// often it SIGKILLs the consumer before it lets one finish.
+	batchKeys  = 480
+	batchKills = 4
+)
+
+// init runs a consumer of the batch crash test when the environment
+// names one; like the restart roles, it must come before TestMain.
+func init() {
+	raw := os.Getenv(batchConsumerEnv)
+	if raw == "" {
+		return
+	}
+	term := make(chan os.Signal, 1)
+	signal.Notify(term, syscall.SIGTERM)
+	var cfg batchConsumer
+	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "batch consumer: bad config:", err)
+		os.Exit(restartBadSetup)
+	}
+	code, err := cfg.run(term)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "batch consumer:", err)
+	}
+	os.Exit(code)
+}
+
+// batchConsumer is a consumer process of the batch crash test: the
+// broker opened by BrokerURL, the poison middleware with the PostgreSQL
+// dead-letter table, and the PostgreSQL inbox in batch mode around a
+// handler that inserts one effect row per key, with its process id, in
+// the batch's transaction, then works a little. Subscriptions router
+// handlers consume the topic as one consumer, so that a broker that hands
+// a subscription one message at a time (RabbitMQ) still has deliveries
+// to batch. Its database connections carry App as their application
+// name, for the parent to see its open transactions.
+type batchConsumer struct {
+	BrokerURL     string
+	Group         string
+	Topic         string
+	DatabaseURL   string
+	Schema        string
+	App           string
+	Subscriptions int
+	MaxAttempts   int
+}
+
+// batchStats is what a batch consumer prints when it exits cleanly.
+type batchStats struct {
+	Inbox  middleware.InboxStats
+	Poison middleware.PoisonStats
+}
+
+func (cfg batchConsumer) run(term <-chan os.Signal) (int, error) {
+	ctx := context.Background()
+	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return restartBadSetup, err
+	}
+	poolCfg.MaxConns = 12
+	poolCfg.ConnConfig.RuntimeParams["application_name"] = cfg.App
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		return restartBadSetup, err
+	}
+	defer pool.Close()
+	store, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
+	if err != nil {
+		return restartBadSetup, err
+	}
+	dlqPub, err := dlq.NewPublisher(pool, sqlschema.Config{Schema: cfg.Schema})
+	if err != nil {
+		return restartBadSetup, err
+	}
+	logger := watermill.NewStdLogger(false, false)
+	ps, err := adapters.Open(ctx, cfg.BrokerURL, adapters.Options{ConsumerGroup: cfg.Group, Logger: logger})
+	if err != nil {
+		return restartBadSetup, err
+	}
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{
+		Publisher: dlqPub, Topic: "dlq", MaxAttempts: cfg.MaxAttempts,
+		InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+	})
+	if err != nil {
+		return restartBadSetup, errors.Join(err, ps.Close())
+	}
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: "ledger",
+		Batch: middleware.BatchConfig{MaxMessages: batchMaxMessages, Linger: 5 * time.Millisecond, Parallel: 2}})
+	if err != nil {
+		return restartBadSetup, errors.Join(err, ps.Close())
+	}
+	effects := pgx.Identifier{cfg.Schema, "effects"}.Sanitize()
+	pid := os.Getpid()
+	handler := func(msg *message.Message) error {
+		ctx := msg.Context()
+		key := middleware.IdempotencyKey(ctx)
+		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (key, pid) VALUES ($1, $2)`, key, pid); err != nil {
+			return err
+		}
+		select {
+		case <-time.After(time.Duration(10+crc32.ChecksumIEEE([]byte(key))%21) * time.Millisecond):
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		return restartBadSetup, errors.Join(err, ps.Close())
+	}
+	r.AddMiddleware(poison.Middleware, inbox.Middleware)
+	for i := range max(cfg.Subscriptions, 1) {
+		r.AddNoPublisherHandler(fmt.Sprintf("ledger-%d", i), cfg.Topic, ps.Subscriber, handler)
+	}
+	code := 0
+	switch err := proctest.RunRouter(ctx, r, batchReadyLine, term); {
+	case errors.Is(err, proctest.ErrRouterNotStarted):
+		return restartBadSetup, errors.Join(err, ps.Close())
+	case errors.Is(err, proctest.ErrRouterStopped):
+		return restartStopped, errors.Join(err, ps.Close())
+	case err != nil:
+		code = restartBadClose
+		fmt.Fprintln(os.Stderr, "batch consumer: router close:", err)
+	}
+	if err := ps.Close(); err != nil {
+		code = restartBadClose
+		fmt.Fprintln(os.Stderr, "batch consumer: close:", err)
+	}
+	stats, err := json.Marshal(batchStats{Inbox: inbox.Stats(), Poison: poison.Stats()})
+	if err != nil {
+		return restartBadClose, err
+	}
+	fmt.Println(batchStatsLine + string(stats))
+	return code, nil
+}
+
+// startBatchConsumer starts a batch consumer process and waits until its
+// router runs.
+func startBatchConsumer(t *testing.T, cfg batchConsumer) *proctest.Process {
+	t.Helper()
+	raw, err := json.Marshal(cfg)
+	require.NoError(t, err)
+	p, err := proctest.Start([]string{batchConsumerEnv + "=" + string(raw)}, batchReadyLine, time.Minute)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		if !p.Exited() {
+			p.Kill()
+			t.Logf("batch consumer %d killed at the end of the test; output:\n%s", p.Cmd.Process.Pid, p.Out.String())
+		}
+	})
+	return p
+}
+
+// TestBatchCrashProcesses: on RabbitMQ (16 subscriptions of one queue) and
+// Kafka (one key-parallel subscription), 480 keys consumed by a process
+// whose PostgreSQL inbox commits up to 16 deliveries in one transaction,
+// SIGKILLed four times mid-stream, each time while it holds a batch's
+// transaction open with writes in it, and restarted at once. The poison
+// middleware allows one attempt more than there are kills: a kill counts
+// at most one attempt of each key it finds in flight. In the end every key
+// is applied exactly once with one attempt recorded, no start count is
+// left behind, nothing is dead-lettered, and the broker holds nothing
+// unacknowledged.
+func TestBatchCrashProcesses(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name          string
+		subscriptions int
+		broker        func(t *testing.T) broker
+	}{
+		{"amqp", 16, func(t *testing.T) broker {
+			b := amqpBroker(t)
+			b.url += "?prefetch=4"
+			return b
+		}},
+		{"kafka", 1, func(t *testing.T) broker {
+			// A killed member leaves its group a session timeout later:
+			// a short one keeps the test short.
+			cluster, err := embedded.Start(embedded.Config{DefaultPartitions: 4, GroupMinSessionTimeout: time.Second})
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, cluster.Close()) })
+			return kafkaRow(cluster.Addrs(), "kafka", "session_timeout=2s")
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			runBatchCrash(t, c.broker(t), c.subscriptions)
+		})
+	}
+}
+
+func runBatchCrash(t *testing.T, b broker, subscriptions int) {
+	id := pgtest.Name(t)
+	topic, group := "ledger_"+id, "ledger_"+id
+	producer := b.open(t, "producer_"+id)
+	defer closeQuietly(t, producer)
+	if b.cleanup != nil {
+		t.Cleanup(func() { b.cleanup(t, topic, group) })
+	}
+	db := newProcessDB(t)
+	_, err := db.pool.Exec(context.Background(), `ALTER TABLE `+db.q+`.effects ADD COLUMN pid integer NOT NULL, ADD COLUMN tx xid8 NOT NULL DEFAULT pg_current_xact_id()`)
+	require.NoError(t, err)
+	cfg := batchConsumer{
+		BrokerURL: b.url, Group: group, Topic: topic, DatabaseURL: pgtest.URL(), Schema: db.schema,
+		App: id, Subscriptions: subscriptions, MaxAttempts: batchKills + 1,
+	}
+
+	// The first consumer subscribes before anything is published, so that
+	// RabbitMQ has its queue.
+	c := startBatchConsumer(t, cfg)
+	for k := range batchKeys {
+		key := fmt.Sprintf("entry-%d", k)
+		msg := message.NewMessage(watermill.NewUUID(), []byte(key))
+		msg.Metadata.Set(delivery.IdempotencyKey, key)
+		msg.Metadata.Set(delivery.PartitionKey, key)
+		require.NoError(t, producer.Publisher.Publish(topic, msg))
+	}
+
+	effects := func() int { return db.count(t, `SELECT count(*) FROM {S}.effects`) }
+	type kill struct{ effects, openTx, dead int }
+	var kills []kill
+	for k := 1; k <= batchKills; k++ {
+		want := k * batchKeys / (batchKills + 2)
+		require.Eventually(t, func() bool { return effects() >= want }, time.Minute, 5*time.Millisecond,
+			"kill %d: fewer than %d effects; output:\n%s", k, want, c.Out.String())
+		// A transaction of the consumer that wrote (a batch's claim, its
+		// effects) and has not ended.
+		var open int
+		require.Eventually(t, func() bool {
+			open = db.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND backend_xid IS NOT NULL`, cfg.App)
+			return open > 0
+		}, time.Minute, time.Millisecond, "kill %d: no batch open", k)
+		c.Kill()
+		kills = append(kills, kill{effects: effects(), openTx: open, dead: db.count(t, `SELECT count(*) FROM {S}.dlq`)})
+		require.Less(t, kills[len(kills)-1].effects, batchKeys, "kill %d came after the end", k)
+		c = startBatchConsumer(t, cfg)
+	}
+	require.Eventually(t, func() bool { return effects() >= batchKeys }, time.Minute, 10*time.Millisecond,
+		"the last consumer applies the rest; output:\n%s", c.Out.String())
+	require.Eventually(t, func() bool { return b.pending(t, topic, group) == 0 }, time.Minute, 50*time.Millisecond,
+		"everything acknowledged")
+	require.NoError(t, c.Terminate(restartShutdownBound))
+	require.Equal(t, 0, c.Code(), "the last consumer's exit code; output:\n%s", c.Out.String())
+	line, ok := c.Out.Line(batchStatsLine)
+	require.True(t, ok, "the last consumer printed no stats; output:\n%s", c.Out.String())
+	var stats batchStats
+	require.NoError(t, json.Unmarshal([]byte(line), &stats))
+
+	require.Equal(t, batchKeys, effects(), "exactly one effect per key")
+	require.Equal(t, batchKeys, db.count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
+	require.Equal(t, batchKeys, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE consumer = 'ledger' AND status = 'done'`))
+	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE attempts <> 1 OR last_error IS NOT NULL OR status <> 'done'`),
+		"no failure recorded")
+	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox_starts`), "no start count left behind")
+	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.dlq`), "nothing dead-lettered")
+	require.Zero(t, stats.Poison.DeadLettered)
+	require.Zero(t, stats.Inbox.CrashLooped)
+	require.Zero(t, stats.Inbox.Failed)
+	require.Equal(t, 0, b.pending(t, topic, group), "nothing left on the broker")
+	// The transaction that wrote each effect: deliveries did share them.
+	largest := db.count(t, `SELECT max(n) FROM (SELECT count(*) AS n FROM {S}.effects GROUP BY tx) AS per_tx`)
+	require.Greater(t, largest, 1, "effects committed together")
+	txs := db.count(t, `SELECT count(DISTINCT tx) FROM {S}.effects`)
+	byProcess := db.count(t, `SELECT count(DISTINCT pid) FROM {S}.effects`)
+	t.Logf("batch crash on %s: %d keys, %d SIGKILLs with a batch open (effects, open transactions, dead letters at each: %+v); "+
+		"effects applied by %d processes in %d transactions (the largest held %d); the last consumer: %d applied, %d duplicates, %d nacked for the infrastructure; "+
+		"%d effects, 0 dead letters, 0 left on the broker",
+		b.name, batchKeys, len(kills), kills, byProcess, txs, largest, stats.Inbox.Applied, stats.Inbox.Duplicates, stats.Inbox.Infrastructure,
+		effects())
+}
+
+// batchSizes records the size of every batch a PostgreSQL store claims.
+type batchSizes struct {
+	*postgres.Store
+	mu      sync.Mutex
+	largest int
+}
+
+func (s *batchSizes) InboxBeginClaimBatch(ctx context.Context, consumer string, keys []string, window time.Duration) (dedup.InboxTx, []dedup.Claim, error) {
+	s.mu.Lock()
+	s.largest = max(s.largest, len(keys))
+	s.mu.Unlock()
+	return s.Store.InboxBeginClaimBatch(ctx, consumer, keys, window)
+}
+
+// TestBatchKeepsPerKeyOrder: eight accounts, versions 1 to 25 of each
+// published in order, each version its own idempotency key and the
+// account its partition key, consumed from Kafka by the key-parallel
+// subscriber through the inbox in batch mode (16 a batch, 4 batches at
+// once). Deliveries of different accounts share transactions, and each
+// account's versions are applied once each, in the order they were
+// published.
+func TestBatchKeepsPerKeyOrder(t *testing.T) {
+	t.Parallel()
+	const accounts, versions = 8, 25
+	ctx := context.Background()
+	b := kafkaBroker(t)
+	id := pgtest.Name(t)
+	topic, group := "accounts_"+id, "ledger_"+id
+	pool := pgtest.Pool(t, 12)
+	schema := pgtest.Schema(t, pool)
+	q := pgx.Identifier{schema}.Sanitize()
+	_, err := pool.Exec(ctx, `CREATE TABLE `+q+`.effects (seq bigserial PRIMARY KEY, account text NOT NULL, version int NOT NULL)`)
+	require.NoError(t, err)
+	pg, err := postgres.New(pool, postgres.Config{Schema: schema})
+	require.NoError(t, err)
+	store := &batchSizes{Store: pg}
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: "ledger",
+		Batch: middleware.BatchConfig{MaxMessages: 16, Parallel: 4, Linger: 5 * time.Millisecond}})
+	require.NoError(t, err)
+
+	producer := b.open(t, "producer_"+id)
+	defer closeQuietly(t, producer)
+	for v := 1; v <= versions; v++ {
+		for a := range accounts {
+			msg := message.NewMessage(watermill.NewUUID(), fmt.Appendf(nil, "%d", v))
+			msg.Metadata.Set(delivery.IdempotencyKey, fmt.Sprintf("acct-%d/v%d", a, v))
+			msg.Metadata.Set(delivery.PartitionKey, fmt.Sprintf("acct-%d", a))
+			require.NoError(t, producer.Publisher.Publish(topic, msg))
+		}
+	}
+
+	consumer := b.open(t, group)
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	require.NoError(t, err)
+	router.AddMiddleware(inbox.Middleware)
+	effects := q + ".effects"
+	router.AddNoPublisherHandler("ledger", topic, consumer.Subscriber, func(msg *message.Message) error {
+		ctx := msg.Context()
+		account := msg.Metadata.Get(delivery.PartitionKey)
+		// Some work in the transaction, so that versions of other
+		// accounts queue behind it.
+		time.Sleep(time.Duration(1+crc32.ChecksumIEEE([]byte(middleware.IdempotencyKey(ctx)))%5) * time.Millisecond)
+		_, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (account, version) VALUES ($1, $2::int)`, account, string(msg.Payload))
+		return err
+	})
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	<-router.Running()
+	count := func() (n int) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+effects).Scan(&n))
+		return n
+	}
+	require.Eventually(t, func() bool { return count() >= accounts*versions }, time.Minute, 10*time.Millisecond)
+	require.NoError(t, router.Close())
+	require.NoError(t, <-done)
+	closeQuietly(t, consumer)
+
+	rows, err := pool.Query(ctx, `SELECT account, version FROM `+effects+` ORDER BY seq`)
+	require.NoError(t, err)
+	applied := map[string][]int{}
+	for rows.Next() {
+		var account string
+		var version int
+		require.NoError(t, rows.Scan(&account, &version))
+		applied[account] = append(applied[account], version)
+	}
+	require.NoError(t, rows.Err())
+	want := make([]int, versions)
+	for i := range want {
+		want[i] = i + 1
+	}
+	require.Len(t, applied, accounts)
+	for account, got := range applied {
+		require.Equal(t, want, got, "%s: each version once, in the order published", account)
+	}
+	require.Equal(t, accounts*versions, count())
+	store.mu.Lock()
+	largest := store.largest
+	store.mu.Unlock()
+	require.Greater(t, largest, 1, "deliveries of different accounts shared transactions")
+	require.Equal(t, int64(accounts*versions), inbox.Stats().Applied)
+	require.Equal(t, 0, b.pending(t, topic, group), "nothing left on the broker")
+	accountsSeen := slices.Sorted(maps.Keys(applied))
+	t.Logf("per-key order: %d versions of each of %s applied in order, largest batch %d", versions, strings.Join(accountsSeen, ", "), largest)
+}
