@@ -43,8 +43,8 @@ func TestSmoke(t *testing.T) {
 	var out strings.Builder
 	cfg := Config{
 		DSN: pgtest.URL(), RedisURL: redistest.URL(),
-		N: 80, DupRatios: []float64{0, 0.5}, Concurrency: []int{1, 4},
-		Strategies: []string{stWatermill, stRedis, stPostgres},
+		N: 80, DupRatios: []float64{0, 0.5}, Concurrency: []int{1, 8},
+		Strategies: []string{stWatermill, stRedis, stPostgres, stPGBatch},
 		Seed:       7, CrashN: 70, CrashDupRatio: 0.1, CrashEvery: 7, CrashWorkers: 4, CrashLease: 100 * time.Millisecond,
 		RedisBenchmark: bench, RedisBenchN: 500, RunTimeout: time.Minute, Out: &out,
 	}
@@ -54,7 +54,7 @@ func TestSmoke(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	if want := len(cfg.DupRatios) * len(cfg.Concurrency) * (len(cfg.Strategies) + 1); len(res.Speed) != want {
+	if want := len(cfg.DupRatios) * len(cfg.Concurrency) * (len(cfg.Strategies) + len(baselineDefs())); len(res.Speed) != want {
 		t.Fatalf("got %d speed results, want %d", len(res.Speed), want)
 	}
 	for _, r := range res.Speed {
@@ -68,8 +68,17 @@ func TestSmoke(t *testing.T) {
 		if r.Strategy != stRaw && r.RatioRaw <= 0 {
 			t.Errorf("%s: no ratio to the raw baseline", name)
 		}
-		if (r.Strategy == stPostgres || r.Strategy == stRaw) && (r.Effects.Doubles != 0 || r.Effects.Rows != r.Keys) {
+		exact := r.Strategy == stPostgres || r.Strategy == stPGBatch || r.Strategy == stRaw || r.Strategy == stRawBatched
+		if exact && (r.Effects.Doubles != 0 || r.Effects.Rows != r.Keys) {
 			t.Errorf("%s: %d effect rows for %d keys", name, r.Effects.Rows, r.Keys)
+		}
+		// One worker takes the whole queue in transactions of
+		// rawBatchSize.
+		if want := int64((r.N + rawBatchSize - 1) / rawBatchSize); r.Strategy == stRawBatched && r.Concurrency == 1 && r.Commits != want {
+			t.Errorf("%s: %d COMMITs for %d messages, want %d", name, r.Commits, r.N, want)
+		}
+		if r.Strategy == stRaw && r.Commits != int64(r.N) {
+			t.Errorf("%s: %d COMMITs for %d messages", name, r.Commits, r.N)
 		}
 		if r.Strategy == stPostgres && r.DupPct == 0 && r.PGRT != 5 {
 			t.Errorf("%s: %.3f round trips per message, want 5 (attempt start, BEGIN, claim, effect, COMMIT)", name, r.PGRT)
@@ -99,7 +108,7 @@ func TestSmoke(t *testing.T) {
 		if r.Fault != faultHandlerError && r.Processes < 2 {
 			t.Errorf("%s: %d processes: the crashes did not restart it", name, r.Processes)
 		}
-		if r.Strategy == stPostgres && (e.Doubles != 0 || r.Lost != 0) {
+		if (r.Strategy == stPostgres || r.Strategy == stPGBatch) && (e.Doubles != 0 || r.Lost != 0) {
 			t.Errorf("%s: %d double, %d lost, want 0 and 0", name, e.Doubles, r.Lost)
 		}
 		if r.Strategy == stWatermill && r.Fault == faultHandlerError && r.Lost == 0 {
@@ -108,7 +117,9 @@ func TestSmoke(t *testing.T) {
 	}
 
 	tables := Markdown(res, cfg)
-	for _, want := range []string{"| postgres-inbox |", "### Correctness under faults", "### Targets", "postgres-inbox: 0 double / 0 lost"} {
+	for _, want := range []string{"| postgres-inbox |", "| raw-sql-batched |", "### Correctness under faults", "### Targets",
+		"postgres-inbox: 0 double / 0 lost", "postgres-inbox-batched: 0 double / 0 lost",
+		"postgres-inbox (the default: batching off), crash-loop count on, ≥ 1.0× raw SQL", "postgres-inbox-batched / raw-sql-batched"} {
 		if !strings.Contains(tables, want) {
 			t.Errorf("report lacks %q:\n%s", want, tables)
 		}
