@@ -273,7 +273,11 @@ func (in *Inbox) runBatch(store dedup.BatchClaimer, batch []*queued, counted boo
 				q.produced, q.err = in.duplicate(q.msg, q.key, starts[i], q.o)
 			case starts[i].State != dedup.StateNew:
 				q.single = true // a dead key: nothing was counted
-			case in.overLimit(q.msg.Context(), starts[i]):
+			case starts[i].Attempts > 1:
+				// An earlier attempt failed or died with its process: the
+				// key runs alone, so that a message that kills the process
+				// is not counted against batch mates again, and a crash
+				// loop is judged on the single-message path.
 				q.err = in.unstart(q.msg.Context(), q.key, nil)
 				q.single = q.err == nil
 			default:
@@ -297,8 +301,10 @@ func (in *Inbox) runBatch(store dedup.BatchClaimer, batch []*queued, counted boo
 				q.single = q.err == nil
 				continue
 			}
-			in.infra.Add(1)
-			q.o.outcome = observe.Unavailable
+			if IsInfrastructure(err) {
+				in.infra.Add(1)
+				q.o.outcome = observe.Unavailable
+			}
 			q.err = in.unstart(q.msg.Context(), q.key, err)
 		}
 		return
