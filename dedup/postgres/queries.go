@@ -43,15 +43,20 @@ SELECT 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
 
 		// start for many keys of one consumer ($2, distinct), in one
 		// statement: each key's row says new (counted), done or dead.
-		startBatch: r.Replace(`WITH k AS (
-	SELECT unnest($2::text[]) AS key
-), rec AS (
-	SELECT t.key, t.status, t.attempts, t.result, t.first_failed_at FROM {T} t
-	WHERE t.consumer = $1 AND t.key IN (SELECT key FROM k) AND t.status IN ('done', 'dead')
+		//
+		// Each key is looked up on its own (LATERAL … LIMIT 1 keeps the
+		// planner from folding the lookups into a join): a generic plan
+		// made while the table's statistics are stale would otherwise
+		// scan every row of the consumer, and grow with the table.
+		startBatch: r.Replace(`WITH rec AS (
+	SELECT r.* FROM unnest($2::text[]) AS k(key)
+	CROSS JOIN LATERAL (
+		SELECT t.key, t.status, t.attempts, t.result, t.first_failed_at FROM {T} t
+		WHERE t.consumer = $1 AND t.key = k.key AND t.status IN ('done', 'dead') LIMIT 1) r
 ), st AS (
 	INSERT INTO {S} AS s (consumer, key, started, expires_at)
-	SELECT $1, k.key, 1, now() + make_interval(secs => $3) FROM k
-	WHERE NOT EXISTS (SELECT 1 FROM rec WHERE rec.key = k.key)
+	SELECT $1, k, 1, now() + make_interval(secs => $3) FROM unnest($2::text[]) AS k
+	WHERE k <> ALL (ARRAY(SELECT key FROM rec))
 	ON CONFLICT (consumer, key) DO UPDATE SET started = s.started + 1, expires_at = EXCLUDED.expires_at
 	RETURNING key, started
 )
@@ -62,14 +67,19 @@ SELECT key, 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
 		// claim for many keys of one consumer ($2, distinct), in the
 		// batch's transaction: the new keys are taken as done (visible
 		// at commit), and their start counts go with the commit; a key
-		// with a record already is not taken and returns no row.
+		// with a record already is not taken and returns no row. The start
+		// rows are found one key at a time, as in startBatch, and deleted
+		// by their row ids; a start row that a concurrent copy of a key
+		// bumps meanwhile is left, on a key that is done.
 		claimBatch: r.Replace(`WITH ins AS (
 	INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
 	SELECT $1, k, 'done', 1, now(), now() + make_interval(secs => $3) FROM unnest($2::text[]) AS k
 	ON CONFLICT (consumer, key) DO NOTHING
 	RETURNING key, attempts, first_failed_at
 ), del AS (
-	DELETE FROM {S} WHERE consumer = $1 AND key IN (SELECT key FROM ins)
+	DELETE FROM {S} WHERE ctid = ANY (ARRAY(
+		SELECT s.ctid FROM ins CROSS JOIN LATERAL (
+			SELECT ctid FROM {S} WHERE consumer = $1 AND key = ins.key LIMIT 1) s))
 )
 SELECT key, attempts, first_failed_at FROM ins`),
 
