@@ -419,46 +419,17 @@ func (in *Inbox) endUncounted(ctx context.Context, q *queued, err error) error {
 // runInBatch runs q's handler in the batch's transaction, and its outbox
 // write; it keeps what the handler produced in q.
 func (in *Inbox) runInBatch(tx dedup.InboxTx, q *queued) error {
-	base := q.msg.Context()
-	q.o.step(base, observe.StepClaimed)
-	hctx := tx.WithTx(q.drain)
-	produced, err := in.run(hctx, q.msg, q.key, q.h, q.o)
-	cut := hctx.Err() != nil
-	if err == nil && in.cfg.Outbox != nil && len(produced) > 0 {
-		finish, cancel := in.finishContext(base)
-		err = in.callOutbox(tx.WithTx(finish), produced)
-		cancel()
-		if err == nil {
-			produced = nil // committed with the effect; the relay publishes them
-		}
-	}
-	if err != nil && !cut {
-		err = classifyTx(tx, err)
-	}
+	q.o.step(q.msg.Context(), observe.StepClaimed)
+	produced, err := in.runOn(tx, q.drain, q.msg, q.key, q.h, q.o)
 	q.produced = produced
 	return err
 }
 
 // endFailed ends the attempt of q, whose transaction failed with err and
-// is rolled back, as the single-message path does: a shutdown and the
-// infrastructure are not counted; anything else is recorded as a failed
-// attempt.
+// is rolled back, as the single-message path does.
 func (in *Inbox) endFailed(ctx context.Context, q *queued, err error) error {
-	base := q.msg.Context()
 	q.produced = nil
-	switch {
-	case stopping(base):
-		return in.abandoned(ctx, q.msg, q.key, err, q.o)
-	case IsInfrastructure(err):
-		in.infra.Add(1)
-		q.o.outcome = observe.Unavailable
-		return in.unstart(ctx, q.key, err)
-	}
-	in.failed.Add(1)
-	q.o.failed(err)
-	f := dedup.Failure{Err: err.Error(), At: time.Now()}
-	failErr := in.cfg.TxStore.InboxFail(ctx, q.key, f, in.cfg.Window)
-	return attempted(errors.Join(err, failErr), dedup.Claim{Attempts: q.start.Attempts, FirstFailedAt: q.start.FirstFailedAt}, f.At)
+	return in.failAttempt(ctx, q.msg, q.key, q.o, dedup.Claim{Attempts: q.start.Attempts, FirstFailedAt: q.start.FirstFailedAt}, err)
 }
 
 func keysOf(batch []*queued) []string {

@@ -570,7 +570,6 @@ func (in *Inbox) claimFailed(base context.Context, key dedup.Key, err error) err
 // handler and the commit.
 func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.HandlerFunc, start dedup.Claim, tx dedup.InboxTx, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
-	store := in.cfg.TxStore
 	if in.cfg.SkipAttemptRecord {
 		start.Attempts = claim.Attempts // the failed attempts, this one included
 	}
@@ -595,28 +594,14 @@ func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.H
 	}
 	o.step(base, observe.StepClaimed)
 
-	hctx, endDrain := drainContext(tx.WithTx(base), in.cfg.DrainTimeout)
-	produced, err := in.run(hctx, msg, key, h, o)
-	cut := hctx.Err() != nil // its deadline passed, or the drain ran out
+	drain, endDrain := drainContext(base, in.cfg.DrainTimeout)
+	produced, err := in.runOn(tx, drain, msg, key, h, o)
 	endDrain()
 
 	// The handler has returned: what it did is committed, or rolled back
 	// and recorded, even if the consumer is shutting down meanwhile.
 	finish, cancel := in.finishContext(base)
 	defer cancel()
-	if err == nil && in.cfg.Outbox != nil && len(produced) > 0 {
-		if err = in.callOutbox(tx.WithTx(finish), produced); err == nil {
-			produced = nil // committed with the effect; the relay publishes them
-		}
-	}
-	if err != nil && !cut {
-		// The handler's error is the message's, whatever it wraps, unless
-		// the transaction it wrote through says it failed itself (its
-		// connection was lost, or the database aborted it for a
-		// conflict). A handler cut short by its deadline failed through
-		// its own slowness, even if the cut broke the connection.
-		err = classifyTx(tx, err)
-	}
 	if err == nil {
 		var result []byte
 		if result, err = encodeResult(produced); err == nil {
@@ -632,24 +617,56 @@ func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.H
 		}
 	}
 	err = errors.Join(err, in.rollback(finish, tx))
+	if errors.Is(err, dedup.ErrConflict) && !stopping(base) {
+		return nil, err // the caller runs the transaction again
+	}
+	return nil, in.failAttempt(finish, msg, key, o, dedup.Claim{Attempts: start.Attempts, FirstFailedAt: claim.FirstFailedAt}, err)
+}
+
+// runOn runs h in tx on drain (the handler's context: see drainContext),
+// and writes what it produced into the outbox when one is configured. The
+// handler's error is the message's, whatever it wraps, unless the
+// transaction it wrote through says it failed itself (its connection was
+// lost, or the database aborted it for a conflict). A handler cut short
+// by its deadline or the drain failed through its own slowness, even if
+// the cut broke the connection: it is not asked then.
+func (in *Inbox) runOn(tx dedup.InboxTx, drain context.Context, msg *message.Message, key dedup.Key, h message.HandlerFunc, o *attemptObs) ([]*message.Message, error) {
+	hctx := tx.WithTx(drain)
+	produced, err := in.run(hctx, msg, key, h, o)
+	cut := hctx.Err() != nil
+	if err == nil && in.cfg.Outbox != nil && len(produced) > 0 {
+		finish, cancel := in.finishContext(msg.Context())
+		err = in.callOutbox(tx.WithTx(finish), produced)
+		cancel()
+		if err == nil {
+			produced = nil // committed with the effect; the relay publishes them
+		}
+	}
+	if err != nil && !cut {
+		err = classifyTx(tx, err)
+	}
+	return produced, err
+}
+
+// failAttempt ends an attempt whose transaction failed with err and has
+// been rolled back: a shutdown and the infrastructure's faults (an
+// outage, a commit whose outcome is unknown: its redelivery finds the key
+// done, or applies it once) are not counted; anything else is recorded as
+// a failed attempt, counted as counted says.
+func (in *Inbox) failAttempt(ctx context.Context, msg *message.Message, key dedup.Key, o *attemptObs, counted dedup.Claim, err error) error {
 	switch {
-	case stopping(base):
-		return nil, in.abandoned(finish, msg, key, err, o)
-	case errors.Is(err, dedup.ErrConflict):
-		return nil, err
+	case stopping(msg.Context()):
+		return in.abandoned(ctx, msg, key, err, o)
 	case IsInfrastructure(err):
-		// The store, not the message: an outage, or a commit whose outcome
-		// is unknown (its redelivery finds the key done, or applies it
-		// once). Not counted.
 		in.infra.Add(1)
 		o.outcome = observe.Unavailable
-		return nil, in.unstart(finish, key, err)
+		return in.unstart(ctx, key, err)
 	}
 	in.failed.Add(1)
 	o.failed(err)
 	f := dedup.Failure{Err: err.Error(), At: time.Now()}
-	failErr := store.InboxFail(finish, key, f, in.cfg.Window)
-	return nil, attempted(errors.Join(err, failErr), dedup.Claim{Attempts: start.Attempts, FirstFailedAt: claim.FirstFailedAt}, f.At)
+	failErr := in.cfg.TxStore.InboxFail(ctx, key, f, in.cfg.Window)
+	return attempted(errors.Join(err, failErr), counted, f.At)
 }
 
 // classifyTx lets tx mark the infrastructure's errors among those the

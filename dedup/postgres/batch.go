@@ -78,11 +78,7 @@ func (s *Store) InboxStartBatch(ctx context.Context, consumer string, keys []str
 // (the connection broke after it was sent) by wrapping
 // [dedup.ErrMaybeCounted].
 func (s *Store) batchStartError(ctx context.Context, err error) error {
-	var (
-		pgErr      *pgconn.PgError
-		connectErr *pgconn.ConnectError
-	)
-	if !errors.As(err, &pgErr) && !errors.As(err, &connectErr) && connectionError(err) && !pgconn.SafeToRetry(err) {
+	if maybeSent(err) {
 		return fmt.Errorf("%w: %w", dedup.ErrMaybeCounted, interpret(ctx, "start batch", err))
 	}
 	return interpret(ctx, "start batch", err)

@@ -125,13 +125,8 @@ func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Durat
 	err := s.db.QueryRow(ctx, s.q.start, key.Consumer, key.Key, seconds(window)).
 		Scan(&status, &c.Attempts, &c.Result, &firstFailed)
 	if err != nil {
-		var (
-			pgErr      *pgconn.PgError
-			connectErr *pgconn.ConnectError
-		)
-		if !errors.As(err, &pgErr) && !errors.As(err, &connectErr) && connectionError(err) && !pgconn.SafeToRetry(err) {
-			// Sent, and the connection broke before the answer: the
-			// start may have committed.
+		if maybeSent(err) {
+			// The start may have committed.
 			return dedup.Claim{State: dedup.StateNew}, interpret(ctx, "start", err)
 		}
 		return dedup.Claim{}, interpret(ctx, "start", err)
@@ -428,8 +423,7 @@ func (t *inboxTx) Commit(ctx context.Context) error {
 	if err == nil {
 		return nil
 	}
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) && connectionError(err) && !pgconn.SafeToRetry(err) {
+	if maybeSent(err) {
 		return fmt.Errorf("postgres: commit: %w: %w", dedup.ErrAmbiguous, err)
 	}
 	return interpret(ctx, "commit", err)
@@ -503,6 +497,18 @@ func classify(err error, callerDone bool) error {
 		return dedup.ErrUnavailable
 	}
 	return nil
+}
+
+// maybeSent reports whether err says that a statement was sent and the
+// connection broke before its answer came back, so that the statement
+// may have run: not the server's own answer, not a connect that failed,
+// not an error pgconn knows was raised before anything was sent.
+func maybeSent(err error) bool {
+	var (
+		pgErr      *pgconn.PgError
+		connectErr *pgconn.ConnectError
+	)
+	return !errors.As(err, &pgErr) && !errors.As(err, &connectErr) && connectionError(err) && !pgconn.SafeToRetry(err)
 }
 
 // connectionError reports whether err says the connection to the server
