@@ -1,7 +1,7 @@
 // Package delivery names the message metadata that oncemill's broker
-// adapters (Kafka, RabbitMQ, SQS) set on every delivery and that its
-// middlewares read: where a message came from, how often the broker has
-// delivered it, and whether it could be decoded at all.
+// adapters (Kafka, RabbitMQ, SQS, NATS JetStream) set on every delivery
+// and that its middlewares read: where a message came from, how often the
+// broker has delivered it, and whether it could be decoded at all.
 //
 // Adapters set these keys; they never import the middlewares, and the
 // middlewares never import an adapter: this package is the one both know.
@@ -28,13 +28,18 @@ const (
 	Partition = "oncemill_partition"
 	// Offset is the Kafka offset of the message in its partition.
 	Offset = "oncemill_offset"
+	// Stream is the NATS JetStream stream the message was received from.
+	Stream = "oncemill_stream"
+	// StreamSequence is the message's sequence number in its JetStream
+	// stream: the same on every delivery of the message.
+	StreamSequence = "oncemill_stream_sequence"
 	// Attempts is the broker's own count of deliveries of this message,
 	// this one included, where the broker keeps one (SQS
-	// ApproximateReceiveCount, RabbitMQ quorum x-delivery-count + 1).
-	// Absent when the broker has none (Kafka).
+	// ApproximateReceiveCount, RabbitMQ quorum x-delivery-count + 1,
+	// JetStream NumDelivered). Absent when the broker has none (Kafka).
 	Attempts = "oncemill_attempts"
 	// Redelivered is "true" when the broker says it delivered the message
-	// before (RabbitMQ's redelivered flag).
+	// before (RabbitMQ's redelivered flag, JetStream NumDelivered > 1).
 	Redelivered = "oncemill_redelivered"
 	// DecodeError holds why the adapter could not decode the broker's
 	// record into a message; the payload then holds the raw bytes. The
@@ -57,13 +62,13 @@ const (
 )
 
 // IsDeliveryFact reports whether metadata key k is one an adapter sets on
-// a delivery (Topic, Partition, Offset, Attempts, Redelivered,
-// DecodeError) or the poison middleware adds (the Dead* keys): facts about
-// one delivery that must not travel with a message published again, as a
-// replay from the dead-letter queue does.
+// a delivery (Topic, Partition, Offset, Stream, StreamSequence, Attempts,
+// Redelivered, DecodeError) or the poison middleware adds (the Dead*
+// keys): facts about one delivery that must not travel with a message
+// published again, as a replay from the dead-letter queue does.
 func IsDeliveryFact(k string) bool {
 	switch k {
-	case Topic, Partition, Offset, Attempts, Redelivered, DecodeError, Replay, ReplayConsumer:
+	case Topic, Partition, Offset, Stream, StreamSequence, Attempts, Redelivered, DecodeError, Replay, ReplayConsumer:
 		return true
 	}
 	return strings.HasPrefix(k, DeadPrefix)
