@@ -1,0 +1,589 @@
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/oncemill/oncemill/delivery"
+)
+
+const (
+	// fetchWait is how long one pull request waits for messages. Close
+	// does not wait for it: it cancels it.
+	fetchWait = 30 * time.Second
+	// fetchRetryMin and fetchRetryMax bound the pause after a failed
+	// pull, which doubles while the failures go on.
+	fetchRetryMin = 250 * time.Millisecond
+	fetchRetryMax = 10 * time.Second
+)
+
+// Acknowledgement bodies of the JetStream protocol, sent as requests to a
+// message's reply subject: the server answers each, which confirms that
+// it has it.
+var (
+	ackProgress = []byte("+WPI")
+	ackNak      = []byte("-NAK")
+)
+
+// Subscriber consumes Watermill messages from JetStream through one
+// durable pull consumer per topic and consumer group. It is safe for
+// concurrent use.
+//
+// NewSubscriber opens a connection. Each Subscribe call starts goroutines,
+// owned by the Subscriber and stopped by Close or by the cancellation of
+// Subscribe's context: one that pulls messages, one that hands them to the
+// output channel in order, and one per message held, which sends its
+// heartbeats and its ack or nack.
+type Subscriber struct {
+	cfg    SubscriberConfig
+	client *client
+	logger watermill.LoggerAdapter
+
+	// ctx is cancelled by Close; every subscription's context derives
+	// from it.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu     sync.Mutex
+	closed bool
+	done   chan struct{} // closed when Close has finished
+	wg     sync.WaitGroup
+}
+
+var (
+	_ message.Subscriber           = (*Subscriber)(nil)
+	_ message.SubscribeInitializer = (*Subscriber)(nil)
+)
+
+// NewSubscriber validates a copy of cfg with its defaults applied, connects
+// to NATS within ctx and [Config.ConnectTimeout], and checks that the
+// account has JetStream. It makes no consumer: Subscribe and
+// SubscribeInitialize do, once they know the topic.
+func NewSubscriber(ctx context.Context, cfg SubscriberConfig) (*Subscriber, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	c, err := connect(ctx, cfg.Config, "oncemill subscriber "+cfg.ConsumerGroup)
+	if err != nil {
+		return nil, err
+	}
+	sctx, cancel := context.WithCancel(context.Background())
+	return &Subscriber{
+		cfg:    cfg,
+		client: c,
+		logger: cfg.Logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup}),
+		ctx:    sctx,
+		cancel: cancel,
+		done:   make(chan struct{}),
+	}, nil
+}
+
+// Subscribe makes sure topic's stream and the group's durable consumer
+// exist with the subscriber's settings, starts pulling from the consumer
+// and returns the channel of its messages. A stream that does not exist
+// fails with [ErrStreamNotFound] unless [Config.CreateStreams] is set; a
+// consumer that exists with other settings fails with
+// [ErrConsumerMismatch], naming each field that differs. The channel is
+// closed when ctx is cancelled or the subscriber closes.
+//
+// The subscription holds at most [SubscriberConfig.MaxInFlight] messages
+// (handed out, or fetched and about to be) and asks JetStream for more
+// only when it holds fewer. From the moment a message arrives until it is
+// acked or nacked, the subscription tells JetStream every third of its ack
+// wait that it is still in progress, so JetStream does not deliver it
+// again meanwhile. When two heartbeats in a row fail, which leaves too
+// little of the ack wait for a third, the message's context is cancelled
+// with cause [ErrHeartbeat]: JetStream will deliver it again, and the
+// handler should stop. An ack is sent as a request that JetStream
+// confirms; a nack asks JetStream to deliver the message again after
+// [SubscriberConfig.NackBackoff] of its attempt.
+//
+// When the subscription ends (ctx is done or the subscriber closes) it
+// drains: it fetches and hands out nothing more, nacks at once the
+// messages fetched but not handed out, and waits up to
+// [SubscriberConfig.DrainTimeout] for the handlers' acks and nacks, the
+// heartbeats still going; a message still held then has its context
+// cancelled and is delivered again after its ack wait.
+//
+// Every message has the metadata delivery.Topic (topic), delivery.Stream,
+// delivery.StreamSequence, delivery.Attempts (NumDelivered) and
+// delivery.Redelivered, and its context derives from ctx.
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("nats: subscribe to %q: %w", topic, ErrClosed)
+	}
+	// Reserve the subscription's place before leaving the lock, so that a
+	// concurrent Close waits for it.
+	s.wg.Add(1)
+	s.mu.Unlock()
+
+	subCtx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(s.ctx, cancel)
+	cons, err := s.consumer(subCtx, topic)
+	if err != nil {
+		stop()
+		cancel()
+		s.wg.Done()
+		if s.ctx.Err() != nil {
+			return nil, fmt.Errorf("nats: subscribe to %q: %w", topic, ErrClosed)
+		}
+		return nil, fmt.Errorf("nats: subscribe to %q: %w", topic, err)
+	}
+	info := cons.CachedInfo()
+	sub := &subscription{
+		s:       s,
+		cfg:     s.cfg,
+		cons:    cons,
+		topic:   topic,
+		ctx:     subCtx,
+		cancel:  func() { stop(); cancel() },
+		msgCtx:  ctx,
+		out:     make(chan *message.Message),
+		slots:   make(chan struct{}, s.cfg.MaxInFlight),
+		ready:   make(chan *held, s.cfg.MaxInFlight),
+		abandon: make(chan struct{}),
+		logger:  s.logger.With(watermill.LogFields{"topic": topic, "stream": info.Stream, "consumer": info.Name}),
+	}
+	go sub.run()
+	sub.logger.Debug("Subscribed to JetStream consumer", nil)
+	return sub.out, nil
+}
+
+// SubscribeInitialize makes sure topic's stream (created with
+// [Config.CreateStreams]) and the group's durable consumer exist, as
+// Subscribe does, without subscribing. It implements
+// message.SubscribeInitializer.
+func (s *Subscriber) SubscribeInitialize(topic string) error {
+	s.mu.Lock()
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		return fmt.Errorf("nats: initialize %q: %w", topic, ErrClosed)
+	}
+	if _, err := s.consumer(s.ctx, topic); err != nil {
+		return fmt.Errorf("nats: initialize %q: %w", topic, err)
+	}
+	return nil
+}
+
+// Close ends every subscription, draining each as Subscribe describes,
+// waits for the goroutines and closes the connection. Close is
+// idempotent; every call returns nil once the first has finished.
+func (s *Subscriber) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		<-s.done
+		return nil
+	}
+	s.closed = true
+	s.mu.Unlock()
+
+	s.cancel()
+	s.wg.Wait()
+	s.client.close()
+	close(s.done)
+	s.logger.Debug("NATS subscriber closed", nil)
+	return nil
+}
+
+// consumerConfig is the config of the group's durable consumer of topic.
+func (s *Subscriber) consumerConfig(topic string) jetstream.ConsumerConfig {
+	return jetstream.ConsumerConfig{
+		Durable:       s.cfg.ConsumerName(topic),
+		Description:   "Group " + s.cfg.ConsumerGroup + " of topic " + topic + ", created by oncemill",
+		DeliverPolicy: jetstream.DeliverAllPolicy,
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       s.cfg.AckWait,
+		MaxDeliver:    s.cfg.MaxDeliver,
+		BackOff:       slices.Clone(s.cfg.BackOff),
+		MaxAckPending: s.cfg.MaxAckPending,
+		FilterSubject: topic,
+		ReplayPolicy:  jetstream.ReplayInstantPolicy,
+	}
+}
+
+// consumer returns the group's durable consumer of topic, created if it
+// does not exist, after checking its settings.
+func (s *Subscriber) consumer(ctx context.Context, topic string) (jetstream.Consumer, error) {
+	stream, err := s.client.stream(ctx, topic, s.cfg.CreateStreams)
+	if err != nil {
+		return nil, err
+	}
+	want := s.consumerConfig(topic)
+	streamName := stream.CachedInfo().Config.Name
+	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	cons, err := stream.Consumer(ctx, want.Durable)
+	if errors.Is(err, jetstream.ErrConsumerNotFound) {
+		cons, err = stream.CreateConsumer(ctx, want)
+		if err == nil {
+			s.logger.Info("Created JetStream durable consumer", watermill.LogFields{"stream": streamName, "consumer": want.Durable, "topic": topic})
+		} else if errors.Is(err, jetstream.ErrConsumerExists) || errors.Is(err, jetstream.ErrConsumerNameAlreadyInUse) {
+			// Created meanwhile, with other settings than these in
+			// some field: say which, below.
+			cons, err = stream.Consumer(ctx, want.Durable)
+		}
+	}
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		s.client.forget(topic)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("nats: durable consumer %q of stream %q: %w", want.Durable, streamName, err)
+	}
+	if diffs := consumerDiff(cons.CachedInfo().Config, want); len(diffs) > 0 {
+		return nil, fmt.Errorf("%w: consumer %q of stream %q has %s; delete it (nats consumer rm %s %s) to have it made again, which replays the stream from its start, or subscribe with its settings",
+			ErrConsumerMismatch, want.Durable, streamName, strings.Join(diffs, ", "), streamName, want.Durable)
+	}
+	return cons, nil
+}
+
+// consumerDiff names each setting the subscriber owns in which got, an
+// existing consumer's config, differs from want, with both values.
+func consumerDiff(got, want jetstream.ConsumerConfig) []string {
+	var diffs []string
+	differ := func(field string, g, w any) {
+		diffs = append(diffs, fmt.Sprintf("%s %v (want %v)", field, g, w))
+	}
+	if got.DeliverSubject != "" {
+		differ("DeliverSubject (a push consumer)", strconv.Quote(got.DeliverSubject), `"" (a pull consumer)`)
+	}
+	if got.DeliverPolicy != want.DeliverPolicy {
+		differ("DeliverPolicy", got.DeliverPolicy, want.DeliverPolicy)
+	}
+	if got.AckPolicy != want.AckPolicy {
+		differ("AckPolicy", got.AckPolicy, want.AckPolicy)
+	}
+	if got.AckWait != want.AckWait {
+		differ("AckWait (ack_wait)", got.AckWait, want.AckWait)
+	}
+	if got.MaxDeliver != want.MaxDeliver {
+		differ("MaxDeliver (max_deliver)", got.MaxDeliver, want.MaxDeliver)
+	}
+	if !slices.Equal(got.BackOff, want.BackOff) {
+		differ("BackOff (backoff)", got.BackOff, want.BackOff)
+	}
+	if got.MaxAckPending != want.MaxAckPending {
+		differ("MaxAckPending (max_ack_pending)", got.MaxAckPending, want.MaxAckPending)
+	}
+	filter := got.FilterSubjects
+	if got.FilterSubject != "" {
+		filter = append([]string{got.FilterSubject}, filter...)
+	}
+	if !slices.Equal(filter, []string{want.FilterSubject}) {
+		differ("FilterSubject (filter_subject)", strconv.Quote(strings.Join(filter, ", ")), strconv.Quote(want.FilterSubject))
+	}
+	if got.InactiveThreshold != 0 {
+		// JetStream would delete the consumer after that long without
+		// a subscriber, and the next Subscribe would make it again and
+		// replay the stream.
+		differ("InactiveThreshold (inactive_threshold)", got.InactiveThreshold, time.Duration(0))
+	}
+	return diffs
+}
+
+// subscription is one Subscribe call: its pull loop, its hand-out and the
+// holders of its messages.
+type subscription struct {
+	s      *Subscriber
+	cfg    SubscriberConfig
+	cons   jetstream.Consumer
+	logger watermill.LoggerAdapter
+	topic  string
+
+	// ctx ends the subscription: no more pulls or hand-outs. It is
+	// Subscribe's context, also cancelled by Close.
+	ctx    context.Context
+	cancel context.CancelFunc
+	// msgCtx, Subscribe's context, is the parent of the message
+	// contexts, which Close leaves alone until the drain ends.
+	msgCtx context.Context
+	out    chan *message.Message
+
+	// slots holds a token for each message held, fetched or handed out
+	// and not yet acked or nacked: at most MaxInFlight.
+	slots chan struct{}
+	// ready are the messages fetched and not yet handed out, in order.
+	ready chan *held
+	// abandon is closed when the drain ends: holders stop.
+	abandon chan struct{}
+	holders sync.WaitGroup
+}
+
+// held is a message that the subscription holds.
+type held struct {
+	m        jetstream.Msg
+	msg      *message.Message
+	attempt  int
+	received time.Time
+	cancel   context.CancelCauseFunc
+	// released is set for a message never handed out: its nack asks for
+	// no delay.
+	released atomic.Bool
+	fields   watermill.LogFields
+}
+
+// run pulls and hands out messages until the subscription ends, then
+// drains.
+func (sub *subscription) run() {
+	defer sub.s.wg.Done()
+	defer sub.cancel()
+	handedOut := make(chan struct{})
+	go sub.handOut(handedOut)
+	sub.pull()
+	close(sub.ready)
+	<-handedOut
+	sub.drain()
+}
+
+// pull fetches messages while the subscription holds fewer than
+// MaxInFlight, as many as it has room for, until the subscription ends.
+func (sub *subscription) pull() {
+	retry := fetchRetryMin
+	for {
+		select {
+		case <-sub.ctx.Done():
+			return
+		case sub.slots <- struct{}{}:
+		}
+		n := 1
+	room:
+		for n < cap(sub.slots) {
+			select {
+			case sub.slots <- struct{}{}:
+				n++
+			default:
+				break room
+			}
+		}
+		got, err := sub.fetch(n)
+		for range n - got {
+			<-sub.slots
+		}
+		if sub.ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			sub.logger.Error("Cannot fetch from JetStream consumer, retrying", err, watermill.LogFields{"retry_in": retry.String()})
+			select {
+			case <-sub.ctx.Done():
+				return
+			case <-time.After(retry):
+			}
+			retry = min(2*retry, fetchRetryMax)
+			continue
+		}
+		retry = fetchRetryMin
+	}
+}
+
+// fetch asks for up to n messages and holds each as it arrives. It
+// returns how many arrived.
+func (sub *subscription) fetch(n int) (int, error) {
+	ctx, cancel := context.WithTimeout(sub.ctx, fetchWait)
+	defer cancel()
+	batch, err := sub.cons.Fetch(n, jetstream.FetchContext(ctx))
+	if err != nil {
+		return 0, err
+	}
+	got := 0
+	for m := range batch.Messages() {
+		got++
+		sub.hold(m)
+	}
+	err = batch.Error()
+	if errors.Is(err, context.DeadlineExceeded) && sub.ctx.Err() == nil {
+		return got, nil // the pull expired on our side first
+	}
+	return got, err
+}
+
+// hold starts the holder of m, which heartbeats from now on, and queues m
+// for the hand-out.
+func (sub *subscription) hold(m jetstream.Msg) {
+	received := time.Now()
+	meta, _ := m.Metadata()
+	msg := unmarshal(m, sub.topic, meta)
+	attempt := 1
+	if meta != nil {
+		attempt = max(int(meta.NumDelivered), 1)
+	}
+	ctx, cancel := context.WithCancelCause(sub.msgCtx)
+	msg.SetContext(ctx)
+	h := &held{
+		m:        m,
+		msg:      msg,
+		attempt:  attempt,
+		received: received,
+		cancel:   cancel,
+		fields: watermill.LogFields{
+			"message_uuid":    msg.UUID,
+			"stream_sequence": msg.Metadata.Get(delivery.StreamSequence),
+			"attempt":         attempt,
+		},
+	}
+	if why := delivery.DecodeErrorOf(msg); why != "" {
+		sub.logger.Error("Cannot decode JetStream message; delivering it with its decode error", nil, h.fields.Add(watermill.LogFields{"decode_error": why}))
+	}
+	sub.holders.Add(1)
+	go sub.keep(h)
+	sub.ready <- h // never blocks: it has room for every slot
+}
+
+// handOut sends the fetched messages to the output channel in order, and
+// releases those it cannot hand out once the subscription ends. It closes
+// the output channel when the pull has stopped.
+func (sub *subscription) handOut(done chan<- struct{}) {
+	defer close(done)
+	defer close(sub.out)
+	for h := range sub.ready {
+		// Asked first: a select with several ready cases picks one at
+		// random, and nothing is handed out once the subscription ends.
+		if sub.ctx.Err() != nil {
+			sub.release(h)
+			continue
+		}
+		select {
+		case sub.out <- h.msg:
+			sub.logger.Trace("Message sent to handler", h.fields)
+		case <-sub.ctx.Done():
+			sub.release(h)
+		}
+	}
+}
+
+// release gives back a message that was never handed out: its holder
+// nacks it without delay, for another subscriber to take at once.
+func (sub *subscription) release(h *held) {
+	h.released.Store(true)
+	h.msg.Nack()
+}
+
+// keep holds h until it is acked or nacked, or the drain ends: it sends a
+// heartbeat every third of the message's ack wait, and cancels the
+// message's context when the heartbeats fail for so long that JetStream
+// may deliver the message again before the next one.
+func (sub *subscription) keep(h *held) {
+	defer sub.holders.Done()
+	defer func() { <-sub.slots }()
+	defer h.cancel(nil)
+	deadline := sub.cfg.ackDeadline(h.attempt)
+	interval := deadline / 3
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	// confirmed is when JetStream last restarted the ack wait, at the
+	// latest: the message's arrival, then the sending of each heartbeat
+	// it confirmed.
+	confirmed, alive := h.received, true
+	for {
+		select {
+		case <-h.msg.Acked():
+			sub.ack(h)
+			return
+		case <-h.msg.Nacked():
+			sub.nak(h)
+			return
+		case <-sub.abandon:
+			sub.logger.Info("Drain timeout while the handler holds a message; JetStream delivers it again after its ack wait",
+				h.fields.Add(watermill.LogFields{"drain_timeout": sub.cfg.DrainTimeout.String()}))
+			return
+		case <-t.C:
+			if !alive {
+				continue
+			}
+			sent := time.Now()
+			err := sub.reply(h, ackProgress, interval/2)
+			if err == nil {
+				confirmed = sent
+				continue
+			}
+			if time.Since(confirmed)+interval < deadline {
+				sub.logger.Info("Heartbeat to JetStream failed, trying again", h.fields.Add(watermill.LogFields{"err": err.Error()}))
+				continue
+			}
+			alive = false
+			h.cancel(ErrHeartbeat)
+			sub.logger.Error("Heartbeats to JetStream failed; the message's context is cancelled, as JetStream will deliver it again", err,
+				h.fields.Add(watermill.LogFields{"since_confirmed": time.Since(confirmed).String(), "ack_wait": deadline.String()}))
+		}
+	}
+}
+
+// ack acknowledges h and waits for JetStream to confirm it. When that
+// fails, JetStream delivers the message again after its ack wait, and the
+// inbox absorbs the duplicate.
+func (sub *subscription) ack(h *held) {
+	ctx, cancel := context.WithTimeout(context.Background(), requestTimeout)
+	defer cancel()
+	if err := h.m.DoubleAck(ctx); err != nil {
+		sub.logger.Error("JetStream did not confirm an ack; it will deliver the message again after its ack wait", err, h.fields)
+		return
+	}
+	sub.logger.Trace("Message acked", h.fields)
+}
+
+// nak asks JetStream to deliver h again: after the NackBackoff of its
+// attempt, or at once for a message never handed out.
+func (sub *subscription) nak(h *held) {
+	var delay time.Duration
+	if !h.released.Load() {
+		delay = max(sub.cfg.NackBackoff(h.attempt), 0)
+	}
+	body := ackNak
+	if delay > 0 {
+		body = fmt.Appendf(nil, `%s {"delay": %d}`, ackNak, delay.Nanoseconds())
+	}
+	fields := h.fields.Add(watermill.LogFields{"delay": delay.String()})
+	if err := sub.reply(h, body, requestTimeout); err != nil {
+		sub.logger.Error("JetStream did not confirm a nack; it will deliver the message again after its ack wait", err, fields)
+		return
+	}
+	sub.logger.Debug("Message nacked", fields)
+}
+
+// reply sends body to h's reply subject as a request and waits up to
+// timeout for JetStream's answer.
+func (sub *subscription) reply(h *held, body []byte, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	_, err := sub.s.client.nc.RequestWithContext(ctx, h.m.Reply(), body)
+	return err
+}
+
+// drain waits up to DrainTimeout for the held messages to be acked or
+// nacked, then makes the holders of the others stop.
+func (sub *subscription) drain() {
+	idle := make(chan struct{})
+	go func() {
+		sub.holders.Wait()
+		close(idle)
+	}()
+	select {
+	case <-idle:
+		return
+	default:
+	}
+	sub.logger.Debug("Draining: waiting for the handlers to ack or nack the messages they hold", watermill.LogFields{"drain_timeout": sub.cfg.DrainTimeout.String()})
+	timer := time.NewTimer(sub.cfg.DrainTimeout)
+	defer timer.Stop()
+	select {
+	case <-idle:
+	case <-timer.C:
+		close(sub.abandon)
+		<-idle
+	}
+}
