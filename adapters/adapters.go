@@ -5,6 +5,7 @@
 //	kafka://host:9092,host2:9092?group=billing   Kafka (kafka:// with no host: an embedded broker)
 //	amqp://user:pass@host:5672/vhost?group=billing   RabbitMQ, quorum queues, manual ack
 //	sqs://us-east-1?endpoint=http://127.0.0.1:4566&create=true   Amazon SQS
+//	nats://host:4222?group=billing   NATS JetStream, durable pull consumers (nats:// with no host: an embedded server)
 //	postgres://user@host:5432/db?group=billing   watermill-sql v4 on PostgreSQL
 //	gochannel://?persistent=true   in-process Watermill GoChannel
 //
@@ -122,10 +123,12 @@ func Open(ctx context.Context, rawURL string, opts Options) (*PubSub, error) {
 		ps, err = openAMQP(ctx, u, opts)
 	case "sqs":
 		ps, err = openSQS(ctx, u, opts)
+	case "nats":
+		ps, err = openNATS(ctx, u, opts)
 	case "":
-		return nil, fmt.Errorf("%w: %q has no scheme; use kafka://, amqp://, sqs://, postgres:// or gochannel://", ErrUnknownScheme, safe)
+		return nil, fmt.Errorf("%w: %q has no scheme; use kafka://, amqp://, sqs://, nats://, postgres:// or gochannel://", ErrUnknownScheme, safe)
 	default:
-		return nil, fmt.Errorf("%w %q in %q; use kafka://, amqp://, sqs://, postgres:// or gochannel://", ErrUnknownScheme, u.Scheme, safe)
+		return nil, fmt.Errorf("%w %q in %q; use kafka://, amqp://, sqs://, nats://, postgres:// or gochannel://", ErrUnknownScheme, u.Scheme, safe)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("adapters: open %s: %w", safe, scrub(err, rawURL, u))

@@ -2,13 +2,17 @@ package adapters_test
 
 import (
 	"context"
+	"errors"
 	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 
@@ -16,6 +20,8 @@ import (
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	"github.com/oncemill/oncemill/adapters/nats"
+	natsembedded "github.com/oncemill/oncemill/adapters/nats/embedded"
 	"github.com/oncemill/oncemill/internal/brokertest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 )
@@ -31,6 +37,8 @@ func brokers(t *testing.T) []broker {
 		kafkaRow(kafkaBrokers, "kafka_max_in_flight_1", "max_in_flight=1"),
 		amqpBroker(t),
 		sqsBroker(t),
+		natsBroker(t),
+		natsEmbeddedBroker(t),
 	}
 }
 
@@ -256,5 +264,81 @@ func sqsBroker(t *testing.T) broker {
 		},
 		pending: func(t *testing.T, topic, _ string) int { return queues.Backlog(t, topic) },
 		cleanup: func(t *testing.T, topic string, _ ...string) { queues.DeleteQueue(t, topic) },
+	}
+}
+
+// natsURL is the NATS server with JetStream the tests use.
+func natsURL() string {
+	if u := os.Getenv("ONCEMILL_NATS_URL"); u != "" {
+		return u
+	}
+	return "nats://127.0.0.1:4222"
+}
+
+// natsBroker is NATS JetStream at natsURL.
+func natsBroker(t *testing.T) broker {
+	return natsRow(t, "nats", natsURL())
+}
+
+// natsEmbeddedBroker is an embedded NATS server of the test's own, which
+// its cleanup stops; child processes reach it too.
+func natsEmbeddedBroker(t *testing.T) broker {
+	srv, err := natsembedded.Start(natsembedded.Config{})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, srv.Close()) })
+	return natsRow(t, "nats_embedded", srv.URL())
+}
+
+// natsRow is a NATS row named name on the server at server: a stream per
+// topic, created on first use, and a durable consumer per group; its
+// backlog is the consumer's messages not yet delivered and those delivered
+// and not acked (all of the stream's before the group's consumer exists).
+// A short ack wait bounds what a consumer that dies holding a message
+// costs the tests.
+func natsRow(t *testing.T, name, server string) broker {
+	nc, err := natsgo.Connect(server, natsgo.Timeout(5*time.Second))
+	if err != nil {
+		return broker{name: name, open: func(t *testing.T, _ string) *adapters.PubSub {
+			pgtest.Unavailable(t, "NATS at "+server, err)
+			return nil
+		}}
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	url := server + "?create=true&ack_wait=5s"
+	return broker{
+		name: name,
+		url:  url,
+		open: func(t *testing.T, group string) *adapters.PubSub {
+			ps, err := adapters.Open(context.Background(), url, adapters.Options{ConsumerGroup: group})
+			if err != nil {
+				pgtest.Unavailable(t, "NATS with JetStream at "+server, err)
+			}
+			return ps
+		},
+		pending: func(t *testing.T, topic, group string) int {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			stream := nats.Config{}.StreamName(topic)
+			cons, err := js.Consumer(ctx, stream, nats.SubscriberConfig{ConsumerGroup: group}.ConsumerName(topic))
+			if errors.Is(err, jetstream.ErrConsumerNotFound) {
+				s, err := js.Stream(ctx, stream)
+				require.NoError(t, err)
+				return int(s.CachedInfo().State.Msgs)
+			}
+			require.NoError(t, err)
+			info, err := cons.Info(ctx)
+			require.NoError(t, err)
+			return int(info.NumPending) + info.NumAckPending
+		},
+		cleanup: func(t *testing.T, topic string, _ ...string) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			// Deleting the stream deletes its consumers.
+			if err := js.DeleteStream(ctx, nats.Config{}.StreamName(topic)); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+				require.NoError(t, err)
+			}
+		},
 	}
 }

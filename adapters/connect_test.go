@@ -74,6 +74,8 @@ func TestOpenConnectTimeout(t *testing.T) {
 		{"amqp default", "amqp://guest:hunter2@%s/", adapters.Options{}},
 		{"sqs", "sqs://test:hunter2@us-east-1?endpoint=http://%s&connect_timeout=1s", adapters.Options{}},
 		{"sqs default", "sqs://test:hunter2@us-east-1?endpoint=http://%s", adapters.Options{}},
+		{"nats", "nats://oncemill:hunter2@%s?group=g&connect_timeout=1s", adapters.Options{}},
+		{"nats default", "nats://%s?group=g", adapters.Options{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -94,7 +96,7 @@ func TestOpenConnectTimeout(t *testing.T) {
 		t.Parallel()
 		// A context that ends before the default connect timeout bounds
 		// the attempts too, even of clients that take no context.
-		for _, rawURL := range []string{"kafka://%s?group=g", "amqp://guest:hunter2@%s/", "postgres://oncemill:hunter2@%s/test", "sqs://us-east-1?endpoint=http://%s"} {
+		for _, rawURL := range []string{"kafka://%s?group=g", "amqp://guest:hunter2@%s/", "postgres://oncemill:hunter2@%s/test", "sqs://us-east-1?endpoint=http://%s", "nats://%s?group=g"} {
 			addr := netfault.Silent(t)
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 			requireNoAnswer(t, ctx, strings.ReplaceAll(rawURL, "%s", addr), addr, adapters.Options{})
@@ -192,6 +194,31 @@ func TestOpenWithParameters(t *testing.T) {
 			pgtest.Unavailable(t, "SQS at "+sqsEndpoint(), err)
 		}
 		require.NoError(t, ps.Close())
+	})
+	t.Run("nats", func(t *testing.T) {
+		t.Parallel()
+		group, topic := pgtest.Name(t), pgtest.Name(t)+".params"
+		ps, err := adapters.Open(ctx, natsURL()+"?create=true&connect_timeout=2s&ack_wait=10s&max_deliver=20&max_ack_pending=64"+
+			"&max_in_flight=4&drain_timeout=3s&duplicate_window=1m&group="+group, adapters.Options{})
+		if err != nil {
+			pgtest.Unavailable(t, "NATS at "+natsURL(), err)
+		}
+		defer func() { require.NoError(t, ps.Close()) }()
+		b := natsBroker(t)
+		defer b.cleanup(t, topic)
+		subCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		msgs, err := ps.Subscriber.Subscribe(subCtx, topic)
+		require.NoError(t, err)
+		sent := message.NewMessage(watermill.NewUUID(), []byte("hello"))
+		require.NoError(t, ps.Publisher.Publish(topic, sent))
+		select {
+		case got := <-msgs:
+			require.Equal(t, sent.UUID, got.UUID)
+			got.Ack()
+		case <-time.After(30 * time.Second):
+			t.Fatal("no message from the nats subscriber")
+		}
 	})
 	t.Run("postgres", func(t *testing.T) {
 		t.Parallel()

@@ -22,7 +22,8 @@ func TestOpenBadURLs(t *testing.T) {
 		wantErr error
 		want    string
 	}{
-		{"nats://127.0.0.1:4222", adapters.ErrUnknownScheme, `unknown broker scheme "nats"`},
+		{"mqtt://127.0.0.1:1883", adapters.ErrUnknownScheme, `unknown broker scheme "mqtt"`},
+		{"nats://oncemill:hunter2@127.0.0.1:1?group=g&connect_timeout=2s", nil, "nats: connect to nats://xxxxx@127.0.0.1:1"},
 		{"127.0.0.1:9092", adapters.ErrBadURL, "cannot parse"},
 		{"localhost:9092", adapters.ErrUnknownScheme, `unknown broker scheme "localhost"`},
 		{"orders-topic", adapters.ErrUnknownScheme, "has no scheme"},
@@ -95,6 +96,8 @@ func TestOpenStrictURLs(t *testing.T) {
 		{url: "gochannel://?persistant=true", want: []string{`"persistant"`, "persistent"}},
 		{url: "gochannel://?persistent=true&persistent=false", want: []string{"parameter persistent is given 2 times"}},
 		{url: "gochannel://?persistent=true;x", want: []string{"query"}},
+		{url: "nats://guest:hunter2@127.0.0.1:1?group=g&ack_wiat=10s", want: []string{`unknown parameter "ack_wiat" for nats://`, "ack_wait", "max_deliver", "max_ack_pending", "max_in_flight", "stream", "create", "duplicate_window", "drain_timeout"}},
+		{url: "nats://?group=g&maxdeliver=5", want: []string{`"maxdeliver"`, "max_deliver"}},
 
 		// Invalid values.
 		{url: "kafka://127.0.0.1:1?group=g&read_timeout=soon", want: []string{`read_timeout="soon"`}},
@@ -122,6 +125,20 @@ func TestOpenStrictURLs(t *testing.T) {
 		{url: "sqs://us-east-1?visibility_timeout=0", want: []string{`visibility_timeout="0"`}},
 		{url: "sqs://us-east-1?create=sometimes", want: []string{`create="sometimes"`}},
 		{url: "gochannel://?connect_timeout=forever", want: []string{`connect_timeout="forever"`}},
+		{url: "nats://127.0.0.1:1", want: []string{"nats needs a consumer group"}},
+		{url: "nats://127.0.0.1:1?group=g&ack_wait=soon", want: []string{`ack_wait="soon"`, "Go duration"}},
+		{url: "nats://127.0.0.1:1?group=g&ack_wait=500ms", want: []string{"ack_wait=500ms", "at least 1s"}},
+		{url: "nats://127.0.0.1:1?group=g&max_deliver=0", want: []string{`max_deliver="0"`, "-1 for no limit"}},
+		{url: "nats://127.0.0.1:1?group=g&max_deliver=-2", want: []string{`max_deliver="-2"`}},
+		{url: "nats://127.0.0.1:1?group=g&max_ack_pending=0", want: []string{`max_ack_pending="0"`, "positive integer"}},
+		{url: "nats://127.0.0.1:1?group=g&max_in_flight=many", want: []string{`max_in_flight="many"`, "positive integer"}},
+		{url: "nats://127.0.0.1:1?group=g&max_in_flight=20&max_ack_pending=10", want: []string{"MaxInFlight must be between 1 and MaxAckPending (10), got 20"}},
+		{url: "nats://127.0.0.1:1?group=g&stream=ORDERS&create=true", want: []string{"stream=ORDERS and create=true"}},
+		{url: "nats://127.0.0.1:1?group=g&stream=orders.all", want: []string{`Stream "orders.all"`}},
+		{url: "nats://127.0.0.1:1?group=g&create=maybe", want: []string{`create="maybe"`}},
+		{url: "nats://127.0.0.1:1?group=g&drain_timeout=0s", want: []string{`drain_timeout="0s"`}},
+		{url: "nats://127.0.0.1:1?group=g&duplicate_window=-1m", want: []string{`duplicate_window="-1m"`}},
+		{url: "nats://127.0.0.1:99999?group=g", want: []string{`server "127.0.0.1:99999" has no valid port`}},
 
 		// The URL and Options disagree.
 		{url: "kafka://127.0.0.1:1?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a" and Options.ConsumerGroup "b" differ`}},
@@ -129,6 +146,7 @@ func TestOpenStrictURLs(t *testing.T) {
 		{url: "postgres://oncemill:hunter2@127.0.0.1:1/test?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a"`}},
 		{url: "sqs://us-east-1?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a"`}},
 		{url: "gochannel://?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a"`}},
+		{url: "nats://guest:hunter2@127.0.0.1:1?group=a", opts: adapters.Options{ConsumerGroup: "b"}, want: []string{`group="a"`}},
 		{url: "kafka://127.0.0.1:1?group=g&connect_timeout=2s", opts: adapters.Options{ConnectTimeout: 3 * time.Second}, want: []string{"connect_timeout=2s and Options.ConnectTimeout 3s differ"}},
 		{url: "gochannel://", opts: adapters.Options{ConnectTimeout: -time.Second}, want: []string{"Options.ConnectTimeout is -1s"}},
 	}
@@ -153,6 +171,7 @@ func TestOpenAgreeingOptions(t *testing.T) {
 		{"gochannel://?group=billing&connect_timeout=2s", adapters.Options{ConsumerGroup: "billing", ConnectTimeout: 2 * time.Second}},
 		{"gochannel://?connect_timeout=2", adapters.Options{ConnectTimeout: 2 * time.Second}},
 		{"kafka://?group=billing", adapters.Options{ConsumerGroup: "billing"}},
+		{"nats://?group=billing&connect_timeout=5s", adapters.Options{ConsumerGroup: "billing", ConnectTimeout: 5 * time.Second}},
 	} {
 		ps, err := adapters.Open(context.Background(), tc.url, tc.opts)
 		require.NoError(t, err, tc.url)

@@ -244,10 +244,18 @@ func TestURLDrainTimeout(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, scfg.DrainTimeout, "the subscriber's default")
 
+	_, ncfg, err := natsConfigs(mustParse(t, "nats://a:4222?group=g&drain_timeout=4s"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, 4*time.Second, ncfg.DrainTimeout)
+	_, ncfg, err = natsConfigs(mustParse(t, "nats://a:4222?group=g"), Options{})
+	require.NoError(t, err)
+	require.Zero(t, ncfg.DrainTimeout, "the subscriber's default")
+
 	open := map[string]func(u *url.URL) error{
 		"kafka://a:9092?group=g&": func(u *url.URL) error { _, _, _, err := kafkaConfigs(u, Options{}); return err },
 		"amqp://127.0.0.1/?":      func(u *url.URL) error { _, err := amqpConfig(u, Options{}); return err },
 		"sqs://eu-west-1?":        func(u *url.URL) error { _, _, _, err := sqsConfigs(u, Options{}); return err },
+		"nats://a:4222?group=g&":  func(u *url.URL) error { _, _, err := natsConfigs(u, Options{}); return err },
 	}
 	for prefix, parse := range open {
 		for _, bad := range []string{"0s", "-1s", "ten", "10"} {
@@ -261,4 +269,46 @@ func TestURLDrainTimeout(t *testing.T) {
 		require.ErrorIs(t, err, ErrBadURL, bad)
 		require.ErrorContains(t, err, "parameter max_messages=", bad)
 	}
+}
+
+// TestNATSURLParameters checks that the parameters of a nats:// URL reach
+// the publisher and subscriber configs, that every host becomes a server
+// URL with the user info, and the defaults when the URL has none:
+// streams are created on first use only on the embedded server, or when
+// asked.
+func TestNATSURLParameters(t *testing.T) {
+	pcfg, scfg, err := natsConfigs(mustParse(t, "nats://app:s3cret@a,b:4223?group=billing&stream=ORDERS&ack_wait=10s&max_deliver=20"+
+		"&max_ack_pending=64&max_in_flight=4&drain_timeout=3s&duplicate_window=1m&connect_timeout=2s"), Options{})
+	require.NoError(t, err)
+	require.Equal(t, "nats://app:s3cret@a:4222,nats://app:s3cret@b:4223", pcfg.URL)
+	require.Equal(t, pcfg.Config, scfg.Config, "one Config for both")
+	require.Equal(t, "ORDERS", scfg.Stream)
+	require.False(t, scfg.CreateStreams)
+	require.Equal(t, time.Minute, scfg.DuplicateWindow)
+	require.Equal(t, 2*time.Second, scfg.ConnectTimeout)
+	require.Equal(t, "billing", scfg.ConsumerGroup)
+	require.Equal(t, 10*time.Second, scfg.AckWait)
+	require.Equal(t, 20, scfg.MaxDeliver)
+	require.Equal(t, 64, scfg.MaxAckPending)
+	require.Equal(t, 4, scfg.MaxInFlight)
+	require.Equal(t, 3*time.Second, scfg.DrainTimeout)
+
+	_, scfg, err = natsConfigs(mustParse(t, "nats://a?max_deliver=-1"), Options{ConsumerGroup: "billing"})
+	require.NoError(t, err)
+	require.Equal(t, "nats://a:4222", scfg.URL)
+	require.Equal(t, -1, scfg.MaxDeliver)
+	require.False(t, scfg.CreateStreams, "a real server's streams are the operator's")
+	require.Zero(t, scfg.AckWait, "the subscriber's default")
+
+	_, scfg, err = natsConfigs(mustParse(t, "nats://a?group=g&create=true"), Options{})
+	require.NoError(t, err)
+	require.True(t, scfg.CreateStreams)
+
+	_, scfg, err = natsConfigs(mustParse(t, "nats://?group=g"), Options{})
+	require.NoError(t, err)
+	require.Empty(t, scfg.URL, "the embedded server's")
+	require.True(t, scfg.CreateStreams, "the embedded server is empty: streams are made on first use")
+	_, scfg, err = natsConfigs(mustParse(t, "nats://?group=g&create=false"), Options{})
+	require.NoError(t, err)
+	require.False(t, scfg.CreateStreams)
 }

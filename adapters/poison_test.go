@@ -68,7 +68,7 @@ var poisonModes = []poisonMode{
 	},
 }
 
-// TestPoisonOnBrokers: on Kafka, RabbitMQ and SQS, one message that always
+// TestPoisonOnBrokers: on Kafka, RabbitMQ, SQS and NATS, one message that always
 // fails, followed in the same partition (same partition key) by 100 good
 // ones, for each way a handler fails: it returns an error, it panics, or
 // it overruns the deadline that Watermill's Timeout middleware (between
@@ -84,7 +84,7 @@ func TestPoisonOnBrokers(t *testing.T) {
 	t.Parallel()
 	pool, store, effects := effectsDB(t, 32)
 
-	brokers := []broker{kafkaBroker(t), amqpBroker(t), sqsBroker(t)}
+	brokers := []broker{kafkaBroker(t), amqpBroker(t), sqsBroker(t), natsBroker(t)}
 	for _, mode := range poisonModes {
 		t.Run(mode.name, func(t *testing.T) {
 			t.Parallel()
