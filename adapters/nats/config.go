@@ -167,7 +167,7 @@ func (c Config) Validate() error {
 	}
 	for _, s := range strings.Split(c.URL, ",") {
 		u, err := url.Parse(strings.TrimSpace(s))
-		if err != nil || u.Host == "" {
+		if err != nil || u.Hostname() == "" {
 			return fmt.Errorf("%w: URL has %q, which is not a server URL such as nats://host:4222", ErrInvalidConfig, redactServer(s))
 		}
 	}
