@@ -308,8 +308,9 @@ func natsRow(t *testing.T, name, server string) broker {
 	require.NoError(t, err)
 	url := server + "?create=true&ack_wait=5s"
 	return broker{
-		name: name,
-		url:  url,
+		name:         name,
+		url:          url,
+		dropsRetries: true,
 		open: func(t *testing.T, group string) *adapters.PubSub {
 			ps, err := adapters.Open(context.Background(), url, adapters.Options{ConsumerGroup: group})
 			if err != nil {

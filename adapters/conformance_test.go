@@ -44,6 +44,10 @@ type broker struct {
 	// cleanup, when set, deletes what the broker keeps for topic and its
 	// groups once the test ends.
 	cleanup func(t *testing.T, topic string, groups ...string)
+	// dropsRetries is set for a broker that drops a message published
+	// again with the same idempotency key within its deduplication window
+	// (JetStream, by Nats-Msg-Id): the copies never reach the consumer.
+	dropsRetries bool
 }
 
 // chargeHandler is the one handler value every broker runs: it writes the
