@@ -293,10 +293,10 @@ func withParams(rawURL, params string) string {
 	return rawURL + "?" + params
 }
 
-// TestSigtermInFlightProcesses: on Kafka, RabbitMQ and SQS, a consumer
-// process with the PostgreSQL inbox holds 50 messages whose handlers work
-// 1–3s, and one whose handler works longer than any drain, all in flight
-// at once, when it is sent SIGTERM. It drains: it exits 0 within the
+// TestSigtermInFlightProcesses: on Kafka, RabbitMQ, SQS and NATS, a
+// consumer process with the PostgreSQL inbox holds 50 messages whose
+// handlers work 1–3s, and one whose handler works longer than any drain,
+// all in flight at once, when it is sent SIGTERM. It drains: it exits 0 within the
 // adapter's drain_timeout + 2s; the 50 handlers finish during the drain
 // and their effects are committed, and their acks reach the broker; the
 // slow handler is cancelled when the inbox's drain ends, and its effect
@@ -308,7 +308,7 @@ func withParams(rawURL, params string) string {
 func TestSigtermInFlightProcesses(t *testing.T) {
 	// Not parallel: each consumer holds a database connection per message
 	// in flight.
-	for _, b := range processBrokers(t, "kafka", "amqp", "sqs") {
+	for _, b := range processBrokers(t, "kafka", "amqp", "sqs", "nats") {
 		t.Run(b.name, func(t *testing.T) { runInFlight(t, b) })
 	}
 }
@@ -325,13 +325,16 @@ func runInFlight(t *testing.T, b broker) {
 	// Kafka's subscriber hands out every key of a partition at once; a
 	// RabbitMQ or SQS subscription one message at a time, so those get a
 	// subscription per message, each taking one message at a time
-	// (prefetch, max_messages).
+	// (prefetch, max_messages); a NATS subscription as many as its
+	// max_in_flight.
 	handlers, params := 1, "drain_timeout="+inflightDrain.String()
 	switch b.name {
 	case "amqp":
 		handlers, params = inflightJobs+1, params+"&prefetch=1"
 	case "sqs":
 		handlers, params = inflightJobs+1, params+"&max_messages=1"
+	case "nats":
+		params += "&max_in_flight=" + strconv.Itoa(inflightJobs+1)
 	}
 	first := inflightConsumer{
 		BrokerURL: withParams(b.url, params), Group: group, Topic: topic,

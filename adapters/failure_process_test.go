@@ -340,22 +340,24 @@ func processBrokers(t *testing.T, names ...string) []broker {
 			bs = append(bs, amqpBroker(t))
 		case "sqs":
 			bs = append(bs, sqsBroker(t))
+		case "nats":
+			bs = append(bs, natsBroker(t))
 		}
 	}
 	return bs
 }
 
-// TestCrashLoopProcesses: on Kafka and RabbitMQ, a message whose handler
-// kills its process (os.Exit, as an OOM kill would), published ahead of 50
-// good ones in the same partition, and a consumer process restarted each
-// time it dies. The process dies exactly MaxAttempts times; the next
+// TestCrashLoopProcesses: on Kafka, RabbitMQ and NATS, a message whose
+// handler kills its process (os.Exit, as an OOM kill would), published
+// ahead of 50 good ones in the same partition, and a consumer process
+// restarted each time it dies. The process dies exactly MaxAttempts times; the next
 // delivery dead-letters the message without running the handler (the
 // error says why: every attempt died); the killer has no effect and its
 // key is dead; every good message is applied once, and the broker holds
 // nothing unacknowledged.
 func TestCrashLoopProcesses(t *testing.T) {
 	t.Parallel()
-	for _, b := range processBrokers(t, "kafka", "amqp") {
+	for _, b := range processBrokers(t, "kafka", "amqp", "nats") {
 		t.Run(b.name, func(t *testing.T) {
 			t.Parallel()
 			runCrashLoop(t, b)
@@ -445,16 +447,16 @@ func runCrashLoop(t *testing.T, b broker) {
 		b.name, crashMaxAttempts, exits, attempts, firstLine(errText), crashGood, took.Round(time.Millisecond))
 }
 
-// TestSigtermDrainProcesses: on Kafka, RabbitMQ and SQS, 300 keys whose
-// handler takes 20–50 ms each, and a consumer process sent SIGTERM four
-// times mid-stream, restarted each time, and finally left to drain. Every
+// TestSigtermDrainProcesses: on Kafka, RabbitMQ, SQS and NATS, 300 keys
+// whose handler takes 20–50 ms each, and a consumer process sent SIGTERM
+// four times mid-stream, restarted each time, and finally left to drain. Every
 // child exits 0 within shutdownBound of its SIGTERM; every key is applied
 // exactly once; no attempt was counted against any key (a shutdown never
 // is: no key has more than one attempt or a recorded error), nothing is
 // dead-lettered, and the broker holds nothing unacknowledged.
 func TestSigtermDrainProcesses(t *testing.T) {
 	t.Parallel()
-	for _, b := range processBrokers(t, "kafka", "amqp", "sqs") {
+	for _, b := range processBrokers(t, "kafka", "amqp", "sqs", "nats") {
 		t.Run(b.name, func(t *testing.T) {
 			t.Parallel()
 			runDrain(t, b)
