@@ -49,7 +49,7 @@ func newEnv(ctx context.Context, cfg Config, needRedis bool) (e *env, closeFn fu
 			closeFn()
 		}
 	}()
-	conns := int32(maxOf(cfg.Concurrency, cfg.CrashWorkers) + 8)
+	conns := int32(maxOf(cfg.Concurrency, cfg.CrashWorkers, cfg.PacedWorkers) + 8)
 
 	pcfg, err := pgxpool.ParseConfig(cfg.DSN)
 	if err != nil {

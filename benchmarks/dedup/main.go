@@ -61,6 +61,8 @@ func main() {
 		redisBench   = flag.String("redis-benchmark", "redis-benchmark", "redis-benchmark binary; empty skips it")
 		skipSpeed    = flag.Bool("skip-speed", false, "run the correctness runs only")
 		skipCrash    = flag.Bool("skip-correctness", false, "run the speed runs only")
+		pacedRate    = flag.Float64("paced-rate", 1000, "offered msgs/s of the paced latency runs")
+		pacedN       = flag.Int("paced-n", 0, "messages in each paced latency run (default 5000, -quick 500; 0 with -paced-rate 0 skips them)")
 	)
 	flag.Parse()
 
@@ -77,12 +79,15 @@ func main() {
 		RedisBenchmark:  *redisBench,
 		RedisBenchN:     20000,
 		RunTimeout:      3 * time.Minute,
+		PacedN:          5000,
+		PacedRate:       *pacedRate,
+		PacedWorkers:    32,
 		SkipSpeed:       *skipSpeed,
 		SkipCorrectness: *skipCrash,
 		Out:             os.Stderr,
 	}
 	if *quick {
-		cfg.N, cfg.CrashN, cfg.RedisBenchN, cfg.RunTimeout = 300, 200, 2000, time.Minute
+		cfg.N, cfg.CrashN, cfg.RedisBenchN, cfg.RunTimeout, cfg.PacedN = 300, 200, 2000, time.Minute, 500
 		if !benchutil.FlagSet("dups") {
 			*dups = "0,50"
 		}
@@ -92,6 +97,12 @@ func main() {
 	}
 	if *crashN > 0 {
 		cfg.CrashN = *crashN
+	}
+	if *pacedN > 0 {
+		cfg.PacedN = *pacedN
+	}
+	if *pacedRate == 0 {
+		cfg.PacedN = 0
 	}
 	var err error
 	if cfg.Concurrency, err = benchutil.ParseInts(*conc); err == nil {
@@ -199,6 +210,11 @@ type Config struct {
 	RedisBenchN    int
 	// RunTimeout bounds one measurement.
 	RunTimeout time.Duration
+	// PacedN messages arrive at PacedRate msgs/s in each paced latency
+	// run, delivered by PacedWorkers workers; PacedN 0 skips them.
+	PacedN       int
+	PacedRate    float64
+	PacedWorkers int
 	// SkipSpeed and SkipCorrectness leave out one half.
 	SkipSpeed, SkipCorrectness bool
 	// Out receives progress lines.
@@ -214,6 +230,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("need at least one concurrency and one duplicate ratio")
 	case c.CrashEvery < 2:
 		return fmt.Errorf("crash-every must be at least 2, got %d", c.CrashEvery)
+	case c.PacedN < 0 || (c.PacedN > 0 && (c.PacedRate <= 0 || c.PacedWorkers < 1)):
+		return fmt.Errorf("paced runs need a positive rate and workers, got %d messages at %v msgs/s with %d workers", c.PacedN, c.PacedRate, c.PacedWorkers)
 	case c.CrashWorkers < 1:
 		return fmt.Errorf("crash-workers must be positive, got %d", c.CrashWorkers)
 	case c.CrashLease < 10*time.Millisecond:

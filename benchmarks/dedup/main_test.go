@@ -47,6 +47,7 @@ func TestSmoke(t *testing.T) {
 		Strategies: []string{stWatermill, stRedis, stPostgres, stPGBatch},
 		Seed:       7, CrashN: 70, CrashDupRatio: 0.1, CrashEvery: 7, CrashWorkers: 4, CrashLease: 100 * time.Millisecond,
 		RedisBenchmark: bench, RedisBenchN: 500, RunTimeout: time.Minute, Out: &out,
+		PacedN: 60, PacedRate: 200, PacedWorkers: 8,
 	}
 	res, err := Run(ctx, cfg)
 	t.Log(out.String())
@@ -84,6 +85,19 @@ func TestSmoke(t *testing.T) {
 			t.Errorf("%s: %.3f round trips per message, want 5 (attempt start, BEGIN, claim, effect, COMMIT)", name, r.PGRT)
 		}
 	}
+	// The paced runs: the raw baseline, the default inbox, the batched
+	// inbox with and without a linger, each key applied once.
+	if want := len(pacedRuns()); len(res.Paced) != want {
+		t.Fatalf("got %d paced results, want %d", len(res.Paced), want)
+	}
+	for _, r := range res.Paced {
+		if r.N != cfg.PacedN || r.Achieved <= 0 || r.P50 <= 0 || r.P99 < r.P50 || r.Max < r.P99 {
+			t.Errorf("paced %s: %+v", r.Name(), r)
+		}
+		if r.Effects.Doubles != 0 || r.Lost != 0 || r.Effects.Rows != r.Effects.Keys {
+			t.Errorf("paced %s: effects %+v, %d lost, want one per key", r.Name(), r.Effects, r.Lost)
+		}
+	}
 	if bench != "" && len(res.RedisBench) != len(cfg.Concurrency) {
 		t.Errorf("got %d redis-benchmark results, want %d (%s)", len(res.RedisBench), len(cfg.Concurrency), res.RedisBenchSkipped)
 	}
@@ -119,7 +133,8 @@ func TestSmoke(t *testing.T) {
 	tables := Markdown(res, cfg)
 	for _, want := range []string{"| postgres-inbox |", "| raw-sql-batched |", "### Correctness under faults", "### Targets",
 		"postgres-inbox: 0 double / 0 lost", "postgres-inbox-batched: 0 double / 0 lost",
-		"postgres-inbox (the default: batching off), crash-loop count on, ≥ 1.0× raw SQL", "postgres-inbox-batched / raw-sql-batched"} {
+		"postgres-inbox (the default: batching off), crash-loop count on, ≥ 1.0× raw SQL", "postgres-inbox-batched / raw-sql-batched",
+		"### Latency at a steady 200 msgs/s", "| postgres-inbox-batched, Linger 2ms |", "p99 ≤ postgres-inbox's p99 + Linger"} {
 		if !strings.Contains(tables, want) {
 			t.Errorf("report lacks %q:\n%s", want, tables)
 		}

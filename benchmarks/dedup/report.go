@@ -76,6 +76,7 @@ func Markdown(res *Results, cfg Config) string {
 	var b strings.Builder
 	if len(res.Speed) > 0 {
 		writeSpeed(&b, res)
+		writePaced(&b, res, cfg)
 		writeRedisBench(&b, res)
 	}
 	if len(res.Crash) > 0 {
@@ -120,10 +121,37 @@ const readingNotes = `
   costs in full batches, with 32 times the messages in flight. In the batched inbox with the
   crash-loop count, the batch's attempt record is a statement of its own before the batch's
   transaction, and every delivery of the batch waits for it.
+- **Latency at a steady rate.** The speed runs offer every message at once, so their latencies are
+  those of a saturated consumer. The paced runs offer 1,000 msgs/s, below what every strategy there
+  sustains, and time each message from its arrival: a batched delivery waits for the batch it
+  joins (at most Linger, only while every batch slot is busy) and for its mates' handlers, and
+  gains a shorter queue behind one COMMIT. The p99 of every row is mostly the disk's flush stalls,
+  which a queue of unbatched commits feels more than a batch.
 - **Crashes kill everything in flight.** With 8 workers a crash also kills the other deliveries
   where they are; in the strategies whose effect is outside a transaction, a delivery that had
   written its effect but was not yet completed or acked is applied again after the restart. The
   none row under "handler error" shows the doubles the stream's own duplicates cause (no crash).
+
+### Which inbox mode to choose
+
+- **The default** (transactional, attempt record on, no batching): at a handful of handlers in flight,
+  and wherever duplicates are common. A duplicate costs one round trip and no transaction, so from
+  about half duplicates it matches or beats the raw SQL; a message that kills the process is
+  dead-lettered after MaxAttempts on every broker.
+- **Batch{MaxMessages: 32}** (group commit): when many deliveries of different keys are in flight at
+  once — Kafka's key-parallel subscriber, RabbitMQ or SQS with a prefetch of 32 or more — and new
+  keys dominate. It wins with batches of about ten or more (the 32-worker rows); with fewer in flight
+  (the 1- and 8-worker rows) its batches stay small and the shared attempt record and COMMIT make
+  each delivery wait, so it is slower than the default there. Its latency cost at a steady rate is
+  in the paced table; a Linger only pays when the rate fills the batches it waits for.
+- **SkipAttemptRecord**: only where the broker caps redeliveries itself (RabbitMQ's delivery_limit,
+  an SQS redrive policy, JetStream's MaxDeliver), on new-key-heavy streams: it saves the record's
+  round trip and write, but a message that kills the process is no longer counted, and a duplicate
+  costs three round trips.
+- **PipelineClaim**: one or few handlers and a latency budget, on new keys: the fewest round trips
+  per new key (three), two per duplicate.
+- **Bloom** and **redis+postgres**: duplicates in bursts, when the database is the shared bottleneck;
+  they keep duplicates off the claim's write path rather than making new keys cheaper.
 `
 
 func writeSpeed(b *strings.Builder, res *Results) {
@@ -304,6 +332,7 @@ func Targets(res *Results, cfg Config) []Target {
 	dupPcts, concs = distinctInts(dupPcts), distinctInts(concs)
 
 	ts = append(ts, costTargets(res.Speed, dupPcts, concs)...)
+	ts = append(ts, pacedTargets(res.Paced)...)
 	for _, c := range concs {
 		if c != 8 && c != 32 {
 			continue
@@ -648,7 +677,7 @@ Source: [benchmarks/dedup](dedup/); every measured row is in [dedup/results.csv]
   the target compares; redis-lease's msgs/s also include the effect (a PostgreSQL INSERT) and the
   completion of every message.
 
-`, cfg.N, cfg.CrashN, cfg.CrashDupRatio*100, cfg.Seed, maxOf(cfg.Concurrency, cfg.CrashWorkers)+8,
+`, cfg.N, cfg.CrashN, cfg.CrashDupRatio*100, cfg.Seed, maxOf(cfg.Concurrency, cfg.CrashWorkers, cfg.PacedWorkers)+8,
 		rawBatchSize, rawBatchSize, rawBatchSize, batchMax,
 		workers(cfg.CrashWorkers), ordinal(cfg.CrashEvery), cfg.CrashLease, cfg.RedisBenchN)
 	b.WriteString(note + "\n\n")

@@ -5,12 +5,14 @@ import (
 	"fmt"
 	"io"
 	"os/exec"
+	"slices"
 	"time"
 )
 
 // Results is everything one run measured.
 type Results struct {
 	Speed      []SpeedResult
+	Paced      []PacedResult
 	Crash      []CrashResult
 	RedisBench []RedisBenchResult
 	// RedisBenchSkipped says why there are no redis-benchmark figures.
@@ -41,8 +43,9 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 
 	res := &Results{}
 	total := 0
+	paced := pacedSelected(defs, cfg)
 	if !cfg.SkipSpeed {
-		total += len(cfg.DupRatios) * len(cfg.Concurrency) * (len(defs) + len(baselineDefs()))
+		total += len(cfg.DupRatios)*len(cfg.Concurrency)*(len(defs)+len(baselineDefs())) + len(paced)
 	}
 	if !cfg.SkipCorrectness {
 		total += len(defs) * len(faults())
@@ -65,6 +68,16 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 			}
 		}
 		fillRatios(res.Speed)
+		s := newStream(cfg.PacedN, cfg.CrashDupRatio, cfg.Seed)
+		for _, run := range paced {
+			r, err := e.paced(ctx, run, &s, cfg.PacedRate, cfg.PacedWorkers)
+			if err != nil {
+				return res, fmt.Errorf("paced %s at %.0f msgs/s: %w", run.Strategy, cfg.PacedRate, err)
+			}
+			res.Paced = append(res.Paced, r)
+			p.line("paced %-34s %5.0f msgs/s offered, %5.0f acked  p50 %s p99 %s max %s  %d double",
+				r.Name(), r.Rate, r.Achieved, fmtMs(r.P50), fmtMs(r.P99), fmtMs(r.Max), r.Effects.Doubles)
+		}
 		if err := e.redisBenchmarks(ctx, res, defs); err != nil {
 			return res, err
 		}
@@ -86,6 +99,21 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 		}
 	}
 	return res, nil
+}
+
+// pacedSelected returns the paced runs of the strategies cfg selects
+// (the raw-SQL baseline always runs), none when cfg.PacedN is 0.
+func pacedSelected(defs []strategyDef, cfg Config) []pacedRun {
+	if cfg.PacedN == 0 {
+		return nil
+	}
+	var out []pacedRun
+	for _, run := range pacedRuns() {
+		if run.Strategy == stRaw || slices.ContainsFunc(defs, func(d strategyDef) bool { return d.Name == run.Strategy }) {
+			out = append(out, run)
+		}
+	}
+	return out
 }
 
 // redisBenchmarks runs redis-benchmark and the store's claims at every

@@ -82,8 +82,8 @@ const (
 )
 
 // batchConfig is the Batch setting of the batched strategies.
-func batchConfig() middleware.BatchConfig {
-	return middleware.BatchConfig{MaxMessages: batchMax}
+func batchConfig(o procOptions) middleware.BatchConfig {
+	return middleware.BatchConfig{MaxMessages: batchMax, Linger: o.Linger}
 }
 
 // consumer scopes every key the inboxes write.
@@ -208,6 +208,9 @@ type procOptions struct {
 	ExpectedKeys uint
 	// Logger receives the middlewares' and stores' log lines.
 	Logger watermill.LoggerAdapter
+	// Linger is the batched inboxes' Batch.Linger; zero keeps the
+	// library's default (none).
+	Linger time.Duration
 }
 
 // process is one consumer process: the strategy's in-memory state and its
@@ -281,9 +284,9 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 	case stPGPipeNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true, SkipAttemptRecord: true})
 	case stPGBatch:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig()})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o)})
 	case stPGBatchNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(), SkipAttemptRecord: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o), SkipAttemptRecord: true})
 	case stPGProm:
 		metrics, merr := prom.New(prom.Config{Registerer: prometheus.NewRegistry()})
 		if merr != nil {
