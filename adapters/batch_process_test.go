@@ -197,8 +197,10 @@ func startBatchConsumer(t *testing.T, cfg batchConsumer) *proctest.Process {
 	return p
 }
 
-// TestBatchCrashProcesses: on RabbitMQ (16 subscriptions of one queue) and
-// Kafka (one key-parallel subscription), 480 keys consumed by a process
+// TestBatchCrashProcesses: on RabbitMQ (16 subscriptions of one queue),
+// NATS JetStream (one subscription holding two batches' worth, 32
+// messages; on the machine's server and on an embedded one) and Kafka
+// (one key-parallel subscription), 480 keys consumed by a process
 // whose PostgreSQL inbox commits up to 16 deliveries in one transaction,
 // SIGKILLed four times mid-stream, each time while it holds a batch's
 // transaction open with writes in it, and restarted at once. The poison
@@ -217,6 +219,16 @@ func TestBatchCrashProcesses(t *testing.T) {
 		{"amqp", 16, func(t *testing.T) broker {
 			b := amqpBroker(t)
 			b.url += "?prefetch=4"
+			return b
+		}},
+		{"nats", 1, func(t *testing.T) broker {
+			b := natsBroker(t)
+			b.url = withParams(b.url, fmt.Sprintf("max_in_flight=%d", 2*batchMaxMessages))
+			return b
+		}},
+		{"nats_embedded", 1, func(t *testing.T) broker {
+			b := natsEmbeddedBroker(t)
+			b.url = withParams(b.url, fmt.Sprintf("max_in_flight=%d", 2*batchMaxMessages))
 			return b
 		}},
 		{"kafka", 1, func(t *testing.T) broker {

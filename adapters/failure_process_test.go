@@ -342,12 +342,15 @@ func processBrokers(t *testing.T, names ...string) []broker {
 			bs = append(bs, sqsBroker(t))
 		case "nats":
 			bs = append(bs, natsBroker(t))
+		case "nats_embedded":
+			bs = append(bs, natsEmbeddedBroker(t))
 		}
 	}
 	return bs
 }
 
-// TestCrashLoopProcesses: on Kafka, RabbitMQ and NATS, a message whose
+// TestCrashLoopProcesses: on Kafka, RabbitMQ and NATS (the machine's
+// server and an embedded one in the test's process), a message whose
 // handler kills its process (os.Exit, as an OOM kill would), published
 // ahead of 50 good ones in the same partition, and a consumer process
 // restarted each time it dies. The process dies exactly MaxAttempts times; the next
@@ -357,7 +360,7 @@ func processBrokers(t *testing.T, names ...string) []broker {
 // nothing unacknowledged.
 func TestCrashLoopProcesses(t *testing.T) {
 	t.Parallel()
-	for _, b := range processBrokers(t, "kafka", "amqp", "nats") {
+	for _, b := range processBrokers(t, "kafka", "amqp", "nats", "nats_embedded") {
 		t.Run(b.name, func(t *testing.T) {
 			t.Parallel()
 			runCrashLoop(t, b)
