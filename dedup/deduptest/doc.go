@@ -1,0 +1,126 @@
+// Package deduptest is the conformance suite of the [dedup] store
+// contract: one function per mode, [RunTxStore] for a [dedup.TxStore] and
+// [RunLeaseStore] for a [dedup.LeaseStore], that a store's own tests call
+// to prove it keeps the semantics the inbox and the poison middleware rely
+// on. Every store of this module runs it (dedup/postgres in both modes,
+// dedup/sqlite, dedup/twotier, dedup/redis, dedup/memory); a store written
+// elsewhere runs it the same way.
+//
+// # Running the suite
+//
+// A harness says how to make a fresh store for one subtest and, in
+// transactional mode, how to write and count the business effect inside
+// the store's transaction. In the store's package:
+//
+//	func TestConformance(t *testing.T) {
+//		deduptest.RunTxStore(t, deduptest.TxHarness{
+//			New: func(t *testing.T) deduptest.TxBundle {
+//				db := openTestDatabase(t) // its own schema or file, dropped by t.Cleanup
+//				store, err := mystore.New(db)
+//				require.NoError(t, err)
+//				return deduptest.TxBundle{
+//					Store: store,
+//					Effect: func(ctx context.Context, tx dedup.InboxTx, key string) error {
+//						_, err := mystore.Tx(tx.WithTx(ctx)).ExecContext(ctx, `INSERT INTO effects (key) VALUES (?)`, key)
+//						return err
+//					},
+//					Effects: func(ctx context.Context, key string) (n int, err error) {
+//						err = db.QueryRowContext(ctx, `SELECT count(*) FROM effects WHERE key = ?`, key).Scan(&n)
+//						return n, err
+//					},
+//				}
+//			},
+//		})
+//	}
+//
+// Run one behaviour with go test -run 'TestConformance/Rollback'. The
+// subtests run in parallel, each on its own store, so New must be safe to
+// call concurrently and the stores it makes must not see each other. The
+// suite waits for short leases and windows (tens of milliseconds) to pass,
+// polling; a store whose clock is the server's must run on a server whose
+// clock agrees with the test's to within the suite's patience (30 s).
+//
+// # Capabilities
+//
+// A store implements the optional interfaces it can: [dedup.Expirer],
+// [dedup.Peeker], [dedup.RecordFinder], [dedup.KeyLister],
+// [dedup.StartClaimer], [dedup.BeginClaimer], [dedup.BatchClaimer], and
+// [dedup.Classifier] on its transaction. The suite finds them by type
+// assertion; the subtest of an interface the store does not implement is
+// skipped with a message naming it, which is legitimate: the store does
+// not claim it. What every store of a mode must do is never skipped.
+// Where an optional interface makes a required check stronger (a
+// [dedup.RecordFinder] proves that a call wrote no record), the required
+// subtest uses it when it is there.
+//
+// # Cutting the connection
+//
+// A store that reaches its server over a network gives its bundle a Cut
+// that breaks its connections, usually with a [Proxy] between the store
+// and the server. The Cut subtest then checks the failure classes of the
+// design: every call fails with an error wrapping [dedup.ErrUnavailable],
+// a lease held meanwhile is not reported lost, and the transaction's
+// [dedup.Classifier] marks the handler's errors as the infrastructure's
+// once the connection is gone (the Classify subtest checks that, with a
+// healthy connection, a handler's own error stays the message's, whatever
+// it wraps). Without Cut the subtest is skipped.
+//
+// # What the transactional suite checks
+//
+//   - ClaimCommitDuplicate: claim, effect, complete and commit make the key
+//     done; later claims and starts answer it done with the stored result,
+//     and no second effect is written.
+//   - NilResult: a key completed with a nil result answers a nil one.
+//   - Consumers: two consumers of a key keep separate records.
+//   - Rollback: a rolled-back claim undoes the effect and leaves the key
+//     claimable, its attempt not counted.
+//   - FailedReclaim: after a failure ([dedup.TxStore.InboxFail]) the key is
+//     claimed again with its attempts counted and its first failure's time
+//     kept; a failure reported after the commit changes nothing.
+//   - ConcurrentDuplicates: 50 copies of one key (new, or failed before)
+//     claimed at once apply it once; the others answer done or in flight.
+//   - Bury: a key buried in its claim's transaction is dead to claims and
+//     starts; a late failure leaves it dead; a copy of it is counted
+//     without error; a burial rolled back leaves the key claimable.
+//   - DeadCopies: the count of dead copies, with [TxBundle.DeadCopies].
+//   - ReplayGrant: grants are refused when empty and on keys that are not
+//     dead; only the last grant written reopens a dead key, once, with its
+//     attempts reset; dead-lettering it again clears the grant.
+//   - StartCounts: [dedup.TxStore.InboxStart] counts attempts across
+//     processes (a start without an end, a rollback and a failure stay
+//     counted), [dedup.TxStore.InboxUnstart] takes one back, and a commit
+//     forgets the count.
+//   - Window: a record and a start count are forgotten once their window
+//     has passed; a live record stays.
+//   - Sweep ([dedup.Expirer]): expired records of every state are deleted
+//     in batches of at most the limit; live ones stay.
+//   - CanceledContext: a call on a canceled context never reports the
+//     store unavailable.
+//   - Peek ([dedup.Peeker]), HasRecord ([dedup.RecordFinder]), DoneKeys
+//     ([dedup.KeyLister]): each state of a key as they answer it.
+//   - Classify ([dedup.Classifier]) and Cut: the failure classes above.
+//   - StartClaim ([dedup.StartClaimer]), BeginClaim ([dedup.BeginClaimer]),
+//     Batch ([dedup.BatchClaimer]): the pipelined and batched paths answer
+//     as the single calls do.
+//
+// # What the lease suite checks
+//
+//   - ClaimComplete: a new claim carries a token and its lease's end; a
+//     copy meanwhile is in flight; the token completes the key, which
+//     answers done with its result and is fenced from then on; a key never
+//     claimed cannot be completed, released, extended or buried.
+//   - NilResult and Consumers, as in transactional mode.
+//   - Extend: only the current token renews a lease.
+//   - Release: a released key is claimable at once with a higher token,
+//     its attempts counted and first failure kept; the old token is fenced.
+//   - Abandon: an abandoned release takes its attempt's count back.
+//   - Takeover: a lease that ends is taken over, and the first holder's
+//     token is fenced: a zombie cannot complete, release, extend or bury.
+//   - ConcurrentClaims: 50 copies of one key take one lease, one effect.
+//   - Bury, DeadCopies, ReplayGrant, Window, Sweep, CanceledContext, Peek,
+//     HasRecord, DoneKeys: as in transactional mode, with leases; Window
+//     also checks that a key whose record was forgotten never gets a token
+//     it had before.
+//   - Cut: every call fails unavailable, and a held lease is not reported
+//     lost.
+package deduptest
