@@ -1,0 +1,43 @@
+package sqlite_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/deduptest"
+	"github.com/oncemill/oncemill/dedup/sqlite"
+)
+
+// TestConformance runs the transactional store's conformance suite, each
+// subtest on a database file of its own. An embedded database has no
+// connection to cut.
+func TestConformance(t *testing.T) {
+	t.Parallel()
+	deduptest.RunTxStore(t, deduptest.TxHarness{
+		New: func(t *testing.T) deduptest.TxBundle {
+			s := openStore(t)
+			db := s.DB()
+			_, err := db.ExecContext(t.Context(), `CREATE TABLE effects (key TEXT NOT NULL)`)
+			require.NoError(t, err)
+			return deduptest.TxBundle{
+				Store: s,
+				Effect: func(ctx context.Context, tx dedup.InboxTx, key string) error {
+					_, err := sqlite.Tx(tx.WithTx(ctx)).ExecContext(ctx, `INSERT INTO effects (key) VALUES (?)`, key)
+					return err
+				},
+				Effects: func(ctx context.Context, key string) (n int, err error) {
+					err = db.QueryRowContext(ctx, `SELECT count(*) FROM effects WHERE key = ?`, key).Scan(&n)
+					return n, err
+				},
+				DeadCopies: func(ctx context.Context, key dedup.Key) (n int, err error) {
+					err = db.QueryRowContext(ctx, `SELECT COALESCE(SUM(dead_copies), 0) FROM inbox WHERE consumer = ? AND key = ?`,
+						key.Consumer, key.Key).Scan(&n)
+					return n, err
+				},
+			}
+		},
+	})
+}
