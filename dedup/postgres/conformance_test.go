@@ -1,0 +1,88 @@
+package postgres_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/deduptest"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/internal/pgtest"
+)
+
+// conformanceStore is a store in a schema of its own whose connections go
+// through a proxy that cut breaks, and a direct pool for reading the
+// tables behind it, which the cut leaves alone.
+func conformanceStore(t *testing.T) (store *postgres.Store, direct *pgxpool.Pool, schema string, cut func(*testing.T)) {
+	t.Helper()
+	direct = pgtest.Pool(t, 2)
+	schema = pgtest.Schema(t, direct)
+	proxy := deduptest.NewProxy(t, upstream(t))
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	cfg.MaxConns = 12 // concurrent claims of one key wait for the pool or the row alike
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, network, proxy.Addr())
+	}
+	pool, err := pgxpool.NewWithConfig(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	store, err = postgres.New(pool, postgres.Config{Schema: schema})
+	require.NoError(t, err)
+	return store, direct, schema, func(*testing.T) { proxy.Cut() }
+}
+
+// deadCopies reads a record's count of dead copies, 0 without a record.
+func deadCopies(direct *pgxpool.Pool, schema string) func(context.Context, dedup.Key) (int, error) {
+	return func(ctx context.Context, key dedup.Key) (int, error) {
+		var n int
+		err := direct.QueryRow(ctx, `SELECT dead_copies FROM `+pgx.Identifier{schema, "inbox"}.Sanitize()+`
+			WHERE consumer = $1 AND key = $2`, key.Consumer, key.Key).Scan(&n)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return 0, nil
+		}
+		return n, err
+	}
+}
+
+func TestConformanceTx(t *testing.T) {
+	t.Parallel()
+	deduptest.RunTxStore(t, deduptest.TxHarness{
+		New: func(t *testing.T) deduptest.TxBundle {
+			store, direct, schema, cut := conformanceStore(t)
+			effects := pgx.Identifier{schema, "effects"}.Sanitize()
+			_, err := direct.Exec(t.Context(), `CREATE TABLE `+effects+` (key text NOT NULL)`)
+			require.NoError(t, err)
+			return deduptest.TxBundle{
+				Store: store,
+				Effect: func(ctx context.Context, tx dedup.InboxTx, key string) error {
+					_, err := postgres.Tx(tx.WithTx(ctx)).Exec(ctx, `INSERT INTO `+effects+` (key) VALUES ($1)`, key)
+					return err
+				},
+				Effects: func(ctx context.Context, key string) (n int, err error) {
+					err = direct.QueryRow(ctx, `SELECT count(*) FROM `+effects+` WHERE key = $1`, key).Scan(&n)
+					return n, err
+				},
+				DeadCopies: deadCopies(direct, schema),
+				Cut:        cut,
+			}
+		},
+	})
+}
+
+func TestConformanceLease(t *testing.T) {
+	t.Parallel()
+	deduptest.RunLeaseStore(t, deduptest.LeaseHarness{
+		New: func(t *testing.T) deduptest.LeaseBundle {
+			store, direct, schema, cut := conformanceStore(t)
+			return deduptest.LeaseBundle{Store: store, DeadCopies: deadCopies(direct, schema), Cut: cut}
+		},
+	})
+}
