@@ -1,0 +1,95 @@
+package twotier_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	goredis "github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/deduptest"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/dedup/redis"
+	"github.com/oncemill/oncemill/dedup/twotier"
+	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/redistest"
+)
+
+// TestConformance runs the transactional store's conformance suite on a
+// Redis lock in front of a PostgreSQL record, each subtest with a prefix
+// and a schema of its own. Both reach their servers through proxies, and
+// Cut breaks both: with the lock alone cut the store goes on, on the
+// record, by design. The lock's lease is short so that a key the lock
+// learnt done is forgotten soon after the record's window passes (the
+// lock keeps a key at least one lease).
+func TestConformance(t *testing.T) {
+	t.Parallel()
+	deduptest.RunTxStore(t, deduptest.TxHarness{
+		New: func(t *testing.T) deduptest.TxBundle {
+			direct := redistest.Client(t)
+			prefix := redistest.Prefix(t, direct) // its keys are deleted through the direct client
+			opts, err := goredis.ParseURL(redistest.URL())
+			require.NoError(t, err)
+			redisProxy := deduptest.NewProxy(t, opts.Addr)
+			opts.Addr, opts.MaxRetries, opts.DialerRetries = redisProxy.Addr(), -1, 1
+			client := goredis.NewClient(opts)
+			t.Cleanup(func() { _ = client.Close() })
+			lock, err := redis.New(redis.Config{Client: client, Prefix: prefix})
+			require.NoError(t, err)
+
+			pool := pgtest.Pool(t, 2)
+			schema := pgtest.Schema(t, pool)
+			pgCfg, err := pgx.ParseConfig(pgtest.URL())
+			require.NoError(t, err)
+			pgProxy := deduptest.NewProxy(t, net.JoinHostPort(pgCfg.Host, strconv.Itoa(int(pgCfg.Port))))
+			cfg, err := pgxpool.ParseConfig(pgtest.URL())
+			require.NoError(t, err)
+			cfg.MaxConns = 8
+			cfg.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, network, pgProxy.Addr())
+			}
+			recordPool, err := pgxpool.NewWithConfig(t.Context(), cfg)
+			require.NoError(t, err)
+			t.Cleanup(recordPool.Close)
+			record, err := postgres.New(recordPool, postgres.Config{Schema: schema})
+			require.NoError(t, err)
+
+			store, err := twotier.New(twotier.Config{Lock: lock, Record: record, Lease: 2 * time.Second})
+			require.NoError(t, err)
+			effects := pgx.Identifier{schema, "effects"}.Sanitize()
+			_, err = pool.Exec(t.Context(), `CREATE TABLE `+effects+` (key text NOT NULL)`)
+			require.NoError(t, err)
+			return deduptest.TxBundle{
+				Store: store,
+				Effect: func(ctx context.Context, tx dedup.InboxTx, key string) error {
+					_, err := postgres.Tx(tx.WithTx(ctx)).Exec(ctx, `INSERT INTO `+effects+` (key) VALUES ($1)`, key)
+					return err
+				},
+				Effects: func(ctx context.Context, key string) (n int, err error) {
+					err = pool.QueryRow(ctx, `SELECT count(*) FROM `+effects+` WHERE key = $1`, key).Scan(&n)
+					return n, err
+				},
+				DeadCopies: func(ctx context.Context, key dedup.Key) (n int, err error) {
+					err = pool.QueryRow(ctx, `SELECT dead_copies FROM `+pgx.Identifier{schema, "inbox"}.Sanitize()+`
+						WHERE consumer = $1 AND key = $2`, key.Consumer, key.Key).Scan(&n)
+					if errors.Is(err, pgx.ErrNoRows) {
+						return 0, nil
+					}
+					return n, err
+				},
+				Cut: func(*testing.T) {
+					redisProxy.Cut()
+					pgProxy.Cut()
+				},
+			}
+		},
+	})
+}
