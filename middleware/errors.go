@@ -1,11 +1,13 @@
 package middleware
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/observe"
 )
 
 var (
@@ -25,6 +27,34 @@ var (
 	// ErrBadResult is returned when a stored result cannot be decoded.
 	ErrBadResult = errors.New("middleware: stored result is unreadable")
 )
+
+var (
+	// ErrPanicked is wrapped by the error an attempt ends with when its
+	// handler panicked. The inbox and the poison middleware recover the
+	// panic in their own frame, so that it counts as a failed attempt and
+	// ends in the dead-letter queue after MaxAttempts, instead of being
+	// nacked forever by the router's own recovery.
+	ErrPanicked = errors.New("middleware: handler panicked")
+	// ErrShutdown is wrapped by the error an attempt ends with when the
+	// consumer began to shut down while its handler ran and the handler
+	// failed: it was rolled back and is not counted as an attempt.
+	ErrShutdown = errors.New("middleware: consumer is shutting down; attempt not counted")
+	// ErrCrashLoop is wrapped by the permanent error the inbox returns,
+	// without running the handler, for a key whose last MaxAttempts
+	// attempts all started and never finished: the process died in each
+	// of them (an OOM kill, os.Exit, a crash in cgo). The poison
+	// middleware dead-letters it.
+	ErrCrashLoop = errors.New("middleware: every attempt died before it finished")
+)
+
+// ErrDeadLetter is wrapped by the error a [Poison] middleware returns when
+// it could not publish a message to the dead-letter queue: the original is
+// nacked then, never acked, so it is delivered again.
+var ErrDeadLetter = errors.New("middleware: dead-letter publish failed")
+
+// ErrUndecodable is wrapped by the permanent error a [Poison] middleware
+// records for a message that its broker adapter could not decode.
+var ErrUndecodable = errors.New("middleware: message could not be decoded")
 
 // permanentError marks an error that retrying cannot fix.
 type permanentError struct{ err error }
@@ -124,4 +154,93 @@ func keyError(cause error, format string, args ...any) error {
 		return Permanent(fmt.Errorf("%w: %s: %w", ErrKey, msg, cause))
 	}
 	return Permanent(fmt.Errorf("%w: %s", ErrKey, msg))
+}
+
+// errClass is what an attempt's error says about its message: the one
+// decision the middlewares take from an error, made here in one order.
+type errClass int
+
+const (
+	// classNone: no error.
+	classNone errClass = iota
+	// classUncounted: the attempt says nothing about the message; it is
+	// nacked at once, not counted, never dead-lettered.
+	classUncounted
+	// classInfrastructure: the infrastructure's fault; nacked after a
+	// backoff, not counted, never dead-lettered.
+	classInfrastructure
+	// classPermanent: retrying cannot succeed; dead-lettered at once.
+	classPermanent
+	// classFailure: a failed attempt; counted, retried, dead-lettered
+	// after MaxAttempts.
+	classFailure
+)
+
+// classOf classifies err, the end of an attempt of a delivery whose
+// context was base. The order matters and is kept here only: a consumer
+// that is stopping ends every attempt uncounted, whatever the error says;
+// an infrastructure fault beats a permanent mark (a dead-letter publish
+// that failed for a permanent error is still retried).
+func classOf(base context.Context, err error) errClass {
+	switch {
+	case err == nil:
+		return classNone
+	case uncounted(base, err):
+		return classUncounted
+	case IsInfrastructure(err):
+		return classInfrastructure
+	case IsPermanent(err):
+		return classPermanent
+	}
+	return classFailure
+}
+
+// stopping reports whether the delivery's context was cancelled: Watermill's
+// router cancels the context it subscribed with when it closes, and every
+// adapter derives its messages' contexts from it (watermill-kafka also on
+// a rebalance, which takes the partition away). A deadline, such as the
+// one Watermill's Timeout middleware sets, is not stopping: it is the
+// attempt's own failure, and it is counted. base must be the context the
+// middleware was called with, not one the handler derived.
+func stopping(base context.Context) bool {
+	return errors.Is(base.Err(), context.Canceled)
+}
+
+// IsInfrastructure reports whether err is the infrastructure's fault, not
+// the message's: a store that could not be reached or could not serve
+// (dedup.ErrUnavailable, which the stores wrap around their drivers'
+// connection errors), a commit whose outcome is unknown
+// (dedup.ErrAmbiguous), a transaction that kept losing conflicts
+// (dedup.ErrConflict), or a dead-letter publish that failed
+// ([ErrDeadLetter]). Such errors are never counted as attempts and never
+// dead-lettered: the poison middleware nacks the message after a backoff,
+// and it comes back, in its order, when the infrastructure does. Like
+// pgconn.SafeToRetry, it looks only at the error.
+func IsInfrastructure(err error) bool {
+	return errors.Is(err, dedup.ErrUnavailable) || errors.Is(err, dedup.ErrConflict) || errors.Is(err, ErrDeadLetter)
+}
+
+// uncounted reports whether err ends an attempt that says nothing about the
+// message: the consumer is stopping, another delivery holds the key, or
+// the lease was lost to another delivery. Such attempts are nacked at once,
+// never counted or dead-lettered.
+func uncounted(base context.Context, err error) bool {
+	return stopping(base) || errors.Is(err, ErrShutdown) || errors.Is(err, ErrInFlight) || errors.Is(err, dedup.ErrLeaseLost)
+}
+
+// reasonOf classifies why a message was dead-lettered, for the hooks.
+func reasonOf(cause error) observe.Reason {
+	switch {
+	case errors.Is(cause, ErrUndecodable):
+		return observe.ReasonUndecodable
+	case errors.Is(cause, ErrCrashLoop):
+		return observe.ReasonCrashLoop
+	case errors.Is(cause, ErrPanicked):
+		return observe.ReasonPanic
+	case errors.Is(cause, context.DeadlineExceeded):
+		return observe.ReasonDeadline
+	case IsPermanent(cause):
+		return observe.ReasonPermanent
+	}
+	return observe.ReasonError
 }

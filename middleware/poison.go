@@ -17,15 +17,6 @@ import (
 	"github.com/oncemill/oncemill/observe"
 )
 
-// ErrDeadLetter is wrapped by the error a [Poison] middleware returns when
-// it could not publish a message to the dead-letter queue: the original is
-// nacked then, never acked, so it is delivered again.
-var ErrDeadLetter = errors.New("middleware: dead-letter publish failed")
-
-// ErrUndecodable is wrapped by the permanent error a [Poison] middleware
-// records for a message that its broker adapter could not decode.
-var ErrUndecodable = errors.New("middleware: message could not be decoded")
-
 // PoisonConfig configures a [Poison] middleware.
 type PoisonConfig struct {
 	// Publisher receives dead-lettered messages: any Watermill publisher
@@ -250,15 +241,16 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				p.outages.Store(0)
 				return produced, nil
 			}
-			if uncounted(base, err) {
+			class := classOf(base, err)
+			switch class {
+			case classUncounted:
 				return nil, err
-			}
-			if IsInfrastructure(err) {
+			case classInfrastructure:
 				return nil, p.outage(msg, err)
 			}
 			now := time.Now()
 			attempts, first := p.count(msg, err, try, now)
-			if IsPermanent(err) || attempts >= p.cfg.MaxAttempts {
+			if class == classPermanent || attempts >= p.cfg.MaxAttempts {
 				msg.SetContext(base)
 				return nil, p.deadLetter(msg, slot, err, attempts, first, now)
 			}
@@ -429,23 +421,6 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	p.hooks.DeadLetter(msg.Context(), observe.DeadLetter{Consumer: consumer, Topic: topic, Reason: reasonOf(cause), Attempts: attempts})
 	p.cfg.Logger.Info("Message dead-lettered", fields.Add(watermill.LogFields{"error": cause.Error()}))
 	return nil
-}
-
-// reasonOf classifies why a message was dead-lettered, for the hooks.
-func reasonOf(cause error) observe.Reason {
-	switch {
-	case errors.Is(cause, ErrUndecodable):
-		return observe.ReasonUndecodable
-	case errors.Is(cause, ErrCrashLoop):
-		return observe.ReasonCrashLoop
-	case errors.Is(cause, ErrPanicked):
-		return observe.ReasonPanic
-	case errors.Is(cause, context.DeadlineExceeded):
-		return observe.ReasonDeadline
-	case IsPermanent(cause):
-		return observe.ReasonPermanent
-	}
-	return observe.ReasonError
 }
 
 // sleepCtx waits d or until ctx is done, and reports whether it waited the
