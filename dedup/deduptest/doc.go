@@ -70,7 +70,8 @@
 //   - ClaimCommitDuplicate: claim, effect, complete and commit make the key
 //     done; later claims and starts answer it done with the stored result,
 //     and no second effect is written.
-//   - NilResult: a key completed with a nil result answers a nil one.
+//   - Result: a stored result comes back byte for byte (binary, 200 KiB),
+//     to claims and starts; none stored answers nil.
 //   - Consumers: two consumers of a key keep separate records.
 //   - Rollback: a rolled-back claim undoes the effect and leaves the key
 //     claimable, its attempt not counted.
@@ -79,6 +80,9 @@
 //     kept; a failure reported after the commit changes nothing.
 //   - ConcurrentDuplicates: 50 copies of one key (new, or failed before)
 //     claimed at once apply it once; the others answer done or in flight.
+//     RolledBack: the first winner fails and rolls back, and another copy
+//     (redelivered while the key is in flight) claims the key and applies
+//     it, once.
 //   - Bury: a key buried in its claim's transaction is dead to claims and
 //     starts; a late failure leaves it dead; a copy of it is counted
 //     without error; a burial rolled back leaves the key claimable.
@@ -94,11 +98,12 @@
 //     has passed; a live record stays.
 //   - Sweep ([dedup.Expirer]): expired records of every state are deleted
 //     in batches of at most the limit; live ones stay.
-//   - CanceledContext: a call on a canceled context never reports the
-//     store unavailable.
+//   - CanceledContext: a call on a context the caller canceled, or whose
+//     deadline passed, never reports the store unavailable.
 //   - Peek ([dedup.Peeker]), HasRecord ([dedup.RecordFinder]), DoneKeys
 //     ([dedup.KeyLister]): each state of a key as they answer it.
-//   - Classify ([dedup.Classifier]) and Cut: the failure classes above.
+//   - Classify ([dedup.Classifier]) and Cut: the failure classes above,
+//     the pipelined and batched claims' calls included.
 //   - StartClaim ([dedup.StartClaimer]), BeginClaim ([dedup.BeginClaimer]),
 //     Batch ([dedup.BatchClaimer]): the pipelined and batched paths answer
 //     as the single calls do.
@@ -109,13 +114,15 @@
 //     copy meanwhile is in flight; the token completes the key, which
 //     answers done with its result and is fenced from then on; a key never
 //     claimed cannot be completed, released, extended or buried.
-//   - NilResult and Consumers, as in transactional mode.
+//   - Result and Consumers, as in transactional mode.
 //   - Extend: only the current token renews a lease.
 //   - Release: a released key is claimable at once with a higher token,
 //     its attempts counted and first failure kept; the old token is fenced.
 //   - Abandon: an abandoned release takes its attempt's count back.
 //   - Takeover: a lease that ends is taken over, and the first holder's
 //     token is fenced: a zombie cannot complete, release, extend or bury.
+//   - LateEnd: a lease that ended without being taken over still belongs
+//     to its token, which completes or renews it.
 //   - ConcurrentClaims: 50 copies of one key take one lease, one effect.
 //   - Bury, DeadCopies, ReplayGrant, Window, Sweep, CanceledContext, Peek,
 //     HasRecord, DoneKeys: as in transactional mode, with leases; Window

@@ -37,7 +37,9 @@ type TxBundle struct {
 	// handler does: through the transaction that tx.WithTx(ctx) carries
 	// and the store package's accessor (postgres.Tx, sqlite.Tx), into a
 	// table of the harness's choosing. The suite calls it only on a
-	// transaction whose claim answered [dedup.StateNew]. Required.
+	// transaction whose claim answered [dedup.StateNew]. key is the
+	// message key ([dedup.Key.Key]); the suite counts effects only of
+	// keys that no other consumer of the subtest uses. Required.
 	Effect func(ctx context.Context, tx dedup.InboxTx, key string) error
 	// Effects counts the committed effects of key, outside any of the
 	// store's transactions. Required.

@@ -1,7 +1,6 @@
 package deduptest
 
 import (
-	"context"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -28,12 +27,13 @@ func RunLeaseStore(t *testing.T, h LeaseHarness) {
 		run  func(t *testing.T, x leaseSubject)
 	}{
 		{"ClaimComplete", leaseClaimComplete},
-		{"NilResult", leaseNilResult},
+		{"Result", func(t *testing.T, x leaseSubject) { x.results(t) }},
 		{"Consumers", leaseConsumers},
 		{"Extend", leaseExtend},
 		{"Release", leaseRelease},
 		{"Abandon", leaseAbandon},
 		{"Takeover", leaseTakeover},
+		{"LateEnd", leaseLateEnd},
 		{"ConcurrentClaims", leaseConcurrentClaims},
 		{"Bury", leaseBury},
 		{"DeadCopies", func(t *testing.T, x leaseSubject) { x.deadCopiesCounted(t) }},
@@ -185,13 +185,6 @@ func leaseClaimComplete(t *testing.T, x leaseSubject) {
 	}
 }
 
-// leaseNilResult: a key completed without a result answers a nil one.
-func leaseNilResult(t *testing.T, x leaseSubject) {
-	k := key("no-result")
-	x.apply(t, k, nil, window)
-	require.Nil(t, x.requireState(t, k, dedup.StateDone).Result, "no result stored answers nil")
-}
-
 // leaseConsumers: two consumers of one key keep separate records.
 func leaseConsumers(t *testing.T, x leaseSubject) {
 	a, b := dedup.Key{Consumer: "billing", Key: "order-1"}, dedup.Key{Consumer: "shipping", Key: "order-1"}
@@ -299,6 +292,41 @@ func leaseTakeover(t *testing.T, x leaseSubject) {
 	require.Equal(t, []byte("taker"), x.requireState(t, k, dedup.StateDone).Result)
 }
 
+// leaseLateEnd: a lease that ended without another claim taking it over
+// still belongs to its token, which completes or extends it: the inbox
+// records an attempt that finished after its lease ended when its token
+// is still the current one.
+func leaseLateEnd(t *testing.T, x leaseSubject) {
+	ctx := t.Context()
+	late, slow := key("late"), key("slow")
+	c1 := x.claimNew(t, late, shortLease, window)
+	c2 := x.claimNew(t, slow, shortLease, window)
+	x.waitLeaseEnd(t, late, c1)
+	x.waitLeaseEnd(t, slow, c2)
+	require.NoError(t, x.s.LeaseComplete(ctx, late, c1.Token, []byte("late")), "nobody took the key over")
+	require.Equal(t, []byte("late"), x.requireState(t, late, dedup.StateDone).Result)
+	until, err := x.s.LeaseExtend(ctx, slow, c2.Token, lease)
+	require.NoError(t, err, "nobody took the key over")
+	c := x.claim(t, slow, lease, window)
+	require.Equal(t, dedup.StateInFlight, c.State, "the renewed lease holds the key")
+	require.True(t, until.Equal(c.Until))
+}
+
+// waitLeaseEnd waits, without claiming k, until the lease of c has ended:
+// as a peek sees it, or by the clock where the store cannot peek.
+func (x leaseSubject) waitLeaseEnd(t *testing.T, k dedup.Key, c dedup.Claim) {
+	t.Helper()
+	p, peeks := x.s.(dedup.Peeker)
+	eventually(t, "the lease to end", func() bool {
+		if !peeks {
+			return time.Now().After(c.Until)
+		}
+		pc, err := p.InboxPeek(t.Context(), k)
+		require.NoError(t, err)
+		return pc.State == dedup.StateNew
+	})
+}
+
 // leaseConcurrentClaims: copies of one key claimed at once take one lease;
 // the others are in flight (or done, once the winner completed), and the
 // effect runs once.
@@ -395,26 +423,27 @@ func leaseWindow(t *testing.T, x leaseSubject) {
 	require.Equal(t, []byte("live"), x.requireState(t, live, dedup.StateDone, "a live record stays").Result)
 }
 
-// leaseCanceled: a call on a canceled context is the caller's, not the
-// store's: if it fails, its error does not wrap dedup.ErrUnavailable.
+// leaseCanceled: a call on a canceled context, or one whose deadline has
+// passed, is the caller's, not the store's: if it fails, its error does
+// not wrap dedup.ErrUnavailable.
 func leaseCanceled(t *testing.T, x leaseSubject) {
 	k := key("canceled")
 	c := x.claimNew(t, k, lease, window)
-	ctx, cancel := context.WithCancel(t.Context())
-	cancel()
-	notUnavailable := func(call string, err error) {
-		t.Helper()
-		assert.NotErrorIs(t, err, dedup.ErrUnavailable, "%s on a canceled context", call)
-	}
-	_, err := x.s.LeaseClaim(ctx, key("other"), lease, window)
-	notUnavailable("LeaseClaim", err)
-	_, err = x.s.LeaseExtend(ctx, k, c.Token, lease)
-	notUnavailable("LeaseExtend", err)
-	notUnavailable("LeaseComplete", x.s.LeaseComplete(ctx, k, c.Token, nil))
-	notUnavailable("LeaseRelease", x.s.LeaseRelease(ctx, k, c.Token, dedup.Failure{Err: "x", At: time.Now()}))
-	notUnavailable("LeaseBury", x.s.LeaseBury(ctx, k, c.Token, dedup.Failure{Err: "x", At: time.Now()}))
-	for call, err := range x.everyCall(ctx, k) {
-		notUnavailable(call, err)
+	for name, ctx := range callerDone(t) {
+		notUnavailable := func(call string, err error) {
+			t.Helper()
+			assert.NotErrorIs(t, err, dedup.ErrUnavailable, "%s on a %s context", call, name)
+		}
+		_, err := x.s.LeaseClaim(ctx, key("other"), lease, window)
+		notUnavailable("LeaseClaim", err)
+		_, err = x.s.LeaseExtend(ctx, k, c.Token, lease)
+		notUnavailable("LeaseExtend", err)
+		notUnavailable("LeaseComplete", x.s.LeaseComplete(ctx, k, c.Token, nil))
+		notUnavailable("LeaseRelease", x.s.LeaseRelease(ctx, k, c.Token, dedup.Failure{Err: "x", At: time.Now()}))
+		notUnavailable("LeaseBury", x.s.LeaseBury(ctx, k, c.Token, dedup.Failure{Err: "x", At: time.Now()}))
+		for call, err := range x.everyCall(ctx, k) {
+			notUnavailable(call, err)
+		}
 	}
 }
 

@@ -374,6 +374,32 @@ func (s subject) doneKeys(t *testing.T) {
 	require.Equal(t, 1, calls, "and stops the walk")
 }
 
+// results checks that a stored result comes back byte for byte, whatever
+// its bytes and size, and that none stored answers nil.
+func (s subject) results(t *testing.T) {
+	binary := make([]byte, 256)
+	for i := range binary {
+		binary[i] = byte(i) // NUL, invalid UTF-8 and every other byte
+	}
+	large := make([]byte, 200<<10) // produced messages with their payloads: more than a 64 KiB column holds
+	for i := range large {
+		large[i] = "0123456789abcdef"[i%16]
+	}
+	for name, result := range map[string][]byte{"binary": binary, "large": large, "json": []byte(`[{"uuid":"u-1","payload":"eyJhIjoxfQ=="}]`)} {
+		s.apply(t, key(name), result, window)
+		c := s.requireState(t, key(name), dedup.StateDone)
+		require.Equal(t, result, c.Result, "the %s result comes back as it was stored", name)
+		if ts, ok := s.store.(dedup.TxStore); ok {
+			c, err := ts.InboxStart(t.Context(), key(name), window)
+			require.NoError(t, err)
+			require.Equal(t, dedup.StateDone, c.State)
+			require.Equal(t, result, c.Result, "the start answers the %s result too", name)
+		}
+	}
+	s.apply(t, key("nil"), nil, window)
+	require.Nil(t, s.requireState(t, key("nil"), dedup.StateDone).Result, "no result stored answers nil")
+}
+
 // suiteError is an error of the suite's own, for a store to pass on.
 type suiteError string
 

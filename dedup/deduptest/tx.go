@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -32,7 +33,7 @@ func RunTxStore(t *testing.T, h TxHarness) {
 		run  func(t *testing.T, x txSubject)
 	}{
 		{"ClaimCommitDuplicate", txClaimCommitDuplicate},
-		{"NilResult", txNilResult},
+		{"Result", func(t *testing.T, x txSubject) { x.results(t) }},
 		{"Consumers", txConsumers},
 		{"Rollback", txRollback},
 		{"FailedReclaim", txFailedReclaim},
@@ -173,18 +174,6 @@ func txClaimCommitDuplicate(t *testing.T, x txSubject) {
 	require.Equal(t, 1, x.effects(t, k), "duplicates apply nothing")
 }
 
-// txNilResult: a key completed without a result answers a nil one.
-func txNilResult(t *testing.T, x txSubject) {
-	k := key("no-result")
-	x.apply(t, k, nil, window)
-	c := x.requireState(t, k, dedup.StateDone)
-	require.Nil(t, c.Result, "no result stored answers nil")
-	c, err := x.s.InboxStart(t.Context(), k, window)
-	require.NoError(t, err)
-	require.Equal(t, dedup.StateDone, c.State)
-	require.Nil(t, c.Result)
-}
-
 // txConsumers: two consumers of one key keep separate records.
 func txConsumers(t *testing.T, x txSubject) {
 	a, b := dedup.Key{Consumer: "billing", Key: "order-1"}, dedup.Key{Consumer: "shipping", Key: "order-1"}
@@ -299,11 +288,74 @@ func txConcurrentDuplicates(t *testing.T, x txSubject) {
 			require.Equal(t, []byte("r"), x.requireState(t, k, dedup.StateDone).Result)
 		})
 	}
+	t.Run("RolledBack", x.concurrentRolledBack)
 }
 
-// deliver is one delivery as the inbox runs it: claim, effect, complete,
-// commit when the key is new; roll back otherwise.
-func (x txSubject) deliver(ctx context.Context, k dedup.Key, result []byte) (dedup.Claim, error) {
+// errHandlerFailed is the error of a handler that the suite makes fail.
+const errHandlerFailed = suiteError("the handler failed")
+
+// concurrentRolledBack: copies of one key claimed at once, of which the
+// first winner fails and rolls back: another copy then claims the key
+// itself (every copy is redelivered while the key is in flight) and
+// applies it, once.
+func (x txSubject) concurrentRolledBack(t *testing.T) {
+	ctx := t.Context()
+	k := key("hot-RolledBack")
+	var (
+		wg        sync.WaitGroup
+		start     = make(chan struct{})
+		failed    atomic.Bool
+		claims    = make([]dedup.Claim, copies)
+		errs      = make([]error, copies)
+		redeliver = func() bool {
+			select {
+			case <-ctx.Done():
+				return false
+			case <-time.After(time.Millisecond): // the broker's redelivery
+				return true
+			}
+		}
+	)
+	for i := range copies {
+		wg.Go(func() {
+			<-start
+			for {
+				fail := func() bool { return failed.CompareAndSwap(false, true) }
+				c, err := x.deliverFailing(ctx, k, []byte("r"), fail)
+				if err == nil && c.State == dedup.StateInFlight && redeliver() {
+					continue
+				}
+				if errors.Is(err, errHandlerFailed) {
+					err = x.s.InboxFail(ctx, k, dedup.Failure{Err: err.Error(), At: time.Now()}, window)
+				}
+				claims[i], errs[i] = c, err
+				return
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	news := 0
+	for i := range copies {
+		require.NoError(t, errs[i], "copy %d", i)
+		switch claims[i].State {
+		case dedup.StateNew:
+			news++
+		case dedup.StateDone:
+			require.Equal(t, []byte("r"), claims[i].Result)
+		default:
+			t.Fatalf("copy %d: %s; want new or done", i, claims[i].State)
+		}
+	}
+	require.Equal(t, 2, news, "the winner that rolled back and the one that took the key after it")
+	require.Equal(t, 1, x.effects(t, k), "exactly one effect")
+	require.Equal(t, []byte("r"), x.requireState(t, k, dedup.StateDone).Result)
+}
+
+// deliverFailing is deliver whose handler fails, after writing its
+// effect, when fail says so: the transaction is rolled back and the error
+// wraps errHandlerFailed.
+func (x txSubject) deliverFailing(ctx context.Context, k dedup.Key, result []byte, fail func() bool) (dedup.Claim, error) {
 	tx, err := x.s.InboxBegin(ctx)
 	if err != nil {
 		return dedup.Claim{}, err
@@ -315,6 +367,9 @@ func (x txSubject) deliver(ctx context.Context, k dedup.Key, result []byte) (ded
 	if err == nil {
 		err = x.b.Effect(ctx, tx, k.Key)
 	}
+	if err == nil && fail() {
+		err = errHandlerFailed
+	}
 	if err == nil {
 		err = tx.InboxComplete(ctx, k, result)
 	}
@@ -325,6 +380,12 @@ func (x txSubject) deliver(ctx context.Context, k dedup.Key, result []byte) (ded
 		return c, errors.Join(err, tx.Rollback(ctx))
 	}
 	return c, nil
+}
+
+// deliver is one delivery as the inbox runs it: claim, effect, complete,
+// commit when the key is new; roll back otherwise.
+func (x txSubject) deliver(ctx context.Context, k dedup.Key, result []byte) (dedup.Claim, error) {
+	return x.deliverFailing(ctx, k, result, func() bool { return false })
 }
 
 // txBury: a key buried in its claim's transaction is dead for every
@@ -436,30 +497,71 @@ func txWindow(t *testing.T, x txSubject) {
 	require.Equal(t, []byte("live"), x.requireState(t, live, dedup.StateDone, "a live record stays").Result)
 }
 
-// txCanceled: a call on a canceled context is the caller's, not the
+// txCanceled: a call on a canceled context, or one whose deadline has
+// passed (Watermill's Timeout middleware), is the caller's, not the
 // store's: if it fails, its error does not wrap dedup.ErrUnavailable.
 func txCanceled(t *testing.T, x txSubject) {
-	ctx, cancel := context.WithCancel(t.Context())
-	cancel()
 	k := key("canceled")
-	notUnavailable := func(call string, err error) {
-		t.Helper()
-		assert.NotErrorIs(t, err, dedup.ErrUnavailable, "%s on a canceled context", call)
+	for name, ctx := range callerDone(t) {
+		notUnavailable := func(call string, err error) {
+			t.Helper()
+			assert.NotErrorIs(t, err, dedup.ErrUnavailable, "%s on a %s context", call, name)
+		}
+		_, err := x.s.InboxStart(ctx, k, window)
+		notUnavailable("InboxStart", err)
+		tx, err := x.s.InboxBegin(ctx)
+		notUnavailable("InboxBegin", err)
+		if err == nil {
+			_, err = tx.InboxClaim(ctx, k, window)
+			notUnavailable("InboxClaim", err)
+			require.NoError(t, tx.Rollback(t.Context()))
+		}
+		notUnavailable("InboxFail", x.s.InboxFail(ctx, k, dedup.Failure{Err: "x", At: time.Now()}, window))
+		notUnavailable("InboxUnstart", x.s.InboxUnstart(ctx, k))
+		for call, err := range x.everyCall(ctx, k) {
+			notUnavailable(call, err)
+		}
+		for call, err := range x.pipelinedCalls(ctx, k) {
+			notUnavailable(call, err)
+		}
 	}
-	_, err := x.s.InboxStart(ctx, k, window)
-	notUnavailable("InboxStart", err)
-	tx, err := x.s.InboxBegin(ctx)
-	notUnavailable("InboxBegin", err)
-	if err == nil {
-		_, err = tx.InboxClaim(ctx, k, window)
-		notUnavailable("InboxClaim", err)
-		require.NoError(t, tx.Rollback(t.Context()))
+}
+
+// callerDone returns contexts that the caller ended, by name.
+func callerDone(t *testing.T) map[string]context.Context {
+	canceled, cancel := context.WithCancel(t.Context())
+	cancel()
+	expired, cancel := context.WithDeadline(t.Context(), time.Now().Add(-time.Second))
+	t.Cleanup(cancel)
+	return map[string]context.Context{"canceled": canceled, "expired": expired}
+}
+
+// pipelinedCalls makes the calls of the pipelined and batched claims the
+// store implements, on ctx, ending any transaction they open, and returns
+// their errors by name.
+func (x txSubject) pipelinedCalls(ctx context.Context, k dedup.Key) map[string]error {
+	errs := map[string]error{}
+	end := func(call string, tx dedup.InboxTx, err error) {
+		if tx != nil {
+			err = errors.Join(err, tx.Rollback(context.WithoutCancel(ctx)))
+		}
+		errs[call] = err
 	}
-	notUnavailable("InboxFail", x.s.InboxFail(ctx, k, dedup.Failure{Err: "x", At: time.Now()}, window))
-	notUnavailable("InboxUnstart", x.s.InboxUnstart(ctx, k))
-	for call, err := range x.everyCall(ctx, k) {
-		notUnavailable(call, err)
+	if sc, ok := x.s.(dedup.StartClaimer); ok {
+		_, tx, _, err := sc.InboxStartClaim(ctx, k, window)
+		end("InboxStartClaim", tx, err)
 	}
+	if bc, ok := x.s.(dedup.BeginClaimer); ok {
+		tx, _, err := bc.InboxBeginClaim(ctx, k, window)
+		end("InboxBeginClaim", tx, err)
+	}
+	if bc, ok := x.s.(dedup.BatchClaimer); ok {
+		_, err := bc.InboxStartBatch(ctx, k.Consumer, []string{k.Key}, window)
+		errs["InboxStartBatch"] = err
+		tx, _, err := bc.InboxBeginClaimBatch(ctx, k.Consumer, []string{k.Key}, window)
+		end("InboxBeginClaimBatch", tx, err)
+	}
+	return errs
 }
 
 // everyCall makes every call of the Graveyard and of the optional
@@ -563,6 +665,9 @@ func txCut(t *testing.T, x txSubject) {
 	unavailable("InboxFail", x.s.InboxFail(ctx, other, dedup.Failure{Err: "x", At: time.Now()}, window))
 	unavailable("InboxUnstart", x.s.InboxUnstart(ctx, other))
 	for call, err := range x.everyCall(ctx, other) {
+		unavailable(call, err)
+	}
+	for call, err := range x.pipelinedCalls(ctx, other) {
 		unavailable(call, err)
 	}
 }
