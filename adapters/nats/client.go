@@ -30,6 +30,16 @@ type client struct {
 
 	mu      sync.Mutex
 	streams map[string]jetstream.Stream // by topic
+
+	// The state of the connection, for the requests that must not wait
+	// for an answer that a dropped connection lost (see link).
+	linkMu    sync.Mutex
+	connected bool
+	lost      context.Context    // done once the current connection drops
+	drop      context.CancelFunc // ends lost
+	up        chan struct{}      // closed while connected
+	statuses  chan natsgo.Status
+	watched   chan struct{} // closed when watch has returned
 }
 
 // connect opens a connection named name and checks that the account has
@@ -83,7 +93,82 @@ func connect(ctx context.Context, cfg Config, name string) (*client, error) {
 		}
 		return nil, fmt.Errorf("nats: JetStream account info from %s: %w", safe, err)
 	}
-	return &client{cfg: cfg, nc: nc, js: js, logger: logger, streams: map[string]jetstream.Stream{}}, nil
+	c := &client{cfg: cfg, nc: nc, js: js, logger: logger, streams: map[string]jetstream.Stream{},
+		up: make(chan struct{}), statuses: nc.StatusChanged(), watched: make(chan struct{})}
+	c.setLink(nc.Status() == natsgo.CONNECTED)
+	go c.watch()
+	return c, nil
+}
+
+// watch follows the connection's status until it closes. It reads the
+// status afresh on every event rather than trusting the event, which
+// nats.go drops when the channel is full.
+func (c *client) watch() {
+	defer close(c.watched)
+	for range c.statuses {
+		c.setLink(c.nc.Status() == natsgo.CONNECTED)
+	}
+}
+
+// setLink records whether the connection is up: a drop ends the lost
+// context of the connection that was up, and the next connection gets a
+// lost context of its own.
+func (c *client) setLink(connected bool) {
+	c.linkMu.Lock()
+	defer c.linkMu.Unlock()
+	switch {
+	case connected && !c.connected:
+		c.lost, c.drop = context.WithCancel(context.Background())
+		close(c.up)
+	case !connected && c.connected:
+		c.drop()
+		c.up = make(chan struct{})
+	}
+	c.connected = connected
+}
+
+// link waits until the client is connected, or ctx ends, and returns a
+// context that ends when that connection drops. A request sent on a
+// connection that drops before the server answers it is lost with the
+// connection, and nats.go would wait for the answer until the request's
+// own timeout: a publish or a pull that stops waiting when the context
+// ends can be sent again at once on the next connection.
+func (c *client) link(ctx context.Context) (context.Context, error) {
+	for {
+		c.linkMu.Lock()
+		connected, lost, up := c.connected, c.lost, c.up
+		c.linkMu.Unlock()
+		if connected {
+			return lost, nil
+		}
+		select {
+		case <-up:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// request sends body to subject as a request and waits for the answer
+// within ctx, on the current connection or the next one: a request whose
+// connection drops before the answer came is sent again, so body must be
+// one that the receiver can take twice.
+func (c *client) request(ctx context.Context, subject string, body []byte) error {
+	for {
+		lost, err := c.link(ctx)
+		if err != nil {
+			return fmt.Errorf("not connected to NATS: %w", err)
+		}
+		rctx, cancel := context.WithCancel(ctx)
+		stop := context.AfterFunc(lost, cancel)
+		_, err = c.nc.RequestWithContext(rctx, subject, body)
+		stop()
+		cancel()
+		if err != nil && ctx.Err() == nil && lost.Err() != nil {
+			continue
+		}
+		return err
+	}
 }
 
 // isTimeout reports whether err says that a server did not answer in
@@ -168,4 +253,7 @@ func (c *client) close() {
 		c.logger.Info("Cannot flush the NATS connection before closing it", watermill.LogFields{"err": err.Error()})
 	}
 	c.nc.Close()
+	c.nc.RemoveStatusListener(c.statuses)
+	<-c.watched
+	c.setLink(false)
 }

@@ -60,7 +60,15 @@
 // effects.
 //
 //   - Publish returns once JetStream has stored every message, each
-//     published expecting its topic's stream.
+//     published expecting its topic's stream. A connection that drops, or
+//     a server that restarts, within [PublisherConfig.PublishTimeout]
+//     does not fail it: the publish waits for the next connection, and a
+//     message whose ack was lost with the connection is published again,
+//     the stream dropping the copy by its Nats-Msg-Id.
+//   - A connection that drops ends the subscriptions' pull requests,
+//     which the server lost with it, and they pull again as soon as the
+//     client has reconnected; acks, nacks and heartbeats whose answer was
+//     lost are sent again on the next connection.
 //   - Each published message's Nats-Msg-Id is its idempotency key (see
 //     Deduplication below), so that JetStream drops a producer's retry.
 //   - A subscription holds at most [SubscriberConfig.MaxInFlight] messages

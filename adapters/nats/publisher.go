@@ -47,7 +47,11 @@ func NewPublisher(ctx context.Context, cfg PublisherConfig) (*Publisher, error) 
 // JetStream has stored each of them, or at the first that failed: a
 // caller that retries publishes the stored ones again, and JetStream
 // drops them within its duplicate window (see below). Each publish honours
-// the message's context and [PublisherConfig.PublishTimeout].
+// the message's context and [PublisherConfig.PublishTimeout], within
+// which a dropped connection or a server restart does not fail it: while
+// the client is disconnected the publish waits for the next connection,
+// and a message whose ack the dropped connection lost is published again
+// on it, the stream dropping the copy by its Nats-Msg-Id.
 //
 // The topic's stream is looked up on the first publish to it (created
 // with [Config.CreateStreams]), and every message is published expecting
@@ -95,7 +99,7 @@ func (p *Publisher) publish(stream, topic string, msg *message.Message) error {
 	}
 	ctx, cancel := context.WithTimeout(msg.Context(), p.cfg.PublishTimeout)
 	defer cancel()
-	ack, err := p.client.js.PublishMsg(ctx, m, jetstream.WithExpectStream(stream))
+	ack, err := p.send(ctx, m, stream)
 	if err != nil {
 		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, natsgo.ErrNoResponders) {
 			// The stream may have been deleted: look it up again next
@@ -112,6 +116,32 @@ func (p *Publisher) publish(stream, topic string, msg *message.Message) error {
 		p.logger.Trace("Published message to JetStream", fields)
 	}
 	return nil
+}
+
+// send publishes m to stream and waits for JetStream's ack, within ctx.
+// While the client is disconnected it waits for the next connection
+// rather than buffer m. When the connection drops before the ack came,
+// the ack is lost with it (m may or may not be stored) and send publishes
+// m again on the next connection: the stream drops the copy by its
+// Nats-Msg-Id, and the ack says Duplicate.
+func (p *Publisher) send(ctx context.Context, m *natsgo.Msg, stream string) (*jetstream.PubAck, error) {
+	for {
+		lost, err := p.client.link(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("not connected to NATS: %w", err)
+		}
+		sctx, cancel := context.WithCancel(ctx)
+		stop := context.AfterFunc(lost, cancel)
+		ack, err := p.client.js.PublishMsg(sctx, m, jetstream.WithExpectStream(stream))
+		stop()
+		cancel()
+		if err != nil && ctx.Err() == nil && lost.Err() != nil {
+			p.logger.Debug("The connection to NATS dropped before JetStream acked a publish; publishing it again on the next connection",
+				watermill.LogFields{"subject": m.Subject, "msg_id": m.Header.Get(MsgIDHeader), "err": err.Error()})
+			continue
+		}
+		return ack, err
+	}
 }
 
 // Close waits for the publishes in flight and closes the connection.

@@ -32,6 +32,7 @@ const (
 // message's reply subject: the server answers each, which confirms that
 // it has it.
 var (
+	ackAck      = []byte("+ACK")
 	ackProgress = []byte("+WPI")
 	ackNak      = []byte("-NAK")
 )
@@ -392,12 +393,23 @@ func (sub *subscription) pull() {
 }
 
 // fetch asks for up to n messages and holds each as it arrives. It
-// returns how many arrived.
+// returns how many arrived. While the client is disconnected it waits for
+// the next connection; a connection that drops ends the pull, which the
+// server lost with it (a restarted server knows nothing of it), so that
+// the next pull goes out as soon as the client has reconnected.
 func (sub *subscription) fetch(n int) (int, error) {
+	lost, err := sub.s.client.link(sub.ctx)
+	if err != nil {
+		return 0, nil // the subscription ended
+	}
 	ctx, cancel := context.WithTimeout(sub.ctx, fetchWait)
 	defer cancel()
+	defer context.AfterFunc(lost, cancel)()
 	batch, err := sub.cons.Fetch(n, jetstream.FetchContext(ctx))
 	if err != nil {
+		if lost.Err() != nil && sub.ctx.Err() == nil {
+			return 0, nil
+		}
 		return 0, err
 	}
 	got := 0
@@ -406,8 +418,13 @@ func (sub *subscription) fetch(n int) (int, error) {
 		sub.hold(m)
 	}
 	err = batch.Error()
-	if errors.Is(err, context.DeadlineExceeded) && sub.ctx.Err() == nil {
+	switch {
+	case sub.ctx.Err() != nil:
+	case errors.Is(err, context.DeadlineExceeded):
 		return got, nil // the pull expired on our side first
+	case lost.Err() != nil:
+		sub.logger.Debug("The connection to NATS dropped during a pull; pulling again once reconnected", watermill.LogFields{"received": got})
+		return got, nil
 	}
 	return got, err
 }
@@ -523,13 +540,11 @@ func (sub *subscription) keep(h *held) {
 	}
 }
 
-// ack acknowledges h and waits for JetStream to confirm it. When that
-// fails, JetStream delivers the message again after its ack wait, and the
-// inbox absorbs the duplicate.
+// ack acknowledges h and waits for JetStream to confirm it (a double
+// ack). When that fails, JetStream delivers the message again after its
+// ack wait, and the inbox absorbs the duplicate.
 func (sub *subscription) ack(h *held) {
-	ctx, cancel := context.WithTimeout(context.Background(), requestTimeout)
-	defer cancel()
-	if err := h.m.DoubleAck(ctx); err != nil {
+	if err := sub.reply(h, ackAck, requestTimeout); err != nil {
 		sub.logger.Error("JetStream did not confirm an ack; it will deliver the message again after its ack wait", err, h.fields)
 		return
 	}
@@ -556,12 +571,13 @@ func (sub *subscription) nak(h *held) {
 }
 
 // reply sends body to h's reply subject as a request and waits up to
-// timeout for JetStream's answer.
+// timeout for JetStream's answer, sending it again when the connection
+// drops before the answer came (an ack, a nack or a heartbeat is
+// idempotent).
 func (sub *subscription) reply(h *held, body []byte, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	_, err := sub.s.client.nc.RequestWithContext(ctx, h.m.Reply(), body)
-	return err
+	return sub.s.client.request(ctx, h.m.Reply(), body)
 }
 
 // drain waits up to DrainTimeout for the held messages to be acked or
