@@ -7,10 +7,11 @@ GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 test: services
 	$(GO) test -race -count=1 ./...
 
-# The chaos suite (build tag chaos): consumer processes on Kafka, RabbitMQ
-# and SQS SIGKILLed at random while PostgreSQL, RabbitMQ and Redis restart
-# under them (private instances); prints what was sent, applied, doubled,
-# lost and dead-lettered, and the longest stall, per broker and fault.
+# The chaos suite (build tag chaos): consumer processes on Kafka, RabbitMQ,
+# SQS and NATS SIGKILLed at random while PostgreSQL, RabbitMQ, Redis and
+# NATS restart under them (private instances); prints what was sent,
+# applied, doubled, lost and dead-lettered, and the longest stall, per
+# broker and fault.
 # Without -race: watermill-amqp v3.0.2 races on its connection field when
 # it reconnects (ThreeDotsLabs/watermill#693), which the RabbitMQ restart
 # makes it do.

@@ -1,16 +1,25 @@
 // Package chaos is oncemill's chaos suite; it has no API.
 //
-// Its test (build tag chaos, run by make chaos) starts a private
-// PostgreSQL server, a private RabbitMQ node, a private Redis and an
-// embedded Kafka broker in a process of its own, runs two consumer
-// processes per broker (Kafka, RabbitMQ, SQS) on a PostgreSQL inbox — one
-// with the PostgreSQL store, one with the two-tier store — feeds them a
-// steady stream with duplicates and poison messages, and meanwhile
-// SIGKILLs consumers at random, restarts PostgreSQL, restarts RabbitMQ's
-// application and stops Redis. At the end it checks from the database that
-// every key was applied exactly once or dead-lettered, never both and
-// never neither, that only the poison messages were dead-lettered and that
-// every broker holds nothing unacknowledged, and it prints, per broker and
-// fault, what was sent, applied, doubled, lost and dead-lettered, and the
-// longest stall.
+// Its tests (build tag chaos, run by make chaos) check the invariant from
+// outside, in the database, while real processes die under a steady
+// stream with duplicates and poison messages.
+//
+// TestChaos starts a private PostgreSQL server, a private RabbitMQ node,
+// a private Redis and an embedded Kafka broker in a process of its own,
+// runs two consumer processes per broker (Kafka, RabbitMQ, SQS) on a
+// PostgreSQL inbox — one with the PostgreSQL store, one with the two-tier
+// store — and meanwhile SIGKILLs consumers at random, restarts
+// PostgreSQL, restarts RabbitMQ's application and stops Redis.
+//
+// TestChaosNATS does the same on NATS JetStream, with a private
+// nats-server process and an embedded server in the test's process, two
+// consumer processes on each: it SIGKILLs consumers at random, restarts
+// both NATS servers on their ports and stores, restarts PostgreSQL and
+// SIGKILLs the nats-server process.
+//
+// At the end each checks from the database that every key was applied
+// exactly once or dead-lettered, never both and never neither, that only
+// the poison messages were dead-lettered and that every broker holds
+// nothing unacknowledged, and it prints, per broker and fault, what was
+// sent, applied, doubled, lost and dead-lettered, and the longest stall.
 package chaos
