@@ -21,9 +21,9 @@ import (
 
 // natsBatches counts the relay's batches by outcome, from its hook.
 type natsBatches struct {
-	mu                       sync.Mutex
+	mu                        sync.Mutex
 	noStream, other, ok, rows int
-	firstOther               error
+	firstOther                error
 }
 
 func (b *natsBatches) OnRelayBatch(_ context.Context, rb observe.RelayBatch) {
