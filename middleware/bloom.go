@@ -20,14 +20,21 @@ import (
 
 // BloomConfig configures a [Bloom] prefilter.
 type BloomConfig struct {
+	// Inbox is the inbox the prefilter goes in front of: its store (which
+	// must implement dedup.Peeker), key function, consumer name and window
+	// are the prefilter's, so that each is given once. Setting Store, Key,
+	// Consumer or Window as well is an error. Without it, set them to the
+	// inbox's by hand.
+	Inbox *Inbox
 	// Store is read for keys the filter may have seen: the inbox's store.
-	// Required. The dedup/postgres, dedup/sqlite, dedup/memory and
-	// dedup/redis stores implement it.
+	// Required unless Inbox is set. The dedup/postgres, dedup/sqlite,
+	// dedup/memory and dedup/redis stores implement it.
 	Store dedup.Peeker
-	// Key must be the inbox's key function. Defaults to [DefaultKey].
+	// Key must be the inbox's key function. Defaults to the Inbox's, else
+	// to [DefaultKey].
 	Key KeyFunc
-	// Consumer must be the inbox's consumer name. Defaults to the router
-	// handler's name; [Bloom.Warm] needs it set.
+	// Consumer must be the inbox's consumer name. Defaults to the Inbox's,
+	// else to the router handler's name; [Bloom.Warm] needs it set.
 	Consumer string
 	// ExpectedKeys is how many distinct keys one consumer completes in one
 	// Window; each of the two generations is sized for it. Defaults to
@@ -37,7 +44,8 @@ type BloomConfig struct {
 	// never seen, per generation. Defaults to 0.01.
 	FalsePositiveRate float64
 	// Window must be the inbox's window: keys are remembered at least this
-	// long and at most twice as long. Defaults to 72 hours.
+	// long and at most twice as long. Defaults to the Inbox's, else to 72
+	// hours.
 	Window time.Duration
 	// Hooks are told of every check (observe.BloomHook: surely new,
 	// false positive), and of each duplicate the prefilter answers itself
@@ -47,6 +55,29 @@ type BloomConfig struct {
 	// Logger receives store errors (the message then goes on to the inbox,
 	// which decides). Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
+}
+
+// fromInbox takes the settings the prefilter shares with its inbox from
+// c.Inbox, refusing any of them given twice.
+func (c *BloomConfig) fromInbox() error {
+	in := c.Inbox
+	if in == nil {
+		return nil
+	}
+	for _, f := range []struct {
+		name string
+		set  bool
+	}{{"Store", c.Store != nil}, {"Key", c.Key != nil}, {"Consumer", c.Consumer != ""}, {"Window", c.Window != 0}} {
+		if f.set {
+			return fmt.Errorf("middleware: BloomConfig.%s is taken from BloomConfig.Inbox: set one of them", f.name)
+		}
+	}
+	p, ok := in.store().(dedup.Peeker)
+	if !ok {
+		return fmt.Errorf("middleware: BloomConfig.Inbox: its store (%T) cannot be read without a claim (dedup.Peeker)", in.store())
+	}
+	c.Store, c.Key, c.Consumer, c.Window = p, in.cfg.Key, in.cfg.Consumer, in.cfg.Window
+	return nil
 }
 
 func (c *BloomConfig) setDefaults() {
@@ -134,6 +165,9 @@ type Bloom struct {
 // validated. It is empty: call [Bloom.Warm] before the router starts to
 // load the keys the store already holds.
 func NewBloom(cfg BloomConfig) (*Bloom, error) {
+	if err := cfg.fromInbox(); err != nil {
+		return nil, err
+	}
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err

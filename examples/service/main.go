@@ -334,13 +334,8 @@ func newRouter(ctx context.Context, cfg config, pool *pgxpool.Pool, sub message.
 	if err != nil {
 		return nil, err
 	}
-	bloom, err := middleware.NewBloom(middleware.BloomConfig{
-		Store:    store,
-		Consumer: consumerName,
-		Key:      key,
-		Hooks:    hooks,
-		Logger:   logger,
-	})
+	// The prefilter takes the inbox's store, key, consumer and window.
+	bloom, err := middleware.NewBloom(middleware.BloomConfig{Inbox: inbox, Hooks: hooks, Logger: logger})
 	if err != nil {
 		return nil, err
 	}
