@@ -74,7 +74,8 @@
 //     to claims and starts; none stored answers nil.
 //   - Consumers: two consumers of a key keep separate records.
 //   - Rollback: a rolled-back claim undoes the effect and leaves the key
-//     claimable, its attempt not counted.
+//     claimable as if it had never been claimed (only the start count of
+//     StartCounts keeps the attempt).
 //   - FailedReclaim: after a failure ([dedup.TxStore.InboxFail]) the key is
 //     claimed again with its attempts counted and its first failure's time
 //     kept; a failure reported after the commit changes nothing.

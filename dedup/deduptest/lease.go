@@ -1,6 +1,8 @@
 package deduptest
 
 import (
+	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -312,6 +314,23 @@ func leaseLateEnd(t *testing.T, x leaseSubject) {
 	require.True(t, until.Equal(c.Until))
 }
 
+// retryConflict calls f until it returns an error that does not wrap
+// dedup.ErrConflict, within the suite's patience.
+func retryConflict(ctx context.Context, f func() error) error {
+	deadline := time.Now().Add(patience)
+	for {
+		err := f()
+		if !errors.Is(err, dedup.ErrConflict) || time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return errors.Join(err, ctx.Err())
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
 // waitLeaseEnd waits, without claiming k, until the lease of c has ended:
 // as a peek sees it, or by the clock where the store cannot peek.
 func (x leaseSubject) waitLeaseEnd(t *testing.T, k dedup.Key, c dedup.Claim) {
@@ -329,7 +348,8 @@ func (x leaseSubject) waitLeaseEnd(t *testing.T, k dedup.Key, c dedup.Claim) {
 
 // leaseConcurrentClaims: copies of one key claimed at once take one lease;
 // the others are in flight (or done, once the winner completed), and the
-// effect runs once.
+// effect runs once. A call that loses a conflict (dedup.ErrConflict) is
+// made again, as the inbox's redelivery and completion retries make it.
 func leaseConcurrentClaims(t *testing.T, x leaseSubject) {
 	for _, failedBefore := range []bool{false, true} {
 		name := "New"
@@ -352,10 +372,15 @@ func leaseConcurrentClaims(t *testing.T, x leaseSubject) {
 			for i := range copies {
 				wg.Go(func() {
 					<-start
-					claims[i], errs[i] = x.s.LeaseClaim(ctx, k, lease, window)
+					errs[i] = retryConflict(ctx, func() (err error) {
+						claims[i], err = x.s.LeaseClaim(ctx, k, lease, window)
+						return err
+					})
 					if errs[i] == nil && claims[i].State == dedup.StateNew {
 						effects.Add(1)
-						errs[i] = x.s.LeaseComplete(ctx, k, claims[i].Token, []byte("r"))
+						errs[i] = retryConflict(ctx, func() error {
+							return x.s.LeaseComplete(ctx, k, claims[i].Token, []byte("r"))
+						})
 					}
 				})
 			}

@@ -240,7 +240,9 @@ func txFailedReclaim(t *testing.T, x txSubject) {
 
 // txConcurrentDuplicates: copies of one key claimed at once apply it once.
 // Each loser answers done (it waited for the winner) or in flight (a lock
-// in front of the record holds it), never new.
+// in front of the record holds it), never new. A delivery that loses a
+// conflict (dedup.ErrConflict: a deadlock, a serialization failure, a
+// busy database) is run again, as the inbox runs it.
 func txConcurrentDuplicates(t *testing.T, x txSubject) {
 	for _, failedBefore := range []bool{false, true} {
 		name := "New"
@@ -260,7 +262,7 @@ func txConcurrentDuplicates(t *testing.T, x txSubject) {
 			for i := range copies {
 				wg.Go(func() {
 					<-start
-					claims[i], errs[i] = x.deliver(t.Context(), k, []byte("r"))
+					claims[i], errs[i] = x.redeliver(t.Context(), k, []byte("r"), never, false)
 				})
 			}
 			close(start)
@@ -302,35 +304,22 @@ func (x txSubject) concurrentRolledBack(t *testing.T) {
 	ctx := t.Context()
 	k := key("hot-RolledBack")
 	var (
-		wg        sync.WaitGroup
-		start     = make(chan struct{})
-		failed    atomic.Bool
-		claims    = make([]dedup.Claim, copies)
-		errs      = make([]error, copies)
-		redeliver = func() bool {
-			select {
-			case <-ctx.Done():
-				return false
-			case <-time.After(time.Millisecond): // the broker's redelivery
-				return true
-			}
-		}
+		wg     sync.WaitGroup
+		start  = make(chan struct{})
+		failed atomic.Bool
+		claims = make([]dedup.Claim, copies)
+		errs   = make([]error, copies)
 	)
+	fail := func() bool { return failed.CompareAndSwap(false, true) }
 	for i := range copies {
 		wg.Go(func() {
 			<-start
-			for {
-				fail := func() bool { return failed.CompareAndSwap(false, true) }
-				c, err := x.deliverFailing(ctx, k, []byte("r"), fail)
-				if err == nil && c.State == dedup.StateInFlight && redeliver() {
-					continue
-				}
-				if errors.Is(err, errHandlerFailed) {
-					err = x.s.InboxFail(ctx, k, dedup.Failure{Err: err.Error(), At: time.Now()}, window)
-				}
-				claims[i], errs[i] = c, err
-				return
+			c, err := x.redeliver(ctx, k, []byte("r"), fail, true)
+			if errors.Is(err, errHandlerFailed) {
+				// As the inbox does after the rollback.
+				err = x.s.InboxFail(ctx, k, dedup.Failure{Err: err.Error(), At: time.Now()}, window)
 			}
+			claims[i], errs[i] = c, err
 		})
 	}
 	close(start)
@@ -352,10 +341,37 @@ func (x txSubject) concurrentRolledBack(t *testing.T) {
 	require.Equal(t, []byte("r"), x.requireState(t, k, dedup.StateDone).Result)
 }
 
-// deliverFailing is deliver whose handler fails, after writing its
-// effect, when fail says so: the transaction is rolled back and the error
-// wraps errHandlerFailed.
-func (x txSubject) deliverFailing(ctx context.Context, k dedup.Key, result []byte, fail func() bool) (dedup.Claim, error) {
+// never is a handler that never fails.
+func never() bool { return false }
+
+// redeliver runs deliveries of k, as the broker redelivers a nacked
+// message, until one ends: a delivery that lost a conflict (an error
+// wrapping dedup.ErrConflict, which the inbox runs again) is run again,
+// and so is one that found the key in flight when untilSettled is set.
+// fail is as for deliver.
+func (x txSubject) redeliver(ctx context.Context, k dedup.Key, result []byte, fail func() bool, untilSettled bool) (dedup.Claim, error) {
+	ctx, cancel := context.WithTimeout(ctx, patience)
+	defer cancel()
+	for {
+		c, err := x.deliver(ctx, k, result, fail)
+		again := errors.Is(err, dedup.ErrConflict) || (err == nil && untilSettled && c.State == dedup.StateInFlight)
+		if !again {
+			return c, err
+		}
+		select {
+		case <-ctx.Done():
+			return c, fmt.Errorf("deduptest: key %s still %s after %s of redeliveries: %w", k.Key, c.State, patience, errors.Join(err, ctx.Err()))
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+// deliver is one delivery as the inbox runs it: claim, effect, complete
+// and commit when the key is new; roll back otherwise. The handler fails,
+// after writing its effect, when fail says so: the transaction is rolled
+// back and the error wraps errHandlerFailed. An effect's error goes
+// through the transaction's dedup.Classifier, as the inbox's does.
+func (x txSubject) deliver(ctx context.Context, k dedup.Key, result []byte, fail func() bool) (dedup.Claim, error) {
 	tx, err := x.s.InboxBegin(ctx)
 	if err != nil {
 		return dedup.Claim{}, err
@@ -365,7 +381,11 @@ func (x txSubject) deliverFailing(ctx context.Context, k dedup.Key, result []byt
 		return c, tx.Rollback(ctx)
 	}
 	if err == nil {
-		err = x.b.Effect(ctx, tx, k.Key)
+		if err = x.b.Effect(ctx, tx, k.Key); err != nil {
+			if cl, ok := tx.(dedup.Classifier); ok {
+				err = cl.InboxClassify(err)
+			}
+		}
 	}
 	if err == nil && fail() {
 		err = errHandlerFailed
@@ -380,12 +400,6 @@ func (x txSubject) deliverFailing(ctx context.Context, k dedup.Key, result []byt
 		return c, errors.Join(err, tx.Rollback(ctx))
 	}
 	return c, nil
-}
-
-// deliver is one delivery as the inbox runs it: claim, effect, complete,
-// commit when the key is new; roll back otherwise.
-func (x txSubject) deliver(ctx context.Context, k dedup.Key, result []byte) (dedup.Claim, error) {
-	return x.deliverFailing(ctx, k, result, func() bool { return false })
 }
 
 // txBury: a key buried in its claim's transaction is dead for every
