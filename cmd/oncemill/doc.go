@@ -34,10 +34,11 @@
 // replay publishes each selected entry to its original topic with its
 // original UUID, payload and metadata, the delivery facts removed,
 // through the broker --broker names (default $BROKER_URL; kafka://, amqp://,
-// sqs:// or postgres://, as adapters.Open takes them), and deletes the entry
-// once the broker has it. It stops at the first entry the broker refuses
-// (on RabbitMQ also one whose topic has no queue bound: unroutable); that
-// entry and the rest stay. gochannel:// is refused as a usage error before
+// sqs://, nats:// or postgres://, as adapters.Open takes them), and deletes
+// the entry once the broker has it. It stops at the first entry the broker
+// refuses (on RabbitMQ also one whose topic has no queue bound:
+// unroutable; on NATS one whose topic has no stream, unless the URL says
+// create=true); that entry and the rest stay. gochannel:// is refused as a usage error before
 // any entry is read: its subscribers live in this process only, so the
 // replayed messages would be lost. With more than 20 entries and a terminal
 // on stderr it draws a progress bar there. Before publishing an entry it

@@ -55,7 +55,7 @@ Common flags:
 
 replay publishes each entry to its original topic, with its original UUID,
 payload and metadata (without the oncemill_* facts of the failed delivery), through --broker URL
-(default $BROKER_URL: kafka://, amqp://, sqs://, postgres://), then deletes it.
+(default $BROKER_URL: kafka://, amqp://, sqs://, nats://, postgres://), then deletes it.
 gochannel:// is refused: it has no durable subscribers, so the replayed
 messages would be lost when the command exits. replay and purge need IDs,
 a filter flag or --all.

@@ -555,9 +555,9 @@ func TestReplayUnreachableBroker(t *testing.T) {
 	require.Contains(t, r.stderr, "nothing replayed")
 	require.Equal(t, ids, f.ids(t), "no row deleted")
 
-	r = f.dlq(t, "replay", "--all", "--broker", "nats://127.0.0.1:4222")
+	r = f.dlq(t, "replay", "--all", "--broker", "nsq://127.0.0.1:4150")
 	require.Equal(t, exitUsage, r.code, r.stderr)
-	require.Contains(t, r.stderr, `oncemill dlq replay: --broker: adapters: unknown broker scheme "nats"`)
+	require.Contains(t, r.stderr, `oncemill dlq replay: --broker: adapters: unknown broker scheme "nsq"`)
 	requireOneLine(t, r.stderr)
 	require.Equal(t, ids, f.ids(t), "no row deleted")
 
