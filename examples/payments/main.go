@@ -15,6 +15,11 @@
 //	go run ./examples/payments
 //	BROKER_URL=amqp://guest:guest@127.0.0.1:5672/ go run ./examples/payments
 //	BROKER_URL='sqs://us-east-1?endpoint=http://127.0.0.1:4566&create=true' go run ./examples/payments
+//	BROKER_URL='nats://127.0.0.1:4222?create=true' go run ./examples/payments
+//
+// nats:// with no host runs the example on one embedded NATS server that
+// every connection of this program shares, as kafka:// with no host (or
+// no BROKER_URL) does with an embedded Kafka.
 package main
 
 import (
@@ -37,6 +42,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	natsembedded "github.com/oncemill/oncemill/adapters/nats/embedded"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
@@ -72,6 +78,25 @@ func start(orders, crashAfter int) error {
 		}
 		defer cluster.Close()
 		broker = "kafka://" + strings.Join(cluster.Addrs(), ",")
+	}
+	if u, err := url.Parse(broker); err == nil && u.Scheme == "nats" && u.Host == "" {
+		// adapters.Open would give each connection an embedded server
+		// of its own: start one that they all share instead.
+		srv, err := natsembedded.Start(natsembedded.Config{})
+		if err != nil {
+			return fmt.Errorf("embedded nats: %w", err)
+		}
+		defer srv.Close()
+		su, err := url.Parse(srv.URL())
+		if err != nil {
+			return err
+		}
+		u.Host = su.Host
+		if q := u.Query(); !q.Has("create") {
+			q.Set("create", "true")
+			u.RawQuery = q.Encode()
+		}
+		broker = u.String()
 	}
 	return run(context.Background(), broker, db, orders, crashAfter)
 }
