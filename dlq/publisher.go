@@ -77,6 +77,15 @@ func tableFor(pool *pgxpool.Pool, cfg sqlschema.Config) (string, error) {
 	return sqlschema.NamesFor(sqlschema.Postgres, cfg).DLQ, nil
 }
 
+// DefaultTopic is the dead-letter topic a [Publisher] files entries under
+// when middleware.PoisonConfig.Topic is left empty: the table is the
+// dead-letter queue, and the topic is only a label on its entries.
+const DefaultTopic = "dlq"
+
+// DefaultTopic returns [DefaultTopic]: the poison middleware takes it when
+// its Topic is empty.
+func (p *Publisher) DefaultTopic() string { return DefaultTopic }
+
 // Publish writes msgs as one row each, in one transaction: all of them or,
 // on error, none. A message that the table holds already for the same
 // consumer and original topic (same UUID), and whose replay was not

@@ -24,7 +24,9 @@ type PoisonConfig struct {
 	// Required. The middleware does not close it.
 	Publisher message.Publisher
 	// Topic is the topic dead-lettered messages are published to.
-	// Required.
+	// Required, unless the Publisher names its own: the dead-letter table
+	// (dlq.Publisher) records it with each entry and defaults it to
+	// dlq.DefaultTopic.
 	Topic string
 	// MaxAttempts is how many attempts a message gets before it is
 	// dead-lettered, the first included. Defaults to 5.
@@ -67,7 +69,14 @@ type PoisonConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
+// topicNamer is a dead-letter publisher that names the topic it files
+// dead letters under when PoisonConfig.Topic is empty.
+type topicNamer interface{ DefaultTopic() string }
+
 func (c *PoisonConfig) setDefaults() {
+	if n, ok := c.Publisher.(topicNamer); ok && c.Topic == "" {
+		c.Topic = n.DefaultTopic()
+	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = 5
 	}
