@@ -3,14 +3,16 @@
 # 127.0.0.1, starting (or, as root with apt-get, installing) them if needed.
 #
 # Usage: scripts/services.sh
-#            [postgres|redis|rabbitmq|sqs|prometheus|kcat|chromium ...]
-#        (default: all seven)
+#            [postgres|redis|rabbitmq|sqs|nats|prometheus|kcat|chromium ...]
+#        (default: all eight)
 #
 # For a service that is down, the script tries in order: start the locally
 # installed server; `docker compose up -d <service>` if a Docker engine is
 # running; install the package with apt-get when running as root. The SQS
 # emulator (fauxqs) is installed with `npm install -g` before trying Docker;
-# its log goes to $TMPDIR/fauxqs.log (default /tmp).
+# its log goes to $TMPDIR/fauxqs.log (default /tmp). NATS is started with
+# JetStream (-js); as root its store is /var/lib/nats-server and its log
+# /var/log/nats-server.log, otherwise both are under $TMPDIR.
 #
 # prometheus is only installed (Debian's package, as root with apt-get),
 # never started: the tests that need it start a private server on a free
@@ -45,6 +47,7 @@ PG_PORT=5432
 REDIS_PORT=6379
 RABBITMQ_PORT=5672
 SQS_PORT=4566
+NATS_PORT=4222
 FAUXQS_VERSION=1.9.2
 TIMEOUT=${SERVICES_TIMEOUT:-60}
 LOG_DIR=${TMPDIR:-/tmp}
@@ -320,6 +323,57 @@ ensure_sqs() {
     fi
 }
 
+# -------------------------------------------------------------------- nats
+
+nats_up() { tcp_open "$HOST" "$NATS_PORT"; }
+
+nats_bin() {
+    if have nats-server; then
+        command -v nats-server
+    elif [ -x /usr/sbin/nats-server ]; then
+        echo /usr/sbin/nats-server
+    else
+        return 1
+    fi
+}
+
+nats_start_local() {
+    local bin store=/var/lib/nats-server log=/var/log/nats-server.log
+    bin=$(nats_bin) || return 1
+    if ! is_root; then
+        store="$LOG_DIR/nats-server-store" log="$LOG_DIR/nats-server.log"
+    fi
+    mkdir -p "$store"
+    if have start-stop-daemon; then
+        start-stop-daemon --start --oknodo --background --exec "$bin" -- \
+            -a "$HOST" -p "$NATS_PORT" -js -sd "$store" -l "$log" >&2
+    else
+        nohup "$bin" -a "$HOST" -p "$NATS_PORT" -js -sd "$store" -l "$log" </dev/null >/dev/null 2>&1 &
+    fi
+}
+
+ensure_nats() {
+    if nats_up; then
+        echo "nats: running at $HOST:$NATS_PORT"
+    elif nats_bin >/dev/null; then
+        if ! { nats_start_local && wait_for "$TIMEOUT" nats_up; }; then
+            echo "nats: failed to start"
+            return 1
+        fi
+        echo "nats: started with JetStream"
+    elif compose_up nats; then
+        wait_for "$TIMEOUT" nats_up || { echo "nats: docker compose container not ready"; return 1; }
+        echo "nats: started with docker compose"
+    elif apt_install nats-server; then
+        wait_for 5 nats_up || nats_start_local
+        wait_for "$TIMEOUT" nats_up || { echo "nats: installed but failed to start"; return 1; }
+        echo "nats: installed and started with JetStream"
+    else
+        echo "nats: not running and not installed (install nats-server, or run: docker compose up -d nats)"
+        return 1
+    fi
+}
+
 # -------------------------------------------------------------- prometheus
 
 # Installs the package without letting its postinst start the system
@@ -388,13 +442,13 @@ ensure_chromium() {
 # -------------------------------------------------------------------- main
 
 if [ $# -eq 0 ]; then
-    set -- postgres redis rabbitmq sqs prometheus kcat chromium
+    set -- postgres redis rabbitmq sqs nats prometheus kcat chromium
 fi
 for svc in "$@"; do
     case "$svc" in
-    postgres | redis | rabbitmq | sqs | prometheus | kcat | chromium) ;;
+    postgres | redis | rabbitmq | sqs | nats | prometheus | kcat | chromium) ;;
     *)
-        echo "unknown service: $svc (known: postgres redis rabbitmq sqs prometheus kcat chromium)" >&2
+        echo "unknown service: $svc (known: postgres redis rabbitmq sqs nats prometheus kcat chromium)" >&2
         exit 2
         ;;
     esac
