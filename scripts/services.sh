@@ -338,14 +338,16 @@ nats_bin() {
 }
 
 nats_start_local() {
-    local bin store=/var/lib/nats-server log=/var/log/nats-server.log
+    local bin store=/var/lib/nats-server log=/var/log/nats-server.log pid=/run/nats-server-$NATS_PORT.pid
     bin=$(nats_bin) || return 1
     if ! is_root; then
-        store="$LOG_DIR/nats-server-store" log="$LOG_DIR/nats-server.log"
+        store="$LOG_DIR/nats-server-store" log="$LOG_DIR/nats-server.log" pid="$LOG_DIR/nats-server-$NATS_PORT.pid"
     fi
     mkdir -p "$store"
     if have start-stop-daemon; then
-        start-stop-daemon --start --oknodo --background --exec "$bin" -- \
+        # The pid file: any other nats-server (a test's private one on
+        # another port) is not this one, and must not count as running.
+        start-stop-daemon --start --oknodo --background --make-pidfile --pidfile "$pid" --exec "$bin" -- \
             -a "$HOST" -p "$NATS_PORT" -js -sd "$store" -l "$log" >&2
     else
         nohup "$bin" -a "$HOST" -p "$NATS_PORT" -js -sd "$store" -l "$log" </dev/null >/dev/null 2>&1 &
