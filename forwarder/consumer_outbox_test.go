@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/middleware"
 )
@@ -50,7 +51,7 @@ func TestConsumerOutboxSurvivesCrashBeforePublish(t *testing.T) {
 	}
 
 	msg := message.NewMessage(watermill.NewUUID(), nil)
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "order-9")
+	msg.Metadata.Set(delivery.IdempotencyKey, "order-9")
 	_, err = crashing(msg)
 	require.ErrorIs(t, err, crashed)
 

@@ -128,7 +128,7 @@ func (r *batchRig) deliver(keys []string) map[string]error {
 		r.mu.Unlock()
 		wg.Go(func() {
 			msg := message.NewMessage(id, []byte("charge "+key))
-			msg.Metadata.Set(middleware.IdempotencyKeyMetadata, key)
+			msg.Metadata.Set(dlv.IdempotencyKey, key)
 			_, err := r.h(msg)
 			mu.Lock()
 			errs[key] = err
@@ -318,7 +318,7 @@ func TestBatchPoisonKeyAmongGoodOnes(t *testing.T) {
 
 			dead := rig.deadLetters()
 			require.Len(t, dead, 1, "dead-lettered once")
-			require.Equal(t, poisonKey, dead[0].Metadata.Get(middleware.IdempotencyKeyMetadata))
+			require.Equal(t, poisonKey, dead[0].Metadata.Get(dlv.IdempotencyKey))
 			require.Equal(t, fmt.Sprint(maxAttempts), dead[0].Metadata.Get(dlv.DeadAttempts))
 			reason := dead[0].Metadata.Get(dlv.DeadError)
 			if name == "panic" {
@@ -571,7 +571,7 @@ func TestBatchCloseDrainsInFlightBatch(t *testing.T) {
 			st := in.Stats()
 			require.Len(t, probe.msgs, n)
 			for _, msg := range probe.msgs {
-				key := msg.Metadata.Get(middleware.IdempotencyKeyMetadata)
+				key := msg.Metadata.Get(dlv.IdempotencyKey)
 				if c.applied == n {
 					requireClosed(t, msg.Acked(), "%s acked", key)
 					require.Equal(t, 1, b.attempts(t, "charge", key))

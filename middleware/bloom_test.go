@@ -19,6 +19,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
@@ -67,7 +68,7 @@ func TestBloomSizing(t *testing.T) {
 
 func keyed(key string) *message.Message {
 	msg := message.NewMessage(watermill.NewUUID(), []byte(key))
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, key)
+	msg.Metadata.Set(dlv.IdempotencyKey, key)
 	return msg
 }
 

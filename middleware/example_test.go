@@ -13,6 +13,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/sqlite"
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/middleware"
 )
 
@@ -37,7 +38,7 @@ func ExampleNewInbox() {
 	// new delivery with its own UUID but the producer's idempotency key.
 	for i := 0; i < 3; i++ {
 		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"orderId":"A-42","amount":1999}`))
-		msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+		msg.Metadata.Set(dlv.IdempotencyKey, "A-42")
 		if _, err := handler(msg); err != nil {
 			panic(err)
 		}
@@ -119,7 +120,7 @@ func ExampleNewPoison() {
 	})
 
 	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"orderId":"A-42"}`))
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+	msg.Metadata.Set(dlv.IdempotencyKey, "A-42")
 	for delivery := 1; delivery <= 3; delivery++ {
 		_, err := handler(msg)
 		fmt.Printf("delivery %d: nacked=%v\n", delivery, err != nil)
@@ -159,7 +160,7 @@ func ExampleNewBloom() {
 	}))
 	for _, key := range []string{"order-1", "order-2", "order-1", "order-1"} {
 		msg := message.NewMessage(watermill.NewUUID(), nil)
-		msg.Metadata.Set(middleware.IdempotencyKeyMetadata, key)
+		msg.Metadata.Set(dlv.IdempotencyKey, key)
 		if _, err := handler(msg); err != nil {
 			panic(err)
 		}
@@ -183,7 +184,7 @@ func ExampleErrPanicked() {
 		return nil, nil
 	})
 	msg := message.NewMessage(watermill.NewUUID(), nil)
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+	msg.Metadata.Set(dlv.IdempotencyKey, "A-42")
 	_, err = handler(msg)
 	attempts, _, _ := middleware.StoredAttempts(err)
 	fmt.Println(errors.Is(err, middleware.ErrPanicked), attempts)
@@ -204,7 +205,7 @@ func ExampleLeaseToken() {
 		return nil, nil
 	})
 	msg := message.NewMessage(watermill.NewUUID(), nil)
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+	msg.Metadata.Set(dlv.IdempotencyKey, "A-42")
 	if _, err := handler(msg); err != nil {
 		panic(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/middleware"
@@ -28,7 +29,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // delivery returns a new delivery (its own UUID) of the message with key.
 func delivery(key string, payload string) *message.Message {
 	msg := message.NewMessage(watermill.NewUUID(), []byte(payload))
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, key)
+	msg.Metadata.Set(dlv.IdempotencyKey, key)
 	return msg
 }
 

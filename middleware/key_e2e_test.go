@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/middleware"
@@ -87,7 +88,7 @@ func TestEmptyIdempotencyKeyIsDeadLetteredAtOnce(t *testing.T) {
 	}
 
 	empty := message.NewMessage(watermill.NewUUID(), []byte("charge ?"))
-	empty.Metadata.Set(middleware.IdempotencyKeyMetadata, "")
+	empty.Metadata.Set(dlv.IdempotencyKey, "")
 	good := delivery("order-good", "charge good")
 	publish(empty)
 	publish(good)
@@ -109,7 +110,7 @@ func TestEmptyIdempotencyKeyIsDeadLetteredAtOnce(t *testing.T) {
 	require.Equal(t, "charge", e.Consumer)
 	require.Equal(t, "payments", e.Topic)
 	require.Equal(t, []byte("charge ?"), e.Payload)
-	k, ok := e.Metadata[middleware.IdempotencyKeyMetadata]
+	k, ok := e.Metadata[dlv.IdempotencyKey]
 	require.True(t, ok, "the copy keeps the empty field, for the operator to see")
 	require.Empty(t, k)
 

@@ -15,10 +15,6 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 )
 
-// IdempotencyKeyMetadata is the metadata field that [DefaultKey] reads
-// first: the producer's stable key for the message.
-const IdempotencyKeyMetadata = delivery.IdempotencyKey
-
 // MaxKeyBytes is the longest key accepted. Longer business keys should be
 // hashed ([KeyFromHash]); a database index cannot hold arbitrary lengths.
 const MaxKeyBytes = 512
@@ -34,14 +30,14 @@ type KeyFunc func(msg *message.Message) (string, error)
 // present but empty is a permanent key error, not a fallback: the producer
 // meant to set a key and did not, and its retries would carry new UUIDs.
 func DefaultKey(msg *message.Message) (string, error) {
-	if k, ok := msg.Metadata[IdempotencyKeyMetadata]; ok {
+	if k, ok := msg.Metadata[delivery.IdempotencyKey]; ok {
 		if k == "" {
-			return "", keyError(ErrEmptyKey, "metadata %q is present but empty", IdempotencyKeyMetadata)
+			return "", keyError(ErrEmptyKey, "metadata %q is present but empty", delivery.IdempotencyKey)
 		}
 		return k, nil
 	}
 	if msg.UUID == "" {
-		return "", keyError(ErrEmptyKey, "no %q metadata and no message UUID", IdempotencyKeyMetadata)
+		return "", keyError(ErrEmptyKey, "no %q metadata and no message UUID", delivery.IdempotencyKey)
 	}
 	return msg.UUID, nil
 }

@@ -129,7 +129,7 @@ func TestPoisonPermanentGoesToDLQAtOnce(t *testing.T) {
 		require.Equal(t, orig.UUID, dead.UUID)
 		require.Equal(t, orig.Payload, dead.Payload)
 		md := dead.Metadata
-		require.Equal(t, "order-7", md.Get(middleware.IdempotencyKeyMetadata), "original metadata kept")
+		require.Equal(t, "order-7", md.Get(dlv.IdempotencyKey), "original metadata kept")
 		require.Equal(t, poisonTopic, md.Get(dlv.DeadTopic))
 		require.Equal(t, "charge", md.Get(dlv.DeadConsumer))
 		require.Equal(t, "order-7", md.Get(dlv.DeadKey))

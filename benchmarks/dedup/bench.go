@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/middleware"
 )
 
@@ -56,7 +57,7 @@ func (p *process) deliver(spec *msgSpec, d *delivery, ack func()) (outcome, erro
 // would, its context carrying d.
 func (p *process) message(spec *msgSpec, d *delivery) *message.Message {
 	msg := message.NewMessage(spec.UUID, spec.Payload)
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, spec.Key)
+	msg.Metadata.Set(dlv.IdempotencyKey, spec.Key)
 	msg.SetContext(context.WithValue(p.ctx, deliveryKey{}, d))
 	return msg
 }

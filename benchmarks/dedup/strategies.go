@@ -20,6 +20,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/dedup/twotier"
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/observe/prom"
@@ -266,7 +267,7 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 			break
 		}
 		dd := &wmw.Deduplicator{
-			KeyFactory: wmw.NewMessageHasherFromMetadataField(middleware.IdempotencyKeyMetadata),
+			KeyFactory: wmw.NewMessageHasherFromMetadataField(dlv.IdempotencyKey),
 			Repository: repo,
 			Timeout:    time.Minute,
 		}
@@ -372,7 +373,7 @@ func (p *process) effectHandler(kind effectKind) message.HandlerFunc {
 		case p.dead.Load():
 			return nil, errCrashed
 		}
-		key := msg.Metadata.Get(middleware.IdempotencyKeyMetadata)
+		key := msg.Metadata.Get(dlv.IdempotencyKey)
 		var err error
 		switch kind {
 		case effectPool:
@@ -407,7 +408,7 @@ func (p *process) rawHandler() message.HandlerFunc {
 	f := p.f
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
-		key := msg.Metadata.Get(middleware.IdempotencyKeyMetadata)
+		key := msg.Metadata.Get(dlv.IdempotencyKey)
 		tx, err := f.e.pool.Begin(ctx)
 		if err != nil {
 			return nil, fmt.Errorf("raw: begin: %w", err)
@@ -441,7 +442,7 @@ func (p *process) rawHandler() message.HandlerFunc {
 func (p *process) rawBatch(msgs []*message.Message) error {
 	f := p.f
 	msgs = slices.Clone(msgs)
-	keyOf := func(m *message.Message) string { return m.Metadata.Get(middleware.IdempotencyKeyMetadata) }
+	keyOf := func(m *message.Message) string { return m.Metadata.Get(dlv.IdempotencyKey) }
 	slices.SortStableFunc(msgs, func(a, b *message.Message) int { return strings.Compare(keyOf(a), keyOf(b)) })
 	ctx := msgs[0].Context()
 	tx, err := f.e.pool.Begin(ctx)

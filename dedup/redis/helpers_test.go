@@ -14,6 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/redis"
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
 	"github.com/oncemill/oncemill/middleware"
@@ -68,7 +69,7 @@ func (b bundle) keyCount(t *testing.T) int {
 // delivery returns a new delivery (its own UUID) of the message with key.
 func delivery(key string) *message.Message {
 	msg := message.NewMessage(watermill.NewUUID(), []byte(key))
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, key)
+	msg.Metadata.Set(dlv.IdempotencyKey, key)
 	return msg
 }
 

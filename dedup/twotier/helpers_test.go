@@ -18,6 +18,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/twotier"
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
@@ -145,7 +146,7 @@ func (b bundle) acquires() int64 { return b.pool.Stat().AcquireCount() }
 // delivery returns a new delivery (its own UUID) of the message with key.
 func delivery(key string) *message.Message {
 	msg := message.NewMessage(watermill.NewUUID(), []byte(key))
-	msg.Metadata.Set(middleware.IdempotencyKeyMetadata, key)
+	msg.Metadata.Set(dlv.IdempotencyKey, key)
 	return msg
 }
 

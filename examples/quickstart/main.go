@@ -27,6 +27,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -103,7 +104,7 @@ func run(ctx context.Context, orders, copies int) error {
 		for o := 1; o <= orders; o++ {
 			order := fmt.Sprintf("order-%d", o)
 			msg := message.NewMessage(watermill.NewUUID(), []byte(order))
-			msg.Metadata.Set(middleware.IdempotencyKeyMetadata, runID+"/"+order)
+			msg.Metadata.Set(delivery.IdempotencyKey, runID+"/"+order)
 			if err := pubSub.Publish("orders", msg); err != nil {
 				return err
 			}

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/oncemill/oncemill/dedup/memory"
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/observe"
@@ -46,7 +47,7 @@ func Example() {
 	})
 	for range 3 {
 		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"orderId":"A-42"}`))
-		msg.Metadata.Set(middleware.IdempotencyKeyMetadata, "A-42")
+		msg.Metadata.Set(delivery.IdempotencyKey, "A-42")
 		if _, err := handler(msg); err != nil {
 			panic(err)
 		}
