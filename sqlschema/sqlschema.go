@@ -13,7 +13,7 @@ import (
 	"text/template"
 )
 
-//go:embed postgres/*.sql sqlite/*.sql
+//go:embed postgres/*.sql sqlite/*.sql mysql/*.sql
 var files embed.FS
 
 // Dialect names a database family whose migrations this package holds.
@@ -24,10 +24,14 @@ const (
 	Postgres Dialect = "postgres"
 	// SQLite is SQLite 3.35 or newer (for RETURNING and upsert).
 	SQLite Dialect = "sqlite"
+	// MySQL is MySQL 8.0 or newer, or MariaDB 10.6 or newer, with InnoDB.
+	// It has the inbox only, so far.
+	MySQL Dialect = "mysql"
 )
 
 const (
-	// DefaultSchema is the PostgreSQL schema oncemill's tables live in.
+	// DefaultSchema is the PostgreSQL schema (the MySQL database)
+	// oncemill's tables live in.
 	DefaultSchema = "oncemill"
 	// DefaultInboxTable is the name of the inbox table.
 	DefaultInboxTable = "inbox"
@@ -44,8 +48,9 @@ var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,47}$`)
 
 // Config names where oncemill's tables live. The zero value is ready to use.
 type Config struct {
-	// Schema is the PostgreSQL schema of the tables; it is created when
-	// missing. Ignored by SQLite. Defaults to "oncemill".
+	// Schema is the PostgreSQL schema of the tables, or the MySQL
+	// database; it is created when missing. Ignored by SQLite. Defaults to
+	// "oncemill".
 	Schema string
 	// InboxTable is the name of the inbox table. Defaults to "inbox".
 	InboxTable string
@@ -90,10 +95,10 @@ func (c Config) Validate() error {
 	return ValidateIdentifier("DLQTable", c.DLQTable)
 }
 
-// distinctTables reports two PostgreSQL tables of c that share a name: they
-// would be one table, and the second CREATE TABLE IF NOT EXISTS would
-// silently keep the first one's columns. SQLite has only the inbox, so only
-// PostgreSQL is checked.
+// distinctTables reports two tables of c that share a name: they would be
+// one table, and the second CREATE TABLE IF NOT EXISTS would silently keep
+// the first one's columns. SQLite has only the inbox, so only PostgreSQL
+// and MySQL (whose outbox and dead-letter tables are to come) are checked.
 func (c Config) distinctTables() error {
 	tables := []struct{ field, name string }{
 		{"InboxTable", c.InboxTable},
@@ -122,7 +127,8 @@ func ValidateIdentifier(field, value string) error {
 // Names are the quoted, ready-to-use names for a Config, as the SQL files
 // and the stores use them.
 type Names struct {
-	// Schema is the quoted schema (PostgreSQL) or empty (SQLite).
+	// Schema is the quoted schema (PostgreSQL), the quoted database
+	// (MySQL) or empty (SQLite).
 	Schema string
 	// Inbox is the quoted, schema-qualified inbox table.
 	Inbox string
@@ -137,7 +143,7 @@ type Names struct {
 	// OutboxName is the bare outbox table name.
 	OutboxName string
 	// OutboxChannel is the LISTEN/NOTIFY channel the outbox notifies on
-	// commit: "<schema>.<outbox table>".
+	// commit: "<schema>.<outbox table>" (PostgreSQL only).
 	OutboxChannel string
 	// DLQ is the quoted, schema-qualified dead-letter table (PostgreSQL
 	// only).
@@ -149,8 +155,24 @@ type Names struct {
 // NamesFor returns the quoted names of cfg for dialect d. cfg must be
 // valid (see [Config.Validate]).
 func NamesFor(d Dialect, cfg Config) Names {
-	if d == SQLite {
+	switch d {
+	case SQLite:
 		return Names{Inbox: `"` + cfg.InboxTable + `"`, InboxName: cfg.InboxTable, InboxStarts: `"` + cfg.InboxTable + `_starts"`}
+	case MySQL:
+		// Backticks: MySQL quotes identifiers with them unless the
+		// session's sql_mode has ANSI_QUOTES.
+		schema := "`" + cfg.Schema + "`"
+		table := func(name string) string { return schema + ".`" + name + "`" }
+		return Names{
+			Schema:      schema,
+			Inbox:       table(cfg.InboxTable),
+			InboxName:   cfg.InboxTable,
+			InboxStarts: table(cfg.InboxTable + "_starts"),
+			Outbox:      table(cfg.OutboxTable),
+			OutboxName:  cfg.OutboxTable,
+			DLQ:         table(cfg.DLQTable),
+			DLQName:     cfg.DLQTable,
+		}
 	}
 	schema := `"` + cfg.Schema + `"`
 	return Names{
@@ -182,16 +204,18 @@ var migrationFile = regexp.MustCompile(`^(\d+)_([a-z0-9_]+)\.(up|down)\.sql$`)
 
 // Migrations returns the migrations of dialect d rendered for cfg, in
 // version order. Teams that run their own migration tool can take the SQL
-// from here instead of calling [Migrate].
+// from here instead of calling [Migrate] or [MigrateSQL]. A MySQL step may
+// hold several statements, each ending with ';' at the end of a line; run
+// it with multiStatements=true or split it there.
 func Migrations(d Dialect, cfg Config) ([]Migration, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if d != Postgres && d != SQLite {
+	if d != Postgres && d != SQLite && d != MySQL {
 		return nil, fmt.Errorf("sqlschema: unknown dialect %q", d)
 	}
-	if d == Postgres {
+	if d != SQLite {
 		if err := cfg.distinctTables(); err != nil {
 			return nil, err
 		}

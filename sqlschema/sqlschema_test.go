@@ -33,8 +33,8 @@ func TestMigrationsRender(t *testing.T) {
 	require.Contains(t, lite[0].Up, `"inbox"`)
 	require.NotContains(t, lite[0].Up, "oncemill")
 
-	_, err = sqlschema.Migrations("mysql", sqlschema.Config{})
-	require.ErrorContains(t, err, `unknown dialect "mysql"`)
+	_, err = sqlschema.Migrations("oracle", sqlschema.Config{})
+	require.ErrorContains(t, err, `unknown dialect "oracle"`)
 	for field, cfg := range map[string]sqlschema.Config{
 		"Schema":     {Schema: `x"; DROP SCHEMA public; --`},
 		"InboxTable": {InboxTable: "Inbox"},

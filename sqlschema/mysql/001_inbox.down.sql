@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS {{.InboxStarts}};
+DROP TABLE IF EXISTS {{.Inbox}};

@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS {{.Schema}}.`{{.OutboxName}}_lanes`;
+DROP TABLE IF EXISTS {{.Outbox}};
