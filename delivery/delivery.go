@@ -61,14 +61,33 @@ const (
 	ReplayConsumer = "oncemill_replay_consumer"
 )
 
-// IsDeliveryFact reports whether metadata key k is one an adapter sets on
-// a delivery (Topic, Partition, Offset, Stream, StreamSequence, Attempts,
-// Redelivered, DecodeError) or the poison middleware adds (the Dead*
-// keys): facts about one delivery that must not travel with a message
-// published again, as a replay from the dead-letter queue does.
-func IsDeliveryFact(k string) bool {
+// IsAdapterFact reports whether metadata key k is one an adapter sets on
+// each delivery from what the broker says of it: Topic, Partition, Offset,
+// Stream, StreamSequence, Attempts, Redelivered and DecodeError. It is the
+// one list every adapter keeps to: its publisher leaves these keys out
+// and its subscriber ignores a header of those names, since a message
+// consumed from one broker and published to another (or the same) would
+// otherwise carry facts of the delivery it was consumed from, which lie
+// about the new one (a decode error would even have it dead-lettered
+// unread). The replay marker and the dead-letter fields are not adapter
+// facts: a replay or a dead-letter copy published to a broker must carry
+// them (see [IsDeliveryFact]).
+func IsAdapterFact(k string) bool {
 	switch k {
-	case Topic, Partition, Offset, Stream, StreamSequence, Attempts, Redelivered, DecodeError, Replay, ReplayConsumer:
+	case Topic, Partition, Offset, Stream, StreamSequence, Attempts, Redelivered, DecodeError:
+		return true
+	}
+	return false
+}
+
+// IsDeliveryFact reports whether metadata key k is one an adapter sets on
+// a delivery ([IsAdapterFact]), the replay marker of one (Replay,
+// ReplayConsumer) or one the poison middleware adds (the Dead* keys):
+// facts about one delivery that must not travel into a dead-letter copy
+// or a replay of it, which get their own.
+func IsDeliveryFact(k string) bool {
+	switch {
+	case IsAdapterFact(k), k == Replay, k == ReplayConsumer:
 		return true
 	}
 	return strings.HasPrefix(k, DeadPrefix)

@@ -56,13 +56,6 @@ func isBrokerHeader(k string) bool {
 	return false
 }
 
-// isDeliveryFact reports whether k is a metadata key the adapter derives
-// from each delivery; such keys are never published, and incoming headers
-// of those names are ignored.
-func isDeliveryFact(k string) bool {
-	return k == delivery.Topic || k == delivery.Attempts || k == delivery.Redelivered
-}
-
 // uuidNamespace is the name-based UUID namespace (16 bytes) of
 // [Marshaler]'s fallback message UUIDs.
 const uuidNamespace = "oncemill-amqp-id"
@@ -74,9 +67,11 @@ const uuidNamespace = "oncemill-amqp-id"
 //
 // Marshal publishes the metadata as string headers, the UUID in
 // [UUIDHeader] and as the AMQP message-id, with persistent delivery mode.
-// It leaves out the delivery facts (delivery.Topic, delivery.Attempts,
-// delivery.Redelivered) and the headers the broker owns (x-death,
-// x-delivery-count, x-acquired-count, x-first-death-*, x-last-death-*).
+// It leaves out the delivery facts of the delivery the message came from
+// (delivery.IsAdapterFact: its topic, attempts, redelivered flag, decode
+// error, and the partition, offset or stream sequence of another broker)
+// and the headers the broker owns (x-death, x-delivery-count,
+// x-acquired-count, x-first-death-*, x-last-death-*).
 //
 // Unmarshal turns each header into metadata: strings as they are;
 // integers, floats and decimals in decimal; booleans as "true"/"false";
@@ -104,8 +99,10 @@ const uuidNamespace = "oncemill-amqp-id"
 // When a header has a value of a type that is not an AMQP field type, or
 // decoding panics, Unmarshal still returns a message: its payload is the
 // raw body and delivery.DecodeError says what failed, so the handler chain
-// can dead-letter it. A delivery.DecodeError header sent by the publisher is
-// kept, so a dead-letter forwarder can pass the reason on.
+// can dead-letter it. Headers named after delivery facts are ignored: a
+// delivery.DecodeError header some publisher sent says nothing of this
+// delivery, which decoded (a dead-letter copy carries its reason in the
+// delivery.Dead* fields).
 type Marshaler struct{}
 
 var _ wamqp.Marshaler = Marshaler{}
@@ -114,7 +111,7 @@ var _ wamqp.Marshaler = Marshaler{}
 func (Marshaler) Marshal(msg *message.Message) (amqp091.Publishing, error) {
 	headers := make(amqp091.Table, len(msg.Metadata)+1)
 	for k, v := range msg.Metadata {
-		if isDeliveryFact(k) || isBrokerHeader(k) {
+		if delivery.IsAdapterFact(k) || isBrokerHeader(k) {
 			continue
 		}
 		headers[k] = v
@@ -139,7 +136,7 @@ func (Marshaler) Unmarshal(d amqp091.Delivery) (msg *message.Message, err error)
 	md := make(message.Metadata, len(d.Headers)+3)
 	var bad []string
 	for k, v := range d.Headers {
-		if k == UUIDHeader || isDeliveryFact(k) {
+		if k == UUIDHeader || delivery.IsAdapterFact(k) {
 			continue
 		}
 		s, err := headerString(v)

@@ -18,14 +18,21 @@ func TestMarshalRoundTrip(t *testing.T) {
 	msg := message.NewMessage("uuid-1", []byte("payload"))
 	msg.Metadata.Set(delivery.IdempotencyKey, "key-1")
 	msg.Metadata.Set("custom", "value")
-	// Facts of an earlier delivery, and broker headers stringified by an
-	// earlier Unmarshal, are not published again.
+	// Facts of an earlier delivery, on this broker or another, and broker
+	// headers stringified by an earlier Unmarshal, are not published
+	// again; the replay marker and the dead-letter fields are.
 	msg.Metadata.Set(delivery.Topic, "old-topic")
 	msg.Metadata.Set(delivery.Attempts, "5")
 	msg.Metadata.Set(delivery.Redelivered, "true")
+	msg.Metadata.Set(delivery.DecodeError, "a fact of an earlier delivery")
+	msg.Metadata.Set(delivery.Partition, "3")
+	msg.Metadata.Set(delivery.Offset, "1234")
+	msg.Metadata.Set(delivery.Stream, "orders")
+	msg.Metadata.Set(delivery.StreamSequence, "77")
 	msg.Metadata.Set(amqp.HeaderDeath, `[{"count":1}]`)
 	msg.Metadata.Set(amqp.HeaderDeliveryCount, "4")
-	msg.Metadata.Set(delivery.DecodeError, "kept for dead-letter forwarders")
+	msg.Metadata.Set(delivery.Replay, "grant-1")
+	msg.Metadata.Set(delivery.DeadConsumer, "billing")
 
 	p, err := m.Marshal(msg)
 	require.NoError(t, err)
@@ -35,7 +42,8 @@ func TestMarshalRoundTrip(t *testing.T) {
 		amqp.UUIDHeader:         "uuid-1",
 		delivery.IdempotencyKey: "key-1",
 		"custom":                "value",
-		delivery.DecodeError:    "kept for dead-letter forwarders",
+		delivery.Replay:         "grant-1",
+		delivery.DeadConsumer:   "billing",
 	}, p.Headers)
 
 	got, err := m.Unmarshal(amqp091.Delivery{
@@ -48,7 +56,8 @@ func TestMarshalRoundTrip(t *testing.T) {
 	require.Equal(t, message.Metadata{
 		delivery.IdempotencyKey: "key-1",
 		"custom":                "value",
-		delivery.DecodeError:    "kept for dead-letter forwarders",
+		delivery.Replay:         "grant-1",
+		delivery.DeadConsumer:   "billing",
 		delivery.Topic:          "orders",
 		delivery.Redelivered:    "false",
 		delivery.Attempts:       "1",

@@ -57,19 +57,6 @@ func recordName(topic string, partition int32, offset int64) string {
 	return topic + "/" + strconv.FormatInt(int64(partition), 10) + "/" + strconv.FormatInt(offset, 10)
 }
 
-// isAdapterKey reports whether k is a metadata key that the subscriber
-// sets from the record itself, never from a header: a republished
-// message carries these as headers, and they would lie about the new
-// record.
-func isAdapterKey(k string) bool {
-	switch k {
-	case delivery.Topic, delivery.Partition, delivery.Offset,
-		delivery.Attempts, delivery.Redelivered, delivery.DecodeError:
-		return true
-	}
-	return false
-}
-
 // Marshaler converts between Watermill messages and Kafka records in
 // watermill-kafka's format: the UUID in the [UUIDHeader] header, each
 // metadata entry in a header of its own, the payload as the value. It
@@ -179,7 +166,7 @@ func (Marshaler) Unmarshal(rec *sarama.ConsumerMessage) (*message.Message, error
 			problems = append(problems, fmt.Sprintf("header %d: key %s is not valid UTF-8", i, quote(k)))
 		case !utf8.ValidString(v):
 			problems = append(problems, fmt.Sprintf("header %s: value %s is not valid UTF-8", quote(k), quote(v)))
-		case !isAdapterKey(k):
+		case !delivery.IsAdapterFact(k):
 			metadata[k] = v
 		}
 	}

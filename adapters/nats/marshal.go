@@ -34,25 +34,6 @@ const (
 	MsgIDHeader = natsgo.MsgIdHdr
 )
 
-// deliveryFacts are the metadata keys the subscriber sets from each
-// delivery, never from the message: a republished message carries them,
-// and they would lie about the new delivery. The publisher leaves them out
-// and the subscriber ignores incoming headers of those names.
-var deliveryFacts = [...]string{
-	delivery.Topic,
-	delivery.Partition,
-	delivery.Offset,
-	delivery.Stream,
-	delivery.StreamSequence,
-	delivery.Attempts,
-	delivery.Redelivered,
-	delivery.DecodeError,
-}
-
-func isDeliveryFact(k string) bool {
-	return slices.Contains(deliveryFacts[:], k)
-}
-
 // isProtocolHeader reports whether name is a header of the NATS protocol
 // (Nats-Msg-Id, Nats-Expected-Stream, ...), which the server interprets
 // and a metadata key must not set.
@@ -95,7 +76,7 @@ func marshal(msg *message.Message, topic, msgID string) (*natsgo.Msg, error) {
 	md := make(map[string]string, len(msg.Metadata))
 	fits := true
 	for k, v := range msg.Metadata {
-		if isDeliveryFact(k) {
+		if delivery.IsAdapterFact(k) {
 			continue
 		}
 		md[k] = v
@@ -178,7 +159,7 @@ func unmarshal(m jetstream.Msg, topic string, meta *jetstream.MsgMetadata) *mess
 	}
 	for name, values := range h {
 		switch {
-		case name == UUIDHeader, isProtocolHeader(name), isDeliveryFact(name):
+		case name == UUIDHeader, isProtocolHeader(name), delivery.IsAdapterFact(name):
 		case name == MetadataHeader:
 			var decoded map[string]string
 			if err := json.Unmarshal([]byte(strings.Join(values, ", ")), &decoded); err != nil {
@@ -186,7 +167,7 @@ func unmarshal(m jetstream.Msg, topic string, meta *jetstream.MsgMetadata) *mess
 				continue
 			}
 			for k, v := range decoded {
-				if !isDeliveryFact(k) {
+				if !delivery.IsAdapterFact(k) {
 					md[k] = v
 				}
 			}

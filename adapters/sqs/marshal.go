@@ -50,23 +50,6 @@ const emptyBody = "-"
 // stringType is the DataType of the attributes the publisher sets.
 const stringType = "String"
 
-// deliveryFacts are the metadata keys the subscriber sets from each
-// delivery, never from the message: a republished message carries them,
-// and they would lie about the new delivery. The publisher leaves them out
-// and the subscriber ignores incoming attributes of those names.
-var deliveryFacts = [...]string{
-	delivery.Topic,
-	delivery.Partition,
-	delivery.Offset,
-	delivery.Attempts,
-	delivery.Redelivered,
-	delivery.DecodeError,
-}
-
-func isDeliveryFact(k string) bool {
-	return slices.Contains(deliveryFacts[:], k)
-}
-
 func isReservedAttribute(name string) bool {
 	return name == UUIDAttribute || name == MetadataAttribute || name == BodyEncodingAttribute
 }
@@ -151,7 +134,7 @@ func marshal(msg *message.Message) (string, map[string]types.MessageAttributeVal
 
 	md := make(map[string]string, len(msg.Metadata))
 	for k, v := range msg.Metadata {
-		if !isDeliveryFact(k) {
+		if !delivery.IsAdapterFact(k) {
 			md[k] = v
 		}
 	}
@@ -236,7 +219,7 @@ func unmarshal(m types.Message, topic string) *message.Message {
 			encoding = attributeString(v)
 		case name == MetadataAttribute:
 			metadata, hasMetadata = attributeString(v), true
-		case isDeliveryFact(name):
+		case delivery.IsAdapterFact(name):
 		default:
 			md[name] = attributeString(v)
 		}
@@ -247,7 +230,7 @@ func unmarshal(m types.Message, topic string) *message.Message {
 			problems = append(problems, fmt.Sprintf("attribute %s is not a JSON object of strings: %v", MetadataAttribute, err))
 		} else {
 			for k, v := range decoded {
-				if !isDeliveryFact(k) {
+				if !delivery.IsAdapterFact(k) {
 					md[k] = v
 				}
 			}

@@ -98,7 +98,7 @@ func TestMarshalChoosesJSONMetadata(t *testing.T) {
 			back := unmarshal(received(attrs, "body"), "topic")
 			want := message.Metadata{delivery.Topic: "topic", delivery.Attempts: "1"}
 			for k, v := range tc.md {
-				if !isDeliveryFact(k) {
+				if !delivery.IsAdapterFact(k) {
 					want[k] = v
 				}
 			}
