@@ -1,0 +1,328 @@
+package sqlstore
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// postgresDialect is PostgreSQL through database/sql: pgx's stdlib or
+// lib/pq. Its statements are those of dedup/postgres on the same tables
+// (see that package's queries.go for the reasoning of each), sent one
+// statement per call; every placeholder is $n, which both drivers take.
+type postgresDialect struct{}
+
+func (postgresDialect) schema() sqlschema.Dialect { return sqlschema.Postgres }
+
+// sqlState is the SQLSTATE of a server's answer: *pgconn.PgError (pgx's
+// stdlib) and *pq.Error (lib/pq) both have it, so neither driver is
+// imported for its error type.
+type sqlState interface{ SQLState() string }
+
+func stateOf(err error) (string, bool) {
+	var s sqlState
+	if errors.As(err, &s) {
+		return s.SQLState(), true
+	}
+	return "", false
+}
+
+func (postgresDialect) answered(err error) bool {
+	_, ok := stateOf(err)
+	return ok
+}
+
+func (postgresDialect) conflict(err error) bool {
+	code, _ := stateOf(err)
+	return code == "40001" || code == "40P01" // serialization_failure, deadlock_detected
+}
+
+func (postgresDialect) unavailable(err error) bool {
+	if code, ok := stateOf(err); ok {
+		return strings.HasPrefix(code, "08") || // connection_exception
+			code == "57P01" || code == "57P02" || code == "57P03" || // admin/crash shutdown, cannot_connect_now
+			code == "53300" || code == "53400" // too_many_connections, configuration_limit_exceeded
+	}
+	var connectErr *pgconn.ConnectError
+	return errors.As(err, &connectErr) || errors.Is(err, pgconn.ErrConnClosed) || pgconn.SafeToRetry(err)
+}
+
+func (postgresDialect) sessionEnded(err error) bool {
+	code, _ := stateOf(err)
+	return code == "57P01" || code == "57P02" // admin_shutdown (pg_terminate_backend too), crash_shutdown
+}
+
+// notSent is pgx's own word only: lib/pq reports an io.EOF after a
+// statement was sent as driver.ErrBadConn, which therefore says nothing
+// about whether it ran.
+func (postgresDialect) notSent(err error) bool {
+	var connectErr *pgconn.ConnectError
+	return errors.As(err, &connectErr) || pgconn.SafeToRetry(err)
+}
+
+func (postgresDialect) undefinedTable(err error) bool {
+	code, _ := stateOf(err)
+	return code == "42P01" || code == "3F000" // undefined_table, invalid_schema_name
+}
+
+// closed asks pgx's connection under the stdlib, or lib/pq's through
+// driver.Validator.
+func (postgresDialect) closed(dc any) bool {
+	if c, ok := dc.(interface{ Conn() *pgx.Conn }); ok {
+		return c.Conn().IsClosed()
+	}
+	valid, ok := validated(dc)
+	return ok && !valid
+}
+
+// postgresSQL is the dialect's statements, rendered for one set of tables.
+type postgresSQL struct {
+	start, unstart, claim, reclaim, read, bury, complete, fail string
+	grant, granted, reopen, deadCopy                           string
+	peek, hasRecord, doneKeys, deleteExpired                   string
+}
+
+func (postgresDialect) ops(names sqlschema.Names) ops {
+	r := strings.NewReplacer("{T}", names.Inbox, "{S}", names.InboxStarts)
+	return &postgresOps{sql: postgresSQL{
+		start: r.Replace(`WITH rec AS (
+	SELECT status, attempts, result, first_failed_at FROM {T}
+	WHERE consumer = $1 AND key = $2 AND status IN ('done', 'dead')
+), st AS (
+	INSERT INTO {S} AS s (consumer, key, started, expires_at)
+	SELECT $1, $2, 1, now() + make_interval(secs => $3)
+	WHERE NOT EXISTS (SELECT 1 FROM rec)
+	ON CONFLICT (consumer, key) DO UPDATE SET started = s.started + 1, expires_at = EXCLUDED.expires_at
+	RETURNING started
+)
+SELECT status, attempts, result, first_failed_at FROM rec
+UNION ALL
+SELECT 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
+
+		unstart: r.Replace(`UPDATE {S} SET started = started - 1
+WHERE consumer = $1 AND key = $2 AND started > 0`),
+
+		claim: r.Replace(`WITH del AS (
+	DELETE FROM {S} WHERE consumer = $1 AND key = $2
+), ins AS (
+	INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
+	VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
+	ON CONFLICT (consumer, key) DO NOTHING
+	RETURNING attempts, first_failed_at
+)
+SELECT 'new'::text, attempts, NULL::bytea, first_failed_at FROM ins
+UNION ALL
+SELECT status, attempts, result, first_failed_at FROM {T}
+WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
+
+		reclaim: r.Replace(`WITH del AS (DELETE FROM {S} WHERE consumer = $1 AND key = $2)
+UPDATE {T} SET status = 'done', attempts = attempts + 1, lease_until = NULL,
+	updated_at = now(), done_at = now(), expires_at = now() + make_interval(secs => $3)
+WHERE consumer = $1 AND key = $2 AND status = 'failed'
+RETURNING attempts, first_failed_at`),
+
+		read: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T} WHERE consumer = $1 AND key = $2`),
+
+		bury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), result = NULL, done_at = NULL,
+	attempts = GREATEST(attempts - 1, 0), replay_grant = NULL,
+	first_error = COALESCE(first_error, $3), first_failed_at = COALESCE(first_failed_at, $4),
+	last_error = $3, last_failed_at = $4, updated_at = now()
+WHERE consumer = $1 AND key = $2`),
+
+		complete: r.Replace(`UPDATE {T} SET result = $3 WHERE consumer = $1 AND key = $2`),
+
+		fail: r.Replace(`INSERT INTO {T} AS i (consumer, key, status, attempts,
+	first_error, last_error, first_failed_at, last_failed_at, expires_at)
+VALUES ($1, $2, 'failed', 1, $3, $3, $4, $4, now() + make_interval(secs => $5))
+ON CONFLICT (consumer, key) DO UPDATE
+SET status = 'failed', attempts = i.attempts + 1, lease_until = NULL,
+    first_error = COALESCE(i.first_error, EXCLUDED.first_error),
+    first_failed_at = COALESCE(i.first_failed_at, EXCLUDED.first_failed_at),
+    last_error = EXCLUDED.last_error, last_failed_at = EXCLUDED.last_failed_at,
+    updated_at = now(), expires_at = EXCLUDED.expires_at
+WHERE i.status NOT IN ('done', 'dead')`),
+
+		grant: r.Replace(`UPDATE {T} SET replay_grant = $3, updated_at = now()
+WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
+
+		granted: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2 AND replay_grant = $3)`),
+
+		reopen: r.Replace(`WITH up AS (
+	UPDATE {T} SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, updated_at = now()
+	WHERE consumer = $1 AND key = $2 AND status = 'dead' AND replay_grant = $3
+	RETURNING 1
+), del AS (
+	DELETE FROM {S} WHERE consumer = $1 AND key = $2 AND EXISTS (SELECT 1 FROM up)
+)
+SELECT count(*) FROM up`),
+
+		deadCopy: r.Replace(`UPDATE {T} SET dead_copies = dead_copies + 1
+WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
+
+		peek: r.Replace(`SELECT status, attempts, result, first_failed_at,
+	CASE WHEN status = 'processing' AND lease_until > clock_timestamp() THEN lease_until END
+FROM {T} WHERE consumer = $1 AND key = $2 AND expires_at > now()`),
+
+		hasRecord: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2)`),
+
+		doneKeys: r.Replace(`SELECT key FROM {T}
+WHERE consumer = $1 AND status = 'done' AND done_at >= $2 AND expires_at > now()`),
+
+		deleteExpired: r.Replace(`WITH starts AS (
+	DELETE FROM {S} WHERE (consumer, key) IN (
+		SELECT consumer, key FROM {S} WHERE expires_at < now()
+		LIMIT $1 FOR UPDATE SKIP LOCKED)
+)
+DELETE FROM {T} WHERE (consumer, key) IN (
+	SELECT consumer, key FROM {T} WHERE expires_at < now()
+	LIMIT $1 FOR UPDATE SKIP LOCKED)`),
+	}}
+}
+
+// postgresOps runs the dialect's statements.
+type postgresOps struct{ sql postgresSQL }
+
+func (q *postgresOps) start(ctx context.Context, db *sql.DB, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	var (
+		status string
+		c      dedup.Claim
+		first  sql.NullTime
+	)
+	err := db.QueryRowContext(ctx, q.sql.start, key.Consumer, key.Key, window.Seconds()).Scan(&status, &c.Attempts, &c.Result, &first)
+	if err != nil {
+		if maybeSent(postgresDialect{}, err) {
+			return dedup.Claim{State: dedup.StateNew}, err
+		}
+		return dedup.Claim{}, err
+	}
+	c.FirstFailedAt = first.Time
+	switch status {
+	case "new":
+		c.State = dedup.StateNew
+	case "done":
+		c.State = dedup.StateDone
+	default:
+		c.State, c.Result = dedup.StateDead, nil
+	}
+	return c, nil
+}
+
+func (q *postgresOps) unstart(ctx context.Context, db *sql.DB, key dedup.Key) error {
+	_, err := db.ExecContext(ctx, q.sql.unstart, key.Consumer, key.Key)
+	return err
+}
+
+// claim is dedup/postgres's claim: the INSERT … ON CONFLICT DO NOTHING
+// takes a new key, waiting on a concurrent claimer's uncommitted row; the
+// statement's snapshot may miss a row committed meanwhile (read it again);
+// a failed key is taken by reclaim's UPDATE, which waits on the row lock.
+func (q *postgresOps) claim(ctx context.Context, tx *sql.Tx, key dedup.Key, window time.Duration) (dedup.Claim, error) {
+	var (
+		status   string
+		attempts int
+		result   []byte
+		first    sql.NullTime
+	)
+	err := tx.QueryRowContext(ctx, q.sql.claim, key.Consumer, key.Key, window.Seconds()).Scan(&status, &attempts, &result, &first)
+	if errors.Is(err, sql.ErrNoRows) {
+		err = tx.QueryRowContext(ctx, q.sql.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &first)
+	}
+	if err == nil && status == "failed" {
+		result = nil
+		err = tx.QueryRowContext(ctx, q.sql.reclaim, key.Consumer, key.Key, window.Seconds()).Scan(&attempts, &first)
+		if err == nil {
+			status = "new"
+		} else if errors.Is(err, sql.ErrNoRows) {
+			// Another claimer took it first and committed.
+			err = tx.QueryRowContext(ctx, q.sql.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &first)
+			if err == nil && status == "failed" {
+				err = errStillFailed(key)
+			}
+		}
+	}
+	if err != nil {
+		return dedup.Claim{}, err
+	}
+	if status == "new" {
+		return dedup.Claim{State: dedup.StateNew, Attempts: attempts, FirstFailedAt: first.Time}, nil
+	}
+	return claimOf(key, status, attempts, result, first.Time)
+}
+
+func (q *postgresOps) bury(ctx context.Context, tx *sql.Tx, key dedup.Key, f dedup.Failure) error {
+	_, err := tx.ExecContext(ctx, q.sql.bury, key.Consumer, key.Key, f.Err, f.At)
+	return err
+}
+
+func (q *postgresOps) complete(ctx context.Context, tx *sql.Tx, key dedup.Key, result []byte) error {
+	_, err := tx.ExecContext(ctx, q.sql.complete, key.Consumer, key.Key, result)
+	return err
+}
+
+func (q *postgresOps) fail(ctx context.Context, db *sql.DB, key dedup.Key, f dedup.Failure, window time.Duration) error {
+	_, err := db.ExecContext(ctx, q.sql.fail, key.Consumer, key.Key, f.Err, f.At, window.Seconds())
+	return err
+}
+
+func (q *postgresOps) grant(ctx context.Context, db *sql.DB, key dedup.Key, grant string) (bool, error) {
+	n, err := affected(db.ExecContext(ctx, q.sql.grant, key.Consumer, key.Key, grant))
+	return n == 1, err
+}
+
+func (q *postgresOps) reopen(ctx context.Context, db *sql.DB, key dedup.Key, grant string) (bool, error) {
+	var n int
+	err := db.QueryRowContext(ctx, q.sql.reopen, key.Consumer, key.Key, grant).Scan(&n)
+	return n == 1, err
+}
+
+func (q *postgresOps) granted(ctx context.Context, db *sql.DB, key dedup.Key, grant string) (bool, error) {
+	var ok bool
+	err := db.QueryRowContext(ctx, q.sql.granted, key.Consumer, key.Key, grant).Scan(&ok)
+	return ok, err
+}
+
+func (q *postgresOps) deadCopy(ctx context.Context, db *sql.DB, key dedup.Key) error {
+	_, err := db.ExecContext(ctx, q.sql.deadCopy, key.Consumer, key.Key)
+	return err
+}
+
+func (q *postgresOps) peek(ctx context.Context, db *sql.DB, key dedup.Key) (dedup.Claim, error) {
+	var (
+		status   string
+		attempts int
+		result   []byte
+		first    sql.NullTime
+		leased   sql.NullTime
+	)
+	err := db.QueryRowContext(ctx, q.sql.peek, key.Consumer, key.Key).Scan(&status, &attempts, &result, &first, &leased)
+	if errors.Is(err, sql.ErrNoRows) {
+		return dedup.Claim{State: dedup.StateNew}, nil
+	}
+	if err != nil {
+		return dedup.Claim{}, err
+	}
+	return peekOf(status, attempts, result, first.Time, leased.Time), nil
+}
+
+func (q *postgresOps) hasRecord(ctx context.Context, db *sql.DB, key dedup.Key) (bool, error) {
+	var ok bool
+	err := db.QueryRowContext(ctx, q.sql.hasRecord, key.Consumer, key.Key).Scan(&ok)
+	return ok, err
+}
+
+func (q *postgresOps) doneKeys(ctx context.Context, db *sql.DB, consumer string, since time.Time) (*sql.Rows, error) {
+	return db.QueryContext(ctx, q.sql.doneKeys, consumer, since)
+}
+
+func (q *postgresOps) deleteExpired(ctx context.Context, db *sql.DB, limit int) (int, error) {
+	n, err := affected(db.ExecContext(ctx, q.sql.deleteExpired, limit))
+	return int(n), err
+}
