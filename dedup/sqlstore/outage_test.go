@@ -142,34 +142,52 @@ func TestCommitAnswerLostIsAmbiguous(t *testing.T) {
 // that loses the answer to the first COMMIT.
 func (b backend) viaCommitCutter(t *testing.T) (*sql.DB, <-chan struct{}) {
 	t.Helper()
-	var db *sql.DB
+	if b.name == "mysql" {
+		proxy := mysqltest.CutAtCommit(t, b.upstream(t))
+		return b.openVia(t, proxy.Addr()), proxy.Cut()
+	}
+	proxy := netfault.CutAtCommit(t, b.upstream(t))
+	return b.openVia(t, proxy.Addr()), proxy.Cut()
+}
+
+// upstream is the host:port of the backend's server.
+func (b backend) upstream(t *testing.T) string {
+	t.Helper()
+	if b.name == "mysql" {
+		return mysqltest.Config(t, "").Addr
+	}
+	u, err := url.Parse(pgtest.URL())
+	require.NoError(t, err)
+	return u.Host
+}
+
+// openVia opens the backend's database with its driver, dialing addr
+// instead of the server.
+func (b backend) openVia(t *testing.T, addr string) *sql.DB {
+	t.Helper()
 	switch b.name {
 	case "mysql":
 		cfg := mysqltest.Config(t, b.schema.Schema)
-		proxy := mysqltest.CutAtCommit(t, cfg.Addr)
-		cfg.Addr = proxy.Addr()
-		return mysqltest.Open(t, cfg, 2), proxy.Cut()
+		cfg.Addr = addr
+		return mysqltest.Open(t, cfg, 4)
 	case "pgx":
 		cfg, err := pgx.ParseConfig(pgtest.URL())
 		require.NoError(t, err)
-		proxy := netfault.CutAtCommit(t, net.JoinHostPort(cfg.Host, fmt.Sprint(cfg.Port)))
-		host, port, err := net.SplitHostPort(proxy.Addr())
-		require.NoError(t, err)
-		cfg.Host = host
-		_, err = fmt.Sscan(port, &cfg.Port)
-		require.NoError(t, err)
-		db = stdlib.OpenDB(*cfg)
+		cfg.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, network, addr)
+		}
+		db := stdlib.OpenDB(*cfg)
 		t.Cleanup(func() { require.NoError(t, db.Close()) })
-		return db, proxy.Cut()
+		return db
 	default:
 		u, err := url.Parse(pgtest.URL())
 		require.NoError(t, err)
-		proxy := netfault.CutAtCommit(t, u.Host)
-		u.Host = proxy.Addr()
-		db, err = sql.Open("postgres", u.String())
+		u.Host = addr
+		db, err := sql.Open("postgres", u.String())
 		require.NoError(t, err)
 		t.Cleanup(func() { require.NoError(t, db.Close()) })
-		return db, proxy.Cut()
+		return db
 	}
 }
 
