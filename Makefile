@@ -1,7 +1,7 @@
 GO ?= go
 GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 
-.PHONY: test chaos services vet quickstart ci bench-outbox bench-dedup bench-kafka
+.PHONY: test chaos services vet quickstart ci bench-outbox bench-dedup bench-kafka bench-nats
 
 # Start (or check) the services the integration tests use, then run all tests.
 test: services
@@ -59,3 +59,15 @@ bench-dedup:
 bench-kafka:
 	bash scripts/services.sh postgres
 	$(GO) run ./benchmarks/kafka $(ARGS)
+
+# NATS end-to-end benchmark: watermill-nats's JetStream subscribers
+# (pkg/nats, pkg/jetstream) and oncemill's (1 and 16 in flight), the same
+# handler under the PostgreSQL inbox of DATABASE_URL, on the NATS server of
+# NATS_URL (default 127.0.0.1:4222; ARGS=-nats=embedded for one in
+# process): throughput, latency at a steady rate, and the redeliveries of
+# a handler slower than AckWait; fails on any doubled or lost effect;
+# writes the "NATS end to end" section of benchmarks/README.md. ARGS=-quick
+# for a run under a minute (which writes nothing).
+bench-nats:
+	bash scripts/services.sh postgres nats
+	$(GO) run ./benchmarks/nats $(ARGS)
