@@ -1,4 +1,5 @@
-// Package forwarder is the transactional outbox on PostgreSQL.
+// Package forwarder is the transactional outbox on PostgreSQL, and on MySQL
+// 8.0+ and MariaDB 10.6+.
 //
 // Updating the database and publishing an event are two writes that cannot
 // be atomic across systems. The outbox makes them one: [TxPublisher] writes
@@ -14,6 +15,14 @@
 //
 //	relay, _ := forwarder.NewRelay(forwarder.RelayConfig{Pool: pool, Publisher: kafkaPublisher})
 //	router.AddPlugin(relay.Plugin) // or go relay.Run(ctx); relay.Close()
+//
+// On MySQL or MariaDB, through database/sql (go-sql-driver/mysql), on the
+// tables sqlschema.MigrateSQL creates for sqlschema.MySQL, the same two
+// steps are [NewSQLTxPublisher] on a *sql.Tx and a Relay with
+// RelayConfig.DB and RelayConfig.Dialect:
+//
+//	pub, _ := forwarder.NewSQLTxPublisher(ctx, tx, sqlschema.MySQL, sqlschema.Config{})
+//	relay, _ := forwarder.NewRelay(forwarder.RelayConfig{DB: db, Dialect: sqlschema.MySQL, Publisher: kafkaPublisher})
 //
 // # Guarantees
 //
@@ -31,7 +40,8 @@
 // row (held until they commit) publish in their commit order. Writers that
 // nothing orders get no order, neither insertion nor commit order: a row
 // can leave before a row with a lower id inserted by a transaction still
-// open. See [Relay] for the rule and an example.
+// open. See [Relay] for the rule and an example, and for MySQL, where the
+// promise is the same and the wait is per lane.
 //
 // # Latency and liveness
 //
@@ -41,7 +51,9 @@
 // server-wide (as with watermill-sql), so that it does not overtake rows an
 // older transaction inserted before it and has not committed yet; it means
 // a transaction left open anywhere on the server holds the outbox until it
-// ends. [Relay.Lag]
+// ends. On MySQL a row waits only for the uncommitted rows below it in its
+// lane: a transaction left open after writing an outbox row holds back the
+// rows behind it in its lane, one of 64. [Relay.Lag]
 // names that transaction, and once it has been open for
 // RelayConfig.StallWarning the relay logs it, once per StallWarning, while
 // rows wait on it.

@@ -95,8 +95,12 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 func (p *TxPublisher) Close() error { return p.pub.Close() }
 
 // outboxSchema is the write side of a watermill-sql schema adapter for the
-// outbox table: one table for every topic.
-type outboxSchema struct{ table string }
+// PostgreSQL outbox table: one table for every topic. metadataText sends
+// the metadata as text rather than bytes, for database/sql drivers.
+type outboxSchema struct {
+	table        string
+	metadataText bool
+}
 
 func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, error) {
 	var (
@@ -118,7 +122,11 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 		}
 		n := len(args)
 		fmt.Fprintf(&b, "($%d, $%d, $%d, $%d, $%d)", n+1, n+2, n+3, n+4, n+5)
-		args = append(args, params.Topic, m.UUID, key, []byte(m.Payload), md)
+		var metadata any = md
+		if s.metadataText {
+			metadata = string(md)
+		}
+		args = append(args, params.Topic, m.UUID, key, []byte(m.Payload), metadata)
 	}
 	return wsql.Query{Query: b.String(), Args: args}, nil
 }

@@ -2,6 +2,7 @@ package forwarder
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -40,8 +41,19 @@ const lanes = 64
 
 // RelayConfig configures a [Relay].
 type RelayConfig struct {
-	// Pool is the database holding the outbox. Required.
+	// Pool is the PostgreSQL database holding the outbox, through pgx.
+	// Set either Pool or DB.
 	Pool *pgxpool.Pool
+	// DB is the database holding the outbox, through database/sql, with
+	// Dialect naming its family: for MySQL 8.0 or newer and MariaDB 10.6
+	// or newer (go-sql-driver/mysql), on the tables that
+	// sqlschema.MigrateSQL creates for sqlschema.MySQL. Set either Pool or
+	// DB. See [Relay] for what the relay promises on each.
+	DB *sql.DB
+	// Dialect is the database family of DB: sqlschema.MySQL, the only one
+	// the relay runs on through database/sql (a PostgreSQL outbox is
+	// relayed through Pool). Required with DB, ignored with Pool.
+	Dialect sqlschema.Dialect
 	// Publisher receives the rows as messages: any Watermill publisher
 	// whose Publish fails when the broker did not take the messages, since
 	// the relay deletes the rows it published. A non-persistent
@@ -68,8 +80,10 @@ type RelayConfig struct {
 	// idle session, a prepared transaction) no longer stalls the outbox.
 	// Writers that nothing orders lose the partial order the wait gives
 	// them: their rows go out in commit order. [Lag] then reports no
-	// waiting rows. Defaults to false: wait, as for writers of unknown
-	// discipline.
+	// waiting rows. On MySQL the wait is per lane instead (see [Relay]):
+	// a row waits while a row with a lower id in its lane is uncommitted,
+	// and LockOrderedWriters lets every committed row go at once there
+	// too. Defaults to false: wait, as for writers of unknown discipline.
 	LockOrderedWriters bool
 	// LanesPerBatch is the most ordering lanes (of 64) one batch takes;
 	// relays running at once share the lanes, each key's rows stay in one
@@ -163,8 +177,12 @@ func (c *RelayConfig) setDefaults() {
 // Validate reports the first field that is missing or out of range.
 func (c RelayConfig) Validate() error {
 	switch {
-	case c.Pool == nil:
-		return errors.New("forwarder: RelayConfig.Pool is required")
+	case c.Pool == nil && c.DB == nil:
+		return errors.New("forwarder: RelayConfig.Pool (pgx, PostgreSQL) or RelayConfig.DB (database/sql, with Dialect) is required")
+	case c.Pool != nil && c.DB != nil:
+		return errors.New("forwarder: RelayConfig.Pool and RelayConfig.DB are both set: set the one that holds the outbox")
+	case c.DB != nil && c.Dialect != sqlschema.MySQL:
+		return fmt.Errorf("forwarder: RelayConfig.Dialect must be sqlschema.MySQL with RelayConfig.DB, got %q (relay a PostgreSQL outbox through RelayConfig.Pool)", c.Dialect)
 	case c.Publisher == nil:
 		return errors.New("forwarder: RelayConfig.Publisher is required")
 	case dropsUnsubscribed(c.Publisher):
@@ -209,7 +227,8 @@ func dropsUnsubscribed(p message.Publisher) bool {
 
 // Relay publishes outbox rows to a broker and deletes them. Several relays
 // may run against one table: each batch takes a set of lanes under
-// transaction-level advisory locks, so no row is published twice in normal
+// transaction-level locks (advisory locks on PostgreSQL, the lane's row of
+// the lanes table on MySQL), so no row is published twice in normal
 // operation, and a partition key's rows stay in one lane. A relay that dies
 // between publish and delete publishes the rows again on the next batch,
 // with the same UUIDs; the consumer's inbox absorbs them.
@@ -238,17 +257,65 @@ func dropsUnsubscribed(p message.Publisher) bool {
 // row 11 and commits, row 11 is committed and due (T1 is older than every
 // open transaction) while row 10 is not yet visible, so row 11 goes out
 // first. Nor is there any order between keys: lanes go out concurrently.
+//
+// # Order on MySQL
+//
+// MySQL has no transaction ids to compare nor a snapshot to read them
+// from, and an AUTO_INCREMENT id can become visible after a higher one.
+// The relay keeps no cursor: each batch takes each lane's committed rows
+// from its lowest id, so a row that commits late is the lowest of its lane
+// and goes next, never skipped. What makes a row wait is its own lane: a
+// row goes out only while no row with a lower id in its lane is still
+// uncommitted, as far as the relay can see (it reads the lane's
+// uncommitted rows, READ UNCOMMITTED, after the committed ones). With
+// LockOrderedWriters it does not look: every committed row may go.
+//
+// What that promises, for one partition key, in both modes, as on
+// PostgreSQL: the rows of one transaction go out in the order it inserted
+// them, and a row inserted after another writer's commit goes out after
+// that writer's rows, so lock-ordered writers' rows go out in their commit
+// order. Without LockOrderedWriters, also: of two rows of a lane, the one
+// with the lower id goes out first when it was in the table before the
+// relay read the other, committed or not: writers that nothing orders
+// go out in the order their inserts took their ids, but for a row whose
+// INSERT had taken its id and not yet written the row when the relay
+// looked. A transaction left open after inserting holds back the rows
+// behind it in its lane (one lane of 64), not the whole outbox. Nor is
+// there any order between keys.
 type Relay struct {
-	cfg     RelayConfig
-	hooks   observe.Hooks
-	names   sqlschema.Names
-	lockKey int32
-	q       relayQueries
+	cfg   RelayConfig
+	hooks observe.Hooks
+	names sqlschema.Names
+	db    outboxDB
 
 	mu      sync.Mutex
 	cancel  context.CancelFunc
 	running chan struct{}
 	closed  bool
+}
+
+// outboxDB is the outbox of one database family, as the relay uses it:
+// every statement of the family's relay is behind it, in its own file
+// (pgOutbox here, mysqlOutbox in mysqlrelay.go).
+type outboxDB interface {
+	// batch takes a batch of rows that may go out, in one transaction,
+	// and gives them to publish in id order; when publish returns nil it
+	// deletes them and commits, otherwise it rolls back and the rows
+	// stay. It returns how many rows were published and deleted.
+	batch(ctx context.Context, publish func(context.Context, []row) error) (int, error)
+	// probe reports, in one cheap query outside a transaction, whether a
+	// batch may find rows.
+	probe(ctx context.Context) (bool, error)
+	// lag measures the backlog.
+	lag(ctx context.Context) (Lag, error)
+}
+
+// pgOutbox is the outbox on PostgreSQL through pgx.
+type pgOutbox struct {
+	pool                     *pgxpool.Pool
+	lockKey                  int32
+	lanesPerBatch, batchSize int
+	q                        relayQueries
 }
 
 type relayQueries struct {
@@ -297,27 +364,35 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if cfg.DB != nil {
+		names := sqlschema.NamesFor(cfg.Dialect, cfg.Schema)
+		return &Relay{cfg: cfg, hooks: observe.New(cfg.Hooks...), names: names, db: newMySQLOutbox(cfg, names)}, nil
+	}
 	names := sqlschema.NamesFor(sqlschema.Postgres, cfg.Schema)
 	h := fnv.New32a()
 	h.Write([]byte("oncemill:outbox:" + names.Outbox))
 	t := names.Outbox
 	lockOrdered := cfg.LockOrderedWriters
 	return &Relay{
-		cfg:     cfg,
-		hooks:   observe.New(cfg.Hooks...),
-		names:   names,
-		lockKey: int32(h.Sum32()),
-		q: relayQueries{
-			// One statement takes a batch: the lanes whose first row (by
-			// id) may go out, in a random order, locked until this
-			// transaction ends (OFFSET 0 keeps the lock call out of the
-			// inner query, so that only lanes with work are locked, and
-			// LIMIT stops locking early); then the first rows of those
-			// lanes by id, cut in each lane before the first row whose
-			// transaction is not older than every open one (unless
-			// LockOrderedWriters): a row after it was inserted later and
-			// must not overtake it.
-			take: `WITH lanes AS MATERIALIZED (
+		cfg:   cfg,
+		hooks: observe.New(cfg.Hooks...),
+		names: names,
+		db: &pgOutbox{
+			pool:          cfg.Pool,
+			lockKey:       int32(h.Sum32()),
+			lanesPerBatch: cfg.LanesPerBatch,
+			batchSize:     cfg.BatchSize,
+			q: relayQueries{
+				// One statement takes a batch: the lanes whose first row (by
+				// id) may go out, in a random order, locked until this
+				// transaction ends (OFFSET 0 keeps the lock call out of the
+				// inner query, so that only lanes with work are locked, and
+				// LIMIT stops locking early); then the first rows of those
+				// lanes by id, cut in each lane before the first row whose
+				// transaction is not older than every open one (unless
+				// LockOrderedWriters): a row after it was inserted later and
+				// must not overtake it.
+				take: `WITH lanes AS MATERIALIZED (
 	SELECT l FROM (
 		SELECT l FROM generate_series(0, 63) AS l
 		WHERE (SELECT ` + due("o.txid", lockOrdered) + ` FROM ` + t + ` o WHERE o.lane = l ORDER BY o.id LIMIT 1)
@@ -331,9 +406,10 @@ due AS (
 	WHERE ok)
 DELETE FROM ` + t + ` WHERE id IN (SELECT id FROM due)
 RETURNING id, topic, uuid, payload, metadata`,
-			// One cheap look, outside a transaction, before a batch.
-			probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + due("txid", lockOrdered) + `)`,
-			lagQueries: newLagQueries(t, lockOrdered),
+				// One cheap look, outside a transaction, before a batch.
+				probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + due("txid", lockOrdered) + `)`,
+				lagQueries: newLagQueries(t, lockOrdered),
+			},
 		},
 	}, nil
 }
@@ -346,22 +422,30 @@ type Lag struct {
 	OldestAge time.Duration
 	// Waiting counts the pending rows that may not go out yet because a
 	// transaction older than theirs is still open somewhere on the server.
+	// On MySQL it counts the committed rows of the lanes whose lowest row
+	// is uncommitted (see [Relay]).
 	Waiting int
 	// HeldBy is, when Waiting > 0, the oldest transaction open on the
 	// server: the one the waiting rows wait for. Nil otherwise. Its
 	// details need the pg_read_all_stats role (or superuser) for sessions
-	// of other users.
+	// of other users. On MySQL it is the session that wrote the lowest
+	// uncommitted row of a waiting lane (its PID is the connection id the
+	// row records); its other details need the PROCESS privilege, and
+	// without them its Age is the row's, a lower bound.
 	HeldBy *Holder
 }
 
 // Holder is an open transaction that holds the outbox back.
 type Holder struct {
-	// PID is the backend's process id; 0 for a prepared transaction.
+	// PID is the backend's process id; 0 for a prepared transaction. On
+	// MySQL it is the connection id, what KILL takes.
 	PID int
 	// Database and User are the session's (or prepared transaction's).
 	Database, User string
 	// State is pg_stat_activity's state ("idle in transaction",
-	// "active", …), or "prepared" for a prepared transaction.
+	// "active", …), or "prepared" for a prepared transaction. On MySQL it
+	// is the processlist's command ("Sleep" for a session idle in its
+	// transaction, "Query", …).
 	State string
 	// Query is the start of the session's last statement.
 	Query string
@@ -394,7 +478,11 @@ func roundAge(d time.Duration) time.Duration {
 // Lag returns the outbox's pending rows, the age of the oldest, and what
 // holds back those that wait.
 func (r *Relay) Lag(ctx context.Context) (Lag, error) {
-	return measureLag(ctx, r.cfg.Pool, r.q.lagQueries)
+	return r.db.lag(ctx)
+}
+
+func (o *pgOutbox) lag(ctx context.Context) (Lag, error) {
+	return measureLag(ctx, o.pool, o.q.lagQueries)
 }
 
 // OutboxLag returns what [Relay.Lag] returns, for the outbox table that
@@ -466,11 +554,15 @@ func (r *Relay) RelayBatch(ctx context.Context) (int, error) {
 }
 
 func (r *Relay) relayBatch(ctx context.Context) (int, error) {
-	tx, err := r.cfg.Pool.Begin(ctx)
+	return r.db.batch(ctx, r.publish)
+}
+
+func (o *pgOutbox) batch(ctx context.Context, publish func(context.Context, []row) error) (int, error) {
+	tx, err := o.pool.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: begin: %w", err)
 	}
-	n, err := r.relay(ctx, tx)
+	n, err := o.take(ctx, tx, publish)
 	if err == nil {
 		// Once the broker has the rows, delete them even if Close came
 		// meanwhile: a cancelled commit would publish them all again.
@@ -488,14 +580,14 @@ func (r *Relay) relayBatch(ctx context.Context) (int, error) {
 	return n, nil
 }
 
-func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
+func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Context, []row) error) (int, error) {
 	// The batch's commit need not wait for its WAL to reach disk: a
 	// delete lost in a server crash only publishes its rows again, which
 	// the consumers' inboxes absorb, and the writers' commits no longer
 	// queue behind the relay's. Sent with the take, in one round trip.
 	b := &pgx.Batch{}
 	b.Queue(`SET LOCAL synchronous_commit TO off`)
-	b.Queue(r.q.take, r.lockKey, r.cfg.LanesPerBatch, r.cfg.BatchSize)
+	b.Queue(o.q.take, o.lockKey, o.lanesPerBatch, o.batchSize)
 	br := tx.SendBatch(ctx, b)
 	defer br.Close()
 	if _, err := br.Exec(); err != nil {
@@ -523,7 +615,15 @@ func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
 	}
 	// RETURNING gives no order.
 	sort.Slice(batch, func(i, j int) bool { return batch[i].id < batch[j].id })
-	// Publish runs of one topic together, in order.
+	if err := publish(ctx, batch); err != nil {
+		return 0, err
+	}
+	return len(batch), nil
+}
+
+// publish publishes batch, in id order, to the relay's publisher: runs of
+// one topic together.
+func (r *Relay) publish(ctx context.Context, batch []row) error {
 	for start := 0; start < len(batch); {
 		end := start + 1
 		for end < len(batch) && batch[end].topic == batch[start].topic {
@@ -540,11 +640,11 @@ func (r *Relay) relay(ctx context.Context, tx pgx.Tx) (int, error) {
 			msgs = append(msgs, m)
 		}
 		if err := r.cfg.Publisher.Publish(batch[start].topic, msgs...); err != nil {
-			return 0, fmt.Errorf("forwarder: publish %d rows to %q: %w", len(msgs), batch[start].topic, err)
+			return fmt.Errorf("forwarder: publish %d rows to %q: %w", len(msgs), batch[start].topic, err)
 		}
 		start = end
 	}
-	return len(batch), nil
+	return nil
 }
 
 // Run relays until ctx is done or Close is called, and returns nil then;
@@ -654,8 +754,8 @@ func (r *Relay) reportLag(ctx context.Context, reading *lagReading) {
 // idle relay sends one query per wait.
 func (r *Relay) poll(ctx context.Context, probe bool) (int, error) {
 	if probe {
-		var due bool
-		if err := r.cfg.Pool.QueryRow(ctx, r.q.probe).Scan(&due); err != nil {
+		due, err := r.db.probe(ctx)
+		if err != nil {
 			return 0, fmt.Errorf("forwarder: look for rows: %w", err)
 		}
 		if !due {
@@ -663,6 +763,12 @@ func (r *Relay) poll(ctx context.Context, probe bool) (int, error) {
 		}
 	}
 	return r.RelayBatch(ctx)
+}
+
+func (o *pgOutbox) probe(ctx context.Context) (bool, error) {
+	var due bool
+	err := o.pool.QueryRow(ctx, o.q.probe).Scan(&due)
+	return due, err
 }
 
 // stallWatch paces the stall checks and their log lines.
