@@ -88,7 +88,12 @@ type admin struct {
 
 func newAdmin(t testing.TB) *admin {
 	t.Helper()
-	url := serverURL(t)
+	return newAdminOf(t, serverURL(t))
+}
+
+// newAdminOf is an admin of the server at url.
+func newAdminOf(t testing.TB, url string) *admin {
+	t.Helper()
 	nc, err := natsgo.Connect(url)
 	require.NoError(t, err)
 	js, err := jetstream.New(nc)

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters/nats"
+	"github.com/oncemill/oncemill/adapters/nats/embedded"
 	"github.com/oncemill/oncemill/internal/msgtest"
 )
 
@@ -47,8 +48,8 @@ func (p trackedPublisher) Publish(topic string, msgs ...*message.Message) error 
 }
 
 // TestPubSub runs Watermill's universal Pub/Sub suite against the NATS
-// server, twice: with the default one message in flight per subscription,
-// and with 16.
+// server and against an embedded one of the test's own, each twice: with
+// the default one message in flight per subscription, and with 16.
 //
 // Features:
 //   - ConsumerGroups true: a group is a durable consumer; its subscribers
@@ -76,14 +77,25 @@ func TestPubSub(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name        string
+		embedded    bool
 		maxInFlight int
 	}{
-		{"one_in_flight", 1},
-		{"sixteen_in_flight", 16},
+		{"one_in_flight", false, 1},
+		{"sixteen_in_flight", false, 16},
+		{"embedded_one_in_flight", true, 1},
+		{"embedded_sixteen_in_flight", true, 16},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			a := newAdmin(t)
+			var a *admin
+			if tc.embedded {
+				srv, err := embedded.Start(embedded.Config{})
+				require.NoError(t, err)
+				t.Cleanup(func() { require.NoError(t, srv.Close()) })
+				a = newAdminOf(t, srv.URL())
+			} else {
+				a = newAdmin(t)
+			}
 			closers := msgtest.NewClosers(t)
 			constructor := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
 				cfg := a.config()
