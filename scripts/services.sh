@@ -3,8 +3,8 @@
 # 127.0.0.1, starting (or, as root with apt-get, installing) them if needed.
 #
 # Usage: scripts/services.sh
-#            [postgres|redis|rabbitmq|sqs|nats|prometheus|kcat|chromium ...]
-#        (default: all eight)
+#            [postgres|mariadb|redis|rabbitmq|sqs|nats|prometheus|kcat|chromium ...]
+#        (default: all nine)
 #
 # For a service that is down, the script tries in order: start the locally
 # installed server; `docker compose up -d <service>` if a Docker engine is
@@ -12,7 +12,9 @@
 # emulator (fauxqs) is installed with `npm install -g` before trying Docker;
 # its log goes to $TMPDIR/fauxqs.log (default /tmp). NATS is started with
 # JetStream (-js); as root its store is /var/lib/nats-server and its log
-# /var/log/nats-server.log, otherwise both are under $TMPDIR.
+# /var/log/nats-server.log, otherwise both are under $TMPDIR. MariaDB is
+# Debian's mariadbd (MySQL 8 serves as well), with the database test that
+# root reaches over 127.0.0.1 without a password.
 #
 # prometheus is only installed (Debian's package, as root with apt-get),
 # never started: the tests that need it start a private server on a free
@@ -34,6 +36,9 @@
 #   ONCEMILL_TEST_DATABASE_URL, DATABASE_URL
 #                     if set (first one wins, as in the tests), only check that
 #                     this PostgreSQL is reachable; start nothing locally
+#   ONCEMILL_TEST_MYSQL_DSN
+#                     if set (as in the tests), only check that the tcp(host:port)
+#                     it names answers; start nothing locally
 #   SERVICES_TIMEOUT  seconds to wait for each service (default 60)
 #   CI                when set (CI=true), exit non-zero if a service is
 #                     unreachable; otherwise only warn (the tests then skip
@@ -48,6 +53,7 @@ REDIS_PORT=6379
 RABBITMQ_PORT=5672
 SQS_PORT=4566
 NATS_PORT=4222
+MYSQL_PORT=3306
 FAUXQS_VERSION=1.9.2
 TIMEOUT=${SERVICES_TIMEOUT:-60}
 LOG_DIR=${TMPDIR:-/tmp}
@@ -201,6 +207,90 @@ ensure_postgres() {
         return 1
     fi
     echo "postgres: $what${PG_NOTES:+ ($PG_NOTES)}"
+}
+
+# ----------------------------------------------------------------- mariadb
+
+mariadb_client() {
+    if have mariadb; then
+        echo mariadb
+    elif have mysql; then
+        echo mysql
+    else
+        return 1
+    fi
+}
+
+# The tests' login: root over TCP without a password, database test.
+mariadb_login() {
+    local client
+    client=$(mariadb_client) || { tcp_open "$HOST" "$MYSQL_PORT"; return; }
+    "$client" -h "$HOST" -P "$MYSQL_PORT" -u root --connect-timeout=2 -e 'SELECT 1' test >/dev/null 2>&1
+}
+
+mariadb_up() { tcp_open "$HOST" "$MYSQL_PORT"; }
+
+mariadb_bin() {
+    local bin
+    for bin in /usr/sbin/mariadbd /usr/sbin/mysqld; do
+        [ -x "$bin" ] && { echo "$bin"; return 0; }
+    done
+    return 1
+}
+
+mariadb_start_local() {
+    local bin
+    bin=$(mariadb_bin) || return 1
+    is_root || return 1
+    mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld 2>/dev/null || true
+    start-stop-daemon --start --oknodo --background --exec "$bin" >&2
+}
+
+# Local server only: the database test, and root's passwordless login over
+# TCP beside its socket login. Does nothing when the tests can log in.
+mariadb_setup() {
+    local client
+    mariadb_login && return 0
+    is_root && client=$(mariadb_client) || { MYSQL_NOTES="cannot log in as root over $HOST without a password; set ONCEMILL_TEST_MYSQL_DSN"; return 1; }
+    "$client" -u root -e "CREATE DATABASE IF NOT EXISTS test;
+        ALTER USER root@localhost IDENTIFIED VIA unix_socket OR mysql_native_password USING PASSWORD('')" >&2 || return 1
+    MYSQL_NOTES="database test and root's TCP login set up"
+    mariadb_login
+}
+
+ensure_mariadb() {
+    local what addr
+    MYSQL_NOTES=
+    if [ -n "${ONCEMILL_TEST_MYSQL_DSN:-}" ]; then
+        addr=$(printf '%s' "$ONCEMILL_TEST_MYSQL_DSN" | sed -n 's/.*tcp(\([^)]*\)).*/\1/p')
+        if [ -n "$addr" ] && tcp_open "${addr%:*}" "${addr##*:}"; then
+            echo "mariadb: ONCEMILL_TEST_MYSQL_DSN is reachable"
+            return 0
+        fi
+        echo "mariadb: ONCEMILL_TEST_MYSQL_DSN is not reachable (not starting a local server)"
+        return 1
+    fi
+    if mariadb_up; then
+        what="running at $HOST:$MYSQL_PORT"
+    elif mariadb_bin >/dev/null; then
+        if ! { mariadb_start_local && wait_for "$TIMEOUT" mariadb_up; }; then
+            echo "mariadb: failed to start"
+            return 1
+        fi
+        what=started
+    elif apt_install mariadb-server; then
+        wait_for 10 mariadb_up || mariadb_start_local
+        wait_for "$TIMEOUT" mariadb_up || { echo "mariadb: installed but failed to start"; return 1; }
+        what="installed and started"
+    else
+        echo "mariadb: not running and not installed (install mariadb-server)"
+        return 1
+    fi
+    if ! mariadb_setup; then
+        echo "mariadb: $what, but ${MYSQL_NOTES:-logging in as root over $HOST failed}"
+        return 1
+    fi
+    echo "mariadb: $what${MYSQL_NOTES:+ ($MYSQL_NOTES)}"
 }
 
 # ------------------------------------------------------------------- redis
@@ -444,13 +534,13 @@ ensure_chromium() {
 # -------------------------------------------------------------------- main
 
 if [ $# -eq 0 ]; then
-    set -- postgres redis rabbitmq sqs nats prometheus kcat chromium
+    set -- postgres mariadb redis rabbitmq sqs nats prometheus kcat chromium
 fi
 for svc in "$@"; do
     case "$svc" in
-    postgres | redis | rabbitmq | sqs | nats | prometheus | kcat | chromium) ;;
+    postgres | mariadb | redis | rabbitmq | sqs | nats | prometheus | kcat | chromium) ;;
     *)
-        echo "unknown service: $svc (known: postgres redis rabbitmq sqs nats prometheus kcat chromium)" >&2
+        echo "unknown service: $svc (known: postgres mariadb redis rabbitmq sqs nats prometheus kcat chromium)" >&2
         exit 2
         ;;
     esac
