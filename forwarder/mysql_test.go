@@ -17,9 +17,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/internal/mysqltest"
+	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -473,4 +475,52 @@ func TestMySQLRelayConfig(t *testing.T) {
 	require.ErrorContains(t, err, "dialect must be sqlschema.MySQL or sqlschema.Postgres")
 	_, err = forwarder.SQLOutboxLag(context.Background(), db, sqlschema.Postgres, sqlschema.Config{})
 	require.ErrorContains(t, err, "for PostgreSQL use OutboxLag")
+}
+
+// TestMySQLConsumerOutbox: with a MariaDB inbox, the messages a handler
+// produces are outbox rows in the inbox's transaction: they commit with
+// the effect, and a redelivery, a duplicate, writes none.
+func TestMySQLConsumerOutbox(t *testing.T) {
+	t.Parallel()
+	b := setupMySQL(t, 6)
+	store, err := sqlstore.New(b.db, sqlstore.Config{Dialect: sqlstore.MySQL, Schema: b.schema})
+	require.NoError(t, err)
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{
+		TxStore:  store,
+		Consumer: "shipping",
+		Outbox:   forwarder.SQLInboxOutbox("orders.shipped", sqlschema.MySQL, b.schema),
+	})
+	require.NoError(t, err)
+	var produced []string
+	handler := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if _, err := sqlstore.Tx(msg.Context()).ExecContext(msg.Context(), "INSERT INTO `"+b.name+"`.orders (id) VALUES (?)",
+			middleware.IdempotencyKey(msg.Context())); err != nil {
+			return nil, err
+		}
+		out := []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("label")), message.NewMessage(watermill.NewUUID(), []byte("mail"))}
+		for _, m := range out {
+			produced = append(produced, m.UUID)
+		}
+		return out, nil
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	msg.Metadata.Set(delivery.IdempotencyKey, "order-9")
+	again, err := handler(msg)
+	require.NoError(t, err)
+	require.Empty(t, again, "the produced messages are in the outbox, not returned to the router")
+	again, err = handler(msg.Copy())
+	require.NoError(t, err)
+	require.Empty(t, again)
+	require.Equal(t, 1, b.count(t, "orders"))
+	require.Equal(t, 2, b.count(t, "outbox"), "the duplicate wrote nothing")
+
+	gc := orderedGoChannel(t)
+	in := subscribe(t, gc, "orders.shipped")
+	relayAllMySQL(t, b.relay(t, gc, nil), 2)
+	got := in.snapshot()
+	require.Len(t, got, 2)
+	require.Equal(t, produced, []string{got[0].UUID, got[1].UUID}, "every produced message, in order, by UUID")
+
+	err = forwarder.SQLInboxOutbox("x", sqlschema.MySQL, b.schema)(context.Background(), nil)
+	require.ErrorContains(t, err, "no database/sql transaction in the context")
 }

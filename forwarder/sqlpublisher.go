@@ -10,7 +10,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -54,6 +56,25 @@ func NewSQLTxPublisher(ctx context.Context, tx *sql.Tx, d sqlschema.Dialect, cfg
 		opt(&o)
 	}
 	return &TxPublisher{ctx: context.WithoutCancel(ctx), pub: pub, hooks: observe.New(o.hooks...)}, nil
+}
+
+// SQLInboxOutbox returns a function for middleware.InboxConfig.Outbox that
+// writes a handler's produced messages to topic as outbox rows in the
+// inbox's database/sql transaction (the one sqlstore.Tx returns), on a
+// database of dialect d, so that the effect and the events it causes
+// commit together. It is [InboxOutbox] for a dedup/sqlstore inbox.
+func SQLInboxOutbox(topic string, d sqlschema.Dialect, cfg sqlschema.Config, opts ...TxOption) func(ctx context.Context, produced []*message.Message) error {
+	return func(ctx context.Context, produced []*message.Message) error {
+		tx := sqlstore.Tx(ctx)
+		if tx == nil {
+			return errors.New("forwarder: SQLInboxOutbox: no database/sql transaction in the context; use it with a sqlstore.Store inbox")
+		}
+		pub, err := NewSQLTxPublisher(ctx, tx, d, cfg, opts...)
+		if err != nil {
+			return err
+		}
+		return pub.Publish(topic, produced...)
+	}
 }
 
 // mysqlOutboxSchema is the write side of a watermill-sql schema adapter
