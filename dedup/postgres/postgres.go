@@ -18,6 +18,15 @@ import (
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
+// storable is an error text as PostgreSQL's text columns can hold it:
+// invalid UTF-8 and NUL characters, which PostgreSQL refuses, become
+// U+FFFD. Without it a handler error that quotes a binary payload would
+// make the failure's own record fail, and the message would loop
+// uncounted.
+func storable(s string) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+}
+
 // ErrNotMigrated is returned, wrapped, when the inbox table does not exist.
 var ErrNotMigrated = errors.New("postgres: inbox table missing: run sqlschema.Migrate with the same Schema and Table")
 
@@ -205,7 +214,7 @@ func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
 // InboxFail records a failed attempt outside any transaction. A done or
 // dead key is left alone.
 func (s *Store) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
-	_, err := s.db.Exec(ctx, s.q.fail, key.Consumer, key.Key, f.Err, f.At, seconds(window))
+	_, err := s.db.Exec(ctx, s.q.fail, key.Consumer, key.Key, storable(f.Err), f.At, seconds(window))
 	if err != nil {
 		return interpret(ctx, "record failure", err)
 	}
@@ -300,7 +309,7 @@ func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lea
 
 // LeaseBury marks key dead if token is still current.
 func (s *Store) LeaseBury(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
-	tag, err := s.db.Exec(ctx, s.q.leaseBury, key.Consumer, key.Key, token, f.Err, f.At)
+	tag, err := s.db.Exec(ctx, s.q.leaseBury, key.Consumer, key.Key, token, storable(f.Err), f.At)
 	if err != nil {
 		return interpret(ctx, "lease bury", err)
 	}
@@ -320,7 +329,7 @@ func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f 
 	if f.Abandoned {
 		tag, err = s.db.Exec(ctx, s.q.leaseAbandon, key.Consumer, key.Key, token)
 	} else {
-		tag, err = s.db.Exec(ctx, s.q.leaseRelease, key.Consumer, key.Key, token, f.Err, f.At)
+		tag, err = s.db.Exec(ctx, s.q.leaseRelease, key.Consumer, key.Key, token, storable(f.Err), f.At)
 	}
 	if err != nil {
 		return interpret(ctx, "lease release", err)
@@ -395,7 +404,7 @@ func (t *inboxTx) claimed(ctx context.Context, key dedup.Key, window time.Durati
 }
 
 func (t *inboxTx) InboxBury(ctx context.Context, key dedup.Key, f dedup.Failure) error {
-	if _, err := t.tx.Exec(ctx, t.q.bury, key.Consumer, key.Key, f.Err, f.At); err != nil {
+	if _, err := t.tx.Exec(ctx, t.q.bury, key.Consumer, key.Key, storable(f.Err), f.At); err != nil {
 		return interpret(ctx, "bury", err)
 	}
 	return nil
