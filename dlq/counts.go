@@ -28,6 +28,9 @@ type Count struct {
 // replayed), which is what a metrics collector scrapes: bound it with
 // ctx.
 func (s *Store) Counts(ctx context.Context) ([]Count, error) {
+	if s.my != nil {
+		return s.my.counts(ctx)
+	}
 	rows, err := s.pool.Query(ctx, `SELECT consumer, topic, count(*), min(dead_at) FROM `+s.table+`
 GROUP BY consumer, topic ORDER BY consumer, topic`)
 	if err != nil {

@@ -26,6 +26,8 @@ import (
 type Publisher struct {
 	pool   *pgxpool.Pool
 	insert string
+	// my is the table on MySQL ([NewSQLPublisher]), pool nil then.
+	my *mysqlPublisher
 
 	// mu guards the identities, learnt once per pool and per backend.
 	mu       sync.Mutex
@@ -116,6 +118,9 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		if m == nil {
 			return fmt.Errorf("dlq: publish to %q: message %d is nil", topic, i)
 		}
+	}
+	if p.my != nil {
+		return p.my.publish(topic, msgs)
 	}
 	batch := &pgx.Batch{}
 	for _, m := range msgs {

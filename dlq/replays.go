@@ -27,6 +27,9 @@ func (s *Store) RequestReplay(ctx context.Context, f Filter) (int, error) {
 	if err := f.selection(); err != nil {
 		return 0, err
 	}
+	if s.my != nil {
+		return s.my.requestReplay(ctx, f)
+	}
 	q, args := f.selectIDs(s.table)
 	tag, err := s.pool.Exec(ctx, `UPDATE `+s.table+` SET replay_requested_at = now()
 WHERE id IN (`+q+`) AND replay_requested_at IS NULL`, args...)
@@ -88,7 +91,9 @@ func (c ReplaySubscriberConfig) Validate() error {
 // inbox. Each subscription starts a goroutine that ends with its context
 // or Close, and holds one connection of the pool while a message is out.
 type ReplaySubscriber struct {
-	pool  *pgxpool.Pool
+	pool *pgxpool.Pool
+	// my is the table on MySQL ([NewSQLReplaySubscriber]), pool nil then.
+	my    *mysqlDLQ
 	table string
 	cfg   ReplaySubscriberConfig
 
@@ -152,6 +157,9 @@ func (r *ReplaySubscriber) Subscribe(ctx context.Context, topic string) (<-chan 
 // deliverOne hands out the first requested entry, if any, and ends its
 // transaction with the message's ack (delete) or nack (keep).
 func (r *ReplaySubscriber) deliverOne(ctx context.Context, topic string, out chan<- *message.Message) (delivered bool, err error) {
+	if r.my != nil {
+		return r.deliverOneMySQL(ctx, topic, out)
+	}
 	tx, err := r.pool.Begin(ctx)
 	if err != nil {
 		return false, wrap("replay: begin", err)

@@ -131,7 +131,9 @@ func scanEntry(row pgx.CollectableRow) (Entry, error) {
 // Store reads and changes the dead-letter table. It is safe for concurrent
 // use, by one process or several, and starts no goroutines.
 type Store struct {
-	pool   *pgxpool.Pool
+	pool *pgxpool.Pool
+	// my is the table on MySQL ([NewSQLStore]), pool nil then.
+	my     *mysqlDLQ
 	table  string
 	inbox  string
 	grants Granter
@@ -184,6 +186,9 @@ func (s *Store) WithNewKeys() *Store {
 // inbox table is elsewhere, or the key is no longer dead (replayed, or
 // expired after its window).
 func (s *Store) CopiesSince(ctx context.Context, e Entry) (n int, ok bool, err error) {
+	if s.my != nil {
+		return s.my.copiesSince(ctx, e)
+	}
 	err = s.pool.QueryRow(ctx, `SELECT dead_copies FROM `+s.inbox+` WHERE consumer = $1 AND key = $2 AND status = 'dead'`,
 		e.Consumer, e.Key).Scan(&n)
 	var pgErr *pgconn.PgError
@@ -201,6 +206,9 @@ func (s *Store) List(ctx context.Context, f Filter) ([]Entry, error) {
 	if err := f.Validate(); err != nil {
 		return nil, err
 	}
+	if s.my != nil {
+		return s.my.list(ctx, f)
+	}
 	ids, args := f.selectIDs(s.table)
 	rows, err := s.pool.Query(ctx, `SELECT `+columns+` FROM `+s.table+` WHERE id IN (`+ids+`) ORDER BY id`, args...)
 	if err != nil {
@@ -216,6 +224,9 @@ func (s *Store) List(ctx context.Context, f Filter) ([]Entry, error) {
 // Get returns the entry with the given id; the error wraps [ErrNotFound]
 // when there is none.
 func (s *Store) Get(ctx context.Context, id int64) (Entry, error) {
+	if s.my != nil {
+		return s.my.get(ctx, id)
+	}
 	rows, err := s.pool.Query(ctx, `SELECT `+columns+` FROM `+s.table+` WHERE id = $1`, id)
 	if err != nil {
 		return Entry{}, wrap(fmt.Sprintf("get entry %d", id), err)
@@ -236,6 +247,9 @@ func (s *Store) Count(ctx context.Context, f Filter) (int, error) {
 	if err := f.Validate(); err != nil {
 		return 0, err
 	}
+	if s.my != nil {
+		return s.my.count(ctx, f)
+	}
 	ids, args := f.selectIDs(s.table)
 	var n int
 	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM (`+ids+`) s`, args...).Scan(&n); err != nil {
@@ -249,6 +263,9 @@ func (s *Store) Count(ctx context.Context, f Filter) (int, error) {
 func (s *Store) Missing(ctx context.Context, ids []int64) ([]int64, error) {
 	if len(ids) == 0 {
 		return nil, nil
+	}
+	if s.my != nil {
+		return s.my.missing(ctx, ids)
 	}
 	rows, err := s.pool.Query(ctx, `SELECT DISTINCT u.id FROM unnest($1::bigint[]) AS u(id)
 WHERE NOT EXISTS (SELECT 1 FROM `+s.table+` d WHERE d.id = u.id) ORDER BY u.id`, ids)
@@ -297,14 +314,9 @@ func (s *Store) Replay(ctx context.Context, pub message.Publisher, f Filter, pro
 	if err := f.selection(); err != nil {
 		return 0, err
 	}
-	q, args := f.selectIDs(s.table)
-	rows, err := s.pool.Query(ctx, q, args...)
+	ids, err := s.selectIDs(ctx, f)
 	if err != nil {
-		return 0, wrap("replay: select entries", err)
-	}
-	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
-		return 0, wrap("replay: select entries", err)
+		return 0, err
 	}
 	if progress != nil {
 		progress(0, len(ids))
@@ -328,9 +340,29 @@ func (s *Store) Replay(ctx context.Context, pub message.Publisher, f Filter, pro
 	return replayed, nil
 }
 
+// selectIDs returns the ids f selects, in id order.
+func (s *Store) selectIDs(ctx context.Context, f Filter) ([]int64, error) {
+	if s.my != nil {
+		return s.my.selectIDs(ctx, f, "replay: select entries")
+	}
+	q, args := f.selectIDs(s.table)
+	rows, err := s.pool.Query(ctx, q, args...)
+	if err != nil {
+		return nil, wrap("replay: select entries", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, wrap("replay: select entries", err)
+	}
+	return ids, nil
+}
+
 // replayOne replays the entry id in its own transaction. It reports false
 // when the entry is gone or locked by another replay.
 func (s *Store) replayOne(ctx context.Context, pub message.Publisher, id int64) (replayed bool, err error) {
+	if s.my != nil {
+		return s.my.replayOne(ctx, s, pub, id)
+	}
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return false, wrap(fmt.Sprintf("replay entry %d: begin", id), err)
@@ -382,6 +414,9 @@ func (s *Store) replayOne(ctx context.Context, pub message.Publisher, id int64) 
 func (s *Store) Purge(ctx context.Context, f Filter) (int, error) {
 	if err := f.selection(); err != nil {
 		return 0, err
+	}
+	if s.my != nil {
+		return s.my.purge(ctx, f)
 	}
 	ids, args := f.selectIDs(s.table)
 	tag, err := s.pool.Exec(ctx, `DELETE FROM `+s.table+` WHERE id IN (`+ids+`)`, args...)
