@@ -5,6 +5,7 @@ import (
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
+	"database/sql"
 	"embed"
 	"errors"
 	"fmt"
@@ -55,10 +56,20 @@ const (
 	maxConsumers = 1000
 )
 
-// Config configures New. Pool is required.
+// Config configures New. Pool or DB is required.
 type Config struct {
-	// Pool is the database of the tables. Required. It stays the caller's.
+	// Pool is the PostgreSQL database of the tables, through pgx. Set
+	// either Pool or DB. It stays the caller's.
 	Pool *pgxpool.Pool
+	// DB is the database of the tables through database/sql, with
+	// Dialect naming its family: for MySQL 8.0 or newer and MariaDB 10.6
+	// or newer (go-sql-driver/mysql), on the tables sqlschema.MigrateSQL
+	// creates for sqlschema.MySQL. Set either Pool or DB. It stays the
+	// caller's.
+	DB *sql.DB
+	// Dialect is the database family of DB: sqlschema.MySQL. Required
+	// with DB, ignored with Pool.
+	Dialect sqlschema.Dialect
 	// Schema names the tables to read (defaults as sqlschema's): the
 	// inbox, the outbox and the dead-letter table.
 	Schema sqlschema.Config
@@ -103,8 +114,12 @@ type Config struct {
 // the error wraps [ErrInvalidConfig] and names the field.
 func (c Config) Validate() error {
 	switch {
-	case c.Pool == nil:
-		return fmt.Errorf("%w: Pool is required", ErrInvalidConfig)
+	case c.Pool == nil && c.DB == nil:
+		return fmt.Errorf("%w: Pool (pgx, PostgreSQL) or DB (database/sql, with Dialect) is required", ErrInvalidConfig)
+	case c.Pool != nil && c.DB != nil:
+		return fmt.Errorf("%w: Pool and DB are both set: set the one that holds the tables", ErrInvalidConfig)
+	case c.DB != nil && c.Dialect != sqlschema.MySQL:
+		return fmt.Errorf("%w: Dialect must be sqlschema.MySQL with DB, got %q (read PostgreSQL through Pool)", ErrInvalidConfig, c.Dialect)
 	case c.Token == "" && !c.DisableAuth:
 		return fmt.Errorf("%w: Token is required (or set DisableAuth to serve behind your own authentication)", ErrInvalidConfig)
 	case c.PageSize < 0 || c.PageSize > maxPageSize:
@@ -123,9 +138,11 @@ func (c Config) Validate() error {
 // concurrent use and starts no goroutines; it keeps no state between
 // requests but its keys.
 type Console struct {
-	cfg    Config
-	store  *dlq.Store
-	names  sqlschema.Names
+	cfg   Config
+	store *dlq.Store
+	names sqlschema.Names
+	// my reads the tables on MySQL (Config.DB); nil on PostgreSQL.
+	my     *mysqlData
 	pages  map[string]*template.Template
 	static http.Handler
 	cross  *http.CrossOriginProtection
@@ -168,7 +185,17 @@ func New(cfg Config) (*Console, error) {
 	if cfg.DisableAuth {
 		cfg.Token = ""
 	}
-	store, err := dlq.NewStore(cfg.Pool, cfg.Schema)
+	var (
+		store *dlq.Store
+		my    *mysqlData
+		err   error
+	)
+	if cfg.DB != nil {
+		store, err = dlq.NewSQLStore(cfg.DB, cfg.Dialect, cfg.Schema)
+		my = newMySQLData(cfg.DB, cfg.Schema)
+	} else {
+		store, err = dlq.NewStore(cfg.Pool, cfg.Schema)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("console: %w", err)
 	}
@@ -181,6 +208,7 @@ func New(cfg Config) (*Console, error) {
 		cfg:   cfg,
 		store: store,
 		names: sqlschema.NamesFor(sqlschema.Postgres, cfg.Schema),
+		my:    my,
 		pages: map[string]*template.Template{},
 		cross: http.NewCrossOriginProtection(),
 	}

@@ -84,10 +84,11 @@ func clean(s string) string {
 	return strings.ReplaceAll(s, "\x00", "\uFFFD")
 }
 
-// isUndefinedTable reports whether err is PostgreSQL's undefined_table.
+// isUndefinedTable reports whether err is PostgreSQL's undefined_table,
+// or MySQL's missing table or database.
 func isUndefinedTable(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "42P01"
+	return errors.As(err, &pgErr) && pgErr.Code == "42P01" || isMySQLUndefinedTable(err)
 }
 
 // listRow is a dead letter as the list shows it.
@@ -106,6 +107,9 @@ type listRow struct {
 
 // countDead counts the entries cr selects.
 func (c *Console) countDead(ctx context.Context, cr criteria) (int, error) {
+	if c.my != nil {
+		return c.my.countDead(ctx, cr)
+	}
 	var a args
 	var n int
 	if err := c.cfg.Pool.QueryRow(ctx, `SELECT count(*) FROM `+c.names.DLQ+cr.where(&a), a...).Scan(&n); err != nil {
@@ -117,6 +121,9 @@ func (c *Console) countDead(ctx context.Context, cr criteria) (int, error) {
 // listDead returns one page of the entries cr selects, newest (highest id)
 // first.
 func (c *Console) listDead(ctx context.Context, cr criteria, limit, offset int) ([]listRow, error) {
+	if c.my != nil {
+		return c.my.listDead(ctx, cr, limit, offset)
+	}
 	var a args
 	where := cr.where(&a)
 	q := `SELECT id, uuid, topic, consumer, key, attempts, left(error, ` + strconv.Itoa(maxErrorListed) + `),
@@ -153,6 +160,9 @@ type group struct {
 // groups counts the entries cr selects by normalised error, in SQL: only
 // the groups come out of the database, largest first.
 func (c *Console) groups(ctx context.Context, cr criteria, limit int) ([]group, error) {
+	if c.my != nil {
+		return c.my.groups(ctx, cr, limit)
+	}
 	var a args
 	where := cr.where(&a)
 	q := `SELECT g, count(*), min(dead_at), max(dead_at), count(DISTINCT consumer), min(consumer),
@@ -200,6 +210,9 @@ var errNoEntry = errors.New("console: no such dead letter")
 
 // getEntry reads the entry id.
 func (c *Console) getEntry(ctx context.Context, id int64) (entryRow, error) {
+	if c.my != nil {
+		return c.my.getEntry(ctx, id, c.cfg.MaxPayload)
+	}
 	var (
 		e  entryRow
 		md []byte
@@ -232,6 +245,9 @@ type target struct {
 
 // targets returns, in id order, at most limit of the entries cr selects.
 func (c *Console) targets(ctx context.Context, cr criteria, limit int) ([]target, error) {
+	if c.my != nil {
+		return c.my.targets(ctx, cr, limit)
+	}
 	var a args
 	where := cr.where(&a)
 	rows, err := c.cfg.Pool.Query(ctx, `SELECT id, consumer, topic, replay_requested_at IS NOT NULL FROM `+c.names.DLQ+where+
@@ -260,6 +276,9 @@ type inboxStat struct {
 
 // inboxStats aggregates the inbox table per consumer, in one scan.
 func (c *Console) inboxStats(ctx context.Context, now time.Time) ([]inboxStat, error) {
+	if c.my != nil {
+		return c.my.inboxStats(ctx, now)
+	}
 	rows, err := c.cfg.Pool.Query(ctx, `SELECT consumer,
 	count(*) FILTER (WHERE status = 'done' AND done_at >= $1),
 	count(*) FILTER (WHERE status = 'done' AND done_at >= $2),
@@ -286,6 +305,9 @@ FROM `+c.names.Inbox+` GROUP BY consumer ORDER BY consumer`, now.Add(-time.Hour)
 // maxConsumers; it walks the primary key (a loose index scan), one lookup
 // per consumer, rather than the table.
 func (c *Console) consumers(ctx context.Context) ([]string, error) {
+	if c.my != nil {
+		return c.my.consumers(ctx)
+	}
 	t := c.names.Inbox
 	rows, err := c.cfg.Pool.Query(ctx, `WITH RECURSIVE c(consumer) AS (
 	(SELECT consumer FROM `+t+` ORDER BY consumer LIMIT 1)
@@ -322,6 +344,9 @@ var errNoKey = errors.New("console: no inbox record")
 
 // lookupKey reads the inbox record of consumer's key.
 func (c *Console) lookupKey(ctx context.Context, consumer, key string) (inboxRow, error) {
+	if c.my != nil {
+		return c.my.lookupKey(ctx, consumer, key, c.cfg.MaxPayload)
+	}
 	var k inboxRow
 	err := c.cfg.Pool.QueryRow(ctx, `SELECT status, attempts,
 	left(COALESCE(first_error, ''), $3), left(COALESCE(last_error, ''), $3), first_failed_at, last_failed_at,

@@ -5,6 +5,9 @@
 //	c, err := console.New(console.Config{Pool: pool, Token: os.Getenv("CONSOLE_TOKEN")})
 //	mux.Handle("/ops/", http.StripPrefix("/ops", c))
 //
+// On MySQL or MariaDB the tables are read through database/sql:
+// console.Config{DB: db, Dialect: sqlschema.MySQL, …}.
+//
 // # Pages
 //
 //   - / (Overview): per consumer, from the inbox table, the keys applied

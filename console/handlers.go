@@ -1,6 +1,7 @@
 package console
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -78,7 +79,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 
-	lag, err := forwarder.OutboxLag(ctx, c.cfg.Pool, c.cfg.Schema)
+	lag, err := c.outboxLag(ctx)
 	switch {
 	case isUndefinedTable(err):
 		d.OutboxMissing = true
@@ -430,4 +431,12 @@ func contains(list []string, s string) bool {
 		}
 	}
 	return false
+}
+
+// outboxLag measures the outbox's backlog, as a relay would.
+func (c *Console) outboxLag(ctx context.Context) (forwarder.Lag, error) {
+	if c.my != nil {
+		return c.my.outboxLag(ctx)
+	}
+	return forwarder.OutboxLag(ctx, c.cfg.Pool, c.cfg.Schema)
 }
