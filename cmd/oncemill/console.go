@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"flag"
@@ -48,7 +49,7 @@ type consoleOptions struct {
 	readOnly bool
 	broker   string
 	inbox    *inboxTarget // nil without --inbox
-	pool     *pgxpool.Config
+	db       dbTarget
 	schema   sqlschema.Config
 }
 
@@ -78,8 +79,8 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	fs.BoolVar(&o.readOnly, "read-only", false, "refuse replays and purges")
 	fs.StringVar(&o.broker, "broker", "", "broker URL for replays to the original topic")
 	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where replays to the topic write their grants (redis://, sqlite:PATH, postgres://)")
-	fs.StringVar(&c.database, "database", "", "PostgreSQL URL (default $DATABASE_URL)")
-	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of oncemill's tables")
+	fs.StringVar(&c.database, "database", "", "PostgreSQL or MySQL URL: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of oncemill's tables (on MySQL: their database)")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "dead-letter table")
 	fs.StringVar(&inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "inbox table")
 	fs.StringVar(&outboxTable, "outbox-table", sqlschema.DefaultOutboxTable, "outbox table")
@@ -125,7 +126,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 			return o, usageError{msg: err.Error()}
 		}
 	}
-	if o.pool, o.schema, err = c.target(); err != nil {
+	if o.db, o.schema, err = c.target(); err != nil {
 		return o, err
 	}
 	o.schema.InboxTable = inboxTable
@@ -167,11 +168,18 @@ func newToken() (string, error) {
 	return hex.EncodeToString(b[:]), nil
 }
 
-// config is the console's configuration for the options, the pool and the
-// publisher (nil without --broker).
-func (o consoleOptions) config(pool *pgxpool.Pool, pub message.Publisher, granter dlq.Granter, logger watermill.LoggerAdapter) console.Config {
+// config is the console's configuration for the options, the database
+// (pool for PostgreSQL, db for MySQL) and the publisher (nil without
+// --broker).
+func (o consoleOptions) config(pool *pgxpool.Pool, db *sql.DB, pub message.Publisher, granter dlq.Granter, logger watermill.LoggerAdapter) console.Config {
+	var dialect sqlschema.Dialect
+	if db != nil {
+		dialect = sqlschema.MySQL
+	}
 	return console.Config{
 		Pool:      pool,
+		DB:        db,
+		Dialect:   dialect,
 		Schema:    o.schema,
 		Token:     o.token,
 		ReadOnly:  o.readOnly,
@@ -189,13 +197,23 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 	if err != nil {
 		return err
 	}
-	pool, err := pgxpool.NewWithConfig(ctx, o.pool)
-	if err != nil {
-		return fmt.Errorf("connect to the database: %w", err)
-	}
-	defer pool.Close()
-	if err := pool.Ping(ctx); err != nil {
-		return fmt.Errorf("connect to the database: %w", err)
+	var (
+		pool *pgxpool.Pool
+		db   *sql.DB
+	)
+	if o.db.my != nil {
+		if db, err = openMySQL(ctx, o.db.my, 8); err != nil {
+			return fmt.Errorf("connect to the database: %w", err)
+		}
+		defer db.Close()
+	} else {
+		if pool, err = pgxpool.NewWithConfig(ctx, o.db.pg); err != nil {
+			return fmt.Errorf("connect to the database: %w", err)
+		}
+		defer pool.Close()
+		if err := pool.Ping(ctx); err != nil {
+			return fmt.Errorf("connect to the database: %w", err)
+		}
 	}
 	logger := watermill.NewStdLoggerWithOut(c.stderr, false, false)
 
@@ -222,7 +240,7 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 		granter = g
 	}
 
-	handler, err := console.New(o.config(pool, pub, granter, logger))
+	handler, err := console.New(o.config(pool, db, pub, granter, logger))
 	if err != nil {
 		return err
 	}

@@ -225,7 +225,7 @@ func TestConsoleOptions(t *testing.T) {
 	require.False(t, o.minted)
 	require.Equal(t, defaultConsoleAddr, o.addr)
 	require.False(t, o.readOnly)
-	require.False(t, o.config(nil, nil, nil, nil).ReadOnly)
+	require.False(t, o.config(nil, nil, nil, nil, nil).ReadOnly)
 
 	o = consoleOptionsOf(t, nil, "--database", db)
 	require.True(t, o.minted, "neither flag nor environment: generated")
@@ -236,7 +236,7 @@ func TestConsoleOptions(t *testing.T) {
 		"--database", db)
 	require.True(t, o.readOnly)
 	require.Equal(t, "0.0.0.0:9999", o.addr)
-	cfg := o.config(nil, nil, nil, nil)
+	cfg := o.config(nil, nil, nil, nil, nil)
 	require.True(t, cfg.ReadOnly, "--read-only reaches the console")
 	require.Equal(t, "token-from-the-environment", cfg.Token)
 	require.Nil(t, cfg.Publisher, "no --broker: replays go to the consumers")

@@ -38,8 +38,8 @@ func (c *cmd) flags() *flag.FlagSet {
 	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.Usage = func() {}
-	fs.StringVar(&c.database, "database", "", "PostgreSQL URL (default $DATABASE_URL)")
-	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of the dead-letter table")
+	fs.StringVar(&c.database, "database", "", "PostgreSQL or MySQL URL: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of the dead-letter table (on MySQL: its database)")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "dead-letter table")
 	fs.BoolVar(&c.json, "json", false, "print JSON")
 	return fs
@@ -78,24 +78,32 @@ func checkFilter(f dlq.Filter) error {
 
 // target checks the database flags and returns the URL and the table's
 // names, before anything connects.
-func (c *cmd) target() (*pgxpool.Config, sqlschema.Config, error) {
+func (c *cmd) target() (dbTarget, sqlschema.Config, error) {
 	url := c.database
 	if url == "" {
 		url = c.env("DATABASE_URL")
 	}
 	if url == "" {
-		return nil, sqlschema.Config{}, usagef("--database is required (or set DATABASE_URL)")
+		return dbTarget{}, sqlschema.Config{}, usagef("--database is required (or set DATABASE_URL)")
 	}
 	if err := sqlschema.ValidateIdentifier("--schema", c.schema); err != nil {
-		return nil, sqlschema.Config{}, usageError{msg: err.Error()}
+		return dbTarget{}, sqlschema.Config{}, usageError{msg: err.Error()}
 	}
 	if err := sqlschema.ValidateIdentifier("--table", c.table); err != nil {
-		return nil, sqlschema.Config{}, usageError{msg: err.Error()}
+		return dbTarget{}, sqlschema.Config{}, usageError{msg: err.Error()}
+	}
+	cfg := sqlschema.Config{Schema: c.schema, DLQTable: c.table}
+	if isMySQLURL(url) {
+		mcfg, err := parseMySQLURL("--database", url)
+		if err != nil {
+			return dbTarget{}, sqlschema.Config{}, err
+		}
+		return dbTarget{my: mcfg}, cfg, nil
 	}
 	pcfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		// pgx leaves the password out of its parse errors.
-		return nil, sqlschema.Config{}, usagef("--database: %v", err)
+		return dbTarget{}, sqlschema.Config{}, usagef("--database: %v", err)
 	}
 	pcfg.MaxConns = 4
 	if pcfg.ConnConfig.ConnectTimeout == 0 {
@@ -103,12 +111,15 @@ func (c *cmd) target() (*pgxpool.Config, sqlschema.Config, error) {
 		// otherwise hang the command: the same bound as adapters.Open.
 		pcfg.ConnConfig.ConnectTimeout = adapters.DefaultConnectTimeout
 	}
-	return pcfg, sqlschema.Config{Schema: c.schema, DLQTable: c.table}, nil
+	return dbTarget{pg: pcfg}, cfg, nil
 }
 
 // connect opens the database and the store; closeDB releases them.
-func connect(ctx context.Context, pcfg *pgxpool.Config, cfg sqlschema.Config) (store *dlq.Store, closeDB func(), err error) {
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+func connect(ctx context.Context, t dbTarget, cfg sqlschema.Config) (store *dlq.Store, closeDB func(), err error) {
+	if t.my != nil {
+		return connectMySQL(ctx, t.my, cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, t.pg)
 	if err != nil {
 		return nil, nil, fmt.Errorf("connect to the database: %w", err)
 	}
@@ -169,11 +180,11 @@ func (c *cmd) list(ctx context.Context, args []string) error {
 	if err := checkFilter(f); err != nil {
 		return err
 	}
-	pcfg, cfg, err := c.target()
+	target, cfg, err := c.target()
 	if err != nil {
 		return err
 	}
-	store, closeDB, err := connect(ctx, pcfg, cfg)
+	store, closeDB, err := connect(ctx, target, cfg)
 	if err != nil {
 		return err
 	}
@@ -215,11 +226,11 @@ func (c *cmd) show(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	pcfg, cfg, err := c.target()
+	target, cfg, err := c.target()
 	if err != nil {
 		return err
 	}
-	store, closeDB, err := connect(ctx, pcfg, cfg)
+	store, closeDB, err := connect(ctx, target, cfg)
 	if err != nil {
 		return err
 	}
@@ -427,11 +438,11 @@ func checkDurable(broker string) error {
 // exists, so that a typo acts on nothing; verb says what would have been
 // done, for the error.
 func (c *cmd) openSelected(ctx context.Context, f dlq.Filter, verb string) (*dlq.Store, func(), error) {
-	pcfg, cfg, err := c.target()
+	target, cfg, err := c.target()
 	if err != nil {
 		return nil, nil, err
 	}
-	store, closeDB, err := connect(ctx, pcfg, cfg)
+	store, closeDB, err := connect(ctx, target, cfg)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -1,5 +1,5 @@
-// Command oncemill is the operator's tool for oncemill's PostgreSQL
-// dead-letter queue (package dlq): it lists, shows, replays and purges the
+// Command oncemill is the operator's tool for oncemill's PostgreSQL or
+// MySQL/MariaDB dead-letter queue (package dlq): it lists, shows, replays and purges the
 // messages that consumers gave up on; it serves the operator console over
 // them and the inbox and outbox tables. It also declares RabbitMQ topology
 // ahead of the consumers, for deploy pipelines.
@@ -30,6 +30,12 @@
 // (default "oncemill") and --table (default "dlq"), naming the table that
 // sqlschema.Migrate created; --json prints JSON instead of a table. Flags
 // may come before or after the IDs.
+//
+// A MySQL or MariaDB database is named mysql://user:password@host:3306/db
+// (the port defaults to 3306; the parameters are go-sql-driver/mysql's,
+// tls=true for instance): its tables are the ones sqlschema.MigrateSQL
+// created for sqlschema.MySQL, in the database --schema names (the URL's
+// database is only the connection's).
 //
 // replay publishes each selected entry to its original topic with its
 // original UUID, payload and metadata, the delivery facts removed,

@@ -48,8 +48,9 @@ Filter flags (they combine with each other and with IDs):
 TIME is RFC 3339 (2026-03-01T10:00:00Z) or a duration ago (90m, 2h, 7d).
 
 Common flags:
-  --database URL  PostgreSQL holding the table (default $DATABASE_URL)
-  --schema NAME   schema of the table (default "oncemill")
+  --database URL  PostgreSQL or MySQL holding the table (default $DATABASE_URL):
+                  postgres://… or mysql://user:password@host:3306/db
+  --schema NAME   schema of the table, on MySQL its database (default "oncemill")
   --table NAME    dead-letter table (default "dlq")
   --json          print JSON instead of a table
 

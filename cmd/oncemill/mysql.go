@@ -1,0 +1,107 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"strings"
+
+	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// dbTarget is a checked --database URL: PostgreSQL through pgx, or MySQL
+// (MariaDB) through go-sql-driver/mysql; one of the two is set.
+type dbTarget struct {
+	pg *pgxpool.Config
+	my *mysql.Config
+}
+
+// isMySQLURL reports whether raw names a MySQL database.
+func isMySQLURL(raw string) bool {
+	return strings.HasPrefix(strings.ToLower(raw), "mysql://")
+}
+
+// parseMySQLURL reads a MySQL or MariaDB URL,
+//
+//	mysql://user:password@host:3306/database?param=value
+//
+// into go-sql-driver/mysql's config: TCP to host (port 3306 when none is
+// given), the user and password percent-decoded, the database the
+// connection's own (oncemill's tables are in the --schema database,
+// whatever it is), and the parameters go-sql-driver/mysql's DSN
+// parameters (tls, timeout, readTimeout, …; one it does not know is a
+// session variable to set). The connect timeout defaults
+// to adapters.DefaultConnectTimeout. Its errors name the flag and never
+// the password.
+func parseMySQLURL(flagName, raw string) (*mysql.Config, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return nil, usagef("%s: cannot parse %q", flagName, redactRaw(raw))
+	}
+	if u.Opaque != "" || u.Host == "" {
+		return nil, usagef("%s: want mysql://user:password@host:3306/database", flagName)
+	}
+	safe := u.Redacted()
+	// The parameters, checked by the driver as it checks a DSN's.
+	cfg, err := mysql.ParseDSN("/?" + u.RawQuery)
+	if err != nil {
+		return nil, usagef("%s %s: %v", flagName, safe, err)
+	}
+	cfg.Net = "tcp"
+	cfg.Addr = u.Host
+	if _, _, err := net.SplitHostPort(u.Host); err != nil {
+		cfg.Addr = net.JoinHostPort(strings.Trim(u.Host, "[]"), "3306")
+	}
+	if u.User != nil {
+		cfg.User = u.User.Username()
+		cfg.Passwd, _ = u.User.Password()
+	}
+	cfg.DBName = strings.TrimPrefix(u.Path, "/")
+	if strings.Contains(cfg.DBName, "/") {
+		return nil, usagef("%s %s: the path is one database name", flagName, safe)
+	}
+	if cfg.Timeout == 0 {
+		// A server that accepts the connection and never answers would
+		// otherwise hang the command: the same bound as adapters.Open.
+		cfg.Timeout = adapters.DefaultConnectTimeout
+	}
+	return cfg, nil
+}
+
+// openMySQL connects to cfg's server with at most maxConns connections and
+// checks that it answers.
+func openMySQL(ctx context.Context, cfg *mysql.Config, maxConns int) (*sql.DB, error) {
+	connector, err := mysql.NewConnector(cfg)
+	if err != nil {
+		return nil, err
+	}
+	db := sql.OpenDB(connector)
+	db.SetMaxOpenConns(maxConns)
+	if err := db.PingContext(ctx); err != nil {
+		return nil, errors.Join(err, db.Close())
+	}
+	return db, nil
+}
+
+// connectMySQL opens the MySQL database and the store on its dead-letter
+// table; closeDB releases them.
+func connectMySQL(ctx context.Context, mcfg *mysql.Config, cfg sqlschema.Config) (*dlq.Store, func(), error) {
+	db, err := openMySQL(ctx, mcfg, 4)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to the database: %w", err)
+	}
+	store, err := dlq.NewSQLStore(db, sqlschema.MySQL, cfg)
+	if err != nil {
+		_ = db.Close()
+		return nil, nil, err
+	}
+	return store, func() { _ = db.Close() }, nil
+}
