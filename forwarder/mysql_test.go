@@ -366,13 +366,14 @@ func TestMySQLRelayWaitsForRowsInFlight(t *testing.T) {
 				require.NotNil(t, lag.HeldBy)
 				require.Equal(t, first.id, lag.HeldBy.PID, "the session that holds the row back")
 				require.Positive(t, lag.HeldBy.Age)
-				// InnoDB refreshes its view of the transactions at most
-				// every 100ms: the details come with it.
+				// InnoDB refreshes its view of the transactions only once
+				// it has not been read for 100ms: the details come with
+				// a read after a pause.
 				require.Eventually(t, func() bool {
 					lag, err = r.Lag(context.Background())
 					require.NoError(t, err)
 					return lag.HeldBy != nil && lag.HeldBy.State == "Sleep"
-				}, 10*time.Second, 20*time.Millisecond, "idle in its transaction")
+				}, 30*time.Second, 300*time.Millisecond, "idle in its transaction")
 				require.Equal(t, first.id, lag.HeldBy.PID)
 				require.Equal(t, b.name, lag.HeldBy.Database)
 				require.Equal(t, mysqltest.Config(t, "").User, lag.HeldBy.User)
@@ -523,4 +524,35 @@ func TestMySQLConsumerOutbox(t *testing.T) {
 
 	err = forwarder.SQLInboxOutbox("x", sqlschema.MySQL, b.schema)(context.Background(), nil)
 	require.ErrorContains(t, err, "no database/sql transaction in the context")
+}
+
+// TestMySQLStallWarning: a writer that stays open after its outbox insert
+// holds back the rows behind it in its lane; once it has been open for
+// StallWarning, the relay logs it, naming its session.
+func TestMySQLStallWarning(t *testing.T) {
+	t.Parallel()
+	b := setupMySQL(t, 6)
+	gc := orderedGoChannel(t)
+	in := subscribe(t, gc, "orders")
+	logs := &lineLogger{}
+	r := b.relay(t, gc, func(c *forwarder.RelayConfig) {
+		c.StallWarning, c.PollInterval, c.Logger = 300*time.Millisecond, 20*time.Millisecond, logs
+	})
+	first := b.begin(t)
+	b.publish(t, first.tx, event("k", 1))
+	later := b.begin(t)
+	b.publish(t, later.tx, event("k", 2))
+	require.NoError(t, later.tx.Commit())
+	run(t, r)
+
+	require.Eventually(t, func() bool { return len(logs.stalls()) > 0 }, 30*time.Second, 20*time.Millisecond)
+	line := logs.stalls()[0]
+	require.Contains(t, line.msg, fmt.Sprintf("pid %d ", first.id))
+	require.Equal(t, 1, line.fields["waiting_rows"])
+	require.Equal(t, first.id, line.fields["holder_pid"])
+	require.Empty(t, in.snapshot(), "the row behind it waits")
+
+	require.NoError(t, first.tx.Commit())
+	require.Eventually(t, func() bool { return len(in.seqs("k")) == 2 }, 30*time.Second, 10*time.Millisecond)
+	require.Equal(t, []int{1, 2}, in.seqs("k"))
 }

@@ -529,7 +529,10 @@ func measureMySQLLag(ctx context.Context, db *sql.DB, q mysqlLagQueries, lockOrd
 			return Lag{}, fmt.Errorf("forwarder: lag: find the open transaction: %w", err)
 		}
 	default:
-		h.Age = max(h.Age, time.Duration(open)*time.Microsecond)
+		// trx_started is to the second, rounded down: the transaction
+		// has been open for at least the reading less a second, and at
+		// least as long as its row.
+		h.Age = max(h.Age, time.Duration(open)*time.Microsecond-time.Second)
 	}
 	return lag, nil
 }

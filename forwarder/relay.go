@@ -431,7 +431,10 @@ type Lag struct {
 	// of other users. On MySQL it is the session that wrote the lowest
 	// uncommitted row of a waiting lane (its PID is the connection id the
 	// row records); its other details need the PROCESS privilege, and
-	// without them its Age is the row's, a lower bound.
+	// come from InnoDB's view of its transactions, which it refreshes
+	// only once nothing has read it for 100ms. Its
+	// Age is a lower bound there: the row's age, or the transaction's as
+	// InnoDB reports it (to the second) less a second.
 	HeldBy *Holder
 }
 
