@@ -78,7 +78,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	fs.StringVar(&o.token, "token", "", "access token (default $"+consoleTokenEnv+", else a generated one)")
 	fs.BoolVar(&o.readOnly, "read-only", false, "refuse replays and purges")
 	fs.StringVar(&o.broker, "broker", "", "broker URL for replays to the original topic")
-	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where replays to the topic write their grants (redis://, sqlite:PATH, postgres://)")
+	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where replays to the topic write their grants (redis://, sqlite:PATH, postgres://, mysql://)")
 	fs.StringVar(&c.database, "database", "", "PostgreSQL or MySQL URL: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
 	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of oncemill's tables (on MySQL: their database)")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "dead-letter table")

@@ -291,7 +291,7 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	fs := c.flags()
 	fs.StringVar(&broker, "broker", "", "broker URL (default $BROKER_URL)")
 	fs.BoolVar(&toConsumer, "to-consumer", false, "deliver each entry to its own consumer only, through the dlq.ReplaySubscriber it runs, instead of publishing it to the topic")
-	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where the replay grants are written (redis://, sqlite:PATH, postgres://)")
+	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where the replay grants are written (redis://, sqlite:PATH, postgres://, mysql://)")
 	fs.BoolVar(&force, "force", false, "replay an entry whose key has no record in the inbox as a new key (its record expired)")
 	if err := c.selection(fs, &f, args); err != nil {
 		return err

@@ -50,7 +50,8 @@
 // on stderr it draws a progress bar there. Before publishing an entry it
 // writes a replay grant on the key's dead record (see dlq.Granter), in the
 // inbox table beside the dead-letter table or in the store --inbox names
-// (redis://…?prefix=P, sqlite:PATH?table=T, postgres://…?schema=S&table=T);
+// (redis://…?prefix=P, sqlite:PATH?table=T, postgres://…?schema=S&table=T,
+// mysql://…?schema=DB&table=T);
 // an entry whose key has no record there stops the replay and stays, and
 // --force replays it as a new key. purge deletes the selected
 // entries. Both refuse to run with no selection: give IDs, a filter flag or

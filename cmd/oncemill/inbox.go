@@ -8,6 +8,7 @@ import (
 	"os"
 	"strings"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	goredis "github.com/redis/go-redis/v9"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -30,15 +32,17 @@ type inboxTarget struct {
 	sqlitePath string
 
 	pg     *pgxpool.Config
-	schema string
+	my     *mysql.Config
+	schema string // postgres and mysql
 
 	table string // sqlite and postgres
 }
 
 // parseInbox checks an --inbox URL before anything connects: redis:// or
 // rediss:// (with an optional prefix parameter), sqlite:PATH (with an
-// optional table parameter) or postgres:// (with optional schema and table
-// parameters). Its errors are usage errors naming the flag.
+// optional table parameter), postgres:// or mysql:// (with optional schema
+// and table parameters; on MySQL the schema is the database of the
+// tables). Its errors are usage errors naming the flag.
 func parseInbox(raw string) (*inboxTarget, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
@@ -108,10 +112,27 @@ func parseInbox(raw string) (*inboxTarget, error) {
 		if t.pg.ConnConfig.ConnectTimeout == 0 {
 			t.pg.ConnConfig.ConnectTimeout = adapters.DefaultConnectTimeout
 		}
+	case "mysql":
+		if t.schema, err = take("schema"); err != nil {
+			return nil, err
+		}
+		if t.table, err = take("table"); err != nil {
+			return nil, err
+		}
+		if t.schema == "" {
+			t.schema = sqlschema.DefaultSchema
+		}
+		if err := sqlschema.ValidateIdentifier("--inbox parameter schema", t.schema); err != nil {
+			return nil, usageError{msg: err.Error()}
+		}
+		u.RawQuery = q.Encode()
+		if t.my, err = parseMySQLURL("--inbox", u.String()); err != nil {
+			return nil, err
+		}
 	case "":
-		return nil, usagef("--inbox %s has no scheme; use redis://, sqlite:PATH or postgres://", t.safe)
+		return nil, usagef("--inbox %s has no scheme; use redis://, sqlite:PATH, postgres:// or mysql://", t.safe)
 	default:
-		return nil, usagef("--inbox: unknown scheme %q in %s; use redis://, sqlite:PATH or postgres://", u.Scheme, t.safe)
+		return nil, usagef("--inbox: unknown scheme %q in %s; use redis://, sqlite:PATH, postgres:// or mysql://", u.Scheme, t.safe)
 	}
 	if t.table != "" {
 		if err := sqlschema.ValidateIdentifier("--inbox parameter table", t.table); err != nil {
@@ -141,6 +162,18 @@ func (t *inboxTarget) open(ctx context.Context) (dlq.Granter, func(), error) {
 			return fail(errors.Join(err, client.Close()))
 		}
 		return store, func() { _ = client.Close() }, nil
+	case t.my != nil:
+		db, err := openMySQL(ctx, t.my, 2)
+		if err != nil {
+			return fail(err)
+		}
+		store, err := sqlstore.New(db, sqlstore.Config{Dialect: sqlstore.MySQL,
+			Schema: sqlschema.Config{Schema: t.schema, InboxTable: t.table}})
+		if err != nil {
+			_ = db.Close()
+			return fail(err)
+		}
+		return store, func() { _ = db.Close() }, nil
 	case t.sqlitePath != "":
 		store, err := sqlite.Open(ctx, t.sqlitePath, sqlite.Config{Table: t.table})
 		if err != nil {

@@ -65,7 +65,8 @@ Before publishing an entry, replay writes a replay grant on its key's dead
 record, which lets the copy reopen the key once. It writes it on the inbox
 table beside the dead-letter table, unless --inbox URL names the consumers'
 inbox store: redis://[:PASSWORD@]HOST:PORT[/DB][?prefix=P],
-sqlite:PATH[?table=T] or postgres://...[?schema=S&table=T]. An entry whose
+sqlite:PATH[?table=T], postgres://...[?schema=S&table=T] or
+mysql://...[?schema=DB&table=T]. An entry whose
 key has no record there is refused and stays (the inbox is elsewhere: give
 --inbox); --force replays it anyway, as a new key (its record expired).
 

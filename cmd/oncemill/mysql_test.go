@@ -121,21 +121,32 @@ func (f mysqlFixture) ids(t *testing.T) []int64 {
 // dead-letter table.
 func (f mysqlFixture) seed(t *testing.T, msgs ...*message.Message) []int64 {
 	t.Helper()
-	ctx := context.Background()
 	before := len(f.ids(t))
 	for _, m := range msgs {
-		key := dedup.Key{Consumer: m.Metadata.Get(delivery.DeadConsumer), Key: m.Metadata.Get(delivery.DeadKey)}
-		tx, err := f.inbox.InboxBegin(ctx)
-		require.NoError(t, err)
-		_, err = tx.InboxClaim(ctx, key, time.Hour)
-		require.NoError(t, err)
-		require.NoError(t, tx.InboxBury(ctx, key, dedup.Failure{Err: "seeded", At: time.Now()}))
-		require.NoError(t, tx.Commit(ctx))
+		f.seedEntries(t, f, m)
 	}
-	require.NoError(t, f.pub.Publish("dead-letters", msgs...))
 	ids := f.ids(t)
 	require.Len(t, ids, before+len(msgs))
 	return ids[before:]
+}
+
+// seedEntries dead-letters m with its key dead in inbox's inbox table and
+// returns its id.
+func (f mysqlFixture) seedEntries(t *testing.T, inbox mysqlFixture, m *message.Message) int64 {
+	t.Helper()
+	ctx := context.Background()
+	key := dedup.Key{Consumer: m.Metadata.Get(delivery.DeadConsumer), Key: m.Metadata.Get(delivery.DeadKey)}
+	tx, err := inbox.inbox.InboxBegin(ctx)
+	require.NoError(t, err)
+	_, err = tx.InboxClaim(ctx, key, time.Hour)
+	require.NoError(t, err)
+	require.NoError(t, tx.InboxBury(ctx, key, dedup.Failure{Err: "seeded", At: time.Now()}))
+	require.NoError(t, tx.Commit(ctx))
+	before := f.ids(t)
+	require.NoError(t, f.pub.Publish("dead-letters", m))
+	after := f.ids(t)
+	require.Len(t, after, len(before)+1)
+	return after[len(before)]
 }
 
 // TestMySQLDLQListShowReplay: oncemill dlq list, show, replay and purge
@@ -243,4 +254,35 @@ func TestMySQLConsole(t *testing.T) {
 	requireReplayed(t, m, receive(t, msgs, 1)[m.UUID])
 	require.Equal(t, ids[1:], f.ids(t), "the replayed entry is gone, the other stays")
 	require.Equal(t, exitOK, r.stop(t), "stderr: %s", r.stderr)
+}
+
+// TestMySQLReplayGrantsOnInbox: --inbox mysql://…?schema=DB names a MySQL
+// inbox in another database than the dead-letter table's: the replay
+// writes its grant there.
+func TestMySQLReplayGrantsOnInbox(t *testing.T) {
+	t.Parallel()
+	f := setupMySQL(t)
+	other := setupMySQL(t) // the consumers' inbox, in a database of its own
+	m := dead("orders", "charge", "declined")
+	// The key is dead in the other database's inbox only.
+	id := f.seedEntries(t, other, m)
+	broker := pgBroker(t, pgtest.Pool(t, 2), "orders")
+	msgs := subscribe(t, broker, "orders")
+
+	r := f.dlq(t, "replay", strconv.FormatInt(id, 10), "--broker", broker)
+	require.NotEqual(t, exitOK, r.code, "no record in the inbox beside: refused")
+	require.Contains(t, r.stderr, "has no record")
+
+	r = f.dlq(t, "replay", strconv.FormatInt(id, 10), "--broker", broker, "--inbox", other.url+"?schema="+other.name)
+	require.Equal(t, exitOK, r.code, r.stderr)
+	got := msgtest.Receive(t, msgs, 30*time.Second)
+	got.Ack()
+	require.Equal(t, m.UUID, got.UUID)
+	granted, err := other.inbox.InboxReplayGranted(context.Background(), dedup.Key{Consumer: "charge", Key: "key-" + m.UUID}, got.Metadata.Get(delivery.Replay))
+	require.NoError(t, err)
+	require.True(t, granted)
+
+	r = f.dlq(t, "replay", "--all", "--broker", broker, "--inbox", "mysql://app:secret@127.0.0.1:1/x?schema=bad;name")
+	require.Equal(t, exitUsage, r.code)
+	require.NotContains(t, r.stderr, "secret")
 }
