@@ -125,7 +125,9 @@ func TestInboxFlag(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--inbox", "mysql://h/db"}, `--inbox: unknown scheme "mysql"`},
+		{[]string{"--inbox", "cassandra://h/db"}, `--inbox: unknown scheme "cassandra"`},
+		{[]string{"--inbox", "mysql://h/db?schema=a-b"}, "--inbox parameter schema"},
+		{[]string{"--inbox", "mysql://h/db?timeout=never"}, "--inbox mysql://h/db?timeout=never:"},
 		{[]string{"--inbox", "redis://127.0.0.1:6379/0?pool=9"}, "--inbox redis://127.0.0.1:6379/0?pool=9:"},
 		{[]string{"--inbox", "redis://127.0.0.1:6379/0?prefix={a}"}, "prefix must not contain"},
 		{[]string{"--inbox", "sqlite:" + filepath.Join(t.TempDir(), "missing.db")}, "is not the consumer's database file"},
