@@ -496,7 +496,17 @@ func (sub *subscription) release(h *held) {
 // may deliver the message again before the next one.
 func (sub *subscription) keep(h *held) {
 	defer sub.holders.Done()
-	defer func() { <-sub.slots }()
+	// The slot is given back once the handler has acked or nacked, before
+	// JetStream confirms it, so that the next pull overlaps the ack's
+	// round trip: the handler no longer holds the message.
+	var released bool
+	release := func() {
+		if !released {
+			released = true
+			<-sub.slots
+		}
+	}
+	defer release()
 	defer h.cancel(nil)
 	deadline := sub.cfg.ackDeadline(h.attempt)
 	interval := deadline / 3
@@ -509,9 +519,11 @@ func (sub *subscription) keep(h *held) {
 	for {
 		select {
 		case <-h.msg.Acked():
+			release()
 			sub.ack(h)
 			return
 		case <-h.msg.Nacked():
+			release()
 			sub.nak(h)
 			return
 		case <-sub.abandon:
