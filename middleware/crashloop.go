@@ -38,7 +38,8 @@ func (in *Inbox) overLimit(ctx context.Context, c dedup.Claim) bool {
 }
 
 // settle waits until no other delivery holds key (a claim waits for the
-// holder's transaction to end; this one is rolled back), then takes this
+// holder's transaction to end; this one is rolled back) and no attempt of
+// key that this inbox counted is running (see running), then takes this
 // attempt's count back and counts it again.
 func (in *Inbox) settle(base context.Context, key dedup.Key) (dedup.Claim, error) {
 	store := in.cfg.TxStore
@@ -46,6 +47,9 @@ func (in *Inbox) settle(base context.Context, key dedup.Key) (dedup.Claim, error
 	if err == nil {
 		_, err = tx.InboxClaim(base, key, in.cfg.Window)
 		err = errors.Join(err, in.rollback(base, tx))
+	}
+	if err == nil {
+		err = in.running.wait(base, key)
 	}
 	if err != nil {
 		return dedup.Claim{}, in.unstart(base, key, err)

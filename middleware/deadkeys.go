@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/dedup"
@@ -99,7 +100,12 @@ func (in *Inbox) bury(base context.Context, key dedup.Key, f dedup.Failure, publ
 		case dedup.StateDone:
 			return undo(buryApplied, nil)
 		case dedup.StateDead:
-			return undo(buryAlreadyDead, nil)
+			if o, err := undo(buryAlreadyDead, nil); err != nil {
+				return o, err
+			}
+			// Counted once the claim's transaction, which may lock the
+			// key's row, has ended.
+			return in.alreadyDead(ctx, key)
 		case dedup.StateInFlight:
 			return undo(buryFailed, fmt.Errorf("%w: consumer %q key %q: cannot dead-letter it now", ErrInFlight, key.Consumer, key.Key))
 		}
@@ -124,7 +130,7 @@ func (in *Inbox) bury(base context.Context, key dedup.Key, f dedup.Failure, publ
 	case dedup.StateDone:
 		return buryApplied, nil
 	case dedup.StateDead:
-		return buryAlreadyDead, nil
+		return in.alreadyDead(ctx, key)
 	case dedup.StateInFlight:
 		return buryFailed, fmt.Errorf("%w: consumer %q key %q: cannot dead-letter it now", ErrInFlight, key.Consumer, key.Key)
 	}
@@ -135,4 +141,15 @@ func (in *Inbox) bury(base context.Context, key dedup.Key, f dedup.Failure, publ
 		return buryFailed, err
 	}
 	return buried, nil
+}
+
+// alreadyDead counts, as a copy of a dead key, a delivery that was to be
+// dead-lettered and found that another delivery of its key had been: it
+// is acked without a dead letter of its own, as every later copy is.
+func (in *Inbox) alreadyDead(ctx context.Context, key dedup.Key) (buryOutcome, error) {
+	if err := in.graveyard().InboxDeadCopy(ctx, key); err != nil {
+		in.cfg.Logger.Error("Could not count a copy of a dead key", err, watermill.LogFields{"consumer": key.Consumer, "key": key.Key})
+	}
+	in.deadCopies.Add(1)
+	return buryAlreadyDead, nil
 }

@@ -63,6 +63,24 @@ type attemptSlot struct {
 
 	inbox *Inbox
 	key   dedup.Key
+
+	// ends are called when the poison middleware is done with the
+	// attempt: it succeeded, was dead-lettered, or is to be retried.
+	ends []func()
+}
+
+// onEnd has end called when the poison middleware is done with the attempt.
+func (s *attemptSlot) onEnd(end func()) { s.ends = append(s.ends, end) }
+
+// end calls what onEnd was given; s may be nil.
+func (s *attemptSlot) end() {
+	if s == nil {
+		return
+	}
+	for _, end := range s.ends {
+		end()
+	}
+	s.ends = nil
 }
 
 type slotCtxKey struct{}

@@ -229,6 +229,7 @@ type Inbox struct {
 	infra, conflictRetries, othersReplays         atomic.Int64
 
 	debts   debts
+	running running
 	batcher *batcher // nil unless batching
 }
 

@@ -77,6 +77,11 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			}
 			return nil, err
 		}
+		if slot := slotOf(base); slot != nil {
+			// Running until the poison middleware is done with it: see
+			// running.
+			slot.onEnd(in.running.mark(key))
+		}
 	}
 	// From here the attempt is counted. Whatever ends it without running
 	// the handler to its end through the message's own fault (shutdown,

@@ -238,11 +238,13 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			broker, _ := delivery.AttemptsOf(msg)
 			return nil, p.deadLetter(msg, nil, err, max(broker, 1), now, now)
 		}
+		var slot *attemptSlot
+		defer func() { slot.end() }()
 		for try := 0; ; try++ {
 			// Every try starts from the delivery's own context: a Timeout
 			// middleware behind this one leaves its cancelled context on
 			// the message.
-			slot := &attemptSlot{maxAttempts: p.cfg.MaxAttempts}
+			slot = &attemptSlot{maxAttempts: p.cfg.MaxAttempts}
 			msg.SetContext(withSlot(base, slot))
 			produced, err := p.call(h, msg)
 			if err == nil {
@@ -255,6 +257,7 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			case classUncounted:
 				return nil, err
 			case classInfrastructure:
+				slot.end()
 				return nil, p.outage(msg, err)
 			}
 			now := time.Now()
@@ -264,6 +267,7 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				return nil, p.deadLetter(msg, slot, err, attempts, first, now)
 			}
 			p.retried.Add(1)
+			slot.end() // done with this attempt: the backoff is not part of it
 			if !sleepCtx(base, p.backoff(attempts)) {
 				return nil, err
 			}
