@@ -479,7 +479,7 @@ func (m *mysqlDLQ) removeIDs(ctx context.Context, tx *sql.Tx, ids []int64) (int,
 	if err != nil {
 		return 0, err
 	}
-	res, err := tx.ExecContext(ctx, m.q.remove, idsJSON)
+	res, err := tx.ExecContext(ctx, m.q.remove, string(idsJSON))
 	if err != nil {
 		return 0, err
 	}
@@ -559,7 +559,7 @@ func (m *mysqlDLQ) requestReplay(ctx context.Context, f Filter) (int, error) {
 	defer release()
 	res, err := tx.ExecContext(ctx, strings.NewReplacer("{T}", m.names.DLQ).Replace(
 		"UPDATE JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j STRAIGHT_JOIN {T} AS d ON d.id = j.id\n"+
-			"SET d.replay_requested_at = UTC_TIMESTAMP(6) WHERE d.replay_requested_at IS NULL"), idsJSON)
+			"SET d.replay_requested_at = UTC_TIMESTAMP(6) WHERE d.replay_requested_at IS NULL"), string(idsJSON))
 	var n int64
 	if err == nil {
 		if n, err = res.RowsAffected(); err == nil {

@@ -304,7 +304,7 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: delete %d published rows (they will be published again): %w", len(ids), err)
 	}
-	if _, err := tx.ExecContext(context.WithoutCancel(ctx), o.q.remove, idsJSON); err != nil {
+	if _, err := tx.ExecContext(context.WithoutCancel(ctx), o.q.remove, string(idsJSON)); err != nil {
 		return 0, fmt.Errorf("forwarder: delete %d published rows (they will be published again): %w", len(ids), err)
 	}
 	return len(batch), nil
