@@ -23,7 +23,10 @@ func TestMySQLDSNSettings(t *testing.T) {
 	loc, err := time.LoadLocation("Pacific/Kiritimati") // UTC+14
 	require.NoError(t, err)
 	cfg.Loc = loc
-	cfg.Params = map[string]string{"time_zone": "'+14:00'"}
+	// A session zone far from UTC too, on the other side of it: MariaDB
+	// takes offsets up to +13:00 only.
+	// MariaDB takes session offsets up to +13:00.
+	cfg.Params = map[string]string{"time_zone": "'+13:00'"}
 	store, err := sqlstore.New(mysqltest.Open(t, cfg, 4), sqlstore.Config{Dialect: sqlstore.MySQL, Schema: b.schema})
 	require.NoError(t, err)
 	b.store = store
@@ -34,7 +37,9 @@ func TestMySQLDSNSettings(t *testing.T) {
 	for i := 1; i <= 2; i++ {
 		start, err := store.InboxStart(ctx, key, time.Hour)
 		require.NoError(t, err)
-		require.Equal(t, dedup.Claim{State: dedup.StateNew, Attempts: i}, start)
+		// The start counted is taken back; the failure is counted on the
+		// key's record, which the claim below reports.
+		require.Equal(t, dedup.Claim{State: dedup.StateNew, Attempts: 1}, start, "start %d", i)
 		require.NoError(t, store.InboxUnstart(ctx, key))
 		require.NoError(t, store.InboxFail(ctx, key, dedup.Failure{Err: "boom", At: failedAt}, time.Hour))
 	}
