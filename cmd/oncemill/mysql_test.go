@@ -154,9 +154,9 @@ func (f mysqlFixture) seedEntries(t *testing.T, inbox mysqlFixture, m *message.M
 func TestMySQLDLQListShowReplay(t *testing.T) {
 	t.Parallel()
 	f := setupMySQL(t)
-	declined := dead("orders", "charge", "card declined\nby issuer")
+	declined := dead("orders_mysql", "charge", "card declined\nby issuer")
 	declined.Metadata.Set(delivery.DeadPartition, "3")
-	timeout := dead("orders", "ship", "timeout")
+	timeout := dead("orders_mysql", "ship", "timeout")
 	other := dead("payments", "charge", "card declined")
 	ids := f.seed(t, declined, timeout, other)
 
@@ -171,7 +171,7 @@ func TestMySQLDLQListShowReplay(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(r.stdout), &listed))
 	require.Len(t, listed, 2)
 	require.Equal(t, declined.UUID, listed[0]["uuid"])
-	require.Equal(t, "orders", listed[0]["topic"])
+	require.Equal(t, "orders_mysql", listed[0]["topic"])
 	require.EqualValues(t, 3, listed[0]["kafka_partition"])
 	require.Equal(t, other.UUID, listed[1]["uuid"])
 
@@ -179,7 +179,7 @@ func TestMySQLDLQListShowReplay(t *testing.T) {
 	require.Equal(t, exitOK, r.code, r.stderr)
 	for _, want := range []string{
 		"UUID:             " + declined.UUID + "\n",
-		"Topic:            orders\n",
+		"Topic:            orders_mysql\n",
 		"Consumer:         charge\n",
 		"Error:            card declined\n                  by issuer\n",
 		"Kafka partition:  3\n",
@@ -192,8 +192,8 @@ func TestMySQLDLQListShowReplay(t *testing.T) {
 	require.Contains(t, r.stderr, "no such entry")
 
 	// Replay to the topic through a durable broker.
-	broker := pgBroker(t, pgtest.Pool(t, 2), "orders")
-	msgs := subscribe(t, broker, "orders")
+	broker := pgBroker(t, pgtest.Pool(t, 2), "orders_mysql")
+	msgs := subscribe(t, broker, "orders_mysql")
 	r = f.dlq(t, "replay", strconv.FormatInt(ids[0], 10), "--broker", broker)
 	require.Equal(t, exitOK, r.code, r.stderr)
 	require.Contains(t, r.stdout, "replayed 1 entry")
@@ -263,11 +263,13 @@ func TestMySQLReplayGrantsOnInbox(t *testing.T) {
 	t.Parallel()
 	f := setupMySQL(t)
 	other := setupMySQL(t) // the consumers' inbox, in a database of its own
-	m := dead("orders", "charge", "declined")
+	// A topic of its own: the broker's tables are shared by the tests
+	// that run beside this one.
+	m := dead("orders_grants", "charge", "declined")
 	// The key is dead in the other database's inbox only.
 	id := f.seedEntries(t, other, m)
-	broker := pgBroker(t, pgtest.Pool(t, 2), "orders")
-	msgs := subscribe(t, broker, "orders")
+	broker := pgBroker(t, pgtest.Pool(t, 2), "orders_grants")
+	msgs := subscribe(t, broker, "orders_grants")
 
 	r := f.dlq(t, "replay", strconv.FormatInt(id, 10), "--broker", broker)
 	require.NotEqual(t, exitOK, r.code, "no record in the inbox beside: refused")
