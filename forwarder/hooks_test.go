@@ -2,15 +2,22 @@ package forwarder_test
 
 import (
 	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/observe"
+	"github.com/oncemill/oncemill/observe/prom"
 )
 
 // relayRecorder keeps what the outbox tells its hooks.
@@ -80,8 +87,48 @@ func TestOutboxHooks(t *testing.T) {
 	for _, bt := range rec.batches {
 		require.NoError(t, bt.Err)
 		require.Positive(t, bt.Rows)
-		require.Equal(t, `"`+b.schema.Schema+`"."outbox"`, bt.Outbox)
+		require.Equal(t, b.schema.Schema+".outbox", bt.Outbox)
 		rows += bt.Rows
 	}
 	require.Equal(t, 2, rows)
+}
+
+// TestRelayMetricsNameTheOutboxPlainly: a scrape of the relay's Prometheus
+// metrics labels them with the outbox table as schema.table, without the
+// SQL quoting.
+func TestRelayMetricsNameTheOutboxPlainly(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 4)
+	reg := prometheus.NewPedanticRegistry()
+	metrics, err := prom.New(prom.Config{Registerer: reg})
+	require.NoError(t, err)
+	b.write(t, "payments", event("k", 1))
+
+	s := &sink{}
+	r := newRelay(t, b, s, func(c *forwarder.RelayConfig) {
+		c.Hooks = []observe.Hook{metrics}
+		c.LagInterval = 10 * time.Millisecond
+	})
+	run(t, r)
+	require.Eventually(t, func() bool { return len(s.snapshot()) == 1 }, 30*time.Second, 5*time.Millisecond)
+
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	defer srv.Close()
+	label := `{outbox="` + b.schema.Schema + `.outbox"}`
+	var scrape string
+	require.Eventually(t, func() bool {
+		resp, err := http.Get(srv.URL)
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		if err != nil {
+			return false
+		}
+		scrape = string(body)
+		return strings.Contains(scrape, "oncemill_outbox_lag_rows"+label)
+	}, 30*time.Second, 5*time.Millisecond, "the lag is reported")
+	require.Contains(t, scrape, "oncemill_outbox_published_total"+label+" 1")
+	require.NotContains(t, scrape, `\"`, "no label value carries SQL quotes")
 }

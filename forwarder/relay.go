@@ -286,7 +286,10 @@ type Relay struct {
 	cfg   RelayConfig
 	hooks observe.Hooks
 	names sqlschema.Names
-	db    outboxDB
+	// outbox names the table for people: schema.table, unquoted, as the
+	// hooks, the logs and the router's handler name give it.
+	outbox string
+	db     outboxDB
 
 	mu      sync.Mutex
 	cancel  context.CancelFunc
@@ -364,9 +367,10 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	outbox := cfg.Schema.Schema + "." + cfg.Schema.OutboxTable
 	if cfg.DB != nil {
 		names := sqlschema.NamesFor(cfg.Dialect, cfg.Schema)
-		return &Relay{cfg: cfg, hooks: observe.New(cfg.Hooks...), names: names, db: newMySQLOutbox(cfg, names)}, nil
+		return &Relay{cfg: cfg, hooks: observe.New(cfg.Hooks...), names: names, outbox: outbox, db: newMySQLOutbox(cfg, names)}, nil
 	}
 	names := sqlschema.NamesFor(sqlschema.Postgres, cfg.Schema)
 	h := fnv.New32a()
@@ -374,9 +378,10 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	t := names.Outbox
 	lockOrdered := cfg.LockOrderedWriters
 	return &Relay{
-		cfg:   cfg,
-		hooks: observe.New(cfg.Hooks...),
-		names: names,
+		cfg:    cfg,
+		hooks:  observe.New(cfg.Hooks...),
+		names:  names,
+		outbox: outbox,
 		db: &pgOutbox{
 			pool:          cfg.Pool,
 			lockKey:       int32(h.Sum32()),
@@ -551,7 +556,7 @@ func (r *Relay) RelayBatch(ctx context.Context) (int, error) {
 	began := time.Now()
 	n, err := r.relayBatch(ctx)
 	if n > 0 || err != nil {
-		r.hooks.RelayBatch(ctx, observe.RelayBatch{Outbox: r.names.Outbox, Rows: n, Duration: time.Since(began), Err: err})
+		r.hooks.RelayBatch(ctx, observe.RelayBatch{Outbox: r.outbox, Rows: n, Duration: time.Since(began), Err: err})
 	}
 	return n, err
 }
@@ -749,7 +754,7 @@ func (r *Relay) reportLag(ctx context.Context, reading *lagReading) {
 		}
 		return
 	}
-	r.hooks.OutboxLag(ctx, observe.OutboxLag{Outbox: r.names.Outbox, Pending: lag.Pending, Waiting: lag.Waiting, OldestAge: lag.OldestAge})
+	r.hooks.OutboxLag(ctx, observe.OutboxLag{Outbox: r.outbox, Pending: lag.Pending, Waiting: lag.Waiting, OldestAge: lag.OldestAge})
 }
 
 // poll runs one batch; after an empty look (probe), it first looks for
@@ -813,7 +818,7 @@ func (r *Relay) watchStall(ctx context.Context, s *stallWatch, reading *lagReadi
 	h := lag.HeldBy
 	fields := watermill.LogFields{
 		"waiting_rows": lag.Waiting, "pending_rows": lag.Pending,
-		"oldest_row_age": lag.OldestAge.Round(time.Millisecond).String(), "outbox": r.names.Outbox,
+		"oldest_row_age": lag.OldestAge.Round(time.Millisecond).String(), "outbox": r.outbox,
 		"holder_pid": h.PID, "holder_database": h.Database, "holder_state": h.State,
 		"holder_age": roundAge(h.Age).String(),
 	}
@@ -837,7 +842,7 @@ func (r *Relay) watchStall(ctx context.Context, s *stallWatch, reading *lagReadi
 // and waits for it, within the router's CloseTimeout. Do not also call
 // Run.
 func (r *Relay) Plugin(router *message.Router) error {
-	router.AddNoPublisherHandler(fmt.Sprintf("oncemill_outbox_relay_%p", r), r.names.Outbox, relaySubscriber{r},
+	router.AddNoPublisherHandler(fmt.Sprintf("oncemill_outbox_relay_%p", r), r.outbox, relaySubscriber{r},
 		func(*message.Message) error { return nil })
 	return nil
 }

@@ -167,7 +167,8 @@ type BloomHook interface {
 
 // RelayBatch describes one batch of the outbox relay.
 type RelayBatch struct {
-	// Outbox is the outbox table, schema-qualified.
+	// Outbox is the outbox table as schema.table, unquoted (for example
+	// oncemill.outbox): the outbox label of the Prometheus metrics.
 	Outbox string
 	// Rows is how many rows were published and deleted; zero for an
 	// empty or failed batch.
@@ -186,6 +187,8 @@ type RelayHook interface {
 
 // OutboxLag is the relay's backlog, measured now and then.
 type OutboxLag struct {
+	// Outbox is the outbox table as schema.table, unquoted, as in
+	// [RelayBatch].
 	Outbox string
 	// Pending rows, of which Waiting wait on an open transaction.
 	Pending, Waiting int

@@ -49,7 +49,8 @@
 //     last measured.
 //
 // Labels come from the events and have bounded cardinality: consumer and
-// topic names, outcomes, reasons, outbox tables; never keys or UUIDs. A
+// topic names, outcomes, reasons, outbox tables (as schema.table, unquoted:
+// outbox="oncemill.outbox"); never keys or UUIDs. A
 // series is created the first time its consumer and topic (or outbox) is
 // seen, together with its siblings at zero (every known outcome, every
 // reason, both Bloom results, both batch results), so that rate() and

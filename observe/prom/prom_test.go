@@ -283,7 +283,7 @@ func TestRelayAndLag(t *testing.T) {
 	t.Parallel()
 	reg, m := setup(t)
 	ctx := context.Background()
-	const outbox = `"oncemill"."outbox"`
+	const outbox = "oncemill.outbox"
 	m.OnRelayBatch(ctx, observe.RelayBatch{Outbox: outbox, Rows: 500, Duration: 40 * time.Millisecond})
 	m.OnRelayBatch(ctx, observe.RelayBatch{Outbox: outbox, Rows: 20, Duration: 10 * time.Millisecond})
 	m.OnRelayBatch(ctx, observe.RelayBatch{Outbox: outbox, Duration: 5 * time.Second, Err: errors.New("broker down")})
@@ -291,20 +291,20 @@ func TestRelayAndLag(t *testing.T) {
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
 # HELP oncemill_outbox_batches_total Outbox relay batches that took rows or failed, by result: "ok" or "error".
 # TYPE oncemill_outbox_batches_total counter
-oncemill_outbox_batches_total{outbox="\"oncemill\".\"outbox\"",result="error"} 1
-oncemill_outbox_batches_total{outbox="\"oncemill\".\"outbox\"",result="ok"} 2
+oncemill_outbox_batches_total{outbox="oncemill.outbox",result="error"} 1
+oncemill_outbox_batches_total{outbox="oncemill.outbox",result="ok"} 2
 # HELP oncemill_outbox_published_total Outbox rows the relay published and deleted.
 # TYPE oncemill_outbox_published_total counter
-oncemill_outbox_published_total{outbox="\"oncemill\".\"outbox\""} 520
+oncemill_outbox_published_total{outbox="oncemill.outbox"} 520
 # HELP oncemill_outbox_lag_rows Outbox rows pending, as last measured by the relay.
 # TYPE oncemill_outbox_lag_rows gauge
-oncemill_outbox_lag_rows{outbox="\"oncemill\".\"outbox\""} 1200
+oncemill_outbox_lag_rows{outbox="oncemill.outbox"} 1200
 # HELP oncemill_outbox_waiting_rows Pending outbox rows that wait on an open transaction, as last measured by the relay.
 # TYPE oncemill_outbox_waiting_rows gauge
-oncemill_outbox_waiting_rows{outbox="\"oncemill\".\"outbox\""} 7
+oncemill_outbox_waiting_rows{outbox="oncemill.outbox"} 7
 # HELP oncemill_outbox_oldest_age_seconds Age of the oldest pending outbox row, as last measured by the relay.
 # TYPE oncemill_outbox_oldest_age_seconds gauge
-oncemill_outbox_oldest_age_seconds{outbox="\"oncemill\".\"outbox\""} 1.5
+oncemill_outbox_oldest_age_seconds{outbox="oncemill.outbox"} 1.5
 `), "oncemill_outbox_batches_total", "oncemill_outbox_published_total",
 		"oncemill_outbox_lag_rows", "oncemill_outbox_waiting_rows", "oncemill_outbox_oldest_age_seconds"))
 	n, sum := histogram(t, reg, "oncemill_outbox_batch_duration_seconds", map[string]string{"outbox": outbox})
