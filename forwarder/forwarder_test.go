@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -354,6 +355,49 @@ func TestRelayRunsWithTheRouter(t *testing.T) {
 	time.Sleep(100 * time.Millisecond)
 	require.Len(t, s.snapshot(), 2, "the relay stopped with the router")
 	require.Equal(t, 1, b.count(t, "outbox"))
+}
+
+// relayHandlers adds the relays as plugins of one new router, runs it until
+// it runs, and returns the names of its handlers.
+func relayHandlers(t *testing.T, relays ...*forwarder.Relay) []string {
+	t.Helper()
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	require.NoError(t, err)
+	for _, r := range relays {
+		router.AddPlugin(r.Plugin)
+	}
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	<-router.Running()
+	var names []string
+	for name := range router.Handlers() {
+		names = append(names, name)
+	}
+	require.NoError(t, router.Close())
+	require.NoError(t, <-done)
+	sort.Strings(names)
+	return names
+}
+
+// TestRelayHandlerName: the relay's handler in a router is named after its
+// outbox table, the same on every start (Watermill's metrics label series
+// with it), and relays of other tables, or of the same table, in one router
+// do not collide.
+func TestRelayHandlerName(t *testing.T) {
+	t.Parallel()
+	b, other := setup(t, 4), setup(t, 4)
+	want := "oncemill_outbox_relay_" + b.schema.Schema + ".outbox"
+
+	first := relayHandlers(t, newRelay(t, b, &sink{}, nil))
+	again := relayHandlers(t, newRelay(t, b, &sink{}, nil))
+	require.Equal(t, []string{want}, first)
+	require.Equal(t, first, again, "a second start of the same relay has the same name")
+
+	two := relayHandlers(t, newRelay(t, b, &sink{}, nil), newRelay(t, other, &sink{}, nil))
+	require.ElementsMatch(t, []string{want, "oncemill_outbox_relay_" + other.schema.Schema + ".outbox"}, two)
+
+	same := relayHandlers(t, newRelay(t, b, &sink{}, nil), newRelay(t, b, &sink{}, nil))
+	require.Equal(t, []string{want, want + "_2"}, same, "two relays of one table share a router")
 }
 
 func TestRelayConfigValidate(t *testing.T) {
