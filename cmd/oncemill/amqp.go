@@ -15,25 +15,6 @@ import (
 	"github.com/oncemill/oncemill/adapters/amqp"
 )
 
-// runAMQP runs "oncemill amqp": args start with the subcommand.
-func runAMQP(ctx context.Context, args []string, env func(string) string, stdout, stderr io.Writer) int {
-	if len(args) < 1 {
-		fmt.Fprintln(stderr, "oncemill amqp: missing subcommand (declare); run 'oncemill -h' for usage")
-		return exitUsage
-	}
-	switch args[0] {
-	case "declare":
-		name := "oncemill amqp declare"
-		return exit(name, amqpDeclare(ctx, name, args[1:], env, stdout), stdout, stderr)
-	case "-h", "-help", "--help", "help":
-		fmt.Fprint(stdout, usage)
-		return exitOK
-	default:
-		fmt.Fprintf(stderr, "oncemill amqp: unknown subcommand %q (want declare); run 'oncemill -h' for usage\n", args[0])
-		return exitUsage
-	}
-}
-
 // URL parameters that adapters.Open reads from an amqp:// URL and removes
 // before the URL reaches the client.
 const (
@@ -54,17 +35,17 @@ func amqpDeclare(ctx context.Context, name string, args []string, env func(strin
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.Usage = func() {}
-	fs.StringVar(&rawURL, "url", "", "RabbitMQ URL (default $BROKER_URL)")
-	fs.Func("topic", "topic to declare (repeatable)", func(s string) error {
+	fs.StringVar(&rawURL, "url", "", "amqp:// or amqps:// `URL` of the broker (default $BROKER_URL); its group, delivery_limit, dead_letter_exchange and connect_timeout parameters are read as adapters.Open reads them")
+	fs.Func("topic", "`TOPIC` to declare: its exchange, queue and binding (repeat for more)", func(s string) error {
 		if s == "" {
 			return errors.New("empty topic")
 		}
 		topics = append(topics, s)
 		return nil
 	})
-	fs.StringVar(&group, "group", "", "consumer group")
-	fs.IntVar(&limit, "delivery-limit", 0, "x-delivery-limit")
-	fs.StringVar(&dlx, "dead-letter-exchange", "", "x-dead-letter-exchange")
+	fs.StringVar(&group, "group", "", "consumer `GROUP` whose queue to declare (or the URL's group)")
+	fs.IntVar(&limit, "delivery-limit", 0, "queue argument x-delivery-limit, `N` deliveries (or the URL's delivery_limit)")
+	fs.StringVar(&dlx, "dead-letter-exchange", "", "`EXCHANGE` for the queue argument x-dead-letter-exchange (or the URL's dead_letter_exchange)")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err

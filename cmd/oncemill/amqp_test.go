@@ -131,7 +131,7 @@ func TestAMQPDeclareUsageErrors(t *testing.T) {
 
 	r := oncemill(t, nil, "amqp", "declare", "--help")
 	require.Equal(t, exitOK, r.code)
-	require.Contains(t, r.stdout, "oncemill amqp declare --topic T")
+	require.Contains(t, r.stdout, "Usage: oncemill amqp declare --topic T")
 }
 
 func TestAMQPDeclareUnreachable(t *testing.T) {

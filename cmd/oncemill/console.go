@@ -53,19 +53,6 @@ type consoleOptions struct {
 	schema   sqlschema.Config
 }
 
-// runConsole runs "oncemill console": it serves the operator console until
-// ctx is cancelled.
-func runConsole(ctx context.Context, args []string, env func(string) string, stdout, stderr io.Writer) int {
-	c := &cmd{
-		name:   "oncemill console",
-		env:    env,
-		stdout: stdout,
-		stderr: stderr,
-		now:    time.Now(),
-	}
-	return exit(c.name, c.serveConsole(ctx, args), stdout, stderr)
-}
-
 // consoleOptions parses and checks the console's flags, before anything
 // connects.
 func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
@@ -74,16 +61,16 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.Usage = func() {}
-	fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "host:port to listen on")
-	fs.StringVar(&o.token, "token", "", "access token (default $"+consoleTokenEnv+", else a generated one)")
-	fs.BoolVar(&o.readOnly, "read-only", false, "refuse replays and purges")
-	fs.StringVar(&o.broker, "broker", "", "broker URL for replays to the original topic")
-	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where replays to the topic write their grants (redis://, sqlite:PATH, postgres://, mysql://)")
-	fs.StringVar(&c.database, "database", "", "PostgreSQL or MySQL URL: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
-	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of oncemill's tables (on MySQL: their database)")
-	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "dead-letter table")
-	fs.StringVar(&inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "inbox table")
-	fs.StringVar(&outboxTable, "outbox-table", sqlschema.DefaultOutboxTable, "outbox table")
+	fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "`HOST:PORT` to listen on")
+	fs.StringVar(&o.token, "token", "", "access `TOKEN`, at least 16 characters (default $"+consoleTokenEnv+", which stays out of the process list; without either, one is generated and printed once)")
+	fs.BoolVar(&o.readOnly, "read-only", false, "hide and refuse replays and purges")
+	fs.StringVar(&o.broker, "broker", "", "`URL` of a broker through which to offer replays to the original topic too (never $BROKER_URL; gochannel:// is refused); without it a replay goes only to the entry's consumer, through the dlq.ReplaySubscriber it runs")
+	fs.StringVar(&inboxURL, "inbox", "", "`URL` of the consumers' inbox store, where replays to the topic write their grants, as for dlq replay (needs --broker)")
+	fs.StringVar(&c.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding oncemill's tables: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the schema of oncemill's tables (on MySQL: their database)")
+	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "`NAME` of the dead-letter table")
+	fs.StringVar(&inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "`NAME` of the inbox table")
+	fs.StringVar(&outboxTable, "outbox-table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return o, err

@@ -192,10 +192,10 @@ func TestConsoleUsageErrors(t *testing.T) {
 
 func TestConsoleHelp(t *testing.T) {
 	t.Parallel()
-	for _, args := range [][]string{{"-h"}, {"console", "--help"}, {"console", "-h", "--addr", "x"}} {
+	for _, args := range [][]string{{"console", "--help"}, {"console", "-h", "--addr", "x"}} {
 		r := oncemill(t, nil, args...)
 		require.Equal(t, exitOK, r.code, args)
-		require.Contains(t, r.stdout, "oncemill console [--addr HOST:PORT] [--token T] [--read-only] [--broker URL]", args)
+		require.Contains(t, r.stdout, "Usage: oncemill console [--addr HOST:PORT] [--token T] [--read-only] [--broker URL]", args)
 		require.Empty(t, r.stderr, args)
 	}
 	r := oncemill(t, nil, "frobnicate")

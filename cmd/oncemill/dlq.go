@@ -38,27 +38,27 @@ func (c *cmd) flags() *flag.FlagSet {
 	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.Usage = func() {}
-	fs.StringVar(&c.database, "database", "", "PostgreSQL or MySQL URL: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
-	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "schema of the dead-letter table (on MySQL: its database)")
-	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "dead-letter table")
-	fs.BoolVar(&c.json, "json", false, "print JSON")
+	fs.StringVar(&c.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding the table: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the dead-letter table's schema (on MySQL: its database)")
+	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "`NAME` of the dead-letter table")
+	fs.BoolVar(&c.json, "json", false, "print JSON instead of text")
 	return fs
 }
 
 // filterFlags adds the filter flags, which fill f.
 func (c *cmd) filterFlags(fs *flag.FlagSet, f *dlq.Filter) {
-	fs.StringVar(&f.Topic, "topic", "", "original topic")
-	fs.StringVar(&f.Consumer, "consumer", "", "consumer (handler)")
-	fs.StringVar(&f.ErrorContains, "error", "", "last error contains this text, ignoring case")
-	fs.Func("since", "dead-lettered at or after this time", func(s string) (err error) {
+	fs.StringVar(&f.Topic, "topic", "", "only entries of this original `TOPIC`, the one the message was consumed from")
+	fs.StringVar(&f.Consumer, "consumer", "", "only entries of this `CONSUMER` (handler), the one that gave up on the message")
+	fs.StringVar(&f.ErrorContains, "error", "", "only entries whose last error contains `TEXT`, ignoring case")
+	fs.Func("since", "only entries dead-lettered at or after `TIME`", func(s string) (err error) {
 		f.Since, err = parseTime(s, c.now)
 		return err
 	})
-	fs.Func("until", "dead-lettered at or before this time", func(s string) (err error) {
+	fs.Func("until", "only entries dead-lettered at or before `TIME`", func(s string) (err error) {
 		f.Until, err = parseTime(s, c.now)
 		return err
 	})
-	fs.IntVar(&f.Limit, "limit", 0, "at most this many entries (0: all)")
+	fs.IntVar(&f.Limit, "limit", 0, "only the first `N` matching entries, by id (0: all)")
 }
 
 // checkFilter reports a filter out of range as a usage error naming the
@@ -289,9 +289,9 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 		force      bool
 	)
 	fs := c.flags()
-	fs.StringVar(&broker, "broker", "", "broker URL (default $BROKER_URL)")
+	fs.StringVar(&broker, "broker", "", "`URL` of the broker to publish to (default $BROKER_URL): kafka://, amqp://, sqs://, nats:// or postgres://, as adapters.Open takes them; gochannel:// is refused")
 	fs.BoolVar(&toConsumer, "to-consumer", false, "deliver each entry to its own consumer only, through the dlq.ReplaySubscriber it runs, instead of publishing it to the topic")
-	fs.StringVar(&inboxURL, "inbox", "", "the consumers' inbox store, where the replay grants are written (redis://, sqlite:PATH, postgres://, mysql://)")
+	fs.StringVar(&inboxURL, "inbox", "", "`URL` of the consumers' inbox store, where the replay grants are written, when it is not beside the dead-letter table: redis://[:PASSWORD@]HOST:PORT[/DB][?prefix=P], sqlite:PATH[?table=T], postgres://…[?schema=S&table=T] or mysql://…[?schema=DB&table=T]")
 	fs.BoolVar(&force, "force", false, "replay an entry whose key has no record in the inbox as a new key (its record expired)")
 	if err := c.selection(fs, &f, args); err != nil {
 		return err

@@ -14,6 +14,10 @@
 //	oncemill amqp declare --topic T [--topic T ...] [--group G] [--url URL]
 //	                      [--delivery-limit N] [--dead-letter-exchange X]
 //
+// "oncemill --help" lists the commands; "oncemill <command> --help" (or -h),
+// "oncemill dlq replay --help" for instance, prints that command's usage
+// with every flag it takes.
+//
 // Filter flags select entries; they combine with each other and with IDs:
 //
 //	--topic T       the original topic the message was consumed from

@@ -1,0 +1,231 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+)
+
+// command is one of oncemill's commands: what runs it and what its --help
+// says. Its flags are those its run defines; its help lists them from the
+// flag set, so that a flag cannot be missing from it.
+type command struct {
+	// path is the command's words after "oncemill": "dlq replay".
+	path string
+	// args is the synopsis after the path.
+	args string
+	// short is the global help's line for it.
+	short string
+	// about is what its own help says before the flags.
+	about string
+	// run runs it with the arguments after the path.
+	run func(c *cmd, ctx context.Context, args []string) error
+}
+
+// filterHelp explains the filter flags, for the commands that take them.
+const filterHelp = `Filter flags (--topic, --consumer, --error, --since, --until, --limit)
+combine with each other and with IDs. TIME is RFC 3339
+(2026-03-01T10:00:00Z) or a duration ago (90m, 2h, 7d).`
+
+// databaseHelp explains the flags that name the dead-letter table.
+const databaseHelp = `--database is PostgreSQL (postgres://…) or MySQL/MariaDB
+(mysql://user:password@host:3306/db); --schema and --table name the table
+sqlschema.Migrate created.`
+
+// commands are oncemill's commands, in the order the global help lists
+// them.
+var commands = []command{
+	{
+		path: "dlq list", args: "[filter flags] [--json]",
+		short: "list dead letters, one line each",
+		about: `Lists the dead letters that match the filter flags, by id.
+` + filterHelp + "\n\n" + databaseHelp,
+		run: (*cmd).list,
+	},
+	{
+		path: "dlq show", args: "ID [--json]",
+		short: "show one dead letter in full: facts, metadata, payload",
+		about: `Shows every fact of one dead letter, its metadata and its payload.
+
+` + databaseHelp,
+		run: (*cmd).show,
+	},
+	{
+		path: "dlq replay", args: "[ID ...] [filter flags] [--all] [--broker URL] [--inbox URL]\n       [--force] [--to-consumer] [--json]",
+		short: "publish dead letters to their original topic again, or to their consumer",
+		about: `Publishes each selected entry to its original topic, with its original
+UUID, payload and metadata (without the oncemill_* facts of the failed
+delivery), through --broker, then deletes it. It stops at the first entry
+the broker refuses; that entry and the rest stay. gochannel:// is refused:
+it has no durable subscribers, so the replayed messages would be lost when
+the command exits. Give IDs, a filter flag or --all; named IDs must all
+exist, or nothing is done.
+
+Before publishing an entry, replay writes a replay grant on its key's dead
+record, which lets the copy reopen the key once: on the inbox table beside
+the dead-letter table, unless --inbox names the consumers' inbox store. An
+entry whose key has no record there is refused and stays; --force replays
+it anyway, as a new key (its record expired).
+
+--to-consumer publishes nothing: it marks the entries for their own
+consumer's dlq.ReplaySubscriber, which delivers and deletes them.
+
+` + filterHelp + "\n\n" + databaseHelp,
+		run: (*cmd).replay,
+	},
+	{
+		path: "dlq purge", args: "[ID ...] [filter flags] [--all] [--json]",
+		short: "delete dead letters",
+		about: `Deletes the selected entries. Give IDs, a filter flag or --all; named IDs
+must all exist, or nothing is done.
+
+` + filterHelp + "\n\n" + databaseHelp,
+		run: (*cmd).purge,
+	},
+	{
+		path: "amqp declare", args: "--topic T [--topic T ...] [--group G] [--url URL]\n       [--delivery-limit N] [--dead-letter-exchange X]",
+		short: "declare on RabbitMQ the exchange, queue and binding of topics",
+		about: `Creates on RabbitMQ, for each --topic, what a subscriber of consumer group
+--group declares: the topic's durable fanout exchange (named after the
+topic), the durable quorum queue "<topic>.<group>" ("<topic>" without a
+group) and the binding between them. Run it before producers start:
+RabbitMQ drops messages published while no queue is bound.
+
+The URL's group, delivery_limit, dead_letter_exchange and connect_timeout
+parameters are read as adapters.Open reads them; a flag and the URL's
+parameter must not differ. Queue arguments must be those the consumers
+use: the broker refuses to declare an existing queue with other arguments.`,
+		run: func(c *cmd, ctx context.Context, args []string) error {
+			return amqpDeclare(ctx, c.name, args, c.env, c.stdout)
+		},
+	},
+	{
+		path: "console", args: "[--addr HOST:PORT] [--token T] [--read-only] [--broker URL]\n       [--inbox URL]",
+		short: "serve the operator console, a web UI over the inbox, outbox and dead letters",
+		about: `Serves the operator console: the inbox, the outbox and the dead letters,
+which it filters, groups by error, replays and purges, each after a
+confirmation page. Every request needs the token, sent as
+"Authorization: Bearer T" or entered on the login page. It serves plain
+HTTP until interrupted (SIGINT, SIGTERM), then lets the requests in
+flight finish; beyond 127.0.0.1, put it behind a TLS proxy.`,
+		run: (*cmd).serveConsole,
+	},
+}
+
+// lookup returns the command at path, or nil.
+func lookup(path string) *command {
+	for i := range commands {
+		if commands[i].path == path {
+			return &commands[i]
+		}
+	}
+	return nil
+}
+
+// usage is the global help: the commands, and where their flags are.
+func usage() string {
+	var b strings.Builder
+	b.WriteString("Usage: oncemill <command> [arguments] [flags]\n\nCommands:\n")
+	width := 0
+	for _, c := range commands {
+		width = max(width, len(c.path))
+	}
+	for _, c := range commands {
+		fmt.Fprintf(&b, "  %-*s  %s\n", width, c.path, c.short)
+	}
+	b.WriteString(`
+Run 'oncemill <command> --help' for a command's arguments and every flag
+it takes, e.g. 'oncemill dlq replay --help'.
+
+Exit status: 0 success (also when nothing matched), 1 failure, 2 usage error.
+`)
+	return b.String()
+}
+
+// groupUsage is the help of a command group ("dlq", "amqp"): its commands.
+func groupUsage(group string) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "Usage: oncemill %s <command> [arguments] [flags]\n\nCommands:\n", group)
+	for _, c := range commands {
+		if sub, ok := strings.CutPrefix(c.path, group+" "); ok {
+			fmt.Fprintf(&b, "  %-8s  %s\n", sub, c.short)
+		}
+	}
+	fmt.Fprintf(&b, "\nRun 'oncemill %s <command> --help' for a command's arguments and every\nflag it takes.\n", group)
+	return b.String()
+}
+
+// helpRequest is what parse returns for -h or --help: the command's flag
+// set, whose flags its help lists.
+type helpRequest struct{ fs *flag.FlagSet }
+
+func (helpRequest) Error() string { return "help requested" }
+
+func (helpRequest) Is(target error) bool { return target == flag.ErrHelp }
+
+// writeHelp prints the help of c, whose flags are fs.
+func writeHelp(w io.Writer, c *command, fs *flag.FlagSet) {
+	var b strings.Builder
+	fmt.Fprintf(&b, "Usage: oncemill %s %s\n\n%s\n\nFlags:\n", c.path, c.args, c.about)
+	fs.VisitAll(func(f *flag.Flag) {
+		name, text := flag.UnquoteUsage(f)
+		if name == "value" {
+			name = "VALUE"
+		}
+		fmt.Fprintf(&b, "  --%s", f.Name)
+		if name != "" {
+			fmt.Fprintf(&b, " %s", name)
+		}
+		b.WriteString("\n")
+		if d := f.DefValue; d != "" && d != "0" && d != "false" && !strings.Contains(text, "(default") {
+			text += fmt.Sprintf(" (default %q)", d)
+		}
+		for _, line := range wrap(text, 70) {
+			fmt.Fprintf(&b, "      %s\n", line)
+		}
+	})
+	io.WriteString(w, b.String()) //nolint:errcheck // nowhere to report it
+}
+
+// wrap breaks s into lines of at most width characters, at spaces.
+func wrap(s string, width int) []string {
+	var lines []string
+	line := ""
+	for _, word := range strings.Fields(s) {
+		switch {
+		case line == "":
+			line = word
+		case len(line)+1+len(word) > width:
+			lines = append(lines, line)
+			line = word
+		default:
+			line += " " + word
+		}
+	}
+	if line != "" {
+		lines = append(lines, line)
+	}
+	return lines
+}
+
+// runCommand runs c with args, the arguments after its path.
+func runCommand(ctx context.Context, c *command, args []string, env func(string) string, stdout, stderr io.Writer) int {
+	x := &cmd{
+		name:   "oncemill " + c.path,
+		env:    env,
+		stdout: stdout,
+		stderr: stderr,
+		now:    time.Now(),
+	}
+	err := c.run(x, ctx, args)
+	var help helpRequest
+	if errors.As(err, &help) {
+		writeHelp(stdout, c, help.fs)
+		return exitOK
+	}
+	return exit(x.name, err, stderr)
+}
