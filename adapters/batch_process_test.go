@@ -2,17 +2,13 @@ package adapters_test
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"hash/crc32"
 	"maps"
 	"os"
-	"os/signal"
 	"slices"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -22,26 +18,16 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/proctest"
 	"github.com/oncemill/oncemill/middleware"
-	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// batchConsumerEnv, when set, makes the test binary run one consumer of
-// TestBatchCrashProcesses (configured by the variable's JSON value, a
-// batchConsumer) instead of the tests; see init.
-const batchConsumerEnv = "ONCEMILL_TEST_BATCH_CONSUMER"
-
 const (
-	batchReadyLine = "BATCH READY"
-	batchStatsLine = "BATCH STATS "
 	// batchMaxMessages is the consumers' Batch.MaxMessages.
 	batchMaxMessages = 16
 	// batchKeys is how many keys the crash test publishes, batchKills how
@@ -50,94 +36,32 @@ const (
 	batchKills = 4
 )
 
-// init runs a consumer of the batch crash test when the environment
-// names one; like the restart roles, it must come before TestMain.
-func init() {
-	raw := os.Getenv(batchConsumerEnv)
-	if raw == "" {
-		return
-	}
-	term := make(chan os.Signal, 1)
-	signal.Notify(term, syscall.SIGTERM)
-	var cfg batchConsumer
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "batch consumer: bad config:", err)
-		os.Exit(restartBadSetup)
-	}
-	code, err := cfg.run(term)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "batch consumer:", err)
-	}
-	os.Exit(code)
-}
-
 // batchConsumer is a consumer process of the batch crash test: the
-// broker opened by BrokerURL, the poison middleware with the PostgreSQL
-// dead-letter table, and the PostgreSQL inbox in batch mode around a
-// handler that inserts one effect row per key, with its process id, in
-// the batch's transaction, then works a little. Subscriptions router
-// handlers consume the topic as one consumer, so that a broker that hands
-// a subscription one message at a time (RabbitMQ) still has deliveries
-// to batch. Its database connections carry App as their application
-// name, for the parent to see its open transactions.
+// standard stack with the PostgreSQL inbox in batch mode around a handler
+// that inserts one effect row per key, with its process id, in the
+// batch's transaction, then works a little. Subscriptions router handlers
+// consume the topic as one consumer, so that a broker that hands a
+// subscription one message at a time (RabbitMQ) still has deliveries to
+// batch. Its database connections carry App as their application name,
+// for the parent to see its open transactions.
 type batchConsumer struct {
-	BrokerURL     string
-	Group         string
-	Topic         string
-	DatabaseURL   string
-	Schema        string
+	proctest.Stack
 	App           string
 	Subscriptions int
 	MaxAttempts   int
 }
 
-// batchStats is what a batch consumer prints when it exits cleanly.
-type batchStats struct {
-	Inbox  middleware.InboxStats
-	Poison middleware.PoisonStats
-}
-
-func (cfg batchConsumer) run(term <-chan os.Signal) (int, error) {
-	ctx := context.Background()
-	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
-	if err != nil {
-		return restartBadSetup, err
+var batchRole = proctest.NewRole("batch", func(cfg batchConsumer, term <-chan os.Signal) error {
+	c := &proctest.Consumer{
+		Stack: cfg.Stack, MaxConns: 12, Verbose: true, StrictClose: true, Subscriptions: cfg.Subscriptions,
+		Pool: func(pc *pgxpool.Config) { pc.ConnConfig.RuntimeParams["application_name"] = cfg.App },
+		Poison: &middleware.PoisonConfig{Topic: "dlq", MaxAttempts: cfg.MaxAttempts,
+			InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond},
+		Inbox: middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: batchMaxMessages, Linger: 5 * time.Millisecond, Parallel: 2}},
 	}
-	poolCfg.MaxConns = 12
-	poolCfg.ConnConfig.RuntimeParams["application_name"] = cfg.App
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	if err != nil {
-		return restartBadSetup, err
-	}
-	defer pool.Close()
-	store, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
-	if err != nil {
-		return restartBadSetup, err
-	}
-	dlqPub, err := dlq.NewPublisher(pool, sqlschema.Config{Schema: cfg.Schema})
-	if err != nil {
-		return restartBadSetup, err
-	}
-	logger := watermill.NewStdLogger(false, false)
-	ps, err := adapters.Open(ctx, cfg.BrokerURL, adapters.Options{ConsumerGroup: cfg.Group, Logger: logger})
-	if err != nil {
-		return restartBadSetup, err
-	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{
-		Publisher: dlqPub, Topic: "dlq", MaxAttempts: cfg.MaxAttempts,
-		InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-	})
-	if err != nil {
-		return restartBadSetup, errors.Join(err, ps.Close())
-	}
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: "ledger",
-		Batch: middleware.BatchConfig{MaxMessages: batchMaxMessages, Linger: 5 * time.Millisecond, Parallel: 2}})
-	if err != nil {
-		return restartBadSetup, errors.Join(err, ps.Close())
-	}
-	effects := pgx.Identifier{cfg.Schema, "effects"}.Sanitize()
+	effects := cfg.Table("effects")
 	pid := os.Getpid()
-	handler := func(msg *message.Message) error {
+	return c.Run(term, func(msg *message.Message) error {
 		ctx := msg.Context()
 		key := middleware.IdempotencyKey(ctx)
 		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (key, pid) VALUES ($1, $2)`, key, pid); err != nil {
@@ -149,53 +73,8 @@ func (cfg batchConsumer) run(term <-chan os.Signal) (int, error) {
 		case <-ctx.Done():
 			return ctx.Err()
 		}
-	}
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	if err != nil {
-		return restartBadSetup, errors.Join(err, ps.Close())
-	}
-	r.AddMiddleware(poison.Middleware, inbox.Middleware)
-	for i := range max(cfg.Subscriptions, 1) {
-		r.AddNoPublisherHandler(fmt.Sprintf("ledger-%d", i), cfg.Topic, ps.Subscriber, handler)
-	}
-	code := 0
-	switch err := proctest.RunRouter(ctx, r, batchReadyLine, term); {
-	case errors.Is(err, proctest.ErrRouterNotStarted):
-		return restartBadSetup, errors.Join(err, ps.Close())
-	case errors.Is(err, proctest.ErrRouterStopped):
-		return restartStopped, errors.Join(err, ps.Close())
-	case err != nil:
-		code = restartBadClose
-		fmt.Fprintln(os.Stderr, "batch consumer: router close:", err)
-	}
-	if err := ps.Close(); err != nil {
-		code = restartBadClose
-		fmt.Fprintln(os.Stderr, "batch consumer: close:", err)
-	}
-	stats, err := json.Marshal(batchStats{Inbox: inbox.Stats(), Poison: poison.Stats()})
-	if err != nil {
-		return restartBadClose, err
-	}
-	fmt.Println(batchStatsLine + string(stats))
-	return code, nil
-}
-
-// startBatchConsumer starts a batch consumer process and waits until its
-// router runs.
-func startBatchConsumer(t *testing.T, cfg batchConsumer) *proctest.Process {
-	t.Helper()
-	raw, err := json.Marshal(cfg)
-	require.NoError(t, err)
-	p, err := proctest.Start([]string{batchConsumerEnv + "=" + string(raw)}, batchReadyLine, time.Minute)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		if !p.Exited() {
-			p.Kill()
-			t.Logf("batch consumer %d killed at the end of the test; output:\n%s", p.Cmd.Process.Pid, p.Out.String())
-		}
 	})
-	return p
-}
+})
 
 // TestBatchCrashProcesses: on RabbitMQ (16 subscriptions of one queue),
 // NATS JetStream (one subscription holding two batches' worth, 32
@@ -249,23 +128,17 @@ func TestBatchCrashProcesses(t *testing.T) {
 
 func runBatchCrash(t *testing.T, b broker, subscriptions int) {
 	id := pgtest.Name(t)
-	topic, group := "ledger_"+id, "ledger_"+id
-	producer := b.open(t, "producer_"+id)
-	defer closeQuietly(t, producer)
-	if b.cleanup != nil {
-		t.Cleanup(func() { b.cleanup(t, topic, group) })
-	}
+	topic, group, producer := processTopic(t, b, id, "ledger_", "ledger_")
 	db := newProcessDB(t)
-	_, err := db.pool.Exec(context.Background(), `ALTER TABLE `+db.q+`.effects ADD COLUMN pid integer NOT NULL, ADD COLUMN tx xid8 NOT NULL DEFAULT pg_current_xact_id()`)
-	require.NoError(t, err)
+	db.Exec(t, `ALTER TABLE {S}.effects ADD COLUMN pid integer NOT NULL, ADD COLUMN tx xid8 NOT NULL DEFAULT pg_current_xact_id()`)
 	cfg := batchConsumer{
-		BrokerURL: b.url, Group: group, Topic: topic, DatabaseURL: pgtest.URL(), Schema: db.schema,
-		App: id, Subscriptions: subscriptions, MaxAttempts: batchKills + 1,
+		Stack: db.Stack(b.url, group, topic, "ledger"),
+		App:   id, Subscriptions: subscriptions, MaxAttempts: batchKills + 1,
 	}
 
 	// The first consumer subscribes before anything is published, so that
 	// RabbitMQ has its queue.
-	c := startBatchConsumer(t, cfg)
+	c := batchRole.Start(t, cfg)
 	for k := range batchKeys {
 		key := fmt.Sprintf("entry-%d", k)
 		msg := message.NewMessage(watermill.NewUUID(), []byte(key))
@@ -274,7 +147,7 @@ func runBatchCrash(t *testing.T, b broker, subscriptions int) {
 		require.NoError(t, producer.Publisher.Publish(topic, msg))
 	}
 
-	effects := func() int { return db.count(t, `SELECT count(*) FROM {S}.effects`) }
+	effects := func() int { return db.Count(t, `SELECT count(*) FROM {S}.effects`) }
 	type kill struct{ effects, openTx, dead int }
 	var kills []kill
 	for k := 1; k <= batchKills; k++ {
@@ -285,41 +158,36 @@ func runBatchCrash(t *testing.T, b broker, subscriptions int) {
 		// effects) and has not ended.
 		var open int
 		require.Eventually(t, func() bool {
-			open = db.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND backend_xid IS NOT NULL`, cfg.App)
+			open = db.Count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND backend_xid IS NOT NULL`, cfg.App)
 			return open > 0
 		}, time.Minute, time.Millisecond, "kill %d: no batch open", k)
 		c.Kill()
-		kills = append(kills, kill{effects: effects(), openTx: open, dead: db.count(t, `SELECT count(*) FROM {S}.dlq`)})
+		kills = append(kills, kill{effects: effects(), openTx: open, dead: db.Count(t, `SELECT count(*) FROM {S}.dlq`)})
 		require.Less(t, kills[len(kills)-1].effects, batchKeys, "kill %d came after the end", k)
-		c = startBatchConsumer(t, cfg)
+		c = batchRole.Start(t, cfg)
 	}
 	require.Eventually(t, func() bool { return effects() >= batchKeys }, time.Minute, 10*time.Millisecond,
 		"the last consumer applies the rest; output:\n%s", c.Out.String())
 	require.Eventually(t, func() bool { return b.pending(t, topic, group) == 0 }, time.Minute, 50*time.Millisecond,
 		"everything acknowledged")
-	require.NoError(t, c.Terminate(restartShutdownBound))
-	require.Equal(t, 0, c.Code(), "the last consumer's exit code; output:\n%s", c.Out.String())
-	line, ok := c.Out.Line(batchStatsLine)
-	require.True(t, ok, "the last consumer printed no stats; output:\n%s", c.Out.String())
-	var stats batchStats
-	require.NoError(t, json.Unmarshal([]byte(line), &stats))
+	stats := c.Stop(t, restartShutdownBound)
 
 	require.Equal(t, batchKeys, effects(), "exactly one effect per key")
-	require.Equal(t, batchKeys, db.count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
-	require.Equal(t, batchKeys, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE consumer = 'ledger' AND status = 'done'`))
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE attempts <> 1 OR last_error IS NOT NULL OR status <> 'done'`),
+	require.Equal(t, batchKeys, db.Count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
+	require.Equal(t, batchKeys, db.Count(t, `SELECT count(*) FROM {S}.inbox WHERE consumer = 'ledger' AND status = 'done'`))
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.inbox WHERE attempts <> 1 OR last_error IS NOT NULL OR status <> 'done'`),
 		"no failure recorded")
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox_starts`), "no start count left behind")
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.dlq`), "nothing dead-lettered")
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.inbox_starts`), "no start count left behind")
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.dlq`), "nothing dead-lettered")
 	require.Zero(t, stats.Poison.DeadLettered)
 	require.Zero(t, stats.Inbox.CrashLooped)
 	require.Zero(t, stats.Inbox.Failed)
 	require.Equal(t, 0, b.pending(t, topic, group), "nothing left on the broker")
 	// The transaction that wrote each effect: deliveries did share them.
-	largest := db.count(t, `SELECT max(n) FROM (SELECT count(*) AS n FROM {S}.effects GROUP BY tx) AS per_tx`)
+	largest := db.Count(t, `SELECT max(n) FROM (SELECT count(*) AS n FROM {S}.effects GROUP BY tx) AS per_tx`)
 	require.Greater(t, largest, 1, "effects committed together")
-	txs := db.count(t, `SELECT count(DISTINCT tx) FROM {S}.effects`)
-	byProcess := db.count(t, `SELECT count(DISTINCT pid) FROM {S}.effects`)
+	txs := db.Count(t, `SELECT count(DISTINCT tx) FROM {S}.effects`)
+	byProcess := db.Count(t, `SELECT count(DISTINCT pid) FROM {S}.effects`)
 	t.Logf("batch crash on %s: %d keys, %d SIGKILLs with a batch open (effects, open transactions, dead letters at each: %+v); "+
 		"effects applied by %d processes in %d transactions (the largest held %d); the last consumer: %d applied, %d duplicates, %d nacked for the infrastructure; "+
 		"%d effects, 0 dead letters, 0 left on the broker",

@@ -1,26 +1,18 @@
 package adapters_test
 
 import (
-	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
-	"os/signal"
 	"strconv"
 	"strings"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/pgtest"
@@ -28,17 +20,10 @@ import (
 	"github.com/oncemill/oncemill/middleware"
 )
 
-// inflightEnv, when set, makes the test binary run one consumer of
-// TestSigtermInFlightProcesses (see init), configured by its JSON value,
-// an inflightConsumer.
-const inflightEnv = "ONCEMILL_TEST_INFLIGHT_CONSUMER"
-
 const (
-	inflightReady = "INFLIGHT READY"
 	// inflightAllIn is printed once every handler of the first consumer
 	// runs: all the messages are in flight at once.
 	inflightAllIn = "INFLIGHT ALL IN"
-	inflightStats = "INFLIGHT STATS "
 
 	// inflightJobs is how many messages are in flight, with handlers of
 	// 1–3s, when the first consumer is sent SIGTERM; the slow message is
@@ -65,20 +50,15 @@ const (
 )
 
 // inflightConsumer is a consumer process of TestSigtermInFlightProcesses:
-// the broker opened by BrokerURL, Handlers router handlers on Topic (one
-// subscription each; RabbitMQ and SQS hand a subscription one message at
-// a time, Kafka's subscriber hands out many), and the PostgreSQL inbox
-// around a handler that records its run outside the transaction, inserts
-// the key's effect row in the inbox's transaction (postgres.Tx) and then
-// works for the duration its message names.
+// the standard stack without the poison middleware, with the runs
+// recorded and Handlers router handlers on Topic (one subscription each;
+// RabbitMQ and SQS hand a subscription one message at a time, Kafka's
+// subscriber hands out many), around a handler that inserts the key's
+// effect row in the inbox's transaction and then works for the duration
+// its message names.
 type inflightConsumer struct {
-	BrokerURL   string
-	Group       string
-	Topic       string
-	DatabaseURL string
-	Schema      string
-	Consumer    string
-	Handlers    int
+	proctest.Stack
+	Handlers int
 	// HoldUntilTerm, when set, makes the handlers wait, before they
 	// work, until all of them run (the consumer then prints
 	// inflightAllIn) and the consumer has been sent SIGTERM: every
@@ -89,102 +69,21 @@ type inflightConsumer struct {
 	SlowFirst bool
 }
 
-// inflightResult is what a consumer prints on its last line.
-type inflightResult struct {
-	Runs int64 // handler runs
-	// FinishedAtShutdown counts handler runs that returned nil after the
-	// consumer was sent SIGTERM, which the router then acked.
-	FinishedAtShutdown int64
-	Inbox              middleware.InboxStats
-}
-
-func init() {
-	if raw := os.Getenv(inflightEnv); raw != "" {
-		os.Exit(runInflightConsumer(raw))
+var inflightRole = proctest.NewRole("inflight", func(cfg inflightConsumer, term <-chan os.Signal) error {
+	c := &proctest.Consumer{
+		Stack: cfg.Stack, RecordRuns: true, Subscriptions: cfg.Handlers, CloseTimeout: inflightDrain,
+		// A connection for each message in flight, each holding the
+		// inbox's transaction while its handler works, and a few more.
+		MaxConns: inflightJobs + 6,
+		Inbox:    middleware.InboxConfig{DrainTimeout: inflightInboxDrain},
 	}
-}
-
-func runInflightConsumer(raw string) int {
-	// Registered first: a SIGTERM that comes while the consumer starts is
-	// handled once it runs.
-	term := make(chan os.Signal, 1)
-	signal.Notify(term, syscall.SIGTERM)
-	var cfg inflightConsumer
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "inflight consumer: bad config:", err)
-		return childBadSetup
-	}
-	code, err := cfg.run(term)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "inflight consumer:", err)
-	}
-	return code
-}
-
-func (cfg inflightConsumer) run(term <-chan os.Signal) (int, error) {
-	ctx := context.Background()
-	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
-	if err != nil {
-		return childBadSetup, err
-	}
-	// A connection for each message in flight, each holding the inbox's
-	// transaction while its handler works, and a few more.
-	poolCfg.MaxConns = int32(inflightJobs + 6)
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	if err != nil {
-		return childBadSetup, err
-	}
-	defer pool.Close()
-	// The runs table has a pool of its own, so that a handler never waits
-	// for a second connection of the inbox's pool.
-	booksCfg := poolCfg.Copy()
-	booksCfg.MaxConns = 4
-	books, err := pgxpool.NewWithConfig(ctx, booksCfg)
-	if err != nil {
-		return childBadSetup, err
-	}
-	defer books.Close()
-	store, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
-	if err != nil {
-		return childBadSetup, err
-	}
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: cfg.Consumer, DrainTimeout: inflightInboxDrain})
-	if err != nil {
-		return childBadSetup, err
-	}
-	ps, err := adapters.Open(ctx, cfg.BrokerURL, adapters.Options{ConsumerGroup: cfg.Group})
-	if err != nil {
-		return childBadSetup, err
-	}
-
-	// terminated is closed when SIGTERM comes; the router's close follows.
-	terminated := make(chan struct{})
-	routerTerm := make(chan os.Signal, 1)
-	relayStop, relayDone := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(relayDone)
-		select {
-		case sig := <-term:
-			close(terminated)
-			routerTerm <- sig
-		case <-relayStop:
-		}
-	}()
-	defer func() { close(relayStop); <-relayDone }()
-
-	var (
-		runs, finishedAtShutdown, held atomic.Int64
-		allIn                          = make(chan struct{})
-	)
-	schema := pgx.Identifier{cfg.Schema}.Sanitize()
-	handler := func(msg *message.Message) error {
+	var held atomic.Int64
+	allIn := make(chan struct{})
+	effects := cfg.Table("effects")
+	return c.Run(term, func(msg *message.Message) error {
 		ctx := msg.Context()
 		key := middleware.IdempotencyKey(ctx)
-		runs.Add(1)
-		if _, err := books.Exec(context.WithoutCancel(ctx), `INSERT INTO `+schema+`.runs (key, pid) VALUES ($1, $2)`, key, os.Getpid()); err != nil {
-			return err
-		}
-		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+schema+`.effects (key) VALUES ($1)`, key); err != nil {
+		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (key) VALUES ($1)`, key); err != nil {
 			return err
 		}
 		if cfg.HoldUntilTerm > 0 {
@@ -192,7 +91,7 @@ func (cfg inflightConsumer) run(term <-chan os.Signal) (int, error) {
 				fmt.Println(inflightAllIn)
 				close(allIn)
 			}
-			for _, wait := range []chan struct{}{allIn, terminated} {
+			for _, wait := range []<-chan struct{}{allIn, c.Terminated()} {
 				select {
 				case <-wait:
 				case <-ctx.Done():
@@ -212,78 +111,12 @@ func (cfg inflightConsumer) run(term <-chan os.Signal) (int, error) {
 		defer timer.Stop()
 		select {
 		case <-timer.C:
+			return nil
 		case <-ctx.Done():
 			return fmt.Errorf("work on %q interrupted: %w", key, ctx.Err())
 		}
-		select {
-		case <-terminated:
-			finishedAtShutdown.Add(1)
-		default:
-		}
-		return nil
-	}
-
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: inflightDrain}, watermill.NopLogger{})
-	if err != nil {
-		return childBadSetup, errors.Join(err, ps.Close())
-	}
-	r.AddMiddleware(inbox.Middleware)
-	for i := range cfg.Handlers {
-		r.AddNoPublisherHandler(fmt.Sprintf("%s_%d", cfg.Consumer, i), cfg.Topic, ps.Subscriber, handler)
-	}
-	code := 0
-	switch err := proctest.RunRouter(ctx, r, inflightReady, routerTerm); {
-	case errors.Is(err, proctest.ErrRouterNotStarted):
-		return childBadSetup, errors.Join(err, ps.Close())
-	case errors.Is(err, proctest.ErrRouterStopped):
-		return childBadClose, errors.Join(err, ps.Close())
-	case err != nil:
-		code = childBadClose
-		fmt.Fprintln(os.Stderr, "inflight consumer: router close:", err)
-	}
-	if err := ps.Close(); err != nil {
-		code = childBadClose
-		fmt.Fprintln(os.Stderr, "inflight consumer: close broker:", err)
-	}
-	stats, err := json.Marshal(inflightResult{Runs: runs.Load(), FinishedAtShutdown: finishedAtShutdown.Load(), Inbox: inbox.Stats()})
-	if err != nil {
-		return childBadClose, err
-	}
-	fmt.Println(inflightStats + string(stats))
-	return code, nil
-}
-
-// startInflight starts a consumer and waits until its router runs.
-func startInflight(t *testing.T, cfg inflightConsumer) *proctest.Process {
-	t.Helper()
-	raw, err := json.Marshal(cfg)
-	require.NoError(t, err)
-	p, err := proctest.Start([]string{inflightEnv + "=" + string(raw)}, inflightReady, time.Minute)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		if !p.Exited() {
-			p.Kill()
-			t.Logf("consumer %d killed at the end of the test; output:\n%s", p.Cmd.Process.Pid, p.Out.String())
-		}
 	})
-	return p
-}
-
-// terminateInflight sends SIGTERM to p and waits for it to exit, which it
-// must do within inflightExitBound and with code 0; it returns how long it
-// took and what the consumer printed.
-func terminateInflight(t *testing.T, p *proctest.Process) (time.Duration, inflightResult) {
-	t.Helper()
-	start := time.Now()
-	require.NoError(t, p.Terminate(inflightExitBound))
-	took := time.Since(start)
-	require.Equal(t, 0, p.Code(), "consumer exit code; output:\n%s", p.Out.String())
-	line, ok := p.Out.Line(inflightStats)
-	require.True(t, ok, "consumer printed no stats; output:\n%s", p.Out.String())
-	var res inflightResult
-	require.NoError(t, json.Unmarshal([]byte(line), &res))
-	return took, res
-}
+})
 
 // withParams appends URL parameters to rawURL.
 func withParams(rawURL, params string) string {
@@ -314,13 +147,7 @@ func TestSigtermInFlightProcesses(t *testing.T) {
 }
 
 func runInFlight(t *testing.T, b broker) {
-	id := pgtest.Name(t)
-	topic, group := "jobs_"+id, "workers_"+id
-	producer := b.open(t, "producer_"+id)
-	defer closeQuietly(t, producer)
-	if b.cleanup != nil {
-		t.Cleanup(func() { b.cleanup(t, topic, group) })
-	}
+	topic, group, producer := processTopic(t, b, pgtest.Name(t), "jobs_", "workers_")
 	db := newProcessDB(t)
 	// Kafka's subscriber hands out every key of a partition at once; a
 	// RabbitMQ or SQS subscription one message at a time, so those get a
@@ -337,11 +164,10 @@ func runInFlight(t *testing.T, b broker) {
 		params += "&max_in_flight=" + strconv.Itoa(inflightJobs+1)
 	}
 	first := inflightConsumer{
-		BrokerURL: withParams(b.url, params), Group: group, Topic: topic,
-		DatabaseURL: pgtest.URL(), Schema: db.schema, Consumer: "workers_" + b.name,
+		Stack:    db.Stack(withParams(b.url, params), group, topic, "workers_"+b.name),
 		Handlers: handlers, HoldUntilTerm: inflightJobs + 1, SlowFirst: true,
 	}
-	a := startInflight(t, first)
+	a := inflightRole.Start(t, first)
 	publish := func(key string, work time.Duration) {
 		msg := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(int(work.Milliseconds()))))
 		msg.Metadata.Set(delivery.IdempotencyKey, key)
@@ -357,16 +183,16 @@ func runInFlight(t *testing.T, b broker) {
 		"not every message in flight in the first consumer")
 	_, allIn := a.Out.Line(inflightAllIn)
 	require.True(t, allIn, "the first consumer exited; output:\n%s", a.Out.String())
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.effects`), "nothing committed before SIGTERM")
-	tookA, resA := terminateInflight(t, a)
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.effects`), "nothing committed before SIGTERM")
+	resA := a.Stop(t, inflightExitBound)
 
 	// What the first consumer left: the 50 effects committed, the slow
 	// one rolled back, and on the broker the slow message only (on Kafka,
 	// from its offset on, in its partition).
-	require.Equal(t, inflightJobs, db.count(t, `SELECT count(*) FROM {S}.effects`), "every handler that finished in the drain is committed")
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.effects WHERE key = $1`, inflightSlow), "the slow handler's effect is rolled back")
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE key = $1 AND status = 'done'`, inflightSlow), "the slow key is not done")
-	require.Equal(t, inflightJobs+1, db.count(t, `SELECT count(*) FROM {S}.runs WHERE pid = $1`, a.Cmd.Process.Pid))
+	require.Equal(t, inflightJobs, db.Count(t, `SELECT count(*) FROM {S}.effects`), "every handler that finished in the drain is committed")
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.effects WHERE key = $1`, inflightSlow), "the slow handler's effect is rolled back")
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.inbox WHERE key = $1 AND status = 'done'`, inflightSlow), "the slow key is not done")
+	require.Equal(t, inflightJobs+1, db.Count(t, `SELECT count(*) FROM {S}.runs WHERE pid = $1`, a.Cmd.Process.Pid))
 	require.Equal(t, int64(inflightJobs), resA.FinishedAtShutdown, "every fast handler finished after SIGTERM")
 	require.Equal(t, int64(inflightJobs), resA.Inbox.Applied)
 	require.Equal(t, int64(1), resA.Inbox.Abandoned, "the slow attempt is cut short by the shutdown")
@@ -380,29 +206,29 @@ func runInFlight(t *testing.T, b broker) {
 
 	second := first
 	second.HoldUntilTerm, second.SlowFirst = 0, false
-	c := startInflight(t, second)
-	require.Eventually(t, func() bool { return db.count(t, `SELECT count(*) FROM {S}.effects`) >= inflightJobs+1 }, 2*time.Minute, 20*time.Millisecond,
+	c := inflightRole.Start(t, second)
+	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM {S}.effects`) >= inflightJobs+1 }, 2*time.Minute, 20*time.Millisecond,
 		"the second consumer applies the slow message")
 	require.Eventually(t, func() bool { return b.pending(t, topic, group) == 0 }, 2*time.Minute, 100*time.Millisecond,
 		"everything acknowledged")
-	tookC, resC := terminateInflight(t, c)
+	resC := c.Stop(t, inflightExitBound)
 
-	require.Equal(t, inflightJobs+1, db.count(t, `SELECT count(*) FROM {S}.effects`), "exactly one effect per key")
-	require.Equal(t, inflightJobs+1, db.count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
-	require.Equal(t, inflightJobs, db.count(t, `SELECT count(*) FROM {S}.runs WHERE key <> $1`, inflightSlow),
+	require.Equal(t, inflightJobs+1, db.Count(t, `SELECT count(*) FROM {S}.effects`), "exactly one effect per key")
+	require.Equal(t, inflightJobs+1, db.Count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
+	require.Equal(t, inflightJobs, db.Count(t, `SELECT count(*) FROM {S}.runs WHERE key <> $1`, inflightSlow),
 		"no message of the 50 ran its handler again")
-	require.Equal(t, inflightJobs, db.count(t, `SELECT count(DISTINCT key) FROM {S}.runs WHERE key <> $1`, inflightSlow))
-	require.Equal(t, 1, db.count(t, `SELECT count(*) FROM {S}.runs WHERE key = $1 AND pid = $2`, inflightSlow, c.Cmd.Process.Pid),
+	require.Equal(t, inflightJobs, db.Count(t, `SELECT count(DISTINCT key) FROM {S}.runs WHERE key <> $1`, inflightSlow))
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM {S}.runs WHERE key = $1 AND pid = $2`, inflightSlow, c.Cmd.Process.Pid),
 		"the slow message runs once more, in the second consumer")
-	require.Equal(t, 1, db.count(t, `SELECT count(*) FROM {S}.runs WHERE pid = $1`, c.Cmd.Process.Pid), "and nothing else does")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM {S}.runs WHERE pid = $1`, c.Cmd.Process.Pid), "and nothing else does")
 	require.Equal(t, int64(1), resC.Inbox.Applied)
-	require.Equal(t, inflightJobs+1, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE consumer = $1 AND status = 'done'`, first.Consumer))
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE attempts > 1 OR last_error IS NOT NULL`),
+	require.Equal(t, inflightJobs+1, db.Count(t, `SELECT count(*) FROM {S}.inbox WHERE consumer = $1 AND status = 'done'`, first.Consumer))
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.inbox WHERE attempts > 1 OR last_error IS NOT NULL`),
 		"the cancelled attempt is not counted")
 	require.Equal(t, 0, b.pending(t, topic, group), "nothing left on the broker")
 	t.Logf("SIGTERM with %d messages in flight on %s: first consumer exited after %s (bound %s), %d effects committed in the drain, %d finished after SIGTERM, %d abandoned; "+
 		"left on the broker %d; second consumer: %d run (%d applied, %d duplicates), exited after %s; handler runs of the 50: %d, effects %d",
-		inflightJobs+1, b.name, tookA.Round(time.Millisecond), inflightExitBound, resA.Inbox.Applied, resA.FinishedAtShutdown, resA.Inbox.Abandoned,
-		leftA, resC.Runs, resC.Inbox.Applied, resC.Inbox.Duplicates, tookC.Round(time.Millisecond),
-		db.count(t, `SELECT count(*) FROM {S}.runs WHERE key <> $1`, inflightSlow), db.count(t, `SELECT count(*) FROM {S}.effects`))
+		inflightJobs+1, b.name, resA.Took.Round(time.Millisecond), inflightExitBound, resA.Inbox.Applied, resA.FinishedAtShutdown, resA.Inbox.Abandoned,
+		leftA, resC.Runs, resC.Inbox.Applied, resC.Inbox.Duplicates, resC.Took.Round(time.Millisecond),
+		db.Count(t, `SELECT count(*) FROM {S}.runs WHERE key <> $1`, inflightSlow), db.Count(t, `SELECT count(*) FROM {S}.effects`))
 }

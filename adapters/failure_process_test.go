@@ -2,45 +2,26 @@ package adapters_test
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"hash/crc32"
 	"os"
-	"os/signal"
 	"strings"
-	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/proctest"
 	"github.com/oncemill/oncemill/middleware"
-	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// childEnv, when set in the environment, makes the test binary run one
-// child consumer (configured by the variable's JSON value, a childConfig)
-// instead of the tests; see TestMain.
-const childEnv = "ONCEMILL_TEST_CHILD_CONSUMER"
-
 const (
-	// Exit codes of a child consumer.
-	childKilled   = 3 // the handler met the killer key and called os.Exit
-	childBadSetup = 4 // it could not start
-	childBadClose = 5 // the router did not close cleanly
-
 	killerKey        = "killer"
 	crashMaxAttempts = 3
 	crashGood        = 50
@@ -53,192 +34,45 @@ const (
 	shutdownBound = 20 * time.Second
 )
 
-// childConfig is what a child consumer is told by its parent.
-type childConfig struct {
+// failureConsumer is a consumer process of TestCrashLoopProcesses and
+// TestSigtermDrainProcesses: the standard stack, with the poison
+// middleware and the runs recorded, around a handler that writes one
+// effect row per key in the inbox's transaction.
+type failureConsumer struct {
+	proctest.Stack
 	// Mode is "crash" (the handler kills the process on killerKey) or
 	// "drain" (each message takes 20–50 ms).
 	Mode        string
-	BrokerURL   string
-	Group       string
-	Topic       string
 	DLQTopic    string
-	DatabaseURL string
-	Schema      string
-	Consumer    string
 	MaxAttempts int
 }
 
-// childStats is what a child prints on its last line when it exits
-// cleanly.
-type childStats struct {
-	Deliveries int64 // messages the router handed to the handler chain
-	// FinishedAtShutdown counts handler runs that returned nil after the
-	// consumer began to shut down: the inbox commits them on a detached
-	// context.
-	FinishedAtShutdown int64
-	Inbox              middleware.InboxStats
-	Poison             middleware.PoisonStats
-}
-
-const (
-	childReady = "CHILD READY"
-	childDone  = "CHILD STATS "
-)
-
-// runChild is a consumer process: broker, PostgreSQL inbox, poison
-// middleware with a PostgreSQL dead-letter table, and a handler that writes
-// one effect row per key in the inbox's transaction (and one run row per
-// handler run outside it). It runs until SIGTERM, then closes the router
-// and exits 0.
-func runChild(raw string) int {
-	var cfg childConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "child: bad config:", err)
-		return childBadSetup
-	}
-	// Registered first: a SIGTERM that comes while the consumer starts is
-	// handled once it runs.
-	term := make(chan os.Signal, 1)
-	signal.Notify(term, syscall.SIGTERM)
-
-	code, err := consume(cfg, term)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "child:", err)
-	}
-	return code
-}
-
-func consume(cfg childConfig, term <-chan os.Signal) (int, error) {
-	ctx := context.Background()
-	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
-	if err != nil {
-		return childBadSetup, err
-	}
-	poolCfg.MaxConns = 8
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	if err != nil {
-		return childBadSetup, err
-	}
-	defer pool.Close()
-	// The test's own bookkeeping (the runs table) has a pool of its own:
-	// a handler that took a second connection from the inbox's pool while
-	// the inbox holds one would deadlock once every connection is held by
-	// a waiting handler, with the Kafka subscriber's 64 messages in flight
-	// per partition.
-	books, err := pgxpool.NewWithConfig(ctx, poolCfg.Copy())
-	if err != nil {
-		return childBadSetup, err
-	}
-	defer books.Close()
-	store, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
-	if err != nil {
-		return childBadSetup, err
-	}
-	dlqPub, err := dlq.NewPublisher(pool, sqlschema.Config{Schema: cfg.Schema})
-	if err != nil {
-		return childBadSetup, err
-	}
-	ps, err := adapters.Open(ctx, cfg.BrokerURL, adapters.Options{ConsumerGroup: cfg.Group})
-	if err != nil {
-		return childBadSetup, err
-	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{
-		Publisher: dlqPub, Topic: cfg.DLQTopic, MaxAttempts: cfg.MaxAttempts,
+var failureRole = proctest.NewRole("failure", func(cfg failureConsumer, term <-chan os.Signal) error {
+	c := &proctest.Consumer{Stack: cfg.Stack, RecordRuns: true, Poison: &middleware.PoisonConfig{
+		Topic: cfg.DLQTopic, MaxAttempts: cfg.MaxAttempts,
 		InitialBackoff: 50 * time.Millisecond, MaxBackoff: 50 * time.Millisecond,
-	})
-	if err != nil {
-		return childBadSetup, errors.Join(err, ps.Close())
-	}
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: cfg.Consumer})
-	if err != nil {
-		return childBadSetup, errors.Join(err, ps.Close())
-	}
-	schema := pgx.Identifier{cfg.Schema}.Sanitize()
-	// terminated is closed when SIGTERM comes, before the router's close:
-	// the inbox hands the handler a context that outlives the message's
-	// cancellation, so the handler cannot tell the shutdown from it.
-	terminated := make(chan struct{})
-	routerTerm := make(chan os.Signal, 1)
-	relayStop, relayDone := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(relayDone)
-		select {
-		case sig := <-term:
-			close(terminated)
-			routerTerm <- sig
-		case <-relayStop:
-		}
-	}()
-	defer func() { close(relayStop); <-relayDone }()
-	var deliveries, finishedAtShutdown atomic.Int64
-	counting := func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			deliveries.Add(1)
-			return h(msg)
-		}
-	}
-	handler := func(msg *message.Message) error {
+	}}
+	effects := cfg.Table("effects")
+	return c.Run(term, func(msg *message.Message) error {
 		ctx := msg.Context()
 		key := middleware.IdempotencyKey(ctx)
-		// The run is recorded outside the transaction, so that it stays
-		// whatever becomes of the attempt.
-		if _, err := books.Exec(context.WithoutCancel(ctx), `INSERT INTO `+schema+`.runs (key, pid) VALUES ($1, $2)`, key, os.Getpid()); err != nil {
-			return err
-		}
 		if cfg.Mode == "crash" && key == killerKey {
-			os.Exit(childKilled) // as an OOM kill would: nothing runs after this
+			os.Exit(proctest.ExitKilled) // as an OOM kill would: nothing runs after this
 		}
 		if cfg.Mode == "drain" && finishesRegardless(key) {
 			// This handler ignores cancellation: what it started, it
 			// finishes, and the inbox must commit it.
 			ctx = context.WithoutCancel(ctx)
 		}
-		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+schema+`.effects (key) VALUES ($1)`, key); err != nil {
+		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (key) VALUES ($1)`, key); err != nil {
 			return err
 		}
 		if cfg.Mode != "drain" {
 			return nil
 		}
-		if err := work(ctx, key); err != nil {
-			return err
-		}
-		select {
-		case <-terminated:
-			finishedAtShutdown.Add(1)
-		default:
-		}
-		return nil
-	}
-
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	if err != nil {
-		return childBadSetup, errors.Join(err, ps.Close())
-	}
-	r.AddMiddleware(counting, poison.Middleware, inbox.Middleware)
-	r.AddNoPublisherHandler(cfg.Consumer, cfg.Topic, ps.Subscriber, handler)
-	code := 0
-	switch err := proctest.RunRouter(ctx, r, childReady, routerTerm); {
-	case errors.Is(err, proctest.ErrRouterNotStarted):
-		return childBadSetup, errors.Join(err, ps.Close())
-	case errors.Is(err, proctest.ErrRouterStopped):
-		return childBadClose, errors.Join(err, ps.Close())
-	case err != nil:
-		code = childBadClose
-		fmt.Fprintln(os.Stderr, "child: router close:", err)
-	}
-	if err := ps.Close(); err != nil {
-		fmt.Fprintln(os.Stderr, "child: close broker:", err)
-	}
-	stats, err := json.Marshal(childStats{
-		Deliveries: deliveries.Load(), FinishedAtShutdown: finishedAtShutdown.Load(),
-		Inbox: inbox.Stats(), Poison: poison.Stats(),
+		return work(ctx, key)
 	})
-	if err != nil {
-		return childBadClose, err
-	}
-	fmt.Println(childDone + string(stats))
-	return code, nil
-}
+})
 
 // finishesRegardless reports whether the drain handler finishes key's work
 // even when the consumer shuts down meanwhile (half the keys), rather than
@@ -262,71 +96,11 @@ func work(ctx context.Context, key string) error {
 	}
 }
 
-// child is a running child consumer.
-type child struct{ *proctest.Process }
-
-// startChild starts a child consumer and waits until its router runs.
-func startChild(t *testing.T, cfg childConfig) *child {
-	t.Helper()
-	raw, err := json.Marshal(cfg)
-	require.NoError(t, err)
-	p, err := proctest.Start([]string{childEnv + "=" + string(raw)}, childReady, time.Minute)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		if !p.Exited() {
-			p.Kill()
-			t.Logf("child %d killed at the end of the test; output:\n%s", p.Cmd.Process.Pid, p.Out.String())
-		}
-	})
-	return &child{p}
-}
-
-// terminate sends SIGTERM and waits for the child to exit, which it must
-// do within shutdownBound and with code 0. It returns how long it took and
-// the stats the child printed.
-func (c *child) terminate(t *testing.T) (time.Duration, childStats) {
-	t.Helper()
-	start := time.Now()
-	require.NoError(t, c.Terminate(shutdownBound))
-	took := time.Since(start)
-	require.Equal(t, 0, c.Code(), "child exit code; output:\n%s", c.Out.String())
-	return took, c.stats(t)
-}
-
-// stats reads the stats line a child printed when it exited cleanly.
-func (c *child) stats(t *testing.T) childStats {
-	t.Helper()
-	line, ok := c.Out.Line(childDone)
-	require.True(t, ok, "child printed no stats; output:\n%s", c.Out.String())
-	var s childStats
-	require.NoError(t, json.Unmarshal([]byte(line), &s))
-	return s
-}
-
-// processDB is a fresh schema for the children of one test: oncemill's
-// tables (inbox, dead-letter table) and the handler's effects and runs.
-type processDB struct {
-	pool   *pgxpool.Pool
-	schema string // unquoted
-	q      string // quoted
-}
-
-func newProcessDB(t *testing.T) processDB {
-	t.Helper()
-	pool := pgtest.Pool(t, 4)
-	schema := pgtest.Schema(t, pool)
-	q := pgx.Identifier{schema}.Sanitize()
-	_, err := pool.Exec(context.Background(), `CREATE TABLE `+q+`.effects (key text NOT NULL);
-CREATE TABLE `+q+`.runs (key text NOT NULL, pid integer NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`)
-	require.NoError(t, err)
-	return processDB{pool: pool, schema: schema, q: q}
-}
-
-func (db processDB) count(t *testing.T, query string, args ...any) int {
-	t.Helper()
-	var n int
-	require.NoError(t, db.pool.QueryRow(context.Background(), strings.ReplaceAll(query, "{S}", db.q), args...).Scan(&n))
-	return n
+// newProcessDB is a fresh schema for the children of one test: oncemill's
+// tables and the handler's effects and runs.
+func newProcessDB(t *testing.T) *proctest.DB {
+	return proctest.NewDB(t, `CREATE TABLE {S}.effects (key text NOT NULL);
+CREATE TABLE {S}.runs (key text NOT NULL, pid integer NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`)
 }
 
 // processBrokers are the brokers a child process can reach.
@@ -349,6 +123,31 @@ func processBrokers(t *testing.T, names ...string) []broker {
 	return bs
 }
 
+// eachProcessBroker runs run on each broker of names in a parallel
+// subtest.
+func eachProcessBroker(t *testing.T, run func(t *testing.T, b broker), names ...string) {
+	for _, b := range processBrokers(t, names...) {
+		t.Run(b.name, func(t *testing.T) {
+			t.Parallel()
+			run(t, b)
+		})
+	}
+}
+
+// processTopic is a topic and a group of the test's own on b, their
+// prefixes followed by id, and a producer on b: the producer is closed,
+// then the broker's cleanup of topic and group run, when the test ends.
+func processTopic(t *testing.T, b broker, id, topicPrefix, groupPrefix string) (topic, group string, producer *adapters.PubSub) {
+	t.Helper()
+	topic, group = topicPrefix+id, groupPrefix+id
+	if b.cleanup != nil {
+		t.Cleanup(func() { b.cleanup(t, topic, group) })
+	}
+	producer = b.open(t, "producer_"+id)
+	t.Cleanup(func() { closeQuietly(t, producer) })
+	return topic, group, producer
+}
+
 // TestCrashLoopProcesses: on Kafka, RabbitMQ and NATS (the machine's
 // server and an embedded one in the test's process), a message whose
 // handler kills its process (os.Exit, as an OOM kill would), published
@@ -360,32 +159,22 @@ func processBrokers(t *testing.T, names ...string) []broker {
 // nothing unacknowledged.
 func TestCrashLoopProcesses(t *testing.T) {
 	t.Parallel()
-	for _, b := range processBrokers(t, "kafka", "amqp", "nats", "nats_embedded") {
-		t.Run(b.name, func(t *testing.T) {
-			t.Parallel()
-			runCrashLoop(t, b)
-		})
-	}
+	eachProcessBroker(t, runCrashLoop, "kafka", "amqp", "nats", "nats_embedded")
 }
 
 func runCrashLoop(t *testing.T, b broker) {
 	ctx := context.Background()
 	id := pgtest.Name(t)
-	topic, group := "pay_"+id, "ledger_"+id
-	producer := b.open(t, "producer_"+id)
-	defer closeQuietly(t, producer)
-	if b.cleanup != nil {
-		t.Cleanup(func() { b.cleanup(t, topic, group) })
-	}
+	topic, group, producer := processTopic(t, b, id, "pay_", "ledger_")
 	db := newProcessDB(t)
-	cfg := childConfig{
-		Mode: "crash", BrokerURL: b.url, Group: group, Topic: topic, DLQTopic: "dlq_" + id,
-		DatabaseURL: pgtest.URL(), Schema: db.schema, Consumer: "ledger_" + b.name, MaxAttempts: crashMaxAttempts,
+	cfg := failureConsumer{
+		Stack: db.Stack(b.url, group, topic, "ledger_"+b.name),
+		Mode:  "crash", DLQTopic: "dlq_" + id, MaxAttempts: crashMaxAttempts,
 	}
 
 	// The first consumer subscribes before anything is published, so that
 	// RabbitMQ has its queue.
-	c := startChild(t, cfg)
+	c := failureRole.Start(t, cfg)
 	publish := func(key string) {
 		msg := message.NewMessage(watermill.NewUUID(), []byte(key))
 		msg.Metadata.Set(delivery.IdempotencyKey, key)
@@ -398,7 +187,7 @@ func runCrashLoop(t *testing.T, b broker) {
 	}
 
 	buried := func() bool {
-		return db.count(t, `SELECT count(*) FROM {S}.dlq WHERE key = $1`, killerKey) > 0
+		return db.Count(t, `SELECT count(*) FROM {S}.dlq WHERE key = $1`, killerKey) > 0
 	}
 	var exits []int
 	deadline := time.Now().Add(3 * time.Minute)
@@ -412,42 +201,42 @@ func runCrashLoop(t *testing.T, b broker) {
 			continue
 		}
 		exits = append(exits, c.Code())
-		require.Equal(t, childKilled, c.Code(), "a child died of something else; output:\n%s", c.Out.String())
+		require.Equal(t, proctest.ExitKilled, c.Code(), "a child died of something else; output:\n%s", c.Out.String())
 		require.LessOrEqual(t, len(exits), crashMaxAttempts, "the killer ran more than MaxAttempts times")
-		c = startChild(t, cfg) // restart it, as a supervisor would
+		c = failureRole.Start(t, cfg) // restart it, as a supervisor would
 	}
 
-	require.Eventually(t, func() bool { return db.count(t, `SELECT count(*) FROM {S}.effects`) >= crashGood }, 2*time.Minute, 20*time.Millisecond,
+	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM {S}.effects`) >= crashGood }, 2*time.Minute, 20*time.Millisecond,
 		"the good messages behind the killer are applied")
 	require.Eventually(t, func() bool { return b.pending(t, topic, group) == 0 }, time.Minute, 100*time.Millisecond,
 		"everything acknowledged, the killer included")
-	took, stats := c.terminate(t)
+	stats := c.Stop(t, shutdownBound)
 
-	require.Equal(t, []int{childKilled, childKilled, childKilled}, exits, "the child died exactly MaxAttempts times")
-	require.Equal(t, crashMaxAttempts, db.count(t, `SELECT count(*) FROM {S}.runs WHERE key = $1`, killerKey),
+	require.Equal(t, []int{proctest.ExitKilled, proctest.ExitKilled, proctest.ExitKilled}, exits, "the child died exactly MaxAttempts times")
+	require.Equal(t, crashMaxAttempts, db.Count(t, `SELECT count(*) FROM {S}.runs WHERE key = $1`, killerKey),
 		"the killer's handler ran MaxAttempts times, and not on the delivery that dead-lettered it")
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.effects WHERE key = $1`, killerKey), "the killer has no effect")
-	require.Equal(t, crashGood, db.count(t, `SELECT count(*) FROM {S}.effects`), "each good key applied once")
-	require.Equal(t, crashGood, db.count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.effects WHERE key = $1`, killerKey), "the killer has no effect")
+	require.Equal(t, crashGood, db.Count(t, `SELECT count(*) FROM {S}.effects`), "each good key applied once")
+	require.Equal(t, crashGood, db.Count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
 	require.Equal(t, 0, b.pending(t, topic, group), "nothing left on the broker")
 
 	var (
 		entries, attempts int
 		errText, status   string
 	)
-	require.NoError(t, db.pool.QueryRow(ctx, `SELECT count(*), max(attempts), max(error) FROM `+db.q+`.dlq WHERE key = $1`, killerKey).
+	require.NoError(t, db.Pool.QueryRow(ctx, db.Q(`SELECT count(*), max(attempts), max(error) FROM {S}.dlq WHERE key = $1`), killerKey).
 		Scan(&entries, &attempts, &errText))
 	require.Equal(t, 1, entries, "dead-lettered exactly once")
-	require.Equal(t, 1, db.count(t, `SELECT count(*) FROM {S}.dlq`), "nothing else dead-lettered")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM {S}.dlq`), "nothing else dead-lettered")
 	require.Contains(t, errText, middleware.ErrCrashLoop.Error())
 	require.Equal(t, crashMaxAttempts, attempts)
-	require.NoError(t, db.pool.QueryRow(ctx, `SELECT status FROM `+db.q+`.inbox WHERE consumer = $1 AND key = $2`, cfg.Consumer, killerKey).Scan(&status))
+	require.NoError(t, db.Pool.QueryRow(ctx, db.Q(`SELECT status FROM {S}.inbox WHERE consumer = $1 AND key = $2`), cfg.Consumer, killerKey).Scan(&status))
 	require.Equal(t, "dead", status, "the killer's key is recorded dead")
 	require.Equal(t, int64(1), stats.Inbox.CrashLooped)
 	require.Equal(t, int64(1), stats.Poison.DeadLettered)
 	t.Logf("crash loop on %s: the killer's handler ran %d times, each a child death (exit codes %v), then a later delivery was dead-lettered without running; "+
 		"%d attempts recorded, 1 dead letter with %q, 0 effects of it, %d good keys applied once; last child exited %s after SIGTERM",
-		b.name, crashMaxAttempts, exits, attempts, firstLine(errText), crashGood, took.Round(time.Millisecond))
+		b.name, crashMaxAttempts, exits, attempts, firstLine(errText), crashGood, stats.Took.Round(time.Millisecond))
 }
 
 // TestSigtermDrainProcesses: on Kafka, RabbitMQ, SQS and NATS, 300 keys
@@ -459,42 +248,32 @@ func runCrashLoop(t *testing.T, b broker) {
 // dead-lettered, and the broker holds nothing unacknowledged.
 func TestSigtermDrainProcesses(t *testing.T) {
 	t.Parallel()
-	for _, b := range processBrokers(t, "kafka", "amqp", "sqs", "nats") {
-		t.Run(b.name, func(t *testing.T) {
-			t.Parallel()
-			runDrain(t, b)
-		})
-	}
+	eachProcessBroker(t, runDrain, "kafka", "amqp", "sqs", "nats")
 }
 
 func runDrain(t *testing.T, b broker) {
 	id := pgtest.Name(t)
-	topic, group := "orders_"+id, "billing_"+id
-	producer := b.open(t, "producer_"+id)
-	defer closeQuietly(t, producer)
-	if b.cleanup != nil {
-		t.Cleanup(func() { b.cleanup(t, topic, group) })
-	}
+	topic, group, producer := processTopic(t, b, id, "orders_", "billing_")
 	db := newProcessDB(t)
-	cfg := childConfig{
-		Mode: "drain", BrokerURL: b.url, Group: group, Topic: topic, DLQTopic: "dlq_" + id,
-		DatabaseURL: pgtest.URL(), Schema: db.schema, Consumer: "billing_" + b.name, MaxAttempts: 3,
+	cfg := failureConsumer{
+		Stack: db.Stack(b.url, group, topic, "billing_"+b.name),
+		Mode:  "drain", DLQTopic: "dlq_" + id, MaxAttempts: 3,
 	}
 
-	c := startChild(t, cfg)
+	c := failureRole.Start(t, cfg)
 	for k := range drainKeys {
 		msg := message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(k)))
 		msg.Metadata.Set(delivery.IdempotencyKey, fmt.Sprintf("order-%d", k))
 		require.NoError(t, producer.Publisher.Publish(topic, msg))
 	}
 
-	effects := func() int { return db.count(t, `SELECT count(*) FROM {S}.effects`) }
+	effects := func() int { return db.Count(t, `SELECT count(*) FROM {S}.effects`) }
 	var (
-		total   childStats
+		total   proctest.Stats
 		slowest time.Duration
 	)
-	add := func(took time.Duration, s childStats) {
-		slowest = max(slowest, took)
+	add := func(s proctest.Stats) {
+		slowest = max(slowest, s.Took)
 		total.Deliveries += s.Deliveries
 		total.Inbox.Applied += s.Inbox.Applied
 		total.Inbox.Duplicates += s.Inbox.Duplicates
@@ -511,26 +290,25 @@ func runDrain(t *testing.T, b broker) {
 		// And while a handler runs: a run of this child whose effect has
 		// not committed yet.
 		require.Eventually(t, func() bool {
-			return db.count(t, `SELECT count(*) FROM {S}.runs r WHERE r.pid = $1 AND NOT EXISTS (SELECT 1 FROM {S}.effects e WHERE e.key = r.key)`,
+			return db.Count(t, `SELECT count(*) FROM {S}.runs r WHERE r.pid = $1 AND NOT EXISTS (SELECT 1 FROM {S}.effects e WHERE e.key = r.key)`,
 				c.Cmd.Process.Pid) > 0
 		}, 2*time.Minute, time.Millisecond, "kill %d: no handler running", kill)
-		took, s := c.terminate(t)
-		add(took, s)
+		add(c.Stop(t, shutdownBound))
 		require.Less(t, effects(), drainKeys, "kill %d came after the end", kill)
-		c = startChild(t, cfg)
+		c = failureRole.Start(t, cfg)
 	}
 	require.Eventually(t, func() bool { return effects() >= drainKeys }, 3*time.Minute, 20*time.Millisecond,
 		"the last child drains everything")
 	require.Eventually(t, func() bool { return b.pending(t, topic, group) == 0 }, 2*time.Minute, 100*time.Millisecond,
 		"everything acknowledged")
-	add(c.terminate(t))
+	add(c.Stop(t, shutdownBound))
 
 	require.Equal(t, drainKeys, effects(), "exactly one effect per key")
-	require.Equal(t, drainKeys, db.count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
-	require.Equal(t, drainKeys, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE consumer = $1 AND status = 'done'`, cfg.Consumer))
-	require.Zero(t, db.count(t, `SELECT count(*) FROM {S}.inbox WHERE attempts > 1 OR last_error IS NOT NULL OR status <> 'done'`),
+	require.Equal(t, drainKeys, db.Count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
+	require.Equal(t, drainKeys, db.Count(t, `SELECT count(*) FROM {S}.inbox WHERE consumer = $1 AND status = 'done'`, cfg.Consumer))
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.inbox WHERE attempts > 1 OR last_error IS NOT NULL OR status <> 'done'`),
 		"a shutdown is never counted as an attempt")
-	dead := db.count(t, `SELECT count(*) FROM {S}.dlq`)
+	dead := db.Count(t, `SELECT count(*) FROM {S}.dlq`)
 	require.Zero(t, dead, "nothing dead-lettered")
 	require.Zero(t, total.Inbox.Failed)
 	require.Positive(t, total.Inbox.Abandoned+total.FinishedAtShutdown,
@@ -539,7 +317,7 @@ func runDrain(t *testing.T, b broker) {
 	require.Equal(t, 0, b.pending(t, topic, group), "nothing left on the broker")
 	// A handler that finished while its consumer shut down was committed:
 	// such a key never ran twice.
-	rows, err := db.pool.Query(context.Background(), `SELECT key, count(*) FROM `+db.q+`.runs GROUP BY key`)
+	rows, err := db.Pool.Query(context.Background(), db.Q(`SELECT key, count(*) FROM {S}.runs GROUP BY key`))
 	require.NoError(t, err)
 	runsOf := map[string]int{}
 	for rows.Next() {

@@ -1,17 +1,17 @@
 package adapters_test
 
 import (
-	"os"
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/oncemill/oncemill/internal/proctest"
 )
 
 func TestMain(m *testing.M) {
-	if cfg := os.Getenv(childEnv); cfg != "" {
-		// A child consumer process started by a test of this package.
-		os.Exit(runChild(cfg))
-	}
+	// A child process started by a test of this package runs its role and
+	// exits here.
+	proctest.Main(failureRole, inflightRole, batchRole, burstRole, restartRole)
 	// Sarama starts a process-wide metrics ticker that nothing stops.
 	goleak.VerifyTestMain(m, goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"))
 }

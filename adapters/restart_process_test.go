@@ -2,24 +2,17 @@ package adapters_test
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
-	"os/signal"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters"
@@ -27,38 +20,18 @@ import (
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/brokertest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/proctest"
 	"github.com/oncemill/oncemill/middleware"
-	"github.com/oncemill/oncemill/sqlschema"
-)
-
-// restartRoleEnv, when set, makes the test binary run one process of the
-// restart tests instead of the tests (see init): "kafka", the embedded
-// broker, which prints its address and runs until SIGTERM, or
-// "consumer", configured by restartConsumerEnv's JSON value, a
-// restartConsumer.
-const (
-	restartRoleEnv     = "ONCEMILL_TEST_RESTART_ROLE"
-	restartConsumerEnv = "ONCEMILL_TEST_RESTART_CONSUMER"
 )
 
 const (
-	// Exit codes of a process of the restart tests.
-	restartBadSetup = 4
-	restartBadClose = 5
-	restartStopped  = 6 // the router stopped by itself
-
-	restartKafkaLine = "RESTART KAFKA "
-	restartReadyLine = "RESTART READY"
-
 	// restartPublishEvery is the producer's pace: 50 messages a second,
 	// over 4 partitions.
 	restartPublishEvery = 20 * time.Millisecond
 	// restartPartitions is the partition count of the broker's topics.
-	restartPartitions = 4
+	restartPartitions = proctest.KafkaPartitions
 	// restartStallSlack is what the longest stall may exceed the
 	// session timeout by: the rebalance's JoinGroup and SyncGroup, and
 	// the first fetch of a moved partition.
@@ -68,115 +41,25 @@ const (
 	restartShutdownBound = 20 * time.Second
 )
 
-// init runs a process of the restart tests when the environment names
-// one; it must come before TestMain, which knows nothing of these roles.
-func init() {
-	if role := os.Getenv(restartRoleEnv); role != "" {
-		os.Exit(runRestartRole(role))
-	}
-}
-
-func runRestartRole(role string) int {
-	// Registered first: a SIGTERM that comes while the process starts is
-	// handled once it runs.
-	term := make(chan os.Signal, 1)
-	signal.Notify(term, syscall.SIGTERM)
-	var (
-		code int
-		err  error
-	)
-	switch role {
-	case "kafka":
-		code, err = serveRestartKafka(term)
-	case "consumer":
-		var cfg restartConsumer
-		if err := json.Unmarshal([]byte(os.Getenv(restartConsumerEnv)), &cfg); err != nil {
-			fmt.Fprintln(os.Stderr, "restart consumer: bad config:", err)
-			return restartBadSetup
-		}
-		code, err = cfg.run(term)
-	default:
-		code, err = restartBadSetup, fmt.Errorf("unknown role %q", role)
-	}
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "restart %s: %v\n", role, err)
-	}
-	return code
-}
-
-// serveRestartKafka runs the embedded broker in this process, so that
-// the consumers reach it over the network as they would a cluster, and
-// so that killing a consumer kills nothing of the broker. Topics have
-// restartPartitions partitions; the broker accepts session timeouts from
-// 1s.
-func serveRestartKafka(term <-chan os.Signal) (int, error) {
-	cluster, err := embedded.Start(embedded.Config{DefaultPartitions: restartPartitions, GroupMinSessionTimeout: time.Second})
-	if err != nil {
-		return restartBadSetup, err
-	}
-	fmt.Println(restartKafkaLine + strings.Join(cluster.Addrs(), ","))
-	<-term
-	if err := cluster.Close(); err != nil {
-		return restartBadClose, err
-	}
-	return 0, nil
-}
-
-// restartConsumer is a consumer process: the Kafka adapter opened by
-// BrokerURL, the poison middleware with the PostgreSQL dead-letter table,
-// and the PostgreSQL inbox around a handler that inserts one effect row
-// per key in the inbox's transaction, with the partition and the member
-// that applied it.
+// restartConsumer is a consumer process of the restart tests: the
+// standard stack on the Kafka adapter, around a handler that inserts one
+// effect row per key in the inbox's transaction, with the partition and
+// the member that applied it.
 type restartConsumer struct {
-	BrokerURL   string
-	Group       string
-	Topic       string
-	DatabaseURL string
-	Schema      string
-	Member      string // "a" or "b", whatever process runs it
+	proctest.Stack
+	Member string // "a" or "b", whatever process runs it
 }
 
-func (cfg restartConsumer) run(term <-chan os.Signal) (int, error) {
-	ctx := context.Background()
-	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
-	if err != nil {
-		return restartBadSetup, err
-	}
-	poolCfg.MaxConns = 8
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	if err != nil {
-		return restartBadSetup, err
-	}
-	defer pool.Close()
-	store, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
-	if err != nil {
-		return restartBadSetup, err
-	}
-	dlqPub, err := dlq.NewPublisher(pool, sqlschema.Config{Schema: cfg.Schema})
-	if err != nil {
-		return restartBadSetup, err
-	}
+var restartRole = proctest.NewRole("restart", func(cfg restartConsumer, term <-chan os.Signal) error {
 	// Info logs go to the parent, which shows them when a check fails and
 	// looks in them for read timeouts.
-	logger := watermill.NewStdLogger(false, false)
-	ps, err := adapters.Open(ctx, cfg.BrokerURL, adapters.Options{ConsumerGroup: cfg.Group, Logger: logger})
-	if err != nil {
-		return restartBadSetup, err
-	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{
-		Publisher: dlqPub, Topic: "dlq", MaxAttempts: 5,
+	c := &proctest.Consumer{Stack: cfg.Stack, Verbose: true, StrictClose: true, Poison: &middleware.PoisonConfig{
+		Topic: "dlq", MaxAttempts: 5,
 		InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-	})
-	if err != nil {
-		return restartBadSetup, errors.Join(err, ps.Close())
-	}
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: "ledger"})
-	if err != nil {
-		return restartBadSetup, errors.Join(err, ps.Close())
-	}
-	effects := pgx.Identifier{cfg.Schema, "effects"}.Sanitize()
+	}}
+	effects := cfg.Table("effects")
 	pid := os.Getpid()
-	handler := func(msg *message.Message) error {
+	return c.Run(term, func(msg *message.Message) error {
 		ctx := msg.Context()
 		part, err := strconv.Atoi(msg.Metadata.Get(delivery.Partition))
 		if err != nil {
@@ -185,56 +68,8 @@ func (cfg restartConsumer) run(term <-chan os.Signal) (int, error) {
 		_, err = postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (key, part, member, pid) VALUES ($1, $2, $3, $4)`,
 			middleware.IdempotencyKey(ctx), part, cfg.Member, pid)
 		return err
-	}
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	if err != nil {
-		return restartBadSetup, errors.Join(err, ps.Close())
-	}
-	r.AddMiddleware(poison.Middleware, inbox.Middleware)
-	r.AddNoPublisherHandler("ledger", cfg.Topic, ps.Subscriber, handler)
-	code := 0
-	switch err := proctest.RunRouter(ctx, r, restartReadyLine, term); {
-	case errors.Is(err, proctest.ErrRouterNotStarted):
-		return restartBadSetup, errors.Join(err, ps.Close())
-	case errors.Is(err, proctest.ErrRouterStopped):
-		return restartStopped, errors.Join(err, ps.Close())
-	case err != nil:
-		code = restartBadClose
-		fmt.Fprintln(os.Stderr, "restart consumer: router close:", err)
-	}
-	if err := ps.Close(); err != nil {
-		code = restartBadClose
-		fmt.Fprintln(os.Stderr, "restart consumer: close:", err)
-	}
-	return code, nil
-}
-
-// startRestartKafka starts the broker process and returns its address;
-// the process is stopped when the test ends.
-func startRestartKafka(t *testing.T) []string {
-	t.Helper()
-	p, err := proctest.Start([]string{restartRoleEnv + "=kafka"}, restartKafkaLine, time.Minute)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		if err := p.Terminate(10 * time.Second); err != nil {
-			t.Errorf("broker process: %v", err)
-		}
 	})
-	addrs, ok := p.Out.Line(restartKafkaLine)
-	require.True(t, ok)
-	return strings.Split(addrs, ",")
-}
-
-// createRestartTopic creates topic with restartPartitions partitions.
-func createRestartTopic(t *testing.T, brokers []string, topic string) {
-	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_3_0_0
-	admin, err := sarama.NewClusterAdmin(brokers, cfg)
-	require.NoError(t, err)
-	defer admin.Close()
-	require.NoError(t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: restartPartitions, ReplicationFactor: 1}, false))
-}
+})
 
 // restartMember is one consumer slot of a scenario, restarted under the
 // same name (and instance id, for static members) after each kill.
@@ -249,24 +84,14 @@ type restartMember struct {
 
 func (m *restartMember) start(t *testing.T) {
 	t.Helper()
-	raw, err := json.Marshal(m.cfg)
-	require.NoError(t, err)
-	p, err := proctest.Start([]string{restartRoleEnv + "=consumer", restartConsumerEnv + "=" + string(raw)}, restartReadyLine, time.Minute)
-	require.NoError(t, err, "member %s", m.name)
-	t.Cleanup(func() {
-		if !p.Exited() {
-			p.Kill()
-		}
-	})
-	m.cur = p
-	m.outs = append(m.outs, p.Out)
+	m.cur = restartRole.Start(t, m.cfg)
+	m.outs = append(m.outs, m.cur.Out)
 }
 
 // terminate sends SIGTERM and waits for a clean exit.
 func (m *restartMember) terminate(t *testing.T) {
 	t.Helper()
-	require.NoError(t, m.cur.Terminate(restartShutdownBound), "member %s", m.name)
-	require.Equal(t, 0, m.cur.Code(), "member %s exit code; output:\n%s", m.name, m.cur.Out.String())
+	m.cur.Stop(t, restartShutdownBound)
 }
 
 // output is everything the slot's processes printed.
@@ -316,10 +141,7 @@ func TestKafkaRestartProcesses(t *testing.T) {
 	t.Parallel()
 	// A cluster named by the environment must accept 2s sessions
 	// (group.min.session.timeout.ms), as docker-compose.yml's does.
-	brokers := kafka.BrokersFromEnv()
-	if len(brokers) == 0 {
-		brokers = startRestartKafka(t)
-	}
+	brokers := proctest.KafkaCluster(t)
 	s := time.Second
 	for _, sc := range []restartScenario{
 		{
@@ -356,27 +178,10 @@ type restartEvent struct {
 }
 
 func runRestarts(t *testing.T, brokers []string, sc restartScenario) {
-	ctx := context.Background()
 	id := pgtest.Name(t)
 	topic, group := "payments_"+id, "ledger_"+id
-	pool := pgtest.Pool(t, 4)
-	schema := pgtest.Schema(t, pool)
-	q := pgx.Identifier{schema}.Sanitize()
-	_, err := pool.Exec(ctx, `CREATE TABLE `+q+`.effects (key text NOT NULL, part integer NOT NULL, member text NOT NULL, pid integer NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE TABLE `+q+`.published (key text PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp())`)
-	require.NoError(t, err)
-	count := func(query string) int {
-		t.Helper()
-		var n int
-		require.NoError(t, pool.QueryRow(ctx, strings.ReplaceAll(query, "{S}", q)).Scan(&n))
-		return n
-	}
-	now := func() time.Time {
-		t.Helper()
-		var at time.Time
-		require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&at))
-		return at
-	}
+	db := proctest.NewDB(t, `CREATE TABLE {S}.effects (key text NOT NULL, part integer NOT NULL, member text NOT NULL, pid integer NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE {S}.published (key text PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp())`)
 
 	base := "kafka://" + strings.Join(brokers, ",") + "?group=" + group
 	if sc.params != "" {
@@ -384,77 +189,28 @@ CREATE TABLE `+q+`.published (key text PRIMARY KEY, at timestamptz NOT NULL DEFA
 	}
 	members := map[string]*restartMember{}
 	for _, name := range []string{"a", "b"} {
-		cfg := restartConsumer{BrokerURL: base, Group: group, Topic: topic, DatabaseURL: pgtest.URL(), Schema: schema, Member: name}
+		cfg := restartConsumer{Stack: db.Stack(base, group, topic, "ledger"), Member: name}
 		if sc.static {
 			cfg.BrokerURL += "&instance_id=ledger-" + name
 		}
 		members[name] = &restartMember{name: name, cfg: cfg}
 	}
-	createRestartTopic(t, brokers, topic)
+	brokertest.CreateKafkaTopic(t, brokers, topic, restartPartitions)
 	a, b := members["a"], members["b"]
-	defer func() {
-		if t.Failed() {
-			t.Logf("consumer output:\n%s\n%s", a.output(), b.output())
-		}
-	}()
 	a.start(t)
 	b.start(t)
 	groups := brokertest.NewKafkaGroups(t, brokers)
 
 	// The producer: one message a tick, each its own key, recorded once
 	// the broker has it.
-	producer, err := adapters.Open(ctx, "kafka://"+strings.Join(brokers, ","), adapters.Options{ConsumerGroup: "producer_" + id})
-	require.NoError(t, err)
-	defer func() { require.NoError(t, producer.Close()) }()
-	var (
-		stopProducing = make(chan struct{})
-		producing     sync.WaitGroup
-		produceErr    error
-	)
-	producing.Add(1)
-	go func() {
-		defer producing.Done()
-		tick := time.NewTicker(restartPublishEvery)
-		defer tick.Stop()
-		for n := 0; ; n++ {
-			select {
-			case <-stopProducing:
-				return
-			case <-tick.C:
-			}
-			key := fmt.Sprintf("pay-%05d", n)
-			msg := message.NewMessage(watermill.NewUUID(), []byte(key))
-			msg.Metadata.Set(delivery.IdempotencyKey, key)
-			if err := producer.Publisher.Publish(topic, msg); err != nil {
-				produceErr = fmt.Errorf("publish %s: %w", key, err)
-				return
-			}
-			if _, err := pool.Exec(ctx, `INSERT INTO `+q+`.published (key) VALUES ($1)`, key); err != nil {
-				produceErr = fmt.Errorf("record %s: %w", key, err)
-				return
-			}
-		}
-	}()
-	stopProducer := func() {
-		t.Helper()
-		select {
-		case <-stopProducing:
-		default:
-			close(stopProducing)
-		}
-		producing.Wait()
-		require.NoError(t, produceErr)
-	}
-	defer stopProducer()
+	stopProducer := db.Stream(t, "kafka://"+strings.Join(brokers, ","), topic, restartPublishEvery)
 
 	// Steady: both members apply messages.
-	started := now()
+	started := db.Now(t)
 	require.Eventually(t, func() bool {
-		var n int
-		require.NoError(t, pool.QueryRow(ctx, `SELECT count(DISTINCT member) FROM `+q+`.effects WHERE at > $1`, started).Scan(&n))
-		return n == 2
+		return db.Count(t, `SELECT count(DISTINCT member) FROM {S}.effects WHERE at > $1`, started) == 2
 	}, time.Minute, 50*time.Millisecond, "both members apply messages")
-	steady := now()
+	steady := db.Now(t)
 	before := groups.Describe(t, group, topic)
 	require.Equal(t, "Stable", before.State)
 	require.Len(t, before.Members, 2)
@@ -466,40 +222,23 @@ CREATE TABLE `+q+`.published (key text PRIMARY KEY, at timestamptz NOT NULL DEFA
 
 	// The static members' group must not rebalance while b restarts.
 	var (
-		watching   = make(chan struct{})
-		watched    sync.WaitGroup
 		statesMu   sync.Mutex
 		rebalances []string
-		stopOnce   sync.Once
 	)
-	stopWatching := func() {
-		stopOnce.Do(func() { close(watching) })
-		watched.Wait()
-	}
-	defer stopWatching()
+	stopWatching := func() {}
 	if sc.static {
-		watched.Add(1)
-		go func() {
-			defer watched.Done()
-			for {
-				select {
-				case <-watching:
-					return
-				case <-time.After(20 * time.Millisecond):
-				}
-				g, err := groups.Group(group, topic)
-				if err == nil && g.State == "Stable" {
-					continue
-				}
-				what := g.State
-				if err != nil {
-					what = err.Error()
-				}
-				statesMu.Lock()
-				rebalances = append(rebalances, fmt.Sprintf("%s at %s", what, time.Now().Format("15:04:05.000")))
-				statesMu.Unlock()
+		stopWatching = groups.Watch(t, group, topic, 20*time.Millisecond, func(g brokertest.KafkaGroup, err error) {
+			if err == nil && g.State == "Stable" {
+				return
 			}
-		}()
+			what := g.State
+			if err != nil {
+				what = err.Error()
+			}
+			statesMu.Lock()
+			rebalances = append(rebalances, fmt.Sprintf("%s at %s", what, time.Now().Format("15:04:05.000")))
+			statesMu.Unlock()
+		})
 	}
 
 	events := []restartEvent{{what: "steady", at: steady}}
@@ -507,7 +246,7 @@ CREATE TABLE `+q+`.published (key text PRIMARY KEY, at timestamptz NOT NULL DEFA
 	for i, gap := range sc.kills {
 		time.Sleep(time.Until(last.Add(gap)))
 		last = time.Now()
-		events = append(events, restartEvent{what: fmt.Sprintf("kill %d of b", i+1), at: now()})
+		events = append(events, restartEvent{what: fmt.Sprintf("kill %d of b", i+1), at: db.Now(t)})
 		b.cur.Kill()
 		b.start(t)
 	}
@@ -531,7 +270,7 @@ CREATE TABLE `+q+`.published (key text PRIMARY KEY, at timestamptz NOT NULL DEFA
 		term, other = b, a
 	}
 	time.Sleep(time.Until(last.Add(max(4*time.Second, sc.session+time.Second))))
-	events = append(events, restartEvent{what: "SIGTERM of " + term.name, at: now()})
+	events = append(events, restartEvent{what: "SIGTERM of " + term.name, at: db.Now(t)})
 	term.terminate(t)
 	afterTerm := groups.Describe(t, group, topic)
 	if sc.static {
@@ -546,26 +285,20 @@ CREATE TABLE `+q+`.published (key text PRIMARY KEY, at timestamptz NOT NULL DEFA
 	}, sc.session+10*time.Second, 50*time.Millisecond, "%s takes every partition", other.name)
 	time.Sleep(2 * time.Second)
 
-	stopProducer()
-	published := count(`SELECT count(*) FROM {S}.published`)
-	require.Eventually(t, func() bool {
-		return count(`SELECT count(*) FROM {S}.published p WHERE NOT EXISTS (SELECT 1 FROM {S}.effects e WHERE e.key = p.key)`) == 0
-	}, time.Minute, 50*time.Millisecond, "every published message is applied")
-	require.Eventually(t, func() bool { return brokertest.KafkaLag(t, brokers, topic, group) == 0 }, 30*time.Second, 100*time.Millisecond,
-		"the group's offsets reach the end of every partition")
+	published := stopAndCatchUp(t, db, stopProducer, brokers, topic, group)
 	other.terminate(t)
 
-	require.Equal(t, published, count(`SELECT count(*) FROM {S}.effects`), "exactly one effect per published message")
-	require.Equal(t, published, count(`SELECT count(DISTINCT key) FROM {S}.effects`))
-	require.Equal(t, restartPartitions, count(`SELECT count(DISTINCT part) FROM {S}.effects`))
-	require.Zero(t, count(`SELECT count(*) FROM {S}.dlq`), "nothing dead-lettered")
+	require.Equal(t, published, db.Count(t, `SELECT count(*) FROM {S}.effects`), "exactly one effect per published message")
+	require.Equal(t, published, db.Count(t, `SELECT count(DISTINCT key) FROM {S}.effects`))
+	require.Equal(t, restartPartitions, db.Count(t, `SELECT count(DISTINCT part) FROM {S}.effects`))
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.dlq`), "nothing dead-lettered")
 	require.Zero(t, brokertest.KafkaLag(t, brokers, topic, group), "nothing left on the broker")
 	for _, m := range members {
 		require.NotContains(t, m.output(), "i/o timeout", "no request of member %s timed out", m.name)
 	}
 
 	// The stalls, from the effects and publish times.
-	rows, err := pool.Query(ctx, `SELECT e.part, p.at, e.at FROM `+q+`.effects e JOIN `+q+`.published p USING (key)`)
+	rows, err := db.Pool.Query(context.Background(), db.Q(`SELECT e.part, p.at, e.at FROM {S}.effects e JOIN {S}.published p USING (key)`))
 	require.NoError(t, err)
 	var done []restartApplied
 	for rows.Next() {
@@ -625,6 +358,21 @@ CREATE TABLE `+q+`.published (key text PRIMARY KEY, at timestamptz NOT NULL DEFA
 			require.Less(t, es.partition, sc.session/2+time.Second, "%s: a member sent SIGTERM leaves the group, its partitions move long before its session would expire", es.what)
 		}
 	}
+}
+
+// stopAndCatchUp stops the producer and waits until every message it
+// published is applied and group's offsets reach the end of every
+// partition; it returns how many messages were published.
+func stopAndCatchUp(t *testing.T, db *proctest.DB, stopProducer func(), brokers []string, topic, group string) int {
+	t.Helper()
+	stopProducer()
+	published := db.Count(t, `SELECT count(*) FROM {S}.published`)
+	require.Eventually(t, func() bool {
+		return db.Count(t, `SELECT count(*) FROM {S}.published p WHERE NOT EXISTS (SELECT 1 FROM {S}.effects e WHERE e.key = p.key)`) == 0
+	}, time.Minute, 50*time.Millisecond, "every published message is applied")
+	require.Eventually(t, func() bool { return brokertest.KafkaLag(t, brokers, topic, group) == 0 }, 30*time.Second, 100*time.Millisecond,
+		"the group's offsets reach the end of every partition")
+	return published
 }
 
 // restartApplied is a message's partition, publish time and effect time.
@@ -716,14 +464,7 @@ func TestKafkaRestartCloseLeavesGroup(t *testing.T) {
 					url += "&instance_id=ledger-0"
 					want = []string{"ledger-0"}
 				}
-				ps, err := adapters.Open(context.Background(), url, adapters.Options{})
-				require.NoError(t, err)
-				r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-				require.NoError(t, err)
-				r.AddNoPublisherHandler("ledger", topic, ps.Subscriber, func(*message.Message) error { return nil })
-				done := make(chan error, 1)
-				go func() { done <- r.Run(context.Background()) }()
-				<-r.Running()
+				stop := ackAll(t, url, topic, adapters.Options{})
 
 				var joined brokertest.KafkaGroup
 				require.Eventually(t, func() bool {
@@ -733,9 +474,7 @@ func TestKafkaRestartCloseLeavesGroup(t *testing.T) {
 				}, 30*time.Second, 20*time.Millisecond, "the subscriber joins and is assigned every partition")
 				require.Equal(t, want, joined.InstanceIDs(), "the subscriber joined with the URL's instance_id")
 
-				require.NoError(t, r.Close())
-				require.NoError(t, <-done)
-				require.NoError(t, ps.Close())
+				stop()
 				closed := time.Now()
 				left := groups.Describe(t, group, topic)
 				if !static {
@@ -778,23 +517,31 @@ func TestKafkaRestartDuplicateInstanceID(t *testing.T) {
 			url := "kafka://" + strings.Join(cluster.Addrs(), ",") + "?group=" + group + mode.params + "&instance_id=ledger-0"
 			logs := &restartErrorLog{}
 			for range 2 {
-				ps, err := adapters.Open(context.Background(), url, adapters.Options{Logger: logs})
-				require.NoError(t, err)
-				r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-				require.NoError(t, err)
-				r.AddNoPublisherHandler("ledger", topic, ps.Subscriber, func(*message.Message) error { return nil })
-				done := make(chan error, 1)
-				go func() { done <- r.Run(context.Background()) }()
-				<-r.Running()
-				t.Cleanup(func() {
-					require.NoError(t, r.Close())
-					require.NoError(t, <-done)
-					require.NoError(t, ps.Close())
-				})
+				t.Cleanup(ackAll(t, url, topic, adapters.Options{Logger: logs}))
 			}
 			require.Eventually(t, func() bool { return logs.contains("group.instance.id") }, 30*time.Second, 20*time.Millisecond,
 				"a fenced subscriber logs why; errors logged: %v", logs)
 		})
+	}
+}
+
+// ackAll opens the broker at url and runs a router whose handler acks
+// every message of topic, until the returned stop closes the router, then
+// the broker.
+func ackAll(t *testing.T, url, topic string, opts adapters.Options) (stop func()) {
+	t.Helper()
+	ps, err := adapters.Open(context.Background(), url, opts)
+	require.NoError(t, err)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddNoPublisherHandler("ledger", topic, ps.Subscriber, func(*message.Message) error { return nil })
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	<-r.Running()
+	return func() {
+		require.NoError(t, r.Close())
+		require.NoError(t, <-done)
+		require.NoError(t, ps.Close())
 	}
 }
 

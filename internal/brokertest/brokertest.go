@@ -50,6 +50,17 @@ func KafkaLag(t testing.TB, brokers []string, topic, group string) int {
 	return lag
 }
 
+// CreateKafkaTopic creates topic with partitions partitions.
+func CreateKafkaTopic(t testing.TB, brokers []string, topic string, partitions int32) {
+	t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V2_3_0_0
+	admin, err := sarama.NewClusterAdmin(brokers, cfg)
+	require.NoError(t, err)
+	defer admin.Close()
+	require.NoError(t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false))
+}
+
 // AMQPReady is the ready messages of group's queue for topic on the
 // RabbitMQ at url. What a running consumer holds unacked is left out (AMQP
 // does not report it): read it again once the consumers stopped, which

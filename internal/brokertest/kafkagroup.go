@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -125,4 +126,33 @@ func (g *KafkaGroups) Group(group, topic string) (KafkaGroup, error) {
 		out.Members = append(out.Members, m)
 	}
 	return out, nil
+}
+
+// Watch describes group every interval, in a goroutine of its own, and
+// hands each answer to fn, until the returned stop is called (or the test
+// ends); stop waits for the goroutine, and calling it again does nothing.
+func (g *KafkaGroups) Watch(t testing.TB, group, topic string, every time.Duration, fn func(KafkaGroup, error)) (stop func()) {
+	var (
+		done    = make(chan struct{})
+		stopped sync.WaitGroup
+		once    sync.Once
+	)
+	stopped.Add(1)
+	go func() {
+		defer stopped.Done()
+		for {
+			select {
+			case <-done:
+				return
+			case <-time.After(every):
+			}
+			fn(g.Group(group, topic))
+		}
+	}()
+	stop = func() {
+		once.Do(func() { close(done) })
+		stopped.Wait()
+	}
+	t.Cleanup(stop)
+	return stop
 }

@@ -153,13 +153,13 @@ var (
 	ErrRouterStopped    = errors.New("proctest: router stopped by itself")
 )
 
-// RunRouter is a child consumer's life: it runs r, prints ready once the
-// router runs (the line the parent waits for), and closes r when term
-// receives, as a process does on SIGTERM. It returns nil after a clean
+// RunRouter is a child consumer's life: it runs r, prints the ready line
+// once the router runs (see [Ready]), and closes r when term receives, as
+// a process does on SIGTERM. It returns nil after a clean
 // close; an error wrapping ErrRouterNotStarted or ErrRouterStopped, with
 // the router's own error, when the router stopped without being told; and
 // the close's errors otherwise.
-func RunRouter(ctx context.Context, r *message.Router, ready string, term <-chan os.Signal) error {
+func RunRouter(ctx context.Context, r *message.Router, term <-chan os.Signal) error {
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
 	select {
@@ -167,7 +167,7 @@ func RunRouter(ctx context.Context, r *message.Router, ready string, term <-chan
 	case err := <-done:
 		return fmt.Errorf("%w: %w", ErrRouterNotStarted, err)
 	}
-	fmt.Println(ready)
+	Ready("")
 	select {
 	case <-term:
 		return errors.Join(r.Close(), <-done)
