@@ -23,7 +23,8 @@ import (
 // again does nothing. The publisher is closed when the test ends.
 func (db *DB) Stream(t testing.TB, brokerURL, topic string, every time.Duration) (stop func()) {
 	t.Helper()
-	producer, err := adapters.Open(context.Background(), brokerURL, adapters.Options{})
+	// Kafka asks for a group, which a publisher does not use.
+	producer, err := adapters.Open(context.Background(), brokerURL, adapters.Options{ConsumerGroup: "producer_" + topic})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, producer.Close()) })
 	pub := producer.Publisher
