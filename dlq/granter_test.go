@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/sqlite"
@@ -47,7 +48,7 @@ func startElsewhere(t *testing.T, backend string) *elsewhere {
 	icfg := middleware.InboxConfig{Consumer: "charge"}
 	var (
 		effect func(ctx context.Context, key string) error
-		peeker dedup.Peeker
+		peeker dedupdriver.Peeker
 	)
 	switch backend {
 	case "redis":

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
 // ErrNoDeadKey is returned, wrapped, by [Store.Replay] for an entry whose
@@ -32,7 +33,7 @@ var ErrNoDeadKey = errors.New("dlq: the key has no record in the inbox store the
 // lives elsewhere (Redis, SQLite, another schema) passes its store instead
 // ([Store.WithGranter], [ReplaySubscriberConfig.Granter]). A replay whose
 // key is not dead in the granter's store goes on only when the granter
-// is a [dedup.RecordFinder], as every oncemill store is, that holds a
+// is a [dedupdriver.RecordFinder], as every oncemill store is, that holds a
 // record of the key (done, failed or in flight: the copy is a duplicate
 // or a normal retry); otherwise it is refused with [ErrNoDeadKey], since
 // the key's dead mark may be in another store.
@@ -42,7 +43,7 @@ type Granter interface {
 	InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error)
 }
 
-var _ dedup.RecordFinder = tableGranter{}
+var _ dedupdriver.RecordFinder = tableGranter{}
 
 // tableGranter writes grants on a PostgreSQL inbox table.
 type tableGranter struct {
@@ -109,7 +110,7 @@ func grantReplay(ctx context.Context, g Granter, e Entry, newKeys bool) (string,
 	if dead || newKeys {
 		return grant, nil
 	}
-	if f, ok := g.(dedup.RecordFinder); ok {
+	if f, ok := g.(dedupdriver.RecordFinder); ok {
 		found, err := f.InboxHasRecord(ctx, key)
 		if err != nil {
 			return "", fmt.Errorf("dlq: replay entry %d: read the record of consumer %q key %q: %w", e.ID, e.Consumer, e.Key, err)

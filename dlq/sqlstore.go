@@ -17,6 +17,7 @@ import (
 	"github.com/go-sql-driver/mysql"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -173,7 +174,7 @@ type sqlTableGranter struct {
 	inbox string
 }
 
-var _ dedup.RecordFinder = sqlTableGranter{}
+var _ dedupdriver.RecordFinder = sqlTableGranter{}
 
 func (g sqlTableGranter) InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error) {
 	ok, err := g.store.InboxGrantReplay(ctx, key, grant)

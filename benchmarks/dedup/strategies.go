@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/sqlite"
@@ -484,10 +485,10 @@ func (p *process) tx(o procOptions, s dedup.TxStore) dedup.TxStore {
 	}
 	g := gatedTx{TxStore: s, p: p}
 	if _, ok := s.(interface {
-		dedup.StartClaimer
-		dedup.BeginClaimer
+		dedupdriver.StartClaimer
+		dedupdriver.BeginClaimer
 	}); ok {
-		if _, ok := s.(dedup.BatchClaimer); ok {
+		if _, ok := s.(dedupdriver.BatchClaimer); ok {
 			return gatedBatchTx{gatedPipelineTx{g}}
 		}
 		return gatedPipelineTx{g}
@@ -573,7 +574,7 @@ func (g gatedPipelineTx) InboxStartClaim(ctx context.Context, key dedup.Key, win
 	if g.p.dead.Load() {
 		return dedup.Claim{}, nil, dedup.Claim{}, errCrashed
 	}
-	start, tx, claim, err := g.TxStore.(dedup.StartClaimer).InboxStartClaim(ctx, key, window)
+	start, tx, claim, err := g.TxStore.(dedupdriver.StartClaimer).InboxStartClaim(ctx, key, window)
 	if tx != nil {
 		tx = gatedInboxTx{InboxTx: tx, p: g.p}
 	}
@@ -584,7 +585,7 @@ func (g gatedPipelineTx) InboxBeginClaim(ctx context.Context, key dedup.Key, win
 	if g.p.dead.Load() {
 		return nil, dedup.Claim{}, errCrashed
 	}
-	tx, claim, err := g.TxStore.(dedup.BeginClaimer).InboxBeginClaim(ctx, key, window)
+	tx, claim, err := g.TxStore.(dedupdriver.BeginClaimer).InboxBeginClaim(ctx, key, window)
 	if tx != nil {
 		tx = gatedInboxTx{InboxTx: tx, p: g.p}
 	}
@@ -600,14 +601,14 @@ func (g gatedBatchTx) InboxStartBatch(ctx context.Context, consumer string, keys
 	if g.p.dead.Load() {
 		return nil, errCrashed
 	}
-	return g.TxStore.(dedup.BatchClaimer).InboxStartBatch(ctx, consumer, keys, window)
+	return g.TxStore.(dedupdriver.BatchClaimer).InboxStartBatch(ctx, consumer, keys, window)
 }
 
 func (g gatedBatchTx) InboxBeginClaimBatch(ctx context.Context, consumer string, keys []string, window time.Duration) (dedup.InboxTx, []dedup.Claim, error) {
 	if g.p.dead.Load() {
 		return nil, nil, errCrashed
 	}
-	tx, claims, err := g.TxStore.(dedup.BatchClaimer).InboxBeginClaimBatch(ctx, consumer, keys, window)
+	tx, claims, err := g.TxStore.(dedupdriver.BatchClaimer).InboxBeginClaimBatch(ctx, consumer, keys, window)
 	if tx != nil {
 		tx = gatedInboxTx{InboxTx: tx, p: g.p}
 	}
