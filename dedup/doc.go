@@ -18,13 +18,27 @@
 //
 // # Implementations
 //
-// The postgres and sqlite packages implement [TxStore]; postgres, redis and
-// memory implement [LeaseStore]; twotier is a [TxStore] made of a lease
-// store (Redis) as a fast lock in front of a [TxStore] (PostgreSQL) as the
-// record. All of them implement [Peeker] and [KeyLister] for the Bloom
-// prefilter. memory forgets everything on restart, and Redis alone is not a
+// The postgres, sqlite and sqlstore (MySQL, MariaDB, PostgreSQL through
+// database/sql) packages implement [TxStore]; postgres, redis and memory
+// implement [LeaseStore]; twotier is a [TxStore] made of a lease store
+// (Redis) as a fast lock in front of a [TxStore] (PostgreSQL) as the
+// record. memory forgets everything on restart, and Redis alone is not a
 // durable record: they exist as measured baselines and for effects whose
 // own idempotency backs them, never as the only record of effects.
+//
+// Application code picks a store, hands it to the middlewares, and meets
+// this package only in the store's type, the errors ([ErrUnavailable],
+// [ErrAmbiguous], [ErrConflict], [ErrLeaseLost]) and the [Janitor].
+//
+// # Writing a store
+//
+// A store keeps the contract of this package: [TxStore] (with its
+// [InboxTx]) or [LeaseStore], both with [Graveyard], and [Expirer] for the
+// janitor. What a store may add beyond it, the capabilities the Bloom
+// prefilter, the pipelined and batched claims and the dead-letter replay
+// look for, is in [github.com/oncemill/oncemill/dedup/dedupdriver], and
+// [github.com/oncemill/oncemill/dedup/deduptest] is the conformance suite
+// its tests run.
 //
 // # Expiry
 //

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/observe"
 )
 
@@ -18,7 +19,7 @@ import (
 // counts their attempts, one claim of all their keys, their handlers one
 // after the other in the transaction, one commit. What a delivery costs
 // the database is then mostly its own effect. Transactional mode, with a
-// store that implements dedup.BatchClaimer (the PostgreSQL store on a
+// store that implements dedupdriver.BatchClaimer (the PostgreSQL store on a
 // pool).
 //
 // The handlers are unchanged: postgres.Tx(msg.Context()) is the batch's
@@ -101,7 +102,7 @@ type queued struct {
 // to a waiting delivery. It starts no goroutine.
 type batcher struct {
 	in    *Inbox
-	store dedup.BatchClaimer
+	store dedupdriver.BatchClaimer
 
 	mu      sync.Mutex
 	queues  map[string][]*queued // by consumer, in arrival order
@@ -110,7 +111,7 @@ type batcher struct {
 	linger  map[string]time.Time // when the oldest queued delivery arrived, by consumer
 }
 
-func newBatcher(in *Inbox, store dedup.BatchClaimer) *batcher {
+func newBatcher(in *Inbox, store dedupdriver.BatchClaimer) *batcher {
 	return &batcher{in: in, store: store, queues: map[string][]*queued{}, running: map[dedup.Key]bool{}, linger: map[string]time.Time{}}
 }
 
@@ -244,7 +245,7 @@ func signal(q *queued) {
 // runs again after a batch mate failed), claims its keys, runs the
 // handlers in the transaction and commits. Every delivery of batch ends
 // with an outcome or with single set.
-func (in *Inbox) runBatch(store dedup.BatchClaimer, batch []*queued, counted bool) {
+func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, counted bool) {
 	consumer := batch[0].key.Consumer
 	// The batch's own statements run detached from any one message's
 	// cancellation, each bounded by FinishTimeout: a delivery whose
@@ -260,7 +261,7 @@ func (in *Inbox) runBatch(store dedup.BatchClaimer, batch []*queued, counted boo
 		cancel()
 		if err != nil {
 			for _, q := range batch {
-				if errors.Is(err, dedup.ErrMaybeCounted) {
+				if errors.Is(err, dedupdriver.ErrMaybeCounted) {
 					in.debts.owe(q.key)
 				}
 				q.err = err

@@ -14,22 +14,23 @@ import (
 	"github.com/bits-and-blooms/bloom/v3"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/observe"
 )
 
 // BloomConfig configures a [Bloom] prefilter.
 type BloomConfig struct {
-	// Inbox is the inbox the prefilter goes in front of: its store (which
-	// must implement dedup.Peeker), key function, consumer name and window
-	// are the prefilter's, so that each is given once. Setting Store, Key,
-	// Consumer or Window as well is an error. Without it, set them to the
-	// inbox's by hand.
+	// Inbox is the inbox the prefilter goes in front of: its store (which must
+	// implement dedupdriver.Peeker), key function, consumer name and window are
+	// the prefilter's, so that each is given once. Setting Store, Key, Consumer
+	// or Window as well is an error. Without it, set them to the inbox's by
+	// hand.
 	Inbox *Inbox
 	// Store is read for keys the filter may have seen: the inbox's store.
 	// Required unless Inbox is set. The dedup/postgres, dedup/sqlite,
 	// dedup/memory and dedup/redis stores implement it.
-	Store dedup.Peeker
+	Store dedupdriver.Peeker
 	// Key must be the inbox's key function. Defaults to the Inbox's, else
 	// to [DefaultKey].
 	Key KeyFunc
@@ -72,9 +73,9 @@ func (c *BloomConfig) fromInbox() error {
 			return fmt.Errorf("middleware: BloomConfig.%s is taken from BloomConfig.Inbox: set one of them", f.name)
 		}
 	}
-	p, ok := in.store().(dedup.Peeker)
+	p, ok := in.store().(dedupdriver.Peeker)
 	if !ok {
-		return fmt.Errorf("middleware: BloomConfig.Inbox: its store (%T) cannot be read without a claim (dedup.Peeker)", in.store())
+		return fmt.Errorf("middleware: BloomConfig.Inbox: its store (%T) cannot be read without a claim (dedupdriver.Peeker)", in.store())
 	}
 	c.Store, c.Key, c.Consumer, c.Window = p, in.cfg.Key, in.cfg.Consumer, in.cfg.Window
 	return nil
@@ -200,12 +201,12 @@ func (b *Bloom) Stats() BloomStats {
 
 // Warm loads the keys the consumer completed in the last Window from the
 // store, streamed: memory stays the filter's fixed size however many keys
-// there are. The store must implement dedup.KeyLister, and
+// there are. The store must implement dedupdriver.KeyLister, and
 // BloomConfig.Consumer must be set. It returns how many keys it added.
 func (b *Bloom) Warm(ctx context.Context) (int, error) {
-	lister, ok := b.cfg.Store.(dedup.KeyLister)
+	lister, ok := b.cfg.Store.(dedupdriver.KeyLister)
 	if !ok {
-		return 0, fmt.Errorf("middleware: Bloom.Warm: the store (%T) cannot list its keys (dedup.KeyLister)", b.cfg.Store)
+		return 0, fmt.Errorf("middleware: Bloom.Warm: the store (%T) cannot list its keys (dedupdriver.KeyLister)", b.cfg.Store)
 	}
 	if b.cfg.Consumer == "" {
 		return 0, errors.New("middleware: Bloom.Warm: set BloomConfig.Consumer: the keys to load are the consumer's")

@@ -16,7 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	dlv "github.com/oncemill/oncemill/delivery"
@@ -179,7 +179,7 @@ func TestBloomNeverTheRecord(t *testing.T) {
 	pool := pgtest.Pool(t, 8)
 	schema := pgtest.Schema(t, pool)
 	b := postgresBackendIn(t, pool, schema)
-	peeker := b.store.(dedup.Peeker)
+	peeker := b.store.(dedupdriver.Peeker)
 	inbox := newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "ship"})
 	fail := atomic.Bool{}
 	handler := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -244,7 +244,7 @@ func testBloomWarm(t *testing.T, b txBackend) {
 	_, err := otherInbox.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(keyed("order-x"))
 	require.NoError(t, err)
 
-	restarted, err := middleware.NewBloom(middleware.BloomConfig{Store: b.store.(dedup.Peeker), Consumer: "ship", ExpectedKeys: n})
+	restarted, err := middleware.NewBloom(middleware.BloomConfig{Store: b.store.(dedupdriver.Peeker), Consumer: "ship", ExpectedKeys: n})
 	require.NoError(t, err)
 	loaded, err := restarted.Warm(context.Background())
 	require.NoError(t, err)
@@ -258,7 +258,7 @@ func testBloomWarm(t *testing.T, b txBackend) {
 	require.Equal(t, n, b.effects(t))
 
 	// No consumer name: a clear error.
-	noName, err := middleware.NewBloom(middleware.BloomConfig{Store: b.store.(dedup.Peeker)})
+	noName, err := middleware.NewBloom(middleware.BloomConfig{Store: b.store.(dedupdriver.Peeker)})
 	require.NoError(t, err)
 	_, err = noName.Warm(context.Background())
 	require.ErrorContains(t, err, "BloomConfig.Consumer")

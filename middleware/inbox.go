@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/observe"
 )
@@ -68,7 +69,7 @@ type InboxConfig struct {
 	// live lease waits before it is nacked, so that it is not redelivered
 	// in a tight loop. It is cut short when the lease ends sooner, and
 	// when the holder finishes meanwhile (stores that implement
-	// dedup.Peeker) the delivery is answered as a duplicate. Used in
+	// dedupdriver.Peeker) the delivery is answered as a duplicate. Used in
 	// lease mode, and with transactional stores that keep a lock in front
 	// of their record (dedup/twotier). Defaults to 1 second.
 	InFlightDelay time.Duration
@@ -86,21 +87,20 @@ type InboxConfig struct {
 	// delivery_limit, an SQS redrive policy), and a duplicate costs
 	// three round trips. Defaults to false.
 	SkipAttemptRecord bool
-	// PipelineClaim sends the BEGIN and the claim in one round trip, and
-	// the attempt record with them, with stores that can
-	// (dedup.StartClaimer and dedup.BeginClaimer: the PostgreSQL store on
-	// a pool). With the attempt record a new key then costs three round
-	// trips with a one-statement effect (the pipeline, the effect, the
-	// COMMIT) instead of five, and a duplicate two instead of one, since
-	// the transaction is open before the record says the key is done.
-	// With SkipAttemptRecord a new key costs three instead of four, fewer
-	// than the naive BEGIN, claim, effect, COMMIT, and a duplicate two
-	// instead of three. bench-dedup measures both. Transactional mode.
-	// Defaults to false.
+	// PipelineClaim sends the BEGIN and the claim in one round trip, and the
+	// attempt record with them, with stores that can (dedupdriver.StartClaimer
+	// and dedupdriver.BeginClaimer: the PostgreSQL store on a pool). With the
+	// attempt record a new key then costs three round trips with a
+	// one-statement effect (the pipeline, the effect, the COMMIT) instead of
+	// five, and a duplicate two instead of one, since the transaction is open
+	// before the record says the key is done. With SkipAttemptRecord a new key
+	// costs three instead of four, fewer than the naive BEGIN, claim, effect,
+	// COMMIT, and a duplicate two instead of three. bench-dedup measures both.
+	// Transactional mode. Defaults to false.
 	PipelineClaim bool
 	// Batch groups deliveries of different keys into one transaction
 	// (group commit); see [BatchConfig]. Transactional mode, with a store
-	// that implements dedup.BatchClaimer. Off unless Batch.MaxMessages is
+	// that implements dedupdriver.BatchClaimer. Off unless Batch.MaxMessages is
 	// above 1.
 	Batch BatchConfig
 
@@ -172,13 +172,13 @@ func (c InboxConfig) Validate() error {
 	case c.DrainTimeout < 0:
 		return fmt.Errorf("middleware: InboxConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
 	case c.Batch.enabled() && !isBatchClaimer(c.TxStore):
-		return errors.New("middleware: InboxConfig.Batch needs a TxStore that implements dedup.BatchClaimer (the PostgreSQL store)")
+		return errors.New("middleware: InboxConfig.Batch needs a TxStore that implements dedupdriver.BatchClaimer (the PostgreSQL store)")
 	}
 	return c.Batch.validate()
 }
 
 func isBatchClaimer(s dedup.TxStore) bool {
-	_, ok := s.(dedup.BatchClaimer)
+	_, ok := s.(dedupdriver.BatchClaimer)
 	return ok
 }
 
@@ -241,7 +241,7 @@ func NewInbox(cfg InboxConfig) (*Inbox, error) {
 	}
 	in := &Inbox{cfg: cfg, hooks: observe.New(cfg.Hooks...)}
 	if cfg.Batch.enabled() {
-		in.batcher = newBatcher(in, cfg.TxStore.(dedup.BatchClaimer))
+		in.batcher = newBatcher(in, cfg.TxStore.(dedupdriver.BatchClaimer))
 	}
 	return in, nil
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/observe"
 )
 
@@ -15,7 +16,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	base := msg.Context()
 	var (
 		start dedup.Claim
-		// pre is the transaction a dedup.StartClaimer opened and claimed
+		// pre is the transaction a dedupdriver.StartClaimer opened and claimed
 		// in with the start, for the first run; preErr its failure.
 		pre      dedup.InboxTx
 		preClaim dedup.Claim
@@ -24,7 +25,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	if !in.cfg.SkipAttemptRecord {
 		in.debts.pay(base, in.cfg.TxStore, key)
 		var err error
-		if sc, ok := in.cfg.TxStore.(dedup.StartClaimer); ok && in.cfg.PipelineClaim {
+		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.cfg.PipelineClaim {
 			start, pre, preClaim, err = sc.InboxStartClaim(base, key, in.cfg.Window)
 			if err != nil && start.Attempts > 0 {
 				// Counted, but the transaction did not begin or claim.
@@ -125,7 +126,7 @@ const (
 func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	store := in.cfg.TxStore
-	if bc, ok := store.(dedup.BeginClaimer); ok && in.cfg.PipelineClaim {
+	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.cfg.PipelineClaim {
 		// Nothing is held after an error: the claim failed, or BEGIN did.
 		tx, claim, err := bc.InboxBeginClaim(base, key, in.cfg.Window)
 		if err != nil {
@@ -258,9 +259,9 @@ func (in *Inbox) failAttempt(ctx context.Context, msg *message.Message, key dedu
 }
 
 // classifyTx lets tx mark the infrastructure's errors among those the
-// handler returned after writing through it (dedup.Classifier).
+// handler returned after writing through it (dedupdriver.Classifier).
 func classifyTx(tx dedup.InboxTx, err error) error {
-	if c, ok := tx.(dedup.Classifier); ok {
+	if c, ok := tx.(dedupdriver.Classifier); ok {
 		return c.InboxClassify(err)
 	}
 	return err

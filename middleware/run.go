@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/observe"
 )
 
@@ -104,7 +105,7 @@ func (in *Inbox) duplicate(msg *message.Message, key dedup.Key, claim dedup.Clai
 // awaitInFlight handles a key another delivery holds. It waits up to
 // InFlightDelay (less if the lease ends sooner) so that the broker does not
 // redeliver in a tight loop, and, when the store can be read without a
-// claim (dedup.Peeker), looks every few milliseconds whether the holder
+// claim (dedupdriver.Peeker), looks every few milliseconds whether the holder
 // finished: then this delivery is a plain duplicate, answered with the
 // stored result and acked. Otherwise it is nacked, never acked: acking it
 // could commit an offset past a message whose effect is not yet durable.
@@ -116,7 +117,7 @@ func (in *Inbox) awaitInFlight(msg *message.Message, key dedup.Key, claim dedup.
 	if left := time.Until(claim.Until); left > 0 && left < wait {
 		wait = left
 	}
-	peeker, _ := in.store().(dedup.Peeker)
+	peeker, _ := in.store().(dedupdriver.Peeker)
 	deadline := time.Now().Add(wait)
 	for step := 5 * time.Millisecond; ; step = min(2*step, 100*time.Millisecond) {
 		left := time.Until(deadline)

@@ -43,14 +43,14 @@
 // # Capabilities
 //
 // A store implements the optional interfaces it can: [dedup.Expirer],
-// [dedup.Peeker], [dedup.RecordFinder], [dedup.KeyLister],
-// [dedup.StartClaimer], [dedup.BeginClaimer], [dedup.BatchClaimer], and
-// [dedup.Classifier] on its transaction. The suite finds them by type
-// assertion; the subtest of an interface the store does not implement is
-// skipped with a message naming it, which is legitimate: the store does
-// not claim it. What every store of a mode must do is never skipped.
-// Where an optional interface makes a required check stronger (a
-// [dedup.RecordFinder] proves that a call wrote no record), the required
+// [dedupdriver.Peeker], [dedupdriver.RecordFinder], [dedupdriver.KeyLister],
+// [dedupdriver.StartClaimer], [dedupdriver.BeginClaimer],
+// [dedupdriver.BatchClaimer], and [dedupdriver.Classifier] on its transaction.
+// The suite finds them by type assertion; the subtest of an interface the store
+// does not implement is skipped with a message naming it, which is legitimate:
+// the store does not claim it. What every store of a mode must do is never
+// skipped. Where an optional interface makes a required check stronger (a
+// [dedupdriver.RecordFinder] proves that a call wrote no record), the required
 // subtest uses it when it is there.
 //
 // # Cutting the connection
@@ -60,7 +60,7 @@
 // and the server. The Cut subtest then checks the failure classes of the
 // design: every call fails with an error wrapping [dedup.ErrUnavailable],
 // a lease held meanwhile is not reported lost, and the transaction's
-// [dedup.Classifier] marks the handler's errors as the infrastructure's
+// [dedupdriver.Classifier] marks the handler's errors as the infrastructure's
 // once the connection is gone (the Classify subtest checks that, with a
 // healthy connection, a handler's own error stays the message's, whatever
 // it wraps). Without Cut the subtest is skipped.
@@ -101,12 +101,12 @@
 //     in batches of at most the limit; live ones stay.
 //   - CanceledContext: a call on a context the caller canceled, or whose
 //     deadline passed, never reports the store unavailable.
-//   - Peek ([dedup.Peeker]), HasRecord ([dedup.RecordFinder]), DoneKeys
-//     ([dedup.KeyLister]): each state of a key as they answer it.
-//   - Classify ([dedup.Classifier]) and Cut: the failure classes above,
+//   - Peek ([dedupdriver.Peeker]), HasRecord ([dedupdriver.RecordFinder]), DoneKeys
+//     ([dedupdriver.KeyLister]): each state of a key as they answer it.
+//   - Classify ([dedupdriver.Classifier]) and Cut: the failure classes above,
 //     the pipelined and batched claims' calls included.
-//   - StartClaim ([dedup.StartClaimer]), BeginClaim ([dedup.BeginClaimer]),
-//     Batch ([dedup.BatchClaimer]): the pipelined and batched paths answer
+//   - StartClaim ([dedupdriver.StartClaimer]), BeginClaim ([dedupdriver.BeginClaimer]),
+//     Batch ([dedupdriver.BatchClaimer]): the pipelined and batched paths answer
 //     as the single calls do.
 //
 // # What the lease suite checks

@@ -28,10 +28,11 @@ type TxHarness struct {
 // transaction.
 type TxBundle struct {
 	// Store is the store under test. Required. Its optional interfaces
-	// ([dedup.Expirer], [dedup.Peeker], [dedup.RecordFinder],
-	// [dedup.KeyLister], [dedup.StartClaimer], [dedup.BeginClaimer],
-	// [dedup.BatchClaimer], and [dedup.Classifier] on its [dedup.InboxTx])
-	// are found by type assertion and tested when present.
+	// ([dedup.Expirer], [dedupdriver.Peeker], [dedupdriver.RecordFinder],
+	// [dedupdriver.KeyLister], [dedupdriver.StartClaimer],
+	// [dedupdriver.BeginClaimer], [dedupdriver.BatchClaimer], and
+	// [dedupdriver.Classifier] on its [dedup.InboxTx]) are found by type
+	// assertion and tested when present.
 	Store dedup.TxStore
 	// Effect writes one business effect for key inside tx, the way a
 	// handler does: through the transaction that tx.WithTx(ctx) carries
@@ -50,16 +51,15 @@ type TxBundle struct {
 	// counting a copy fails nothing and changes no state, and skips the
 	// DeadCopies subtest.
 	DeadCopies func(ctx context.Context, key dedup.Key) (int, error)
-	// Cut breaks every connection of Store to its server and makes new
-	// ones fail, for the rest of the subtest, as a server that went away
-	// or a network partition would: the suite then checks that every call
-	// fails for the infrastructure's fault (an error wrapping
-	// [dedup.ErrUnavailable]) and that the transaction's [dedup.Classifier]
-	// says so of the handler's errors. It must not break what Effects
-	// reads through, nor the harness's own cleanup. [Proxy] does this for
-	// a store that reaches its server over TCP. Optional: an embedded
-	// store (SQLite) has no connection to lose, and without Cut the Cut
-	// subtest is skipped.
+	// Cut breaks every connection of Store to its server and makes new ones
+	// fail, for the rest of the subtest, as a server that went away or a
+	// network partition would: the suite then checks that every call fails for
+	// the infrastructure's fault (an error wrapping [dedup.ErrUnavailable]) and
+	// that the transaction's [dedupdriver.Classifier] says so of the handler's
+	// errors. It must not break what Effects reads through, nor the harness's
+	// own cleanup. [Proxy] does this for a store that reaches its server over
+	// TCP. Optional: an embedded store (SQLite) has no connection to lose, and
+	// without Cut the Cut subtest is skipped.
 	Cut func(t *testing.T)
 }
 
@@ -77,8 +77,8 @@ type LeaseHarness struct {
 // lease mode lives outside the store, so the suite counts it itself.
 type LeaseBundle struct {
 	// Store is the store under test. Required. Its optional interfaces
-	// ([dedup.Expirer], [dedup.Peeker], [dedup.RecordFinder],
-	// [dedup.KeyLister]) are found by type assertion and tested when
+	// ([dedup.Expirer], [dedupdriver.Peeker], [dedupdriver.RecordFinder],
+	// [dedupdriver.KeyLister]) are found by type assertion and tested when
 	// present.
 	Store dedup.LeaseStore
 	// DeadCopies reads the count of dead copies on a key's record; see

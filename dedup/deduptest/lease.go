@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
 // RunLeaseStore runs the conformance suite of [dedup.LeaseStore] on the
@@ -180,7 +181,7 @@ func leaseClaimComplete(t *testing.T, x leaseSubject) {
 	_, err := x.s.LeaseExtend(ctx, ghost, c.Token, lease)
 	require.ErrorIs(t, err, dedup.ErrLeaseLost)
 	require.ErrorIs(t, x.s.LeaseBury(ctx, ghost, c.Token, dedup.Failure{}), dedup.ErrLeaseLost)
-	if f, ok := x.s.(dedup.RecordFinder); ok {
+	if f, ok := x.s.(dedupdriver.RecordFinder); ok {
 		found, err := f.InboxHasRecord(ctx, ghost)
 		require.NoError(t, err)
 		require.False(t, found, "fenced calls write nothing")
@@ -335,7 +336,7 @@ func retryConflict(ctx context.Context, f func() error) error {
 // as a peek sees it, or by the clock where the store cannot peek.
 func (x leaseSubject) waitLeaseEnd(t *testing.T, k dedup.Key, c dedup.Claim) {
 	t.Helper()
-	p, peeks := x.s.(dedup.Peeker)
+	p, peeks := x.s.(dedupdriver.Peeker)
 	eventually(t, "the lease to end", func() bool {
 		if !peeks {
 			return time.Now().After(c.Until)

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
 // subject is a store under test of either mode, with the ways the
@@ -182,7 +183,7 @@ func (s subject) deadCopyRequired(t *testing.T, dead dedup.Key) {
 	c := s.requireState(t, done, dedup.StateDone, "and changes nothing")
 	require.Equal(t, []byte("r"), c.Result)
 	require.NoError(t, s.graveyard.InboxDeadCopy(ctx, unknown))
-	if f, ok := s.store.(dedup.RecordFinder); ok {
+	if f, ok := s.store.(dedupdriver.RecordFinder); ok {
 		found, err := f.InboxHasRecord(ctx, unknown)
 		require.NoError(t, err)
 		require.False(t, found, "a dead copy of an unknown key creates no record")
@@ -258,22 +259,22 @@ func (s subject) sweepExpired(t *testing.T) {
 		c = s.requireState(t, key("live-held"), dedup.StateInFlight, "a live lease stays")
 		require.True(t, held.Until.Equal(c.Until))
 	}
-	if f, ok := s.store.(dedup.RecordFinder); ok {
+	if f, ok := s.store.(dedupdriver.RecordFinder); ok {
 		found, err := f.InboxHasRecord(ctx, key("expired-done-1"))
 		require.NoError(t, err)
 		require.False(t, found, "a swept record is gone")
 	}
 }
 
-// peek checks [dedup.Peeker] on every state.
+// peek checks [dedupdriver.Peeker] on every state.
 func (s subject) peek(t *testing.T) {
-	p := need[dedup.Peeker](t, s.store)
+	p := need[dedupdriver.Peeker](t, s.store)
 	ctx := t.Context()
 	unknown := key("unknown")
 	c, err := p.InboxPeek(ctx, unknown)
 	require.NoError(t, err)
 	require.Equal(t, dedup.StateNew, c.State, "an unknown key is new")
-	if f, ok := s.store.(dedup.RecordFinder); ok {
+	if f, ok := s.store.(dedupdriver.RecordFinder); ok {
 		found, err := f.InboxHasRecord(ctx, unknown)
 		require.NoError(t, err)
 		require.False(t, found, "a peek writes nothing")
@@ -310,9 +311,9 @@ func (s subject) peek(t *testing.T) {
 	})
 }
 
-// hasRecord checks [dedup.RecordFinder] on every state.
+// hasRecord checks [dedupdriver.RecordFinder] on every state.
 func (s subject) hasRecord(t *testing.T) {
-	f := need[dedup.RecordFinder](t, s.store)
+	f := need[dedupdriver.RecordFinder](t, s.store)
 	ctx := t.Context()
 	found, err := f.InboxHasRecord(ctx, key("unknown"))
 	require.NoError(t, err)
@@ -341,9 +342,9 @@ func (s subject) hasRecord(t *testing.T) {
 	require.False(t, found, "another consumer's record is its own")
 }
 
-// doneKeys checks [dedup.KeyLister]: done keys of the consumer only.
+// doneKeys checks [dedupdriver.KeyLister]: done keys of the consumer only.
 func (s subject) doneKeys(t *testing.T) {
-	l := need[dedup.KeyLister](t, s.store)
+	l := need[dedupdriver.KeyLister](t, s.store)
 	ctx := t.Context()
 	s.apply(t, key("a"), nil, window)
 	s.apply(t, key("b"), []byte("r"), window)

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
 // RunTxStore runs the conformance suite of [dedup.TxStore] on the stores
@@ -370,7 +371,7 @@ func (x txSubject) redeliver(ctx context.Context, k dedup.Key, result []byte, fa
 // and commit when the key is new; roll back otherwise. The handler fails,
 // after writing its effect, when fail says so: the transaction is rolled
 // back and the error wraps errHandlerFailed. An effect's error goes
-// through the transaction's dedup.Classifier, as the inbox's does.
+// through the transaction's dedupdriver.Classifier, as the inbox's does.
 func (x txSubject) deliver(ctx context.Context, k dedup.Key, result []byte, fail func() bool) (dedup.Claim, error) {
 	tx, err := x.s.InboxBegin(ctx)
 	if err != nil {
@@ -382,7 +383,7 @@ func (x txSubject) deliver(ctx context.Context, k dedup.Key, result []byte, fail
 	}
 	if err == nil {
 		if err = x.b.Effect(ctx, tx, k.Key); err != nil {
-			if cl, ok := tx.(dedup.Classifier); ok {
+			if cl, ok := tx.(dedupdriver.Classifier); ok {
 				err = cl.InboxClassify(err)
 			}
 		}
@@ -561,15 +562,15 @@ func (x txSubject) pipelinedCalls(ctx context.Context, k dedup.Key) map[string]e
 		}
 		errs[call] = err
 	}
-	if sc, ok := x.s.(dedup.StartClaimer); ok {
+	if sc, ok := x.s.(dedupdriver.StartClaimer); ok {
 		_, tx, _, err := sc.InboxStartClaim(ctx, k, window)
 		end("InboxStartClaim", tx, err)
 	}
-	if bc, ok := x.s.(dedup.BeginClaimer); ok {
+	if bc, ok := x.s.(dedupdriver.BeginClaimer); ok {
 		tx, _, err := bc.InboxBeginClaim(ctx, k, window)
 		end("InboxBeginClaim", tx, err)
 	}
-	if bc, ok := x.s.(dedup.BatchClaimer); ok {
+	if bc, ok := x.s.(dedupdriver.BatchClaimer); ok {
 		_, err := bc.InboxStartBatch(ctx, k.Consumer, []string{k.Key}, window)
 		errs["InboxStartBatch"] = err
 		tx, _, err := bc.InboxBeginClaimBatch(ctx, k.Consumer, []string{k.Key}, window)
@@ -588,13 +589,13 @@ func (s subject) everyCall(ctx context.Context, k dedup.Key) map[string]error {
 	_, errs["InboxReopen"] = g.InboxReopen(ctx, k, "grant")
 	_, errs["InboxReplayGranted"] = g.InboxReplayGranted(ctx, k, "grant")
 	errs["InboxDeadCopy"] = g.InboxDeadCopy(ctx, k)
-	if p, ok := s.store.(dedup.Peeker); ok {
+	if p, ok := s.store.(dedupdriver.Peeker); ok {
 		_, errs["InboxPeek"] = p.InboxPeek(ctx, k)
 	}
-	if f, ok := s.store.(dedup.RecordFinder); ok {
+	if f, ok := s.store.(dedupdriver.RecordFinder); ok {
 		_, errs["InboxHasRecord"] = f.InboxHasRecord(ctx, k)
 	}
-	if l, ok := s.store.(dedup.KeyLister); ok {
+	if l, ok := s.store.(dedupdriver.KeyLister); ok {
 		errs["InboxDoneKeys"] = l.InboxDoneKeys(ctx, k.Consumer, time.Time{}, func(string) error { return nil })
 	}
 	if e, ok := s.store.(dedup.Expirer); ok {
@@ -617,14 +618,14 @@ func handlerErrors() []error {
 }
 
 // txClassify: while its connection is healthy, the transaction's
-// dedup.Classifier leaves the handler's own errors the message's, whatever
-// they wrap.
+// dedupdriver.Classifier leaves the handler's own errors the message's,
+// whatever they wrap.
 func txClassify(t *testing.T, x txSubject) {
 	ctx := t.Context()
 	k := key("classify")
 	tx := x.claimNew(t, k, window)
 	defer func() { require.NoError(t, tx.Rollback(ctx)) }()
-	c := need[dedup.Classifier](t, tx)
+	c := need[dedupdriver.Classifier](t, tx)
 	require.NoError(t, x.b.Effect(ctx, tx, k.Key))
 	for _, err := range handlerErrors() {
 		got := c.InboxClassify(err)
@@ -635,7 +636,7 @@ func txClassify(t *testing.T, x txSubject) {
 }
 
 // txCut: once the store's connections are cut, the handler's next
-// statement fails, the transaction's dedup.Classifier marks every error
+// statement fails, the transaction's dedupdriver.Classifier marks every error
 // the handler returns as the infrastructure's, the commit fails with an
 // error wrapping dedup.ErrUnavailable, and so does every later call: the
 // inbox nacks the message without counting an attempt.
@@ -651,7 +652,7 @@ func txCut(t *testing.T, x txSubject) {
 	x.b.Cut(t)
 	err := x.b.Effect(ctx, tx, k.Key+"-after-cut")
 	require.Error(t, err, "the handler's statement after the cut")
-	if c, ok := tx.(dedup.Classifier); ok {
+	if c, ok := tx.(dedupdriver.Classifier); ok {
 		require.ErrorIs(t, c.InboxClassify(err), dedup.ErrUnavailable, "the statement's error: %v", err)
 		for _, herr := range handlerErrors() {
 			require.ErrorIs(t, c.InboxClassify(herr), dedup.ErrUnavailable,
@@ -686,10 +687,10 @@ func txCut(t *testing.T, x txSubject) {
 	}
 }
 
-// txStartClaim checks dedup.StartClaimer: the start, BEGIN and the claim in
-// one exchange, with the answers InboxStart and InboxClaim give.
+// txStartClaim checks dedupdriver.StartClaimer: the start, BEGIN and the claim
+// in one exchange, with the answers InboxStart and InboxClaim give.
 func txStartClaim(t *testing.T, x txSubject) {
-	sc := need[dedup.StartClaimer](t, x.s)
+	sc := need[dedupdriver.StartClaimer](t, x.s)
 	ctx := t.Context()
 	k := key("order-1")
 	start, tx, c, err := sc.InboxStartClaim(ctx, k, window)
@@ -729,10 +730,10 @@ func txStartClaim(t *testing.T, x txSubject) {
 	require.Nil(t, tx, "nothing is held for a dead key")
 }
 
-// txBeginClaim checks dedup.BeginClaimer: BEGIN and the claim in one
+// txBeginClaim checks dedupdriver.BeginClaimer: BEGIN and the claim in one
 // exchange, with the answers InboxClaim gives.
 func txBeginClaim(t *testing.T, x txSubject) {
-	bc := need[dedup.BeginClaimer](t, x.s)
+	bc := need[dedupdriver.BeginClaimer](t, x.s)
 	ctx := t.Context()
 	k := key("order-1")
 	tx, c, err := bc.InboxBeginClaim(ctx, k, window)
@@ -758,11 +759,11 @@ func txBeginClaim(t *testing.T, x txSubject) {
 	require.NoError(t, tx.Rollback(ctx))
 }
 
-// txBatch checks dedup.BatchClaimer: one start and one claim for the keys
+// txBatch checks dedupdriver.BatchClaimer: one start and one claim for the keys
 // of many deliveries, with the single path's answers; a key that has a
 // record already is left to the single path.
 func txBatch(t *testing.T, x txSubject) {
-	bc := need[dedup.BatchClaimer](t, x.s)
+	bc := need[dedupdriver.BatchClaimer](t, x.s)
 	ctx := t.Context()
 	done, dead, failed := key("done"), key("dead"), key("failed")
 	x.apply(t, done, []byte("r"), window)

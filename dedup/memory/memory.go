@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
 type status int
@@ -59,11 +60,11 @@ type Store struct {
 }
 
 var (
-	_ dedup.LeaseStore   = (*Store)(nil)
-	_ dedup.Expirer      = (*Store)(nil)
-	_ dedup.Peeker       = (*Store)(nil)
-	_ dedup.RecordFinder = (*Store)(nil)
-	_ dedup.KeyLister    = (*Store)(nil)
+	_ dedup.LeaseStore         = (*Store)(nil)
+	_ dedup.Expirer            = (*Store)(nil)
+	_ dedupdriver.Peeker       = (*Store)(nil)
+	_ dedupdriver.RecordFinder = (*Store)(nil)
+	_ dedupdriver.KeyLister    = (*Store)(nil)
 )
 
 // New returns an empty store.

@@ -10,9 +10,10 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
-var _ dedup.BatchClaimer = (*Store)(nil)
+var _ dedupdriver.BatchClaimer = (*Store)(nil)
 
 // batchLockTimeout bounds how long the claim of a batch waits on a key
 // that another transaction holds: past it the batch gives way, and its
@@ -76,10 +77,10 @@ func (s *Store) InboxStartBatch(ctx context.Context, consumer string, keys []str
 // batchStartError interprets a failed start of a batch; like
 // [Store.InboxStart] it tells a statement that may have been counted
 // (the connection broke after it was sent) by wrapping
-// [dedup.ErrMaybeCounted].
+// [dedupdriver.ErrMaybeCounted].
 func (s *Store) batchStartError(ctx context.Context, err error) error {
 	if maybeSent(err) {
-		return fmt.Errorf("%w: %w", dedup.ErrMaybeCounted, interpret(ctx, "start batch", err))
+		return fmt.Errorf("%w: %w", dedupdriver.ErrMaybeCounted, interpret(ctx, "start batch", err))
 	}
 	return interpret(ctx, "start batch", err)
 }

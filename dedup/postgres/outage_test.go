@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/internal/netfault"
 	"github.com/oncemill/oncemill/internal/pgtest"
@@ -189,7 +190,7 @@ func TestClassifyAsksTheConnection(t *testing.T) {
 	tx, err := b.store.InboxBegin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }() // its connection is gone by then
-	c := tx.(dedup.Classifier)
+	c := tx.(dedupdriver.Classifier)
 
 	decode := fmt.Errorf("decode order: %w", io.EOF)
 	refused := &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}

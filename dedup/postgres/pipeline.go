@@ -12,11 +12,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
 var (
-	_ dedup.StartClaimer = (*Store)(nil)
-	_ dedup.BeginClaimer = (*Store)(nil)
+	_ dedupdriver.StartClaimer = (*Store)(nil)
+	_ dedupdriver.BeginClaimer = (*Store)(nil)
 )
 
 // acquirer is a DB that hands out connections of its own: a

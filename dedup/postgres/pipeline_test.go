@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/internal/pgtest"
 )
@@ -245,7 +246,7 @@ func TestStartClaimConflictAndErrors(t *testing.T) {
 		e1, e2 = e2, e1
 	}
 	require.NoError(t, e2, "one of them goes on")
-	require.ErrorIs(t, tx1.(dedup.Classifier).InboxClassify(e1), dedup.ErrConflict, "the other is a conflict")
+	require.ErrorIs(t, tx1.(dedupdriver.Classifier).InboxClassify(e1), dedup.ErrConflict, "the other is a conflict")
 	require.NoError(t, tx1.Rollback(ctx))
 	require.NoError(t, tx2.Rollback(ctx))
 	requireHealthy(t, b)

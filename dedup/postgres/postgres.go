@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/puddle/v2"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -77,15 +78,15 @@ type Store struct {
 	q  queries
 }
 
-var _ dedup.Classifier = (*inboxTx)(nil)
+var _ dedupdriver.Classifier = (*inboxTx)(nil)
 
 var (
-	_ dedup.TxStore      = (*Store)(nil)
-	_ dedup.LeaseStore   = (*Store)(nil)
-	_ dedup.Expirer      = (*Store)(nil)
-	_ dedup.Peeker       = (*Store)(nil)
-	_ dedup.RecordFinder = (*Store)(nil)
-	_ dedup.KeyLister    = (*Store)(nil)
+	_ dedup.TxStore            = (*Store)(nil)
+	_ dedup.LeaseStore         = (*Store)(nil)
+	_ dedup.Expirer            = (*Store)(nil)
+	_ dedupdriver.Peeker       = (*Store)(nil)
+	_ dedupdriver.RecordFinder = (*Store)(nil)
+	_ dedupdriver.KeyLister    = (*Store)(nil)
 )
 
 // New returns a store on db. It does not create the table: run

@@ -1,5 +1,5 @@
 // Package redis is a lease-mode inbox store on Redis, with go-redis v9: a
-// [dedup.LeaseStore], [dedup.Peeker] and [dedup.KeyLister].
+// [dedup.LeaseStore], [dedupdriver.Peeker] and [dedupdriver.KeyLister].
 //
 // # When to use it
 //

@@ -13,6 +13,7 @@ import (
 	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/internal/breaker"
 )
 
@@ -160,8 +161,8 @@ type Stats struct {
 }
 
 // Store keeps one Redis hash per (consumer, key). It implements
-// [dedup.LeaseStore], [dedup.Peeker] and [dedup.KeyLister], is safe for
-// concurrent use, and starts no goroutines. Records expire by themselves
+// [dedup.LeaseStore], [dedupdriver.Peeker] and [dedupdriver.KeyLister], is safe
+// for concurrent use, and starts no goroutines. Records expire by themselves
 // (PEXPIRE), so it needs no janitor.
 type Store struct {
 	client goredis.UniversalClient
@@ -181,10 +182,10 @@ type Store struct {
 }
 
 var (
-	_ dedup.LeaseStore   = (*Store)(nil)
-	_ dedup.Peeker       = (*Store)(nil)
-	_ dedup.RecordFinder = (*Store)(nil)
-	_ dedup.KeyLister    = (*Store)(nil)
+	_ dedup.LeaseStore         = (*Store)(nil)
+	_ dedupdriver.Peeker       = (*Store)(nil)
+	_ dedupdriver.RecordFinder = (*Store)(nil)
+	_ dedupdriver.KeyLister    = (*Store)(nil)
 )
 
 // New returns a store on cfg.Client; cfg is copied, defaulted and

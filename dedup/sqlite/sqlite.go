@@ -14,6 +14,7 @@ import (
 	sqlite3 "modernc.org/sqlite/lib"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -61,12 +62,12 @@ type Store struct {
 }
 
 var (
-	_ dedup.TxStore      = (*Store)(nil)
-	_ dedup.Expirer      = (*Store)(nil)
-	_ dedup.Peeker       = (*Store)(nil)
-	_ dedup.RecordFinder = (*Store)(nil)
-	_ dedup.Classifier   = (*inboxTx)(nil)
-	_ dedup.KeyLister    = (*Store)(nil)
+	_ dedup.TxStore            = (*Store)(nil)
+	_ dedup.Expirer            = (*Store)(nil)
+	_ dedupdriver.Peeker       = (*Store)(nil)
+	_ dedupdriver.RecordFinder = (*Store)(nil)
+	_ dedupdriver.Classifier   = (*inboxTx)(nil)
+	_ dedupdriver.KeyLister    = (*Store)(nil)
 )
 
 // Open opens (creating it if needed) the SQLite database file at path with

@@ -115,7 +115,7 @@ type ops interface {
 	granted(ctx context.Context, db *sql.DB, key dedup.Key, grant string) (bool, error)
 	// deadCopy counts a copy of a dead key.
 	deadCopy(ctx context.Context, db *sql.DB, key dedup.Key) error
-	// peek reads key's committed, unexpired record (see dedup.Peeker).
+	// peek reads key's committed, unexpired record (see dedupdriver.Peeker).
 	peek(ctx context.Context, db *sql.DB, key dedup.Key) (dedup.Claim, error)
 	// hasRecord reports whether key has a record, expired or not.
 	hasRecord(ctx context.Context, db *sql.DB, key dedup.Key) (bool, error)

@@ -72,7 +72,7 @@
 // wraps [dedup.ErrConflict], which the inbox runs again at once; a commit
 // whose connection failed after COMMIT was sent wraps [dedup.ErrAmbiguous].
 // For an error the handler returns, the transaction asks its connection
-// through the driver ([dedup.Classifier]), never what the error wraps.
+// through the driver ([dedupdriver.Classifier]), never what the error wraps.
 //
 // database/sql's Commit takes no context: bound it with the driver's
 // timeouts (go-sql-driver/mysql's readTimeout and writeTimeout, a

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/internal/mysqltest"
 	"github.com/oncemill/oncemill/internal/netfault"
@@ -46,7 +47,7 @@ func TestClassifyAsksTheConnection(t *testing.T) {
 		tx, err := b.store.InboxBegin(ctx)
 		require.NoError(t, err)
 		defer func() { _ = tx.Rollback(ctx) }() // its connection is gone by then
-		c := tx.(dedup.Classifier)
+		c := tx.(dedupdriver.Classifier)
 		hctx := tx.WithTx(ctx)
 
 		decode := fmt.Errorf("decode order: %w", io.EOF)
@@ -63,7 +64,7 @@ func TestClassifyAsksTheConnection(t *testing.T) {
 
 		tx, err = b.store.InboxBegin(ctx)
 		require.NoError(t, err)
-		c = tx.(dedup.Classifier)
+		c = tx.(dedupdriver.Classifier)
 		hctx = tx.WithTx(ctx)
 		b.kill(t, b.sessionOf(t, hctx))
 		_, err = sqlstore.Tx(hctx).ExecContext(hctx, `SELECT 1`)
@@ -225,7 +226,7 @@ func TestDeadlockIsAConflict(t *testing.T) {
 			if err == nil {
 				return false
 			}
-			c := tx.(dedup.Classifier)
+			c := tx.(dedupdriver.Classifier)
 			require.ErrorIs(t, c.InboxClassify(err), dedup.ErrConflict, "%v", err)
 			require.NotErrorIs(t, c.InboxClassify(err), dedup.ErrUnavailable)
 			require.NotErrorIs(t, c.InboxClassify(errors.New("card declined")), dedup.ErrConflict)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -46,8 +47,8 @@ func (c Config) Validate() error {
 
 // Store keeps inbox records in the tables sqlschema.MigrateSQL creates, on
 // a *sql.DB. It implements [dedup.TxStore] (its transactions implement
-// [dedup.Classifier]), [dedup.Peeker], [dedup.RecordFinder],
-// [dedup.KeyLister] and [dedup.Expirer]; lease mode is not offered. It is
+// [dedupdriver.Classifier]), [dedupdriver.Peeker], [dedupdriver.RecordFinder],
+// [dedupdriver.KeyLister] and [dedup.Expirer]; lease mode is not offered. It is
 // safe for concurrent use and starts no goroutines.
 type Store struct {
 	db  *sql.DB
@@ -56,12 +57,12 @@ type Store struct {
 }
 
 var (
-	_ dedup.TxStore      = (*Store)(nil)
-	_ dedup.Expirer      = (*Store)(nil)
-	_ dedup.Peeker       = (*Store)(nil)
-	_ dedup.RecordFinder = (*Store)(nil)
-	_ dedup.KeyLister    = (*Store)(nil)
-	_ dedup.Classifier   = (*inboxTx)(nil)
+	_ dedup.TxStore            = (*Store)(nil)
+	_ dedup.Expirer            = (*Store)(nil)
+	_ dedupdriver.Peeker       = (*Store)(nil)
+	_ dedupdriver.RecordFinder = (*Store)(nil)
+	_ dedupdriver.KeyLister    = (*Store)(nil)
+	_ dedupdriver.Classifier   = (*inboxTx)(nil)
 )
 
 // New returns a store on db. It does not create the tables: run

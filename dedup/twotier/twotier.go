@@ -60,6 +60,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/internal/breaker"
 )
 
@@ -173,11 +174,11 @@ type Stats struct {
 	InFlightChecks int64
 }
 
-// Store is a [dedup.TxStore] made of a lock and a record. Its
-// [dedup.Graveyard] methods delegate to the record. It also implements
-// [dedup.Expirer], [dedup.Peeker] and [dedup.KeyLister] by delegating to the
-// record, which returns an error if the record does not. It is safe for
-// concurrent use and starts no goroutines.
+// Store is a [dedup.TxStore] made of a lock and a record. Its [dedup.Graveyard]
+// methods delegate to the record. It also implements [dedup.Expirer],
+// [dedupdriver.Peeker] and [dedupdriver.KeyLister] by delegating to the record,
+// which returns an error if the record does not. It is safe for concurrent use
+// and starts no goroutines.
 type Store struct {
 	lock    dedup.LeaseStore
 	record  dedup.TxStore
@@ -195,11 +196,11 @@ type Store struct {
 }
 
 var (
-	_ dedup.TxStore      = (*Store)(nil)
-	_ dedup.Expirer      = (*Store)(nil)
-	_ dedup.Peeker       = (*Store)(nil)
-	_ dedup.RecordFinder = (*Store)(nil)
-	_ dedup.KeyLister    = (*Store)(nil)
+	_ dedup.TxStore            = (*Store)(nil)
+	_ dedup.Expirer            = (*Store)(nil)
+	_ dedupdriver.Peeker       = (*Store)(nil)
+	_ dedupdriver.RecordFinder = (*Store)(nil)
+	_ dedupdriver.KeyLister    = (*Store)(nil)
 )
 
 // New returns a store for cfg; cfg is copied, defaulted and validated.
@@ -294,7 +295,7 @@ func (s *Store) InboxBegin(context.Context) (dedup.InboxTx, error) {
 }
 
 // InboxStart counts an attempt of key in the record, which answers a done
-// or dead key. When the lock is a [dedup.Peeker] (dedup/redis is), it is
+// or dead key. When the lock is a [dedupdriver.Peeker] (dedup/redis is), it is
 // read first: a key it knows is done is answered from the lock alone, with
 // no database round trip and no attempt counted, since the lock's "done"
 // is accurate; any other answer goes to the record, which also decides
@@ -304,7 +305,7 @@ func (s *Store) InboxBegin(context.Context) (dedup.InboxTx, error) {
 // alone.
 func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
 	teach := false
-	if p, ok := s.lock.(dedup.Peeker); ok {
+	if p, ok := s.lock.(dedupdriver.Peeker); ok {
 		var lc dedup.Claim
 		called, err := s.guard(ctx, func(ctx context.Context) error {
 			var err error
@@ -374,11 +375,11 @@ func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant strin
 }
 
 // InboxHasRecord reports whether the record holds key, in any state; it
-// returns an error if the record is not a [dedup.RecordFinder].
+// returns an error if the record is not a [dedupdriver.RecordFinder].
 func (s *Store) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
-	f, ok := s.record.(dedup.RecordFinder)
+	f, ok := s.record.(dedupdriver.RecordFinder)
 	if !ok {
-		return false, fmt.Errorf("twotier: read record: the record store %T does not implement dedup.RecordFinder", s.record)
+		return false, fmt.Errorf("twotier: read record: the record store %T does not implement dedupdriver.RecordFinder", s.record)
 	}
 	found, err := f.InboxHasRecord(ctx, key)
 	if err != nil {
@@ -438,11 +439,11 @@ func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) 
 	return n, nil
 }
 
-// InboxPeek reads key from the record, if it is a [dedup.Peeker].
+// InboxPeek reads key from the record, if it is a [dedupdriver.Peeker].
 func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, error) {
-	p, ok := s.record.(dedup.Peeker)
+	p, ok := s.record.(dedupdriver.Peeker)
 	if !ok {
-		return dedup.Claim{}, fmt.Errorf("twotier: peek: Record %T does not implement dedup.Peeker", s.record)
+		return dedup.Claim{}, fmt.Errorf("twotier: peek: Record %T does not implement dedupdriver.Peeker", s.record)
 	}
 	c, err := p.InboxPeek(ctx, key)
 	if err != nil {
@@ -451,11 +452,12 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 	return c, nil
 }
 
-// InboxDoneKeys lists the record's done keys, if it is a [dedup.KeyLister].
+// InboxDoneKeys lists the record's done keys, if it is a
+// [dedupdriver.KeyLister].
 func (s *Store) InboxDoneKeys(ctx context.Context, consumer string, since time.Time, fn func(key string) error) error {
-	l, ok := s.record.(dedup.KeyLister)
+	l, ok := s.record.(dedupdriver.KeyLister)
 	if !ok {
-		return fmt.Errorf("twotier: done keys: Record %T does not implement dedup.KeyLister", s.record)
+		return fmt.Errorf("twotier: done keys: Record %T does not implement dedupdriver.KeyLister", s.record)
 	}
 	// fn's own error is returned as it is.
 	return l.InboxDoneKeys(ctx, consumer, since, fn)
@@ -567,7 +569,7 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 // when the record holds the key done or dead; otherwise the lock's answer
 // stands. A record that cannot peek is not asked.
 func (t *inboxTx) checkInFlight(ctx context.Context, key dedup.Key) (dedup.Claim, bool, error) {
-	p, ok := t.s.record.(dedup.Peeker)
+	p, ok := t.s.record.(dedupdriver.Peeker)
 	if !ok || !t.s.leasesDoubted() {
 		return dedup.Claim{}, false, nil
 	}
@@ -700,7 +702,7 @@ func (t *inboxTx) settle(ctx context.Context, op func(context.Context) error, ms
 // InboxClassify lets the record's transaction mark its driver's
 // infrastructure errors among those the handler returned.
 func (t *inboxTx) InboxClassify(err error) error {
-	if c, ok := t.rec.(dedup.Classifier); ok {
+	if c, ok := t.rec.(dedupdriver.Classifier); ok {
 		return c.InboxClassify(err)
 	}
 	return err

@@ -502,9 +502,9 @@ func TestDelegationToTheRecord(t *testing.T) {
 	plain, err := twotier.New(twotier.Config{Lock: b.lock, Record: plainRecord{b.record}})
 	require.NoError(t, err)
 	_, err = plain.InboxPeek(ctx, key)
-	require.ErrorContains(t, err, "does not implement dedup.Peeker")
+	require.ErrorContains(t, err, "does not implement dedupdriver.Peeker")
 	err = plain.InboxDoneKeys(ctx, "billing", time.Time{}, func(string) error { return nil })
-	require.ErrorContains(t, err, "does not implement dedup.KeyLister")
+	require.ErrorContains(t, err, "does not implement dedupdriver.KeyLister")
 	_, err = plain.InboxDeleteExpired(ctx, 10)
 	require.ErrorContains(t, err, "does not implement dedup.Expirer")
 }
