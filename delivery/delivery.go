@@ -126,8 +126,12 @@ const (
 	DeadConsumer = "oncemill_dlq_consumer"
 	// DeadKey is the idempotency key the consumer derived, when known.
 	DeadKey = "oncemill_dlq_key"
-	// DeadAttempts is how many attempts were made, the last included.
+	// DeadAttempts is how many attempts were made, the last included, as
+	// the count that DeadAttemptsSource names has it.
 	DeadAttempts = "oncemill_dlq_attempts"
+	// DeadAttemptsSource names who counted DeadAttempts:
+	// AttemptsFromInbox, AttemptsFromBroker or AttemptsFromProcess.
+	DeadAttemptsSource = "oncemill_dlq_attempts_source"
 	// DeadError is the text of the last error.
 	DeadError = "oncemill_dlq_error"
 	// DeadPermanent is "true" when the last error was permanent (never
@@ -143,6 +147,28 @@ const (
 	DeadPartition = "oncemill_dlq_partition"
 	// DeadOffset: see DeadPartition.
 	DeadOffset = "oncemill_dlq_offset"
+	// DeadStream and DeadStreamSequence are the NATS JetStream stream and
+	// stream sequence of the original, when known.
+	DeadStream = "oncemill_dlq_stream"
+	// DeadStreamSequence: see DeadStream.
+	DeadStreamSequence = "oncemill_dlq_stream_sequence"
+)
+
+// Values of DeadAttemptsSource.
+const (
+	// AttemptsFromInbox: the inbox store counted the failed handler
+	// attempts of the key, durably and exactly.
+	AttemptsFromInbox = "inbox"
+	// AttemptsFromBroker: the broker's own count of deliveries of the
+	// message (Attempts: RabbitMQ x-delivery-count, SQS
+	// ApproximateReceiveCount, JetStream NumDelivered), which also grows
+	// with deliveries that did not fail, returned on a consumer's
+	// shutdown for instance.
+	AttemptsFromBroker = "broker"
+	// AttemptsFromProcess: a counter in the consumer's memory, which a
+	// restart resets (a broker without a count, such as Kafka, and no
+	// inbox).
+	AttemptsFromProcess = "process"
 )
 
 // DeadPrefix starts every key of the dead-letter metadata above; a replay

@@ -352,6 +352,19 @@ func (p *Poison) backoff(attempts int) time.Duration {
 	return min(d, p.cfg.MaxBackoff)
 }
 
+// attemptsSource names the count that [Poison.count] took for msg's
+// attempts, for delivery.DeadAttemptsSource: the inbox store's, else the
+// broker's, else the one in memory.
+func attemptsSource(msg *message.Message, cause error) string {
+	if _, _, ok := StoredAttempts(cause); ok {
+		return delivery.AttemptsFromInbox
+	}
+	if _, ok := delivery.AttemptsOf(msg); ok {
+		return delivery.AttemptsFromBroker
+	}
+	return delivery.AttemptsFromProcess
+}
+
 // deadLetter publishes a copy of msg to the dead-letter topic and returns
 // nil, so that the router acks the original, or, when the publish fails, an
 // error wrapping ErrDeadLetter and cause, so that it nacks it.
@@ -383,6 +396,7 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	md.Set(delivery.DeadConsumer, consumer)
 	md.Set(delivery.DeadKey, key)
 	md.Set(delivery.DeadAttempts, strconv.Itoa(attempts))
+	md.Set(delivery.DeadAttemptsSource, attemptsSource(msg, cause))
 	md.Set(delivery.DeadError, cause.Error())
 	md.Set(delivery.DeadPermanent, strconv.FormatBool(IsPermanent(cause)))
 	md.Set(delivery.DeadFirstFailedAt, first.UTC().Format(time.RFC3339Nano))
@@ -392,6 +406,12 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	}
 	if v := msg.Metadata.Get(delivery.Offset); v != "" {
 		md.Set(delivery.DeadOffset, v)
+	}
+	if v := msg.Metadata.Get(delivery.Stream); v != "" {
+		md.Set(delivery.DeadStream, v)
+	}
+	if v := msg.Metadata.Get(delivery.StreamSequence); v != "" {
+		md.Set(delivery.DeadStreamSequence, v)
 	}
 
 	fields := watermill.LogFields{

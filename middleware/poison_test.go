@@ -163,6 +163,7 @@ func TestPoisonAlwaysFailingAfterMaxAttempts(t *testing.T) {
 		dead := msgtest.Receive(t, rig.dead, 30*time.Second)
 		dead.Ack()
 		require.Equal(t, "4", dead.Metadata.Get(dlv.DeadAttempts))
+		require.Equal(t, dlv.AttemptsFromInbox, dead.Metadata.Get(dlv.DeadAttemptsSource), "the inbox counted them")
 		require.Equal(t, "false", dead.Metadata.Get(dlv.DeadPermanent))
 		require.Contains(t, dead.Metadata.Get(dlv.DeadError), "attempt 4")
 		first, err := time.Parse(time.RFC3339Nano, dead.Metadata.Get(dlv.DeadFirstFailedAt))
