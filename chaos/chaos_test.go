@@ -26,6 +26,7 @@ import (
 	"github.com/oncemill/oncemill/internal/amqptest"
 	"github.com/oncemill/oncemill/internal/brokertest"
 	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/proctest"
 	"github.com/oncemill/oncemill/internal/redistest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -33,9 +34,7 @@ import (
 func TestMain(m *testing.M) {
 	// go-redis logs every failed dial; the Redis outage is on purpose.
 	goredis.SetLogger(quietRedis{})
-	if role := os.Getenv(roleEnv); role != "" {
-		os.Exit(runRole(role))
-	}
+	proctest.Main(consumerRole)
 	os.Exit(m.Run())
 }
 
@@ -174,7 +173,7 @@ func TestChaos(t *testing.T) {
 	pg := pgtest.StartServer(t)
 	rabbit := amqptest.StartServer(t)
 	rds := redistest.StartServer(t)
-	kafkaAddrs := startKafka(t)
+	kafkaAddrs := proctest.StartKafka(t)
 	pool := chaosDB(t, pg.URL())
 
 	run := strconv.FormatInt(time.Now().UnixNano()%1e9, 36)
@@ -212,21 +211,9 @@ func TestChaos(t *testing.T) {
 			{72 * time.Second, faultKill}, {76 * time.Second, faultKill}, {80 * time.Second, faultKill},
 		},
 		outages: []outage{
-			{name: faultPostgres, do: func() {
-				pg.Stop()
-				time.Sleep(3 * time.Second)
-				pg.Start()
-			}},
-			{name: faultRabbit, lanes: []string{"amqp"}, do: func() {
-				rabbit.StopApp()
-				time.Sleep(3 * time.Second)
-				rabbit.StartApp()
-			}},
-			{name: faultRedis, do: func() {
-				rds.Stop()
-				time.Sleep(5 * time.Second)
-				rds.Start()
-			}},
+			{name: faultPostgres, do: downFor(3*time.Second, pg.Stop, pg.Start)},
+			{name: faultRabbit, lanes: []string{"amqp"}, do: downFor(3*time.Second, rabbit.StopApp, rabbit.StartApp)},
+			{name: faultRedis, do: downFor(5*time.Second, rds.Stop, rds.Start)},
 		},
 		// Past the last fault's window.
 		produceFor: 86 * time.Second,
@@ -289,9 +276,11 @@ func newLane(name, url, run string) *lane {
 func (l *lane) addSlots(dbURL, redisAddr string, stores ...string) {
 	for _, store := range stores {
 		l.slots = append(l.slots, &slot{cfg: consumerConfig{
-			Broker: l.name, BrokerURL: l.url, Group: l.group, Topic: l.topic,
-			DatabaseURL: dbURL, Schema: schema, Consumer: l.consumer,
-			Store: store, RedisAddr: redisAddr,
+			Stack: proctest.Stack{
+				BrokerURL: l.url, Group: l.group, Topic: l.topic,
+				DatabaseURL: dbURL, Schema: schema, Consumer: l.consumer,
+			},
+			Broker: l.name, Store: store, RedisAddr: redisAddr,
 		}})
 	}
 }
@@ -322,6 +311,15 @@ type outage struct {
 	lanes []string
 	// do causes the fault and ends it.
 	do func()
+}
+
+// downFor is an outage's do: stop, then start again d later.
+func downFor(d time.Duration, stop, start func()) func() {
+	return func() {
+		stop()
+		time.Sleep(d)
+		start()
+	}
 }
 
 // runChaos runs r: it starts every lane's consumers under their
@@ -727,17 +725,6 @@ func earlier(a, b time.Time) time.Time {
 		return a
 	}
 	return b
-}
-
-// startKafka runs the embedded Kafka broker in a process of its own and
-// returns its addresses.
-func startKafka(t *testing.T) []string {
-	t.Helper()
-	p, err := startProcess("kafka", nil, kafkaLine)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = p.Terminate(10 * time.Second) })
-	addrs, _ := p.Out.Line(kafkaLine)
-	return strings.Split(addrs, ",")
 }
 
 func connect(t *testing.T, url string, maxConns int32) *pgxpool.Pool {

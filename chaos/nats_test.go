@@ -74,23 +74,11 @@ func TestChaosNATS(t *testing.T) {
 			{74 * time.Second, faultKill}, {78 * time.Second, faultKill},
 		},
 		outages: []outage{
-			{name: faultNATS, do: func() {
-				proc.Stop()
-				emb.stop(t)
-				time.Sleep(3 * time.Second)
-				proc.Start()
-				emb.start(t)
-			}},
-			{name: faultNATSKill, lanes: []string{"nats"}, do: func() {
-				proc.Kill()
-				time.Sleep(3 * time.Second)
-				proc.Start()
-			}},
-			{name: faultPostgres, do: func() {
-				pg.Stop()
-				time.Sleep(3 * time.Second)
-				pg.Start()
-			}},
+			{name: faultNATS, do: downFor(3*time.Second,
+				func() { proc.Stop(); emb.stop(t) },
+				func() { proc.Start(); emb.start(t) })},
+			{name: faultNATSKill, lanes: []string{"nats"}, do: downFor(3*time.Second, proc.Kill, proc.Start)},
+			{name: faultPostgres, do: downFor(3*time.Second, pg.Stop, pg.Start)},
 		},
 		produceFor: 82 * time.Second,
 		minKills:   10,
