@@ -1,7 +1,19 @@
-// Package proctest runs a test binary again as a child process (a consumer,
-// a broker) for the tests that kill and restart real processes: the child
-// is the same binary, told its role through the environment, which its
-// TestMain reads.
+// Package proctest runs the test binary again as child processes (a
+// consumer, a broker) for the tests that kill and restart real processes.
+//
+// A child is the same binary, told its role and configuration through the
+// environment. A role is [NewRole]'s: a function of its configuration,
+// sent as JSON, and of the SIGTERM channel; TestMain hands every role of
+// its package to [Main] first, which runs the one a child was started in
+// and exits with the code its error maps to ([ExitCode]). The parent
+// starts a child with [Role.Start], which waits for its ready line, and
+// ends it with [Process.Kill] (SIGKILL) or [Process.Stop] (SIGTERM, a
+// clean exit within a bound, and the [Stats] it printed).
+//
+// A consumer role is mostly its handler: [Consumer] is the standard stack
+// (adapters.Open, Poison, Bloom, Inbox on a Watermill router), [DB] the
+// test's schema that its children write to, [DB.Stream] a paced producer,
+// and [StartKafka] the embedded Kafka broker in a process of its own.
 package proctest
 
 import (
