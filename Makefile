@@ -3,9 +3,13 @@ GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 
 .PHONY: test chaos services vet quickstart ci bench-outbox bench-dedup bench-kafka bench-nats
 
-# Start (or check) the services the integration tests use, then run all tests.
+# Start (or check) the services the integration tests use, then run all
+# tests: the library's, then the benchmarks' (benchmarks/ is a module of its
+# own, so that its dependencies stay out of the library's go.mod, and the
+# root's ./... does not reach it).
 test: services
 	$(GO) test -race -count=1 ./...
+	cd benchmarks && $(GO) test -race -count=1 ./...
 
 # The chaos suite (build tag chaos): consumer processes on Kafka, RabbitMQ,
 # SQS and NATS SIGKILLed at random while PostgreSQL, RabbitMQ, Redis and
@@ -21,10 +25,12 @@ chaos: services
 services:
 	bash scripts/services.sh
 
-# go vet, plus a gofmt check that lists unformatted files.
+# go vet of both modules, plus a gofmt check that lists unformatted files
+# (the benchmarks' included).
 vet:
 	$(GO) vet ./...
 	$(GO) vet -tags chaos ./chaos/
+	cd benchmarks && $(GO) vet ./...
 	@files="$(GOFILES)"; unformatted="$$(test -z "$$files" || gofmt -l $$files)"; \
 	if [ -n "$$unformatted" ]; then echo "gofmt -l found unformatted files:"; echo "$$unformatted"; exit 1; fi
 
@@ -33,12 +39,16 @@ quickstart:
 
 ci: vet test chaos quickstart
 
+# The bench targets run in benchmarks/, the benchmarks' own module: a
+# relative path in ARGS is taken from there. The commands find the results
+# files they write wherever they run in the repository.
+
 # Outbox relay benchmark: oncemill's relay vs Watermill's forwarder on the
 # PostgreSQL of DATABASE_URL; writes benchmarks/README.md. ARGS=-quick for
 # a run under a minute (which writes nothing).
 bench-outbox:
 	bash scripts/services.sh postgres
-	$(GO) run ./benchmarks/outbox $(ARGS)
+	cd benchmarks && $(GO) run ./outbox $(ARGS)
 
 # Deduplication benchmark: every dedup strategy on one generated stream,
 # speed and correctness under crashes, on the PostgreSQL of DATABASE_URL and
@@ -47,7 +57,7 @@ bench-outbox:
 # under a minute (which writes nothing).
 bench-dedup:
 	bash scripts/services.sh postgres redis
-	$(GO) run ./benchmarks/dedup $(ARGS)
+	cd benchmarks && $(GO) run ./dedup $(ARGS)
 
 # Kafka end-to-end benchmark: watermill-kafka's subscriber and oncemill's
 # (one in flight, key-parallel, key-parallel without the inbox) consuming
@@ -58,7 +68,7 @@ bench-dedup:
 # (which writes nothing).
 bench-kafka:
 	bash scripts/services.sh postgres
-	$(GO) run ./benchmarks/kafka $(ARGS)
+	cd benchmarks && $(GO) run ./kafka $(ARGS)
 
 # NATS end-to-end benchmark: watermill-nats's JetStream subscribers
 # (pkg/nats, pkg/jetstream) and oncemill's (1 and 16 in flight), the same
@@ -70,4 +80,4 @@ bench-kafka:
 # for a run under a minute (which writes nothing).
 bench-nats:
 	bash scripts/services.sh postgres nats
-	$(GO) run ./benchmarks/nats $(ARGS)
+	cd benchmarks && $(GO) run ./nats $(ARGS)

@@ -24,8 +24,11 @@
 // Every measurement has its own PostgreSQL schema, Redis key prefix and
 // SQLite file, removed afterwards.
 //
-//	go run ./benchmarks/dedup          # full run, writes benchmarks/RESULTS.md, benchmarks/dedup/results.csv and throughput.png
-//	go run ./benchmarks/dedup -quick   # under a minute, writes nothing unless -out is given
+//	cd benchmarks && go run ./dedup          # full run, writes benchmarks/RESULTS.md, benchmarks/dedup/results.csv and throughput.png
+//	cd benchmarks && go run ./dedup -quick   # under a minute, writes nothing unless -out is given
+//
+// (or make bench-dedup from the repository root); the results files are
+// found from the working directory, wherever in the repository it is.
 package main
 
 import (
@@ -48,7 +51,7 @@ func main() {
 		quick        = flag.Bool("quick", false, "a short run (under a minute) with small streams; writes nothing unless -out is given")
 		dsn          = flag.String("dsn", benchutil.EnvOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
 		redisURL     = flag.String("redis", benchutil.EnvOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis URL (default $REDIS_URL)")
-		out          = flag.String("out", "benchmarks", "directory receiving RESULTS.md (its \"Deduplication\" section) and dedup/results.csv and dedup/throughput.png; empty writes nothing")
+		out          = flag.String("out", benchutil.Path(), "directory receiving RESULTS.md (its \"Deduplication\" section) and dedup/results.csv and dedup/throughput.png; empty writes nothing")
 		n            = flag.Int("n", 0, "messages in each speed run (default 8000, -quick 300)")
 		crashN       = flag.Int("crash-n", 0, "messages in each correctness run (default 2000, -quick 200)")
 		crashEvery   = flag.Int("crash-every", 7, "inject the fault on the first delivery of every k-th message")
@@ -137,7 +140,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "dedup benchmark:", err)
 		os.Exit(1)
 	}
-	cmd := "go run ./benchmarks/dedup"
+	cmd := "cd benchmarks && go run ./dedup"
 	if len(os.Args) > 1 {
 		cmd += " " + strings.Join(os.Args[1:], " ")
 	}

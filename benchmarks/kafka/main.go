@@ -33,8 +33,11 @@
 // violations). Any of them makes the command fail. Every run has its own
 // schema, topic and consumer group, dropped afterwards.
 //
-//	go run ./benchmarks/kafka          # full run, writes the "Kafka end to end" section of benchmarks/README.md and benchmarks/kafka/throughput.png
-//	go run ./benchmarks/kafka -quick   # under a minute, writes nothing
+//	cd benchmarks && go run ./kafka          # full run, writes the "Kafka end to end" section of benchmarks/README.md and benchmarks/kafka/throughput.png
+//	cd benchmarks && go run ./kafka -quick   # under a minute, writes nothing
+//
+// (or make bench-kafka from the repository root); the results files are
+// found from the working directory, wherever in the repository it is.
 package main
 
 import (
@@ -59,8 +62,8 @@ func main() {
 	var (
 		quick       = flag.Bool("quick", false, "a short run (under a minute): fewer messages, one repetition; writes nothing unless -readme or -chart is given")
 		dsn         = flag.String("dsn", benchutil.EnvOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
-		readme      = flag.String("readme", "benchmarks/README.md", "file whose \"Kafka end to end\" section receives the results; empty writes none")
-		chart       = flag.String("chart", "benchmarks/kafka/throughput.png", "throughput chart to write; empty writes none")
+		readme      = flag.String("readme", benchutil.Path("README.md"), "file whose \"Kafka end to end\" section receives the results; empty writes none")
+		chart       = flag.String("chart", benchutil.Path("kafka", "throughput.png"), "throughput chart to write; empty writes none")
 		n           = flag.Int("n", 0, "messages per run (default 8000, -quick 1500)")
 		keys        = flag.Int("keys", 1000, "distinct orders (record keys)")
 		dups        = flag.Int("dups", 10, "duplicate percentage")

@@ -16,7 +16,7 @@ const (
 	// the key-parallel subscriber with the inbox should keep.
 	targetNoInbox = 0.8
 	sectionHead   = "## Kafka end to end"
-	command       = "go run ./benchmarks/kafka"
+	command       = "cd benchmarks && go run ./kafka"
 )
 
 // label is a subscriber's name in the table.

@@ -37,8 +37,11 @@
 // effect row (doubled) and keys with none (lost). Either makes the command
 // fail.
 //
-//	go run ./benchmarks/nats          # full run, writes the "NATS end to end" section of benchmarks/README.md
-//	go run ./benchmarks/nats -quick   # under a minute, writes nothing
+//	cd benchmarks && go run ./nats          # full run, writes the "NATS end to end" section of benchmarks/README.md
+//	cd benchmarks && go run ./nats -quick   # under a minute, writes nothing
+//
+// (or make bench-nats from the repository root); the results file is
+// found from the working directory, wherever in the repository it is.
 package main
 
 import (
@@ -62,7 +65,7 @@ func main() {
 		quick    = flag.Bool("quick", false, "a short run (under a minute): fewer messages, one repetition; writes nothing unless -readme is given")
 		dsn      = flag.String("dsn", benchutil.EnvOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
 		server   = flag.String("nats", benchutil.EnvOr("NATS_URL", "nats://127.0.0.1:4222"), `NATS server with JetStream (default $NATS_URL), or "embedded" for one in this process`)
-		readme   = flag.String("readme", "benchmarks/README.md", "file whose \"NATS end to end\" section receives the results; empty writes none")
+		readme   = flag.String("readme", benchutil.Path("README.md"), "file whose \"NATS end to end\" section receives the results; empty writes none")
 		n        = flag.Int("n", 0, "messages of a throughput run (default 5000, -quick 1000)")
 		dups     = flag.Int("dups", 10, "duplicate percentage")
 		rate     = flag.Int("rate", 100, "publish rate of a latency run, messages per second")

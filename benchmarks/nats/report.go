@@ -21,7 +21,7 @@ const (
 	// flight.
 	targetP99   = 1.5
 	sectionHead = "## NATS end to end"
-	command     = "go run ./benchmarks/nats"
+	command     = "cd benchmarks && go run ./nats"
 )
 
 // label is a subscriber's name in the table.

@@ -35,8 +35,11 @@
 // watermill-sql subscriber polls every 1s when it finds nothing, reads 100
 // rows per query and acks one message at a time.
 //
-//	go run ./benchmarks/outbox          # full run, writes benchmarks/README.md
-//	go run ./benchmarks/outbox -quick   # under a minute, writes nothing
+//	cd benchmarks && go run ./outbox          # full run, writes benchmarks/README.md
+//	cd benchmarks && go run ./outbox -quick   # under a minute, writes nothing
+//
+// (or make bench-outbox from the repository root); the results file is
+// found from the working directory, wherever in the repository it is.
 package main
 
 import (
@@ -58,7 +61,7 @@ func main() {
 	var (
 		quick    = flag.Bool("quick", false, "a short run (under a minute) with small N and 2s latency runs; does not write the README unless -readme is given")
 		dsn      = flag.String("dsn", benchutil.EnvOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
-		readme   = flag.String("readme", "benchmarks/README.md", "file whose \"Outbox relay\" section receives the results; empty writes nothing")
+		readme   = flag.String("readme", benchutil.Path("README.md"), "file whose \"Outbox relay\" section receives the results; empty writes nothing")
 		nOurs    = flag.Int("n", 0, "events for oncemill's throughput runs (default 20000, -quick 2000)")
 		nStock   = flag.Int("n-stock", 0, "events for Watermill forwarder's throughput runs (default 20000, -quick 2000)")
 		rate     = flag.Int("rate", 1000, "events per second in the latency runs")

@@ -16,7 +16,7 @@ const (
 	targetIdleQPS     = 5.0
 	targetFloorRatio  = 0.5
 	sectionHead       = "## Outbox relay"
-	command           = "go run ./benchmarks/outbox"
+	command           = "cd benchmarks && go run ./outbox"
 )
 
 func fmtLat(d time.Duration, missing bool) string {

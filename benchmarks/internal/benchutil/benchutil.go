@@ -1,6 +1,6 @@
 // Package benchutil holds what the benchmark commands share: flag and
-// environment helpers, seeded UUIDs, random run IDs and a logger that
-// counts errors.
+// environment helpers, the location of the results files, seeded UUIDs,
+// random run IDs and a logger that counts errors.
 package benchutil
 
 import (
@@ -11,6 +11,7 @@ import (
 	"io"
 	mrand "math/rand/v2"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -45,6 +46,60 @@ func EnvOr(key, def string) string {
 		return v
 	}
 	return def
+}
+
+// ModulePath is the import path of the benchmarks module, whose root
+// directory holds the results files.
+const ModulePath = "github.com/oncemill/oncemill/benchmarks"
+
+// Path returns the file elem of the benchmarks module's root directory
+// (benchmarks/ in the repository), relative to the working directory, so
+// that a command writes the same results files whether it runs from the
+// repository root, from benchmarks/ (as the Makefile's bench targets do)
+// or from below it. The root is the first of the working directory and its
+// parents that is the module's root or holds it as benchmarks/; without
+// one, the path is under benchmarks/ of the working directory.
+func Path(elem ...string) string {
+	return filepath.Join(append([]string{moduleDir()}, elem...)...)
+}
+
+// moduleDir returns the benchmarks module's root directory, relative to
+// the working directory.
+func moduleDir() string {
+	const fallback = "benchmarks"
+	wd, err := os.Getwd()
+	if err != nil {
+		return fallback
+	}
+	for dir := wd; ; dir = filepath.Dir(dir) {
+		for _, cand := range []string{dir, filepath.Join(dir, "benchmarks")} {
+			if !declaresModule(filepath.Join(cand, "go.mod")) {
+				continue
+			}
+			if rel, err := filepath.Rel(wd, cand); err == nil {
+				return rel
+			}
+			return cand
+		}
+		if filepath.Dir(dir) == dir {
+			return fallback
+		}
+	}
+}
+
+// declaresModule reports whether the go.mod file at path declares
+// ModulePath.
+func declaresModule(path string) bool {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return false
+	}
+	for line := range strings.Lines(string(data)) {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == "module" {
+			return strings.Trim(f[1], `"`+"`") == ModulePath
+		}
+	}
+	return false
 }
 
 // SeededUUID formats 16 random bytes from rng as a version 4 UUID, so that

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -48,5 +50,32 @@ func TestCountingLogger(t *testing.T) {
 	}
 	if n := strings.Count(out.String(), "broker down"); n != 2 {
 		t.Fatalf("printed %d errors, want 2:\n%s", n, out.String())
+	}
+}
+
+// TestPath finds the benchmarks module's root, where the results files
+// are, from the directories the commands are run in.
+func TestPath(t *testing.T) {
+	// The test runs in benchmarks/internal/benchutil.
+	pkg, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	repo := filepath.Join(pkg, "..", "..", "..")
+	for _, c := range []struct{ wd, want string }{
+		{repo, filepath.Join("benchmarks", "README.md")},
+		{filepath.Join(repo, "benchmarks"), "README.md"},
+		{filepath.Join(repo, "benchmarks", "kafka"), filepath.Join("..", "README.md")},
+		{pkg, filepath.Join("..", "..", "README.md")},
+		{t.TempDir(), filepath.Join("benchmarks", "README.md")},
+	} {
+		t.Chdir(c.wd)
+		if got := benchutil.Path("README.md"); got != c.want {
+			t.Errorf("from %s: Path(README.md) = %s, want %s", c.wd, got, c.want)
+		}
+	}
+	t.Chdir(repo)
+	if _, err := os.Stat(benchutil.Path("RESULTS.md")); err != nil {
+		t.Errorf("the results file is not where Path says: %v", err)
 	}
 }
