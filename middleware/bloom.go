@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -179,13 +178,6 @@ func NewBloom(cfg BloomConfig) (*Bloom, error) {
 	b.rotateAt = b.now().Add(cfg.Window)
 	return b, nil
 }
-
-// BitsPerKey is each generation's size in bits divided by ExpectedKeys.
-func (b *Bloom) BitsPerKey() float64 { return float64(b.m) / float64(b.cfg.ExpectedKeys) }
-
-// OptimalBitsPerKey is the smallest size per key that reaches rate p:
-// -ln(p)/ln(2)².
-func OptimalBitsPerKey(p float64) float64 { return -math.Log(p) / (math.Ln2 * math.Ln2) }
 
 // Stats returns the prefilter's counters.
 func (b *Bloom) Stats() BloomStats {

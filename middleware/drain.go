@@ -7,8 +7,8 @@ import (
 	"time"
 )
 
-// DefaultDrainTimeout is the default [InboxConfig.DrainTimeout].
-const DefaultDrainTimeout = 20 * time.Second
+// defaultDrainTimeout is the default [InboxConfig.DrainTimeout].
+const defaultDrainTimeout = 20 * time.Second
 
 // errDrainTimeout is the cause of a handler context cancelled because the
 // consumer shut down and the drain budget ran out.

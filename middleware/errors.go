@@ -132,13 +132,13 @@ func attempted(err error, claim dedup.Claim, at time.Time) error {
 	return &attemptError{err: err, attempts: claim.Attempts, first: first}
 }
 
-// StoredAttempts returns the attempt count that the inbox's store recorded
+// storedAttempts returns the attempt count that the inbox's store recorded
 // for the failed attempt err came from (this attempt included) and when the
 // key first failed. ok is false when err did not come from an inbox
 // attempt, e.g. a key error or a store outage. The count survives restarts
 // and rebalances: it is what the poison middleware counts on a broker that
 // keeps none, such as Kafka.
-func StoredAttempts(err error) (attempts int, firstFailedAt time.Time, ok bool) {
+func storedAttempts(err error) (attempts int, firstFailedAt time.Time, ok bool) {
 	var a *attemptError
 	if !errors.As(err, &a) || a.attempts < 1 {
 		return 0, time.Time{}, false

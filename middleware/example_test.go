@@ -186,8 +186,7 @@ func ExampleErrPanicked() {
 	msg := message.NewMessage(watermill.NewUUID(), nil)
 	msg.Metadata.Set(dlv.IdempotencyKey, "A-42")
 	_, err = handler(msg)
-	attempts, _, _ := middleware.StoredAttempts(err)
-	fmt.Println(errors.Is(err, middleware.ErrPanicked), attempts)
+	fmt.Println(errors.Is(err, middleware.ErrPanicked), inbox.Stats().Panicked)
 	// Output: true 1
 }
 

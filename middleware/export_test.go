@@ -1,6 +1,9 @@
 package middleware
 
-import "time"
+import (
+	"math"
+	"time"
+)
 
 // SetBloomClock replaces b's clock, for tests of generation rotation.
 func SetBloomClock(b *Bloom, now func() time.Time) {
@@ -9,3 +12,14 @@ func SetBloomClock(b *Bloom, now func() time.Time) {
 	b.now = now
 	b.rotateAt = now().Add(b.cfg.Window)
 }
+
+// BitsPerKey is each generation's size in bits divided by ExpectedKeys.
+func BitsPerKey(b *Bloom) float64 { return float64(b.m) / float64(b.cfg.ExpectedKeys) }
+
+// OptimalBitsPerKey is the smallest size per key that reaches rate p:
+// -ln(p)/ln(2)².
+func OptimalBitsPerKey(p float64) float64 { return -math.Log(p) / (math.Ln2 * math.Ln2) }
+
+// StoredAttempts is storedAttempts, for the tests that check the count the
+// inbox hands the poison middleware.
+var StoredAttempts = storedAttempts

@@ -140,7 +140,7 @@ func (c *InboxConfig) setDefaults() {
 		c.InFlightDelay = time.Second
 	}
 	if c.DrainTimeout == 0 {
-		c.DrainTimeout = DefaultDrainTimeout
+		c.DrainTimeout = defaultDrainTimeout
 	}
 	c.Batch.setDefaults()
 	if c.Logger == nil {
@@ -220,6 +220,30 @@ type InboxStats struct {
 // exactly once per consumer. In lease mode each attempt runs one goroutine
 // that renews its lease, ended before the attempt returns; the inbox
 // starts no other.
+//
+// In transactional mode ([InboxConfig.TxStore]) the key is claimed in a
+// database transaction that the handler also writes its effect through
+// (postgres.Tx(msg.Context()) or sqlite.Tx(msg.Context())); claim, effect,
+// produced messages and the done mark commit together. In lease mode
+// ([InboxConfig.LeaseStore]) the key is claimed as a fenced lease for
+// effects outside the database: [IdempotencyKey] hands the key to the
+// effect, [LeaseToken] its fencing token, and the lease is renewed while
+// the handler runs. A duplicate of a done key does not run the handler: the
+// inbox returns the messages the first run produced, with their UUIDs, so
+// that a crash between commit and publish loses nothing and the next
+// consumer can deduplicate.
+//
+// A panic is recovered and counted as a failed attempt wrapping
+// [ErrPanicked]; a deadline exceeded, such as Watermill's Timeout
+// middleware sets, is counted too. Only the consumer shutting down is not
+// ([ErrShutdown]): work that finished is committed on a context detached
+// from the message's cancellation and bounded by
+// [InboxConfig.FinishTimeout], and an attempt cut short is rolled back
+// without counting. Each attempt is recorded before its handler runs, so a
+// message whose deliveries kill the process is stopped after MaxAttempts
+// without running again ([ErrCrashLoop]). A key that the poison
+// middleware dead-lettered is recorded dead: its later copies are acked
+// without running until the dead letter is replayed.
 type Inbox struct {
 	cfg   InboxConfig
 	hooks observe.Hooks

@@ -153,7 +153,7 @@ type PoisonStats struct {
 //	router.AddMiddleware(poison.Middleware, inbox.Middleware)
 //
 // Attempts are counted durably. When the error comes from an inbox
-// attempt, the inbox store's count ([StoredAttempts]) is used: it counts
+// attempt, the inbox store's count is used: it counts
 // handler attempts exactly and survives restarts and rebalances, on Kafka
 // too. Otherwise the broker's own count of deliveries is used
 // (delivery.Attempts: SQS ApproximateReceiveCount, RabbitMQ quorum
@@ -319,7 +319,7 @@ func (p *Poison) count(msg *message.Message, err error, try int, now time.Time) 
 	p.local[msg.UUID] = lc
 	p.mu.Unlock()
 
-	if n, at, ok := StoredAttempts(err); ok {
+	if n, at, ok := storedAttempts(err); ok {
 		// The store counts handler attempts, durably and exactly; the
 		// broker counts deliveries, and a consumer shutting down returns
 		// its messages (RabbitMQ counts that as one or two more), so the
@@ -356,7 +356,7 @@ func (p *Poison) backoff(attempts int) time.Duration {
 // attempts, for delivery.DeadAttemptsSource: the inbox store's, else the
 // broker's, else the one in memory.
 func attemptsSource(msg *message.Message, cause error) string {
-	if _, _, ok := StoredAttempts(cause); ok {
+	if _, _, ok := storedAttempts(cause); ok {
 		return delivery.AttemptsFromInbox
 	}
 	if _, ok := delivery.AttemptsOf(msg); ok {
