@@ -42,14 +42,23 @@ var commands = []command{
 	{
 		path: "dlq list", args: "[filter flags] [--json]",
 		short: "list dead letters, one line each",
-		about: `Lists the dead letters that match the filter flags, by id.
+		about: `Lists the dead letters that match the filter flags, by id. COUNTED BY
+says who counted ATTEMPTS: inbox (failed handler attempts, counted
+durably), broker (the broker's count of deliveries, which also grows with
+deliveries that did not fail), process (failures counted in the consumer's
+memory since it started) or - (not recorded).
 ` + filterHelp + "\n\n" + databaseHelp,
 		run: (*cmd).list,
 	},
 	{
 		path: "dlq show", args: "ID [--json]",
 		short: "show one dead letter in full: facts, metadata, payload",
-		about: `Shows every fact of one dead letter, its metadata and its payload.
+		about: `Shows every fact of one dead letter, its metadata and its payload. The
+attempt count is labelled with what it counts and who counted it: "Failed
+attempts" (the inbox, or the consumer's memory) or "Broker deliveries"
+(RabbitMQ x-delivery-count, SQS ApproximateReceiveCount, JetStream
+NumDelivered). The broker's place of the original is shown when the entry
+has it: Kafka partition and offset, JetStream stream and sequence.
 
 ` + databaseHelp,
 		run: (*cmd).show,

@@ -302,7 +302,7 @@ func TestList(t *testing.T) {
 	require.Equal(t, ids, listedIDs(t, r.stdout))
 	lines := strings.Split(strings.TrimSuffix(r.stdout, "\n"), "\n")
 	header := lines[0]
-	for _, col := range []string{"ID", "DEAD AT", "TOPIC", "CONSUMER", "KEY", "ATTEMPTS", "PERMANENT", "ERROR"} {
+	for _, col := range []string{"ID", "DEAD AT", "TOPIC", "CONSUMER", "KEY", "ATTEMPTS", "COUNTED BY", "PERMANENT", "ERROR"} {
 		require.Contains(t, header, col)
 	}
 	// Aligned: every row's topic starts under TOPIC, its error under ERROR.
@@ -393,13 +393,12 @@ func TestShow(t *testing.T) {
 		"DLQ topic:        dead-letters\n",
 		"Consumer:         charge\n",
 		"Key:              key-" + text.UUID + "\n",
-		"Attempts:         4\n",
+		"Attempts:         4 (source not recorded)\n",
 		"Permanent:        false\n",
 		"Error:            card declined\n                  by issuer\n",
 		"First failed at:  2026-03-01T10:00:00Z\n",
 		"Last failed at:   2026-03-01T10:04:00.5Z\n",
 		"Kafka partition:  3\n",
-		"Kafka offset:     -\n",
 		"Dead at:          ",
 		"Copies since:     2\n",
 		fmt.Sprintf("Metadata (%d):\n", len(text.Metadata)),
@@ -410,6 +409,7 @@ func TestShow(t *testing.T) {
 	} {
 		require.Contains(t, r.stdout, want)
 	}
+	require.NotContains(t, r.stdout, "Kafka offset:", "the entry has no offset")
 
 	// Flags may follow the ID.
 	r = f.dlq(t, "show", strconv.FormatInt(ids[1], 10), "--json")

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"regexp"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -120,6 +121,14 @@ func TestReplayToNATS(t *testing.T) {
 	ids := f.ids(t)
 	broken.Store(false)
 
+	// The entry names its JetStream place, and who counted its attempts.
+	r := f.dlq(t, "show", strconv.FormatInt(ids[0], 10))
+	require.Equal(t, exitOK, r.code, r.stderr)
+	require.Regexp(t, `(?m)^JetStream stream: +`+regexp.QuoteMeta(nats.Config{}.StreamName(topic))+`$`, r.stdout)
+	require.Regexp(t, `(?m)^JetStream sequence: +[1-9][0-9]*$`, r.stdout)
+	require.Regexp(t, `(?m)^Failed attempts: +[1-9][0-9]* \(counted by the inbox\)$`, r.stdout)
+	require.NotContains(t, r.stdout, "Kafka")
+
 	stream, err := js.Stream(ctx, nats.Config{}.StreamName(topic))
 	require.NoError(t, err)
 	streamMsgs := func() int {
@@ -129,7 +138,7 @@ func TestReplayToNATS(t *testing.T) {
 	}
 	require.Equal(t, 1, streamMsgs())
 
-	r := f.dlq(t, "replay", strconv.FormatInt(ids[0], 10), "--broker", server)
+	r = f.dlq(t, "replay", strconv.FormatInt(ids[0], 10), "--broker", server)
 	require.Equal(t, exitOK, r.code, r.stderr)
 	require.Equal(t, "replayed 1 entry\n", r.stdout)
 	require.Empty(t, r.stderr)

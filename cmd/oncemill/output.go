@@ -23,6 +23,10 @@ type entryView struct {
 	dlq.Entry
 	Payload         string `json:"payload"`
 	PayloadEncoding string `json:"payload_encoding"`
+	// AttemptsSource names who counted Attempts: "inbox", "broker",
+	// "process", or "-" when the entry does not say (see
+	// dlq.Entry.AttemptsCounted).
+	AttemptsSource string `json:"attempts_source"`
 	// CopiesSince counts the copies of the key that arrived after the
 	// entry was written and were acked without running; absent when the
 	// inbox table is not beside the dead-letter table.
@@ -31,7 +35,7 @@ type entryView struct {
 
 func viewOf(e dlq.Entry) entryView {
 	text, enc := payloadText(e.Payload)
-	return entryView{Entry: e, Payload: text, PayloadEncoding: enc}
+	return entryView{Entry: e, Payload: text, PayloadEncoding: enc, AttemptsSource: e.AttemptsCounted().Short}
 }
 
 // payloadText returns the payload as text, or base64 when it is not valid
@@ -56,11 +60,11 @@ func (c *cmd) writeJSON(v any) error {
 // writeTable prints entries as an aligned table, one line each.
 func writeTable(w io.Writer, entries []dlq.Entry) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tDEAD AT\tTOPIC\tCONSUMER\tKEY\tATTEMPTS\tPERMANENT\tERROR")
+	fmt.Fprintln(tw, "ID\tDEAD AT\tTOPIC\tCONSUMER\tKEY\tATTEMPTS\tCOUNTED BY\tPERMANENT\tERROR")
 	for _, e := range entries {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d\t%t\t%s\n",
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d\t%s\t%t\t%s\n",
 			e.ID, e.DeadAt.UTC().Format(time.RFC3339), cell(e.Topic, 40), cell(e.Consumer, 30),
-			cell(e.Key, 40), e.Attempts, e.Permanent, cell(e.Error, 60))
+			cell(e.Key, 40), e.Attempts, e.AttemptsCounted().Short, e.Permanent, cell(e.Error, 60))
 	}
 	if err := tw.Flush(); err != nil {
 		return fmt.Errorf("write table: %w", err)
@@ -87,12 +91,11 @@ func cell(s string, width int) string {
 	return s
 }
 
-// labelWidth aligns show's values: the longest label, "First failed at:",
-// and two spaces.
-const labelWidth = 18
-
-// writeEntry prints every field of e, its metadata and its payload. A value
-// of several lines continues under its first line.
+// writeEntry prints every field of e, its metadata and its payload. The
+// attempt count is labelled with what it counts and who counted it, and
+// the broker's place of the original (Kafka partition and offset,
+// JetStream stream and sequence) is printed only as far as e has it. A
+// value of several lines continues under its first line.
 func writeEntry(w io.Writer, e dlq.Entry, copiesSince *int) error {
 	optTime := func(t time.Time) string {
 		if t.IsZero() {
@@ -100,36 +103,35 @@ func writeEntry(w io.Writer, e dlq.Entry, copiesSince *int) error {
 		}
 		return t.UTC().Format(time.RFC3339Nano)
 	}
-	partition, offset := "-", "-"
-	if e.Partition != nil {
-		partition = strconv.FormatInt(int64(*e.Partition), 10)
+	counted := e.AttemptsCounted()
+	fields := []dlq.Fact{
+		{Label: "ID", Value: strconv.FormatInt(e.ID, 10)},
+		{Label: "UUID", Value: e.UUID},
+		{Label: "Topic", Value: e.Topic},
+		{Label: "DLQ topic", Value: e.DLQTopic},
+		{Label: "Consumer", Value: e.Consumer},
+		{Label: "Key", Value: e.Key},
+		{Label: counted.Label, Value: strconv.Itoa(e.Attempts) + " (" + counted.Source + ")"},
+		{Label: "Permanent", Value: strconv.FormatBool(e.Permanent)},
+		{Label: "Error", Value: e.Error},
+		{Label: "First failed at", Value: optTime(e.FirstFailedAt)},
+		{Label: "Last failed at", Value: optTime(e.LastFailedAt)},
 	}
-	if e.Offset != nil {
-		offset = strconv.FormatInt(*e.Offset, 10)
+	fields = append(fields, e.Place()...)
+	fields = append(fields,
+		dlq.Fact{Label: "Dead at", Value: optTime(e.DeadAt)},
+		dlq.Fact{Label: "Copies since", Value: optInt(copiesSince)})
+	width := 0
+	for _, f := range fields {
+		width = max(width, utf8.RuneCountInString(f.Label)+3)
 	}
 	var b strings.Builder
-	for _, f := range [][2]string{
-		{"ID", strconv.FormatInt(e.ID, 10)},
-		{"UUID", e.UUID},
-		{"Topic", e.Topic},
-		{"DLQ topic", e.DLQTopic},
-		{"Consumer", e.Consumer},
-		{"Key", e.Key},
-		{"Attempts", strconv.Itoa(e.Attempts)},
-		{"Permanent", strconv.FormatBool(e.Permanent)},
-		{"Error", e.Error},
-		{"First failed at", optTime(e.FirstFailedAt)},
-		{"Last failed at", optTime(e.LastFailedAt)},
-		{"Kafka partition", partition},
-		{"Kafka offset", offset},
-		{"Dead at", optTime(e.DeadAt)},
-		{"Copies since", optInt(copiesSince)},
-	} {
-		v := f[1]
+	for _, f := range fields {
+		v := f.Value
 		if v == "" {
 			v = "-"
 		}
-		fmt.Fprintf(&b, "%-*s%s\n", labelWidth, f[0]+":", indent(v, labelWidth))
+		fmt.Fprintf(&b, "%-*s%s\n", width, f.Label+":", indent(v, width))
 	}
 	keys := make([]string, 0, len(e.Metadata))
 	for k := range e.Metadata {
