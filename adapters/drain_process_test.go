@@ -71,7 +71,7 @@ type inflightConsumer struct {
 
 var inflightRole = proctest.NewRole("inflight", func(cfg inflightConsumer, term <-chan os.Signal) error {
 	c := &proctest.Consumer{
-		Stack: cfg.Stack, RecordRuns: true, Subscriptions: cfg.Handlers, CloseTimeout: inflightDrain,
+		Stack: cfg.Stack, RecordRuns: true, Subscriptions: cfg.Handlers, CloseTimeout: inflightDrain, StrictClose: true,
 		// A connection for each message in flight, each holding the
 		// inbox's transaction while its handler works, and a few more.
 		MaxConns: inflightJobs + 6,
