@@ -484,6 +484,13 @@ func TestBrowser(t *testing.T) {
 	dlqText := b.text(t, "#overview-dlq")
 	require.Contains(t, dlqText, "card declined for order <n>")
 	require.Contains(t, dlqText, "timeout after <n>s calling ledger")
+	// The inbox's dead keys and the dead letters count different things,
+	// and the page says what each counts.
+	require.Contains(t, b.text(t, "#dlq-counts-caption"), "They are not the inbox's dead keys above")
+	require.Contains(t, evalIn[string](t, b, `document.querySelector('#overview-inbox th[title^="keys the inbox"]').title`),
+		"a purged dead letter leaves its key dead here")
+	require.Zero(t, evalIn[int](t, b, `document.querySelectorAll('#dead-counts-differ').length`),
+		"every demo dead letter has its dead inbox row: the counts agree, nothing to explain")
 	require.Equal(t, "6", b.text(t, "#outbox-pending"))
 	b.screenshot(t, shots, "console-overview.png")
 

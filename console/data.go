@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/dlq"
 )
 
 // The console reads the tables with queries of its own, which select only
@@ -103,6 +105,21 @@ type listRow struct {
 	ReplayRequested      bool
 	PayloadSize          int
 	ErrorTruncated       bool
+	// Counted says what Attempts counts and who counted it.
+	Counted dlq.Counted
+}
+
+// counted says what a listed entry's attempts count, from the source and
+// the JetStream stream its metadata records.
+func counted(attempts int, source, stream string) dlq.Counted {
+	md := map[string]string{}
+	if source != "" {
+		md[delivery.DeadAttemptsSource] = source
+	}
+	if stream != "" {
+		md[delivery.DeadStream] = stream
+	}
+	return dlq.Entry{Attempts: attempts, Metadata: md}.AttemptsCounted()
 }
 
 // countDead counts the entries cr selects.
@@ -127,16 +144,21 @@ func (c *Console) listDead(ctx context.Context, cr criteria, limit, offset int) 
 	var a args
 	where := cr.where(&a)
 	q := `SELECT id, uuid, topic, consumer, key, attempts, left(error, ` + strconv.Itoa(maxErrorListed) + `),
-	length(error) > ` + strconv.Itoa(maxErrorListed) + `, permanent, dead_at, replay_requested_at IS NOT NULL, length(payload)
+	length(error) > ` + strconv.Itoa(maxErrorListed) + `, permanent, dead_at, replay_requested_at IS NOT NULL, length(payload),
+	COALESCE(metadata->>'` + delivery.DeadAttemptsSource + `', ''), COALESCE(metadata->>'` + delivery.DeadStream + `', '')
 FROM ` + c.names.DLQ + where + ` ORDER BY id DESC LIMIT ` + a.add(limit) + ` OFFSET ` + a.add(offset)
 	rows, err := c.cfg.Pool.Query(ctx, q, a...)
 	if err != nil {
 		return nil, fmt.Errorf("console: list dead letters: %w", err)
 	}
 	list, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (listRow, error) {
-		var l listRow
+		var (
+			l              listRow
+			source, stream string
+		)
 		err := row.Scan(&l.ID, &l.UUID, &l.Topic, &l.Consumer, &l.Key, &l.Attempts, &l.Error, &l.ErrorTruncated,
-			&l.Permanent, &l.DeadAt, &l.ReplayRequested, &l.PayloadSize)
+			&l.Permanent, &l.DeadAt, &l.ReplayRequested, &l.PayloadSize, &source, &stream)
+		l.Counted = counted(l.Attempts, source, stream)
 		return l, err
 	})
 	if err != nil {

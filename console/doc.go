@@ -18,14 +18,20 @@
 //     that holds the relay back ([forwarder.OutboxLag]). Duplicates are not
 //     there: the inbox writes nothing for a duplicate, and the Prometheus
 //     metric oncemill_inbox_messages_total{outcome="duplicate"} counts them.
+//     The inbox's dead keys and the dead letters count different things
+//     (dead inbox rows; entries of the dead-letter table, which also hold
+//     messages dead-lettered without an inbox and outlive expired inbox
+//     rows); where they differ for a consumer, the page says so and why.
 //   - /dlq (Dead letters): a filter form (topic, consumer, error text,
 //     since, until: RFC 3339, a UTC time as a datetime-local input sends
 //     it, or a duration ago such as 90m, 2h or 7d), the filtered entries
 //     grouped by error ([NormalizeError]; a group filters the list), and
 //     the entries, newest first, a page at a time.
 //   - /dlq/{id} (an entry): its payload (pretty JSON, text, or a hex dump;
-//     at most Config.MaxPayload bytes are read), metadata, attempts,
-//     failures, Kafka position and replay state.
+//     at most Config.MaxPayload bytes are read), metadata, attempts with
+//     who counted them ([dlq.Entry.AttemptsCounted]), failures, the
+//     broker's place of the original as far as it is known
+//     ([dlq.Entry.Place]) and replay state.
 //   - /inbox?consumer=&key= (Inbox lookup): one key's record, its stored
 //     result included.
 //

@@ -183,18 +183,15 @@ func (c *Console) funcs() template.FuncMap {
 		"size":    sizeOf,
 		"plural":  plural,
 		"isempty": func(s string) bool { return strings.TrimSpace(s) == "" },
-		"deref32": func(p *int32) string {
-			if p == nil {
-				return "–"
-			}
-			return strconv.FormatInt(int64(*p), 10)
-		},
-		"deref64": func(p *int64) string {
-			if p == nil {
-				return "–"
-			}
-			return strconv.FormatInt(*p, 10)
-		},
 		"add": func(a, b int) int { return a + b },
+		"deadInboxHelp": func() string {
+			return "keys the inbox itself gave up on, until their row expires or a replay reopens them; " +
+				"a purged dead letter leaves its key dead here"
+		},
+		"deadLettersHelp": func() string {
+			return "messages the poison middleware dead-lettered, with or without an inbox behind it " +
+				"(a consumer without one, an undecodable message, an empty key), " +
+				"kept until replayed or purged, also after the key's inbox row has expired"
+		},
 	}
 }

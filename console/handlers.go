@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -33,6 +34,46 @@ type overviewData struct {
 	Holder        string
 	OutboxMissing bool
 	OutboxErr     string
+
+	// DeadDiffer lists the consumers whose dead inbox rows and dead
+	// letters differ in number, which the page explains.
+	DeadDiffer []deadDiff
+}
+
+// deadDiff is a consumer whose count of dead inbox rows (Inbox) differs
+// from its count of entries in the dead-letter table (Letters): they
+// count different things.
+type deadDiff struct {
+	Consumer       string
+	Inbox, Letters int
+}
+
+// deadDiffs compares, per consumer, the dead rows of the inbox with the
+// entries of the dead-letter table, in the order of the consumers' names.
+func deadDiffs(inbox []inboxStat, letters []dlq.Count) []deadDiff {
+	by := map[string]*deadDiff{}
+	get := func(consumer string) *deadDiff {
+		if by[consumer] == nil {
+			by[consumer] = &deadDiff{Consumer: consumer}
+		}
+		return by[consumer]
+	}
+	for _, s := range inbox {
+		get(s.Consumer).Inbox += s.Dead
+	}
+	for _, n := range letters {
+		if n.Consumer != "" {
+			get(n.Consumer).Letters += n.Entries
+		}
+	}
+	var out []deadDiff
+	for _, d := range by {
+		if d.Inbox != d.Letters {
+			out = append(out, *d)
+		}
+	}
+	slices.SortFunc(out, func(a, b deadDiff) int { return strings.Compare(a.Consumer, b.Consumer) })
+	return out
 }
 
 // overview serves GET /: the inbox per consumer, the dead letters per
@@ -77,6 +118,10 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		for _, n := range counts {
 			d.DLQTotal += n.Entries
 		}
+	}
+
+	if !d.InboxMissing && d.InboxErr == "" && !d.DLQMissing && d.DLQErr == "" {
+		d.DeadDiffer = deadDiffs(d.Inbox, d.DLQ)
 	}
 
 	lag, err := c.outboxLag(ctx)
@@ -327,6 +372,10 @@ type entryData struct {
 	// allows: one to its consumer needs a consumer and a topic, one to
 	// its topic a topic (and a Publisher).
 	CanReplayConsumer, CanReplayTopic bool
+	// Counted says what E.Attempts counts and who counted it; Place is
+	// the broker's place of the original, only what the entry has.
+	Counted dlq.Counted
+	Place   []dlq.Fact
 }
 
 // entry serves GET /dlq/{id}.
@@ -361,6 +410,8 @@ func (c *Console) entry(w http.ResponseWriter, r *http.Request, idText string) {
 		CanReplayConsumer: e.Consumer != "" && e.Topic != "",
 		CanReplayTopic:    e.Topic != "" && p.CanReplayTopic,
 	}
+	facts := dlq.Entry{Attempts: e.Attempts, Partition: e.Partition, Offset: e.Offset, Metadata: e.Metadata}
+	d.Counted, d.Place = facts.AttemptsCounted(), facts.Place()
 	d.GroupURL = listURL(p.Base, url.Values{"group": {d.Group}})
 	if e.Consumer != "" && e.Key != "" {
 		d.InboxURL = p.Base + "inbox?" + url.Values{"consumer": {e.Consumer}, "key": {e.Key}}.Encode()

@@ -14,6 +14,7 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -117,7 +118,9 @@ func (m *mysqlData) countDead(ctx context.Context, cr criteria) (int, error) {
 func (m *mysqlData) listDead(ctx context.Context, cr criteria, limit, offset int) ([]listRow, error) {
 	where, args := m.where(cr)
 	q := m.r.Replace("SELECT id, uuid, topic, consumer, `key`, attempts, LEFT(`error`, "+strconv.Itoa(maxErrorListed)+"),\n"+
-		"    CHAR_LENGTH(`error`) > "+strconv.Itoa(maxErrorListed)+", permanent, {US}dead_at), replay_requested_at IS NOT NULL, LENGTH(payload)\n"+
+		"    CHAR_LENGTH(`error`) > "+strconv.Itoa(maxErrorListed)+", permanent, {US}dead_at), replay_requested_at IS NOT NULL, LENGTH(payload),\n"+
+		"    COALESCE(JSON_UNQUOTE(JSON_EXTRACT(metadata, '$."+delivery.DeadAttemptsSource+"')), ''),\n"+
+		"    COALESCE(JSON_UNQUOTE(JSON_EXTRACT(metadata, '$."+delivery.DeadStream+"')), '')\n"+
 		"FROM {T}") + where + " ORDER BY id DESC LIMIT ? OFFSET ?"
 	rows, err := m.db.QueryContext(ctx, q, append(args, limit, offset)...)
 	if err != nil {
@@ -129,12 +132,14 @@ func (m *mysqlData) listDead(ctx context.Context, cr criteria, limit, offset int
 		var (
 			l                          listRow
 			uuid, topic, consumer, key []byte
+			source, stream             string
 			dead                       int64
 		)
 		if err := rows.Scan(&l.ID, &uuid, &topic, &consumer, &key, &l.Attempts, &l.Error, &l.ErrorTruncated,
-			&l.Permanent, &dead, &l.ReplayRequested, &l.PayloadSize); err != nil {
+			&l.Permanent, &dead, &l.ReplayRequested, &l.PayloadSize, &source, &stream); err != nil {
 			return nil, fmt.Errorf("console: list dead letters: %w", err)
 		}
+		l.Counted = counted(l.Attempts, source, stream)
 		l.UUID, l.Topic, l.Consumer, l.Key, l.DeadAt = string(uuid), string(topic), string(consumer), string(key), fromMicros(dead)
 		list = append(list, l)
 	}

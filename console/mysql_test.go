@@ -159,7 +159,7 @@ func TestMySQLConsole(t *testing.T) {
 	require.Equal(t, []int64{ids[2]}, rowIDs(list), "the error ignoring case, the topic exactly")
 
 	body = cl.page("/dlq/"+strconv.FormatInt(ids[0], 10), http.StatusOK)
-	for _, want := range []string{js.UUID, "orders.dlq", "key-" + js.UUID, "3 / 42", "2026-03-01 10:00:00Z", "order 123 not found", "trace_id",
+	for _, want := range []string{js.UUID, "orders.dlq", "key-" + js.UUID, `<dt>Kafka partition</dt><dd class="mono">3</dd>`, `<dt>Kafka offset</dt><dd class="mono">42</dd>`, "2026-03-01 10:00:00Z", "order 123 not found", "trace_id",
 		`id="payload-size">15 bytes<`, "<dd>4 <span"} {
 		require.Contains(t, body, want)
 	}

@@ -201,7 +201,9 @@ func TestEntryPage(t *testing.T) {
 	js.Metadata.Set(delivery.DeadPartition, "3")
 	js.Metadata.Set(delivery.DeadOffset, "42")
 	js.Metadata.Set(delivery.DeadPermanent, "true")
+	js.Metadata.Set(delivery.DeadAttemptsSource, delivery.AttemptsFromProcess)
 	bin := f.deadLetter("orders", "charge", "bad encoding", []byte{0x00, 0x01, 0x02, 0xff, 'A'})
+	bin.Metadata.Set(delivery.DeadAttemptsSource, delivery.AttemptsFromBroker) // a RabbitMQ delivery
 	big := f.deadLetter("orders", "charge", "too big", []byte(strings.Repeat("a", 100)))
 	bigJSON := f.deadLetter("orders", "charge", "too big", []byte(`{"xy":"`+strings.Repeat("é", 40)+`"}`))
 	text := f.deadLetter("orders", "charge", "not json", []byte("plain text\nline 2"))
@@ -213,11 +215,12 @@ func TestEntryPage(t *testing.T) {
 	require.Contains(t, body, `id="payload-kind">json<`)
 	require.Contains(t, body, "{\n  &#34;order&#34;: &#34;A-1&#34;,\n  &#34;items&#34;: [\n    1,\n    2\n  ]\n}", "pretty-printed")
 	require.Contains(t, body, `id="payload-size">29 bytes<`)
-	for _, want := range []string{js.UUID, "orders.dlq", "key-" + js.UUID, "3 / 42", "2026-03-01 10:00:00Z", "2026-03-01 10:05:00Z", "card declined", "trace_id", "tr-1"} {
+	for _, want := range []string{js.UUID, "orders.dlq", "key-" + js.UUID, "2026-03-01 10:00:00Z", "2026-03-01 10:05:00Z", "card declined", "trace_id", "tr-1",
+		`<div><dt>Kafka partition</dt><dd class="mono">3</dd></div>`, `<div><dt>Kafka offset</dt><dd class="mono">42</dd></div>`} {
 		require.Contains(t, body, want)
 	}
 	require.Contains(t, body, `<span class="badge dead">permanent</span></h1>`)
-	require.Contains(t, body, `<div><dt>Attempts</dt><dd>5</dd></div>`)
+	require.Contains(t, body, `<div><dt>Failed attempts</dt><dd id="entry-attempts">5 <span class="muted">counted in the consumer&#39;s memory since it started</span></dd></div>`)
 	require.Contains(t, body, `href="../inbox?consumer=charge&amp;key=key-`+js.UUID+`"`, "the key links to the inbox lookup")
 	require.Contains(t, body, `href="../dlq?group=card&#43;declined"`, "and the error to its group")
 	require.Contains(t, body, `value="replay-consumer"`)
@@ -227,6 +230,14 @@ func TestEntryPage(t *testing.T) {
 
 	body = wide.page("/dlq/"+strconv.FormatInt(ids[1], 10), http.StatusOK)
 	require.Contains(t, body, `id="payload-kind">binary<`)
+	require.Contains(t, body, `<div><dt>Broker deliveries</dt><dd id="entry-attempts">5 <span class="muted">the broker&#39;s count (RabbitMQ x-delivery-count or SQS ApproximateReceiveCount), not failures</span></dd></div>`)
+	require.NotContains(t, body, "Kafka", "a RabbitMQ entry has no Kafka facts")
+	require.NotContains(t, body, "JetStream")
+
+	list := wide.page("/dlq", http.StatusOK)
+	require.Regexp(t, `title="Broker deliveries: 5, the broker&#39;s count [^"]*">5 <span class="hint-inline">broker</span>`, list)
+	require.Regexp(t, `title="Failed attempts: 5, counted in the consumer&#39;s memory[^"]*">5 <span class="hint-inline">process</span>`, list)
+	require.Contains(t, list, `5 <span class="hint-inline">-</span>`, "an entry that does not say who counted")
 	require.Contains(t, body, "00000000  00 01 02 ff 41")
 	require.Contains(t, body, "|....A|")
 
@@ -353,11 +364,21 @@ func TestOverview(t *testing.T) {
 	require.Equal(t, []string{"0", "0", "1", "0", "0", "0"}, cells(inbox, "ship"))
 	require.Contains(t, inbox, `oncemill_inbox_messages_total{outcome="duplicate"}`)
 	require.Contains(t, inbox, "writes nothing for a duplicate")
+	// ship has a dead letter and no dead inbox row: the page says why the
+	// two counts differ, and for whom; charge's agree.
+	differ := regexp.MustCompile(`(?s)<p class="notice" id="dead-counts-differ">(.*?)</p>`).FindStringSubmatch(inbox)
+	require.NotNil(t, differ, "the overview explains the differing counts")
+	require.Contains(t, differ[1], `<span class="mono">ship</span> (0 dead in the inbox, 1 dead letter)`)
+	require.NotContains(t, differ[1], "charge")
+	require.Contains(t, differ[1], "counts the consumer's inbox rows in state dead")
+	require.Contains(t, differ[1], "counts entries in the dead-letter table")
+	require.Contains(t, differ[1], "without one, an undecodable message, an empty key")
 
 	dlqs := section("overview-dlq")
 	require.Contains(t, dlqs, `href="./dlq">3</a>`)
 	require.Regexp(t, `<td class="mono">charge</td><td class="mono">orders</td>\s*<td class="num"><a class="badge dead" href="./dlq\?consumer=charge&amp;topic=orders">2</a>`, dlqs)
 	require.Contains(t, dlqs, "order &lt;n&gt; not found")
+	require.Contains(t, dlqs, `id="dlq-counts-caption">Entries in the dead-letter table. They are not the inbox's dead keys above`)
 
 	outbox := section("overview-outbox")
 	require.Contains(t, outbox, `id="outbox-pending">1<`)
