@@ -183,7 +183,7 @@ func (c *Console) funcs() template.FuncMap {
 		"size":    sizeOf,
 		"plural":  plural,
 		"isempty": func(s string) bool { return strings.TrimSpace(s) == "" },
-		"add": func(a, b int) int { return a + b },
+		"add":     func(a, b int) int { return a + b },
 		"deadInboxHelp": func() string {
 			return "keys the inbox itself gave up on, until their row expires or a replay reopens them; " +
 				"a purged dead letter leaves its key dead here"
