@@ -65,11 +65,16 @@ func (c *BloomConfig) fromInbox() error {
 		return nil
 	}
 	for _, f := range []struct {
-		name string
-		set  bool
-	}{{"Store", c.Store != nil}, {"Key", c.Key != nil}, {"Consumer", c.Consumer != ""}, {"Window", c.Window != 0}} {
+		name, inbox string
+		set         bool
+	}{
+		{"Store", "TxStore or LeaseStore", c.Store != nil},
+		{"Key", "Key", c.Key != nil},
+		{"Consumer", "Consumer", c.Consumer != ""},
+		{"Window", "Window", c.Window != 0},
+	} {
 		if f.set {
-			return fmt.Errorf("middleware: BloomConfig.%s is taken from BloomConfig.Inbox: set one of them", f.name)
+			return fmt.Errorf("middleware: BloomConfig.%s is taken from BloomConfig.Inbox (its InboxConfig.%s): set one of them", f.name, f.inbox)
 		}
 	}
 	p, ok := in.store().(dedupdriver.Peeker)

@@ -18,7 +18,7 @@
 //
 //	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store})
 //	bloom, err := middleware.NewBloom(middleware.BloomConfig{Inbox: inbox})
-//	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: dlq, Topic: "dead-letters"})
+//	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: dlq, Topic: "dead-letters"})
 //	router.AddMiddleware(poison.Middleware, bloom.Middleware, inbox.Middleware)
 //
 // Handlers stay plain functions ([message.HandlerFunc]), and in

@@ -77,7 +77,7 @@ func docsPoison(pool *pgxpool.Pool, router *message.Router, inbox *middleware.In
 	if err != nil {
 		return err
 	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: table, Topic: "payments.dlq", MaxAttempts: 5})
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: table, Topic: "payments.dlq", MaxAttempts: 5})
 	if err != nil {
 		return err
 	}

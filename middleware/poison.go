@@ -19,6 +19,14 @@ import (
 
 // PoisonConfig configures a [Poison] middleware.
 type PoisonConfig struct {
+	// Inbox is the inbox the middleware goes in front of: its consumer
+	// name and key function are the ones dead letters are filed under,
+	// so that each is given once, even for a message that never reaches
+	// the inbox (one its adapter could not decode). Setting Consumer or
+	// Key as well is an error. Without it, a message that went through an
+	// inbox is filed under the inbox's consumer and key all the same, and
+	// one that did not under Consumer and Key.
+	Inbox *Inbox
 	// Publisher receives dead-lettered messages: any Watermill publisher
 	// (a broker topic, a queue, or dlq.NewPublisher's PostgreSQL table).
 	// Required. The middleware does not close it.
@@ -44,7 +52,7 @@ type PoisonConfig struct {
 	InitialBackoff, MaxBackoff time.Duration
 	// Consumer names the consumer in dead-letter metadata when no inbox
 	// runs behind this middleware; with one, the inbox's consumer is used.
-	// Defaults to the router handler's name.
+	// Defaults to the Inbox's, else to the router handler's name.
 	Consumer string
 	// PublishTimeout bounds the dead-letter publish when no inbox runs
 	// behind this middleware. The publish runs on a context detached from
@@ -57,7 +65,8 @@ type PoisonConfig struct {
 	// Key reads the message's key for dead-letter metadata when no inbox
 	// runs behind this middleware (or the inbox could not read a key);
 	// with one, the inbox's key is used, so the two cannot disagree. A
-	// key error leaves the field empty. Defaults to [DefaultKey].
+	// key error leaves the field empty. Defaults to the Inbox's, else to
+	// [DefaultKey].
 	Key KeyFunc
 	// Hooks are told of every message dead-lettered
 	// (observe.DeadLetterHook, with the reason's class), and see each
@@ -72,6 +81,25 @@ type PoisonConfig struct {
 // topicNamer is a dead-letter publisher that names the topic it files
 // dead letters under when PoisonConfig.Topic is empty.
 type topicNamer interface{ DefaultTopic() string }
+
+// fromInbox takes the settings the middleware shares with its inbox from
+// c.Inbox, refusing any of them given twice.
+func (c *PoisonConfig) fromInbox() error {
+	in := c.Inbox
+	if in == nil {
+		return nil
+	}
+	for _, f := range []struct {
+		name string
+		set  bool
+	}{{"Consumer", c.Consumer != ""}, {"Key", c.Key != nil}} {
+		if f.set {
+			return fmt.Errorf("middleware: PoisonConfig.%s is taken from PoisonConfig.Inbox (its InboxConfig.%[1]s): set one of them", f.name)
+		}
+	}
+	c.Consumer, c.Key = in.cfg.Consumer, in.cfg.Key
+	return nil
+}
 
 func (c *PoisonConfig) setDefaults() {
 	if n, ok := c.Publisher.(topicNamer); ok && c.Topic == "" {
@@ -203,6 +231,9 @@ const maxLocal = 10000
 // NewPoison returns a poison middleware for cfg; cfg is copied, defaulted
 // and validated.
 func NewPoison(cfg PoisonConfig) (*Poison, error) {
+	if err := cfg.fromInbox(); err != nil {
+		return nil, err
+	}
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
