@@ -138,11 +138,10 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 		opts.ConsumerGroup = "" // the URL names the group; giving another would be a conflict
 	}
 
-	orderKey := middleware.KeyFromJSON("orderId")
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{
 		TxStore:  store,
 		Consumer: "charge-customer",
-		Key:      orderKey,
+		Key:      middleware.KeyFromJSON("orderId"),
 	})
 	if err != nil {
 		return err
@@ -153,7 +152,8 @@ func run(ctx context.Context, brokerURL, dbURL string, orders, crashAfter int) e
 	if err != nil {
 		return err
 	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: deadLetters, Topic: "payments.dlq", MaxAttempts: 5, Key: orderKey})
+	// Dead letters are filed under the inbox's consumer and key.
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: deadLetters, Topic: "payments.dlq", MaxAttempts: 5})
 	if err != nil {
 		return err
 	}

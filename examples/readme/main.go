@@ -63,7 +63,7 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: deadLetters, MaxAttempts: 5})
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: deadLetters, MaxAttempts: 5}) // the inbox's key and consumer
 	if err != nil {
 		return err
 	}

@@ -319,11 +319,10 @@ func newRouter(ctx context.Context, cfg config, pool *pgxpool.Pool, sub message.
 	if err != nil {
 		return nil, err
 	}
-	key := middleware.KeyFromJSON("orderId") // the business key, not the message UUID
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{
 		TxStore:       store,
 		Consumer:      consumerName,
-		Key:           key,
+		Key:           middleware.KeyFromJSON("orderId"), // the business key, not the message UUID
 		FinishTimeout: finishTimeout,
 		// The event the handler returns is written to the outbox in the
 		// inbox's transaction: payment, claim and event commit together.
@@ -348,11 +347,12 @@ func newRouter(ctx context.Context, cfg config, pool *pgxpool.Pool, sub message.
 	if err != nil {
 		return nil, err
 	}
+	// Dead letters are filed under the inbox's consumer and key.
 	poison, err := middleware.NewPoison(middleware.PoisonConfig{
+		Inbox:       inbox,
 		Publisher:   table,
 		Topic:       cfg.dlqTopic(),
 		MaxAttempts: maxAttempts,
-		Key:         key,
 		Hooks:       hooks,
 		Logger:      logger,
 	})

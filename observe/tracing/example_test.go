@@ -86,7 +86,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: broker.Publisher, Topic: "billing.dlq", Consumer: "billing", Hooks: hooks})
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: broker.Publisher, Topic: "billing.dlq", Hooks: hooks})
 	if err != nil {
 		panic(err)
 	}

@@ -630,7 +630,7 @@ func TestDeadLetterStaysInTheTrace(t *testing.T) {
 	hooks := []observe.Hook{tr}
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{LeaseStore: memory.New(), Consumer: "billing", Hooks: hooks})
 	require.NoError(t, err)
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: dlq, Topic: "billing.dlq", MaxAttempts: 1, Consumer: "billing", Hooks: hooks})
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: dlq, Topic: "billing.dlq", MaxAttempts: 1, Hooks: hooks})
 	require.NoError(t, err)
 	handler := poison.Middleware(inbox.Middleware(func(*message.Message) ([]*message.Message, error) {
 		return nil, errors.New("ledger rejected the account")
