@@ -32,9 +32,9 @@ type PoisonConfig struct {
 	// Required. The middleware does not close it.
 	Publisher message.Publisher
 	// Topic is the topic dead-lettered messages are published to.
-	// Required, unless the Publisher names its own: the dead-letter table
-	// (dlq.Publisher) records it with each entry and defaults it to
-	// dlq.DefaultTopic.
+	// Optional with the dead-letter table (dlq.Publisher), which only
+	// records it with each entry: defaults to dlq.DefaultTopic ("dlq")
+	// there. Required with any other publisher.
 	Topic string
 	// MaxAttempts is how many attempts a message gets before it is
 	// dead-lettered, the first included. Defaults to 5.
