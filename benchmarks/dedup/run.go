@@ -7,6 +7,8 @@ import (
 	"os/exec"
 	"slices"
 	"time"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 // Results is everything one run measured.
@@ -27,6 +29,8 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 	if cfg.Out == nil {
 		cfg.Out = io.Discard
 	}
+	// Loggers print from the subscribers' and handlers' goroutines.
+	cfg.Out = benchutil.SyncWriter(cfg.Out)
 	defs, err := lookupStrategies(cfg.Strategies)
 	if err != nil {
 		return nil, err

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 	"github.com/oncemill/oncemill/middleware"
 )
 
@@ -65,6 +66,8 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 	if cfg.Out == nil {
 		cfg.Out = io.Discard
 	}
+	// Loggers print from the subscribers' and handlers' goroutines.
+	cfg.Out = benchutil.SyncWriter(cfg.Out)
 	e, closeEnv, err := newEnv(ctx, cfg)
 	if err != nil {
 		return nil, err

@@ -6,6 +6,8 @@ import (
 	"io"
 	"slices"
 	"time"
+
+	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 )
 
 // Results is everything one benchmark run measured.
@@ -49,6 +51,8 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 	if cfg.Out == nil {
 		cfg.Out = io.Discard
 	}
+	// Loggers print from the subscribers' and handlers' goroutines.
+	cfg.Out = benchutil.SyncWriter(cfg.Out)
 	e, closeEnv, err := newEnv(ctx, cfg)
 	if err != nil {
 		return nil, err

@@ -218,6 +218,8 @@ func (c Config) withDefaults() Config {
 	if c.Out == nil {
 		c.Out = io.Discard
 	}
+	// The relays' loggers print from their goroutines.
+	c.Out = benchutil.SyncWriter(c.Out)
 	if len(c.Systems) == 0 {
 		c.Systems = []string{systemOurs, systemStock}
 	}

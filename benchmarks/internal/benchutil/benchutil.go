@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -123,6 +124,28 @@ func RandomID() string {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	return hex.EncodeToString(b[:])
+}
+
+// SyncWriter returns a writer that passes each Write on to w under a
+// lock, so that a run's progress lines and the errors its loggers print
+// from handler and subscriber goroutines can share a writer that is not
+// safe for concurrent use, such as a test's strings.Builder.
+func SyncWriter(w io.Writer) io.Writer {
+	if s, ok := w.(*syncWriter); ok {
+		return s
+	}
+	return &syncWriter{w: w}
+}
+
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
 }
 
 // CountingLogger is a Watermill logger that prints the first few errors of

@@ -3,11 +3,13 @@ package benchutil_test
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
@@ -77,5 +79,28 @@ func TestPath(t *testing.T) {
 	t.Chdir(repo)
 	if _, err := os.Stat(benchutil.Path("RESULTS.md")); err != nil {
 		t.Errorf("the results file is not where Path says: %v", err)
+	}
+}
+
+// TestSyncWriter shares a strings.Builder between goroutines, as a run's
+// progress lines and its loggers do; under -race an unlocked Write fails.
+func TestSyncWriter(t *testing.T) {
+	var out strings.Builder
+	w := benchutil.SyncWriter(&out)
+	if benchutil.SyncWriter(w) != w {
+		t.Error("SyncWriter wraps a writer it returned again")
+	}
+	const writers, lines = 4, 100
+	var wg sync.WaitGroup
+	for range writers {
+		wg.Go(func() {
+			for range lines {
+				fmt.Fprintln(w, "line")
+			}
+		})
+	}
+	wg.Wait()
+	if n := strings.Count(out.String(), "line\n"); n != writers*lines {
+		t.Fatalf("%d whole lines written, want %d", n, writers*lines)
 	}
 }
