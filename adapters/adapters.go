@@ -9,6 +9,20 @@
 //	postgres://user@host:5432/db?group=billing   watermill-sql v4 on PostgreSQL
 //	gochannel://?persistent=true   in-process Watermill GoChannel
 //
+// A program links the brokers it names, and no others, by importing their
+// packages, as database/sql drivers are linked:
+//
+//	import (
+//		"github.com/oncemill/oncemill/adapters"
+//		_ "github.com/oncemill/oncemill/adapters/amqp" // amqp://, amqps://
+//	)
+//
+// The packages are adapters/kafka, adapters/amqp, adapters/sqs,
+// adapters/nats and adapters/postgres; kafka:// and nats:// with no host
+// also need adapters/kafka/embedded or adapters/nats/embedded, which link
+// an in-process broker; gochannel:// needs nothing. Open names the import
+// a URL is missing.
+//
 // Every scheme accepts group (the consumer group; SQS and GoChannel have
 // none and ignore it) and connect_timeout (see [DefaultConnectTimeout]);
 // each adapter's documentation lists its other parameters. A parameter a
@@ -22,34 +36,37 @@ package adapters
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/url"
-	"slices"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
 )
 
 // DefaultConnectTimeout bounds each connection attempt of Open (the TCP
 // connect and the broker's first answer) when neither the URL's
 // connect_timeout nor [Options.ConnectTimeout] sets a bound.
-const DefaultConnectTimeout = 10 * time.Second
+const DefaultConnectTimeout = brokerurl.DefaultConnectTimeout
 
 var (
 	// ErrUnknownScheme is returned for a URL whose scheme names no adapter.
-	ErrUnknownScheme = errors.New("adapters: unknown broker scheme")
+	ErrUnknownScheme = brokerurl.ErrUnknownScheme
+	// ErrNotLinked is returned for a URL whose broker package the program
+	// does not import (amqp:// without adapters/amqp), or for kafka:// or
+	// nats:// with no host without the package of the embedded broker;
+	// the message names the import to add.
+	ErrNotLinked = brokerurl.ErrNotLinked
 	// ErrBadURL is returned for a URL that is malformed, misses a required
 	// part, has a parameter its scheme does not know or a value that is not
 	// valid, or contradicts [Options]; the message says which.
-	ErrBadURL = errors.New("adapters: bad broker URL")
+	ErrBadURL = brokerurl.ErrBadURL
 	// ErrConnectTimeout is wrapped by the error Open returns when a broker
 	// did not accept a connection, or did not answer on it, within the
 	// connect timeout; the message names the host and port.
-	ErrConnectTimeout = errors.New("adapters: no answer within the connect timeout")
+	ErrConnectTimeout = brokerurl.ErrConnectTimeout
 )
 
 // Options are the settings that a URL does not carry.
@@ -83,17 +100,24 @@ type PubSub struct {
 // Close closes the subscriber, the publisher and everything Open started,
 // in that order, and returns every error.
 func (p *PubSub) Close() error {
-	var errs []error
-	if p.Subscriber != nil {
-		errs = append(errs, p.Subscriber.Close())
-	}
-	if p.Publisher != nil {
-		errs = append(errs, p.Publisher.Close())
-	}
-	for i := len(p.closers) - 1; i >= 0; i-- {
-		errs = append(errs, p.closers[i]())
-	}
-	return errors.Join(errs...)
+	o := brokerurl.Opened{Publisher: p.Publisher, Subscriber: p.Subscriber, Closers: p.closers}
+	return o.Close()
+}
+
+// brokerPackages are the packages that register each scheme, for the
+// error of a URL whose package the program does not import.
+var brokerPackages = map[string]string{
+	"kafka":      "kafka",
+	"amqp":       "amqp",
+	"amqps":      "amqp",
+	"sqs":        "sqs",
+	"nats":       "nats",
+	"postgres":   "postgres",
+	"postgresql": "postgres",
+}
+
+func init() {
+	brokerurl.Register(openGoChannel, "gochannel")
 }
 
 // Open returns a publisher and subscriber for rawURL. It checks that the
@@ -101,6 +125,17 @@ func (p *PubSub) Close() error {
 // with a clear error instead of in the first handler. Each connection
 // attempt is bounded by the connect timeout (see [Options.ConnectTimeout])
 // and by ctx.
+//
+// A scheme is there when its broker package is linked: gochannel://
+// always; kafka://, amqp://, sqs://, nats:// and postgres:// by importing
+// the package of the same name under adapters/, for its side effect if
+// nothing else:
+//
+//	import _ "github.com/oncemill/oncemill/adapters/amqp"
+//
+// Without it Open returns an error wrapping [ErrNotLinked] that names the
+// import. kafka:// and nats:// with no host also need the package of
+// their embedded broker (adapters/kafka/embedded, adapters/nats/embedded).
 func Open(ctx context.Context, rawURL string, opts Options) (*PubSub, error) {
 	if opts.Logger == nil {
 		opts.Logger = watermill.NopLogger{}
@@ -111,150 +146,23 @@ func Open(ctx context.Context, rawURL string, opts Options) (*PubSub, error) {
 		return nil, fmt.Errorf("%w: cannot parse %q", ErrBadURL, redactRaw(rawURL))
 	}
 	safe := u.Redacted()
-	var ps *PubSub
-	switch u.Scheme {
-	case "gochannel":
-		ps, err = openGoChannel(u, opts)
-	case "postgres", "postgresql":
-		ps, err = openPostgres(ctx, u, opts)
-	case "kafka":
-		ps, err = openKafka(ctx, u, opts)
-	case "amqp", "amqps":
-		ps, err = openAMQP(ctx, u, opts)
-	case "sqs":
-		ps, err = openSQS(ctx, u, opts)
-	case "nats":
-		ps, err = openNATS(ctx, u, opts)
-	case "":
-		return nil, fmt.Errorf("%w: %q has no scheme; use kafka://, amqp://, sqs://, nats://, postgres:// or gochannel://", ErrUnknownScheme, safe)
-	default:
-		return nil, fmt.Errorf("%w %q in %q; use kafka://, amqp://, sqs://, nats://, postgres:// or gochannel://", ErrUnknownScheme, u.Scheme, safe)
+	const schemes = "kafka://, amqp://, sqs://, nats://, postgres:// or gochannel://"
+	if u.Scheme == "" {
+		return nil, fmt.Errorf("%w: %q has no scheme; use %s", ErrUnknownScheme, safe, schemes)
 	}
+	open, ok := brokerurl.Lookup(u.Scheme)
+	if !ok {
+		if pkg, known := brokerPackages[u.Scheme]; known {
+			return nil, fmt.Errorf("%w: %s:// in %q needs its broker package; add import _ %q",
+				ErrNotLinked, u.Scheme, safe, "github.com/oncemill/oncemill/adapters/"+pkg)
+		}
+		return nil, fmt.Errorf("%w %q in %q; use %s", ErrUnknownScheme, u.Scheme, safe, schemes)
+	}
+	o, err := open(ctx, u, brokerurl.Options{Logger: opts.Logger, ConsumerGroup: opts.ConsumerGroup, ConnectTimeout: opts.ConnectTimeout})
 	if err != nil {
 		return nil, fmt.Errorf("adapters: open %s: %w", safe, scrub(err, rawURL, u))
 	}
-	ps.Scheme = u.Scheme
-	return ps, nil
-}
-
-// query parses u's query and checks it against known, the parameters of
-// u's scheme besides group and connect_timeout, which every scheme takes.
-// A parameter not known, or given twice, is an error that names it and
-// lists the known ones.
-func query(u *url.URL, known ...string) (url.Values, error) {
-	q, err := url.ParseQuery(u.RawQuery)
-	if err != nil {
-		return nil, fmt.Errorf("%w: query: %w", ErrBadURL, err)
-	}
-	known = append([]string{"group", "connect_timeout"}, known...)
-	slices.Sort(known)
-	var unknown []string
-	for name, values := range q {
-		switch {
-		case !slices.Contains(known, name):
-			unknown = append(unknown, strconv.Quote(name))
-		case len(values) > 1:
-			return nil, fmt.Errorf("%w: parameter %s is given %d times", ErrBadURL, name, len(values))
-		}
-	}
-	if len(unknown) > 0 {
-		slices.Sort(unknown)
-		what := "parameter"
-		if len(unknown) > 1 {
-			what = "parameters"
-		}
-		return nil, fmt.Errorf("%w: unknown %s %s for %s://; known parameters: %s",
-			ErrBadURL, what, strings.Join(unknown, ", "), u.Scheme, strings.Join(known, ", "))
-	}
-	return q, nil
-}
-
-// group returns the consumer group: the URL's group parameter or the
-// option, which must agree when both are set.
-func group(q url.Values, opts Options) (string, error) {
-	fromURL := q.Get("group")
-	switch {
-	case fromURL == "":
-		return opts.ConsumerGroup, nil
-	case opts.ConsumerGroup != "" && opts.ConsumerGroup != fromURL:
-		return "", fmt.Errorf("%w: parameter group=%q and Options.ConsumerGroup %q differ; set one of them", ErrBadURL, fromURL, opts.ConsumerGroup)
-	}
-	return fromURL, nil
-}
-
-// connectTimeout returns the connect timeout: the URL's connect_timeout
-// parameter or the option, which must agree when both are set, else
-// [DefaultConnectTimeout].
-func connectTimeout(q url.Values, opts Options) (time.Duration, error) {
-	fromURL, err := durationParam(q, "connect_timeout", true)
-	if err != nil {
-		return 0, err
-	}
-	switch {
-	case opts.ConnectTimeout < 0:
-		return 0, fmt.Errorf("%w: Options.ConnectTimeout is %s, want > 0, or 0 for the default", ErrBadURL, opts.ConnectTimeout)
-	case fromURL == 0 && opts.ConnectTimeout == 0:
-		return DefaultConnectTimeout, nil
-	case fromURL == 0:
-		return opts.ConnectTimeout, nil
-	case opts.ConnectTimeout != 0 && opts.ConnectTimeout != fromURL:
-		return 0, fmt.Errorf("%w: parameter connect_timeout=%s and Options.ConnectTimeout %s differ; set one of them", ErrBadURL, q.Get("connect_timeout"), opts.ConnectTimeout)
-	}
-	return fromURL, nil
-}
-
-// durationParam reads an optional duration parameter, which must be
-// positive: a Go duration such as "1500ms" or "2s", or, when seconds is
-// true, a whole number of seconds as libpq's connect_timeout. Absent is 0.
-func durationParam(q url.Values, name string, seconds bool) (time.Duration, error) {
-	v := q.Get(name)
-	if v == "" {
-		return 0, nil
-	}
-	d, err := time.ParseDuration(v)
-	if err != nil && seconds {
-		if n, nerr := strconv.ParseInt(v, 10, 32); nerr == nil {
-			d, err = time.Duration(n)*time.Second, nil
-		}
-	}
-	if err != nil || d <= 0 {
-		want := "a positive Go duration such as 5s"
-		if seconds {
-			want += ", or whole seconds"
-		}
-		return 0, fmt.Errorf("%w: parameter %s=%q: want %s", ErrBadURL, name, v, want)
-	}
-	return d, nil
-}
-
-// boolParam reads an optional boolean query parameter.
-func boolParam(q url.Values, name string, def bool) (bool, error) {
-	v := q.Get(name)
-	if v == "" {
-		return def, nil
-	}
-	b, err := strconv.ParseBool(v)
-	if err != nil {
-		return false, fmt.Errorf("%w: parameter %s=%q is not a boolean", ErrBadURL, name, v)
-	}
-	return b, nil
-}
-
-// within returns the bound of one connection attempt: timeout, or less
-// when ctx ends sooner.
-func within(ctx context.Context, timeout time.Duration) time.Duration {
-	if dl, ok := ctx.Deadline(); ok {
-		if left := time.Until(dl); left < timeout {
-			return max(left, 0)
-		}
-	}
-	return timeout
-}
-
-// noAnswer is the error of a connection attempt to addr that did not
-// complete within timeout.
-func noAnswer(addr string, timeout time.Duration, err error) error {
-	return fmt.Errorf("%w (%s) from %s: %w", ErrConnectTimeout, timeout.Round(time.Millisecond), addr, err)
+	return &PubSub{Publisher: o.Publisher, Subscriber: o.Subscriber, Scheme: u.Scheme, closers: o.Closers}, nil
 }
 
 // scrub removes the URL's user info from an error a driver returned, in

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
 )
 
 // ErrNoSubscribers is wrapped by the error a non-persistent [GoChannel]
@@ -107,22 +108,22 @@ func (g *GoChannel) Close() error { return g.gc.Close() }
 // fails with [ErrNoSubscribers]. group and connect_timeout are accepted,
 // so that a URL switches between brokers by its scheme alone, and checked,
 // but GoChannel has neither groups nor connections.
-func openGoChannel(u *url.URL, opts Options) (*PubSub, error) {
-	q, err := query(u, "persistent")
+func openGoChannel(_ context.Context, u *url.URL, opts brokerurl.Options) (*brokerurl.Opened, error) {
+	q, err := brokerurl.Query(u, "persistent")
 	if err != nil {
 		return nil, err
 	}
-	if _, err := group(q, opts); err != nil {
+	if _, err := brokerurl.Group(q, opts); err != nil {
 		return nil, err
 	}
-	if _, err := connectTimeout(q, opts); err != nil {
+	if _, err := brokerurl.ConnectTimeout(q, opts); err != nil {
 		return nil, err
 	}
-	persistent, err := boolParam(q, "persistent", false)
+	persistent, err := brokerurl.Bool(q, "persistent", false)
 	if err != nil {
 		return nil, err
 	}
 	gc := NewGoChannel(gochannel.Config{Persistent: persistent, OutputChannelBuffer: 1024}, opts.Logger)
 	// GoChannel's Close is idempotent: PubSub.Close calls it twice.
-	return &PubSub{Publisher: gc, Subscriber: gc}, nil
+	return &brokerurl.Opened{Publisher: gc, Subscriber: gc}, nil
 }

@@ -178,3 +178,23 @@ func TestOpenAgreeingOptions(t *testing.T) {
 		require.NoError(t, ps.Close())
 	}
 }
+
+// TestOpenRefusesBadDrainTimeout: every scheme with a drain_timeout
+// refuses one that is not a positive Go duration, naming the parameter,
+// before it connects; SQS's max_messages is checked the same way.
+func TestOpenRefusesBadDrainTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, prefix := range []string{"kafka://127.0.0.1:1?group=g&", "amqp://127.0.0.1:1/?", "sqs://eu-west-1?", "nats://127.0.0.1:1?group=g&"} {
+		for _, bad := range []string{"0s", "-1s", "ten", "10"} {
+			_, err := adapters.Open(ctx, prefix+"drain_timeout="+bad, adapters.Options{})
+			require.ErrorIs(t, err, adapters.ErrBadURL, prefix+bad)
+			require.ErrorContains(t, err, "parameter drain_timeout=", prefix+bad)
+		}
+	}
+	for _, bad := range []string{"0", "11", "x"} {
+		_, err := adapters.Open(ctx, "sqs://eu-west-1?max_messages="+bad, adapters.Options{})
+		require.ErrorIs(t, err, adapters.ErrBadURL, bad)
+		require.ErrorContains(t, err, "parameter max_messages=", bad)
+	}
+}

@@ -99,4 +99,10 @@
 //
 // The password in [Config.URL] never appears in errors or logs; they show
 // the URL with the password replaced by "xxxxx".
+//
+// # URL
+//
+// Importing the package registers amqp:// and amqps:// with adapters.Open,
+// which links this broker, and only this one, into a program; the URL
+// parameters are listed in docs/brokers.md.
 package amqp

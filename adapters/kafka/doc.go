@@ -149,4 +149,12 @@
 // keeps failing with an error from the broker (an authorization error,
 // say); [SubscriberConfig.ReconnectRetrySleep] spaces only the attempts
 // that cannot connect at all. Its logs show the error.
+//
+// # URL
+//
+// Importing the package registers kafka:// with adapters.Open, which links
+// this broker, and only this one, into a program; the URL parameters are
+// listed in docs/brokers.md. kafka:// with no host starts the embedded
+// broker of package embedded, which the program links by importing
+// github.com/oncemill/oncemill/adapters/kafka/embedded.
 package kafka

@@ -161,4 +161,12 @@
 //
 // The user info of [Config.URL] (user and password, or a token) never
 // appears in errors or logs.
+//
+// # URL
+//
+// Importing the package registers nats:// with adapters.Open, which links
+// this broker, and only this one, into a program; the URL parameters are
+// listed in docs/brokers.md. nats:// with no host starts the embedded server
+// of package embedded, which the program links by importing
+// github.com/oncemill/oncemill/adapters/nats/embedded.
 package nats

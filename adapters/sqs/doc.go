@@ -96,4 +96,10 @@
 // a nack, the messages of the same group received in the same batch are
 // made visible again rather than handed out, so they follow the nacked one
 // once its backoff has passed; meanwhile the group waits.
+//
+// # URL
+//
+// Importing the package registers sqs:// with adapters.Open, which links
+// this broker, and only this one, into a program; the URL parameters are
+// listed in docs/brokers.md.
 package sqs

@@ -41,8 +41,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/adapters"
+	_ "github.com/oncemill/oncemill/adapters/amqp"
+	_ "github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	_ "github.com/oncemill/oncemill/adapters/nats"
 	natsembedded "github.com/oncemill/oncemill/adapters/nats/embedded"
+	_ "github.com/oncemill/oncemill/adapters/sqs"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/adapters"
+	_ "github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/middleware"

@@ -54,6 +54,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/oncemill/oncemill/adapters"
+	_ "github.com/oncemill/oncemill/adapters/amqp"
+	_ "github.com/oncemill/oncemill/adapters/kafka"
+	_ "github.com/oncemill/oncemill/adapters/nats"
+	_ "github.com/oncemill/oncemill/adapters/sqs"
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"

@@ -1,4 +1,4 @@
-package adapters
+package sqs
 
 import (
 	"context"
@@ -13,21 +13,23 @@ import (
 
 	"github.com/aws/aws-sdk-go-v2/credentials"
 
-	"github.com/oncemill/oncemill/adapters/sqs"
+	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
 )
 
-// openSQS opens Amazon SQS: sqs://region?endpoint=…&create=true. Access
+func init() { brokerurl.Register(openURL, "sqs") }
+
+// openURL opens Amazon SQS for the sqs:// URLs of adapters.Open: sqs://region?endpoint=…&create=true. Access
 // keys come from the URL's user info (sqs://KEY:SECRET@region, handy for
 // emulators) or else the AWS default chain. A topic is a queue; create=true
 // creates missing queues. Parameters: endpoint, create,
 // visibility_timeout (whole seconds, 1s to 12h; see
-// [sqs.SubscriberConfig]), max_messages (1 to 10, the messages one
-// receive asks for; see [sqs.SubscriberConfig.MaxNumberOfMessages]),
-// drain_timeout (a Go duration; see [sqs.SubscriberConfig.DrainTimeout]),
+// [SubscriberConfig]), max_messages (1 to 10, the messages one
+// receive asks for; see [SubscriberConfig.MaxNumberOfMessages]),
+// drain_timeout (a Go duration; see [SubscriberConfig.DrainTimeout]),
 // connect_timeout, and group, which is accepted
 // and ignored: every subscriber of a queue competes for its messages.
-func openSQS(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
-	pcfg, scfg, timeout, err := sqsConfigs(u, opts)
+func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerurl.Opened, error) {
+	pcfg, scfg, timeout, err := urlConfigs(u, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -36,59 +38,59 @@ func openSQS(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
 			return nil, err
 		}
 	}
-	pub, err := sqs.NewPublisher(pcfg)
+	pub, err := NewPublisher(pcfg)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrBadURL, err)
+		return nil, fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err)
 	}
-	sub, err := sqs.NewSubscriber(scfg)
+	sub, err := NewSubscriber(scfg)
 	if err != nil {
-		return nil, errors.Join(fmt.Errorf("%w: %w", ErrBadURL, err), pub.Close())
+		return nil, errors.Join(fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err), pub.Close())
 	}
-	return &PubSub{Publisher: pub, Subscriber: sub}, nil
+	return &brokerurl.Opened{Publisher: pub, Subscriber: sub}, nil
 }
 
-// sqsConfigs reads an sqs:// URL and opts into the publisher and
+// urlConfigs reads an sqs:// URL and opts into the publisher and
 // subscriber configs and the connect timeout, all checked.
-func sqsConfigs(u *url.URL, opts Options) (sqs.PublisherConfig, sqs.SubscriberConfig, time.Duration, error) {
-	fail := func(err error) (sqs.PublisherConfig, sqs.SubscriberConfig, time.Duration, error) {
-		return sqs.PublisherConfig{}, sqs.SubscriberConfig{}, 0, err
+func urlConfigs(u *url.URL, opts brokerurl.Options) (PublisherConfig, SubscriberConfig, time.Duration, error) {
+	fail := func(err error) (PublisherConfig, SubscriberConfig, time.Duration, error) {
+		return PublisherConfig{}, SubscriberConfig{}, 0, err
 	}
-	q, err := query(u, "endpoint", "create", "visibility_timeout", "max_messages", "drain_timeout")
+	q, err := brokerurl.Query(u, "endpoint", "create", "visibility_timeout", "max_messages", "drain_timeout")
 	if err != nil {
 		return fail(err)
 	}
 	if u.Host == "" {
-		return fail(fmt.Errorf("%w: sqs needs a region: sqs://us-east-1", ErrBadURL))
+		return fail(fmt.Errorf("%w: sqs needs a region: sqs://us-east-1", brokerurl.ErrBadURL))
 	}
-	if _, err := group(q, opts); err != nil {
+	if _, err := brokerurl.Group(q, opts); err != nil {
 		return fail(err)
 	}
-	timeout, err := connectTimeout(q, opts)
+	timeout, err := brokerurl.ConnectTimeout(q, opts)
 	if err != nil {
 		return fail(err)
 	}
-	create, err := boolParam(q, "create", false)
+	create, err := brokerurl.Bool(q, "create", false)
 	if err != nil {
 		return fail(err)
 	}
-	visibility, err := durationParam(q, "visibility_timeout", false)
+	visibility, err := brokerurl.Duration(q, "visibility_timeout", false)
 	if err != nil {
 		return fail(err)
 	}
-	drain, err := durationParam(q, "drain_timeout", false)
+	drain, err := brokerurl.Duration(q, "drain_timeout", false)
 	if err != nil {
 		return fail(err)
 	}
 	maxMessages := 0
 	if v := q.Get("max_messages"); v != "" {
 		if maxMessages, err = strconv.Atoi(v); err != nil || maxMessages < 1 || maxMessages > 10 {
-			return fail(fmt.Errorf("%w: parameter max_messages=%q: want an integer from 1 to 10, the messages one receive asks for", ErrBadURL, v))
+			return fail(fmt.Errorf("%w: parameter max_messages=%q: want an integer from 1 to 10, the messages one receive asks for", brokerurl.ErrBadURL, v))
 		}
 	}
-	if visibility != 0 && (visibility < time.Second || visibility > sqs.MaxVisibilityTimeout || visibility%time.Second != 0) {
-		return fail(fmt.Errorf("%w: parameter visibility_timeout=%s: want whole seconds from 1s to %s", ErrBadURL, q.Get("visibility_timeout"), sqs.MaxVisibilityTimeout))
+	if visibility != 0 && (visibility < time.Second || visibility > MaxVisibilityTimeout || visibility%time.Second != 0) {
+		return fail(fmt.Errorf("%w: parameter visibility_timeout=%s: want whole seconds from 1s to %s", brokerurl.ErrBadURL, q.Get("visibility_timeout"), MaxVisibilityTimeout))
 	}
-	cfg := sqs.Config{
+	cfg := Config{
 		Region:               u.Hostname(),
 		Endpoint:             q.Get("endpoint"),
 		CreateQueueIfMissing: create,
@@ -97,17 +99,17 @@ func sqsConfigs(u *url.URL, opts Options) (sqs.PublisherConfig, sqs.SubscriberCo
 	}
 	if cfg.Endpoint != "" {
 		if ep, err := url.Parse(cfg.Endpoint); err != nil || ep.Host == "" || (ep.Scheme != "http" && ep.Scheme != "https") {
-			return fail(fmt.Errorf("%w: parameter endpoint=%q is not an http(s) URL", ErrBadURL, cfg.Endpoint))
+			return fail(fmt.Errorf("%w: parameter endpoint=%q is not an http(s) URL", brokerurl.ErrBadURL, cfg.Endpoint))
 		}
 	}
 	if u.User != nil {
 		secret, _ := u.User.Password()
 		cfg.Credentials = credentials.NewStaticCredentialsProvider(u.User.Username(), secret, "")
 	}
-	pcfg := sqs.PublisherConfig{Config: cfg}
-	scfg := sqs.SubscriberConfig{Config: cfg, VisibilityTimeout: visibility, MaxNumberOfMessages: maxMessages, DrainTimeout: drain}
+	pcfg := PublisherConfig{Config: cfg}
+	scfg := SubscriberConfig{Config: cfg, VisibilityTimeout: visibility, MaxNumberOfMessages: maxMessages, DrainTimeout: drain}
 	if err := scfg.Validate(); err != nil {
-		return fail(fmt.Errorf("%w: %w", ErrBadURL, err))
+		return fail(fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err))
 	}
 	return pcfg, scfg, timeout, nil
 }
@@ -119,18 +121,18 @@ func sqsConfigs(u *url.URL, opts Options) (sqs.PublisherConfig, sqs.SubscriberCo
 func probeEndpoint(ctx context.Context, endpoint string, timeout time.Duration) error {
 	ep, err := url.Parse(endpoint)
 	if err != nil {
-		return fmt.Errorf("%w: parameter endpoint=%q: %w", ErrBadURL, endpoint, err)
+		return fmt.Errorf("%w: parameter endpoint=%q: %w", brokerurl.ErrBadURL, endpoint, err)
 	}
 	addr := ep.Host
 	if ep.Port() == "" {
 		addr = net.JoinHostPort(ep.Hostname(), map[bool]string{true: "443", false: "80"}[ep.Scheme == "https"])
 	}
-	timeout = within(ctx, timeout)
+	timeout = brokerurl.Within(ctx, timeout)
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint, nil)
 	if err != nil {
-		return fmt.Errorf("%w: parameter endpoint=%q: %w", ErrBadURL, endpoint, err)
+		return fmt.Errorf("%w: parameter endpoint=%q: %w", brokerurl.ErrBadURL, endpoint, err)
 	}
 	// A client of its own, keeping no connection: nothing outlives Open.
 	client := &http.Client{
@@ -140,7 +142,7 @@ func probeEndpoint(ctx context.Context, endpoint string, timeout time.Duration) 
 	resp, err := client.Do(req)
 	switch {
 	case err != nil && (errors.Is(ctx.Err(), context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)):
-		return fmt.Errorf("sqs endpoint: %w", noAnswer(addr, timeout, err))
+		return fmt.Errorf("sqs endpoint: %w", brokerurl.NoAnswer(addr, timeout, err))
 	case err != nil:
 		return fmt.Errorf("sqs endpoint %s unreachable: %w", addr, err)
 	}

@@ -1,4 +1,14 @@
-package adapters
+// Package postgres registers the postgres:// and postgresql:// URLs of
+// adapters.Open: watermill-sql v4 on PostgreSQL through pgx, one table per
+// topic and offsets per consumer group. A program links it by importing
+// it, for its side effect:
+//
+//	import _ "github.com/oncemill/oncemill/adapters/postgres"
+//
+// It is a broker for tests, development and low volumes on the database a
+// service already has; the outbox relay and the inbox need no broker of
+// this kind.
+package postgres
 
 import (
 	"context"
@@ -11,23 +21,26 @@ import (
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
 )
 
-// openPostgres opens watermill-sql v4 on PostgreSQL through pgx: one table
+func init() { brokerurl.Register(openURL, "postgres", "postgresql") }
+
+// openURL opens watermill-sql v4 on PostgreSQL through pgx: one table
 // per topic, offsets per consumer group. Parameters: group,
 // connect_timeout (which bounds each connection of the pool, not only the
 // first), and those of pgx (see postgresParams); the URL's own are removed
 // before the rest reaches pgx.
-func openPostgres(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
-	q, err := query(u, postgresParams()...)
+func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerurl.Opened, error) {
+	q, err := brokerurl.Query(u, postgresParams()...)
 	if err != nil {
 		return nil, err
 	}
-	grp, err := group(q, opts)
+	grp, err := brokerurl.Group(q, opts)
 	if err != nil {
 		return nil, err
 	}
-	timeout, err := connectTimeout(q, opts)
+	timeout, err := brokerurl.ConnectTimeout(q, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -38,18 +51,18 @@ func openPostgres(ctx context.Context, u *url.URL, opts Options) (*PubSub, error
 
 	cfg, err := pgxpool.ParseConfig(dsn.String())
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrBadURL, err)
+		return nil, fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err)
 	}
 	cfg.ConnConfig.ConnectTimeout = timeout
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrBadURL, err)
+		return nil, fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err)
 	}
-	bound := within(ctx, timeout)
+	bound := brokerurl.Within(ctx, timeout)
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
 		if errors.Is(err, context.DeadlineExceeded) {
-			err = noAnswer(postgresHosts(cfg), bound, err)
+			err = brokerurl.NoAnswer(postgresHosts(cfg), bound, err)
 		}
 		return nil, fmt.Errorf("postgres unreachable: %w", err)
 	}
@@ -76,7 +89,7 @@ func openPostgres(ctx context.Context, u *url.URL, opts Options) (*PubSub, error
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("watermill-sql subscriber: %w", err), pub.Close(), closePool())
 	}
-	return &PubSub{Publisher: pub, Subscriber: sub, closers: []func() error{closePool}}, nil
+	return &brokerurl.Opened{Publisher: pub, Subscriber: sub, Closers: []func() error{closePool}}, nil
 }
 
 // postgresParams are the URL parameters pgx reads: pgconn's connection

@@ -1,4 +1,4 @@
-package adapters
+package kafka
 
 import (
 	"context"
@@ -13,50 +13,53 @@ import (
 	"strings"
 	"time"
 
-	"github.com/oncemill/oncemill/adapters/kafka"
-	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
 )
 
-// openKafka opens Kafka through Sarama with commit-after-ack and the
-// idempotent producer: kafka://h1:9092,h2:9092?group=g. Parameters:
-// group (required, here or in Options), offset=oldest|newest,
-// connect_timeout, the client's read_timeout, session_timeout and
-// rebalance_timeout, drain_timeout, how long Close waits for the messages
-// in flight (Go durations; see [kafka.SubscriberConfig.DrainTimeout]), max_in_flight, the messages of a
-// partition handed out at once, of different keys (a positive integer,
-// default [kafka.DefaultMaxInFlightPerPartition]; 1 for one at a time),
-// max_in_flight_total, the most in flight across the partitions of a
-// subscription (a positive integer, say the database pool's size; default
-// no limit, see [kafka.SubscriberConfig.MaxInFlight]), and instance_id, which makes the subscriber a static member of the
-// group (see [kafka.SubscriberConfig.InstanceID]); see
-// [kafka.SubscriberConfig].
-// kafka:// with no host starts an embedded in-process broker that lives as
+func init() { brokerurl.Register(openURL, "kafka") }
+
+// openURL opens Kafka through Sarama with commit-after-ack and the
+// idempotent producer for the kafka:// URLs of adapters.Open:
+// kafka://h1:9092,h2:9092?group=g. Parameters: group (required, here or
+// in Options), offset=oldest|newest, connect_timeout, the client's
+// read_timeout, session_timeout and rebalance_timeout, drain_timeout
+// (Go durations; see [SubscriberConfig.DrainTimeout]), max_in_flight
+// (see [SubscriberConfig.MaxInFlightPerPartition]), max_in_flight_total
+// (see [SubscriberConfig.MaxInFlight]) and instance_id (see
+// [SubscriberConfig.InstanceID]).
+//
+// kafka:// with no host starts the embedded in-process broker of package
+// embedded, which the program links by importing it, and which lives as
 // long as the PubSub: for development only, since no other process can
-// reach it (start one with the embedded package to share it).
-func openKafka(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
-	pcfg, scfg, timeout, err := kafkaConfigs(u, opts)
+// reach it.
+func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerurl.Opened, error) {
+	pcfg, scfg, timeout, err := urlConfigs(u, opts)
 	if err != nil {
 		return nil, err
 	}
-	ps := &PubSub{}
+	ps := &brokerurl.Opened{}
 	if u.Host == "" {
-		cluster, err := embedded.Start(embedded.Config{})
+		start, err := brokerurl.Embedded("kafka")
+		if err != nil {
+			return nil, err
+		}
+		addrs, stop, err := start(opts.Logger)
 		if err != nil {
 			return nil, fmt.Errorf("start embedded kafka: %w", err)
 		}
-		ps.closers = append(ps.closers, cluster.Close)
-		pcfg.Brokers, scfg.Brokers = cluster.Addrs(), cluster.Addrs()
-	} else if err := probeKafka(ctx, pcfg.Brokers, timeout); err != nil {
+		ps.Closers = append(ps.Closers, stop)
+		pcfg.Brokers, scfg.Brokers = addrs, addrs
+	} else if err := probe(ctx, pcfg.Brokers, timeout); err != nil {
 		return nil, err
 	}
-	fail := func(err error) (*PubSub, error) { return nil, errors.Join(err, ps.Close()) }
+	fail := func(err error) (*brokerurl.Opened, error) { return nil, errors.Join(err, ps.Close()) }
 
-	pub, err := kafka.NewPublisher(pcfg, opts.Logger)
+	pub, err := NewPublisher(pcfg, opts.Logger)
 	if err != nil {
 		return fail(err)
 	}
 	ps.Publisher = pub
-	sub, err := kafka.NewSubscriber(scfg, opts.Logger)
+	sub, err := NewSubscriber(scfg, opts.Logger)
 	if err != nil {
 		return fail(err)
 	}
@@ -64,38 +67,38 @@ func openKafka(ctx context.Context, u *url.URL, opts Options) (*PubSub, error) {
 	return ps, nil
 }
 
-// kafkaConfigs reads a kafka:// URL and opts into the publisher and
+// urlConfigs reads a kafka:// URL and opts into the publisher and
 // subscriber configs and the connect timeout, all checked. The brokers
 // are left empty for the embedded broker.
-func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.SubscriberConfig, time.Duration, error) {
+func urlConfigs(u *url.URL, opts brokerurl.Options) (PublisherConfig, SubscriberConfig, time.Duration, error) {
 	var (
-		pcfg kafka.PublisherConfig
-		scfg kafka.SubscriberConfig
+		pcfg PublisherConfig
+		scfg SubscriberConfig
 	)
-	fail := func(err error) (kafka.PublisherConfig, kafka.SubscriberConfig, time.Duration, error) {
-		return kafka.PublisherConfig{}, kafka.SubscriberConfig{}, 0, err
+	fail := func(err error) (PublisherConfig, SubscriberConfig, time.Duration, error) {
+		return PublisherConfig{}, SubscriberConfig{}, 0, err
 	}
-	q, err := query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "drain_timeout", "max_in_flight", "max_in_flight_total", "instance_id")
+	q, err := brokerurl.Query(u, "offset", "read_timeout", "session_timeout", "rebalance_timeout", "drain_timeout", "max_in_flight", "max_in_flight_total", "instance_id")
 	if err != nil {
 		return fail(err)
 	}
 	switch v := q.Get("offset"); v {
 	case "", "oldest":
-		scfg.InitialOffset = kafka.Oldest
+		scfg.InitialOffset = Oldest
 	case "newest":
-		scfg.InitialOffset = kafka.Newest
+		scfg.InitialOffset = Newest
 	default:
-		return fail(fmt.Errorf("%w: parameter offset=%q: use oldest or newest", ErrBadURL, v))
+		return fail(fmt.Errorf("%w: parameter offset=%q: use oldest or newest", brokerurl.ErrBadURL, v))
 	}
-	if scfg.ConsumerGroup, err = group(q, opts); err != nil {
+	if scfg.ConsumerGroup, err = brokerurl.Group(q, opts); err != nil {
 		return fail(err)
 	}
 	if scfg.ConsumerGroup == "" {
 		// A subscriber without a group commits nothing, so a restarted
 		// consumer would not resume where it stopped.
-		return fail(fmt.Errorf("%w: kafka needs a consumer group: add ?group=<name> or set Options.ConsumerGroup", ErrBadURL))
+		return fail(fmt.Errorf("%w: kafka needs a consumer group: add ?group=<name> or set Options.ConsumerGroup", brokerurl.ErrBadURL))
 	}
-	timeout, err := connectTimeout(q, opts)
+	timeout, err := brokerurl.ConnectTimeout(q, opts)
 	if err != nil {
 		return fail(err)
 	}
@@ -109,21 +112,21 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 		{"rebalance_timeout", &scfg.RebalanceTimeout},
 		{"drain_timeout", &scfg.DrainTimeout},
 	} {
-		if *p.to, err = durationParam(q, p.name, false); err != nil {
+		if *p.to, err = brokerurl.Duration(q, p.name, false); err != nil {
 			return fail(err)
 		}
 	}
 	if v := q.Get("max_in_flight"); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 {
-			return fail(fmt.Errorf("%w: parameter max_in_flight=%q: want a positive integer, the messages of a partition in flight at once (1 for one at a time)", ErrBadURL, v))
+			return fail(fmt.Errorf("%w: parameter max_in_flight=%q: want a positive integer, the messages of a partition in flight at once (1 for one at a time)", brokerurl.ErrBadURL, v))
 		}
 		scfg.MaxInFlightPerPartition = n
 	}
 	if v := q.Get("max_in_flight_total"); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 {
-			return fail(fmt.Errorf("%w: parameter max_in_flight_total=%q: want a positive integer, the messages in flight at once across the partitions of a subscription", ErrBadURL, v))
+			return fail(fmt.Errorf("%w: parameter max_in_flight_total=%q: want a positive integer, the messages in flight at once across the partitions of a subscription", brokerurl.ErrBadURL, v))
 		}
 		scfg.MaxInFlight = n
 	}
@@ -131,8 +134,8 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 		// Present and empty is an error, not dynamic membership: it is
 		// what instance_id=$POD_NAME gives when the variable is unset.
 		v := q.Get("instance_id")
-		if err := kafka.ValidateInstanceID(v); err != nil {
-			return fail(fmt.Errorf("%w: parameter instance_id=%q: %w", ErrBadURL, v, err))
+		if err := ValidateInstanceID(v); err != nil {
+			return fail(fmt.Errorf("%w: parameter instance_id=%q: %w", brokerurl.ErrBadURL, v, err))
 		}
 		scfg.InstanceID = v
 	}
@@ -140,37 +143,37 @@ func kafkaConfigs(u *url.URL, opts Options) (kafka.PublisherConfig, kafka.Subscr
 	if scfg.ReadTimeout != 0 {
 		rebalance, what := scfg.RebalanceTimeout, "rebalance_timeout"
 		if rebalance == 0 {
-			rebalance, what = kafka.DefaultRebalanceTimeout, "the default rebalance timeout"
+			rebalance, what = DefaultRebalanceTimeout, "the default rebalance timeout"
 		}
 		if scfg.ReadTimeout <= rebalance {
 			return fail(fmt.Errorf("%w: parameter read_timeout=%s must be longer than %s (%s): the broker holds a JoinGroup request for up to the rebalance timeout",
-				ErrBadURL, q.Get("read_timeout"), what, rebalance))
+				brokerurl.ErrBadURL, q.Get("read_timeout"), what, rebalance))
 		}
 	}
 	if u.Host != "" {
 		for _, b := range strings.Split(u.Host, ",") {
 			if _, _, err := net.SplitHostPort(b); err != nil {
-				return fail(fmt.Errorf("%w: broker %q is not host:port", ErrBadURL, b))
+				return fail(fmt.Errorf("%w: broker %q is not host:port", brokerurl.ErrBadURL, b))
 			}
 			pcfg.Brokers = append(pcfg.Brokers, b)
 		}
 		scfg.Brokers = pcfg.Brokers
 		if err := pcfg.Validate(); err != nil {
-			return fail(fmt.Errorf("%w: %w", ErrBadURL, err))
+			return fail(fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err))
 		}
 		if err := scfg.Validate(); err != nil {
-			return fail(fmt.Errorf("%w: %w", ErrBadURL, err))
+			return fail(fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err))
 		}
 	}
 	return pcfg, scfg, timeout, nil
 }
 
-// probeKafka asks every seed broker at once for its API versions and
+// probe asks every seed broker at once for its API versions and
 // returns when one answers, so that a wrong address, or a host that
 // accepts connections and does not answer, fails at Open within the
 // connect timeout, naming the brokers, rather than in Sarama's retries.
-func probeKafka(ctx context.Context, brokers []string, timeout time.Duration) error {
-	timeout = within(ctx, timeout)
+func probe(ctx context.Context, brokers []string, timeout time.Duration) error {
+	timeout = brokerurl.Within(ctx, timeout)
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	results := make(chan error, len(brokers))
@@ -246,7 +249,7 @@ func brokerError(ctx context.Context, addr string, timeout time.Duration, err er
 	case errors.Is(ctx.Err(), context.Canceled):
 		return fmt.Errorf("broker %s: %w", addr, ctx.Err())
 	case errors.Is(ctx.Err(), context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded):
-		return noAnswer(addr, timeout, err)
+		return brokerurl.NoAnswer(addr, timeout, err)
 	}
 	return fmt.Errorf("broker %s: %w", addr, err)
 }
