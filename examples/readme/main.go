@@ -16,7 +16,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/adapters"
-	_ "github.com/oncemill/oncemill/adapters/amqp"
+	_ "github.com/oncemill/oncemill/adapters/amqp"     // amqp:// (import only the brokers you use)
+	_ "github.com/oncemill/oncemill/adapters/kafka"    // kafka://
+	_ "github.com/oncemill/oncemill/adapters/postgres" // postgres://
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/middleware"
