@@ -127,8 +127,8 @@ func TestRelayMetricsNameTheOutboxPlainly(t *testing.T) {
 			return false
 		}
 		scrape = string(body)
-		return strings.Contains(scrape, "oncemill_outbox_lag_rows"+label)
-	}, 30*time.Second, 5*time.Millisecond, "the lag is reported")
-	require.Contains(t, scrape, "oncemill_outbox_published_total"+label+" 1")
+		return strings.Contains(scrape, "oncemill_outbox_published_total"+label+" 1") &&
+			strings.Contains(scrape, "oncemill_outbox_lag_rows"+label)
+	}, 30*time.Second, 5*time.Millisecond, "the batch and the lag are reported, labelled with the plain outbox name")
 	require.NotContains(t, scrape, `\"`, "no label value carries SQL quotes")
 }
