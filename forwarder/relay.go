@@ -22,12 +22,6 @@ import (
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// ErrStalled is the error of the stall lines the relay logs at Error, on a
-// logger without a Warn method (see [RelayConfig.Logger]): outbox rows wait
-// on a transaction that has been open for StallWarning or longer; see
-// [Lag.HeldBy].
-var ErrStalled = errors.New("forwarder: outbox rows wait for an open transaction")
-
 // ErrLossyPublisher is wrapped by the error NewRelay returns for a
 // RelayConfig.Publisher that reports success for messages it drops: a
 // non-persistent Watermill GoChannel (*gochannel.GoChannel) drops what it
@@ -326,12 +320,6 @@ type relayQueries struct {
 	lagQueries
 }
 
-// lagQueries measure the backlog of an outbox table: shared by [Relay.Lag]
-// and [OutboxLag].
-type lagQueries struct {
-	lag, holder string
-}
-
 // due is the SQL condition on an outbox row's txid column under which the
 // row may go out: its transaction is older than every open one, or, with
 // lock-ordered writers, any committed row.
@@ -340,25 +328,6 @@ func due(txid string, lockOrdered bool) string {
 		return "true"
 	}
 	return txid + " < pg_snapshot_xmin(pg_current_snapshot())"
-}
-
-// newLagQueries returns the lag queries on the quoted outbox table t, for
-// relays that wait for older transactions unless lockOrdered.
-func newLagQueries(t string, lockOrdered bool) lagQueries {
-	return lagQueries{
-		lag: `SELECT count(*), count(*) FILTER (WHERE NOT (` + due("txid", lockOrdered) + `)),
-	COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM ` + t,
-		// The oldest transaction with an id, open or prepared, on the
-		// whole server: it is the snapshot's xmin, what rows wait for.
-		holder: `SELECT * FROM (
-	SELECT pid, COALESCE(datname, ''), COALESCE(usename, ''), COALESCE(state, ''), COALESCE(left(query, 200), ''), '' AS gid,
-		COALESCE(extract(epoch FROM now() - xact_start), 0)::float8, age(backend_xid) AS age
-	FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
-	UNION ALL
-	SELECT 0, database, owner, 'prepared', '', gid, extract(epoch FROM now() - prepared)::float8, age(transaction)
-	FROM pg_prepared_xacts) t
-ORDER BY age DESC LIMIT 1`,
-	}
 }
 
 // NewRelay returns a relay; it starts nothing until Run.
@@ -417,129 +386,6 @@ RETURNING id, topic, uuid, payload, metadata`,
 			},
 		},
 	}, nil
-}
-
-// Lag is how far a relay is behind, and why.
-type Lag struct {
-	// Pending counts rows not yet published.
-	Pending int
-	// OldestAge is the age of the oldest pending row; zero when none.
-	OldestAge time.Duration
-	// Waiting counts the pending rows that may not go out yet because a
-	// transaction older than theirs is still open somewhere on the server.
-	// On MySQL it counts the committed rows of the lanes whose lowest row
-	// is uncommitted (see [Relay]).
-	Waiting int
-	// HeldBy is, when Waiting > 0, the oldest transaction open on the
-	// server: the one the waiting rows wait for. Nil otherwise. Its
-	// details need the pg_read_all_stats role (or superuser) for sessions
-	// of other users. On MySQL it is the session that wrote the lowest
-	// uncommitted row of a waiting lane (its PID is the connection id the
-	// row records); its other details need the PROCESS privilege, and
-	// come from InnoDB's view of its transactions, which it refreshes
-	// only once nothing has read it for 100ms. Its
-	// Age is a lower bound there: the row's age, or the transaction's as
-	// InnoDB reports it (to the second) less a second.
-	HeldBy *Holder
-}
-
-// Holder is an open transaction that holds the outbox back.
-type Holder struct {
-	// PID is the backend's process id; 0 for a prepared transaction. On
-	// MySQL it is the connection id, what KILL takes.
-	PID int
-	// Database and User are the session's (or prepared transaction's).
-	Database, User string
-	// State is pg_stat_activity's state ("idle in transaction",
-	// "active", …), or "prepared" for a prepared transaction. On MySQL it
-	// is the processlist's command ("Sleep" for a session idle in its
-	// transaction, "Query", …).
-	State string
-	// Query is the start of the session's last statement.
-	Query string
-	// GID is a prepared transaction's identifier.
-	GID string
-	// Age is how long the transaction has been open (prepared: since
-	// PREPARE TRANSACTION).
-	Age time.Duration
-}
-
-// String describes h for a log line.
-func (h Holder) String() string {
-	if h.State == "prepared" {
-		return fmt.Sprintf("prepared transaction %q in database %q, prepared %s ago (COMMIT PREPARED or ROLLBACK PREPARED it)",
-			h.GID, h.Database, roundAge(h.Age))
-	}
-	return fmt.Sprintf("pid %d in database %q (user %q, %s), open for %s, last statement %q",
-		h.PID, h.Database, h.User, h.State, roundAge(h.Age), h.Query)
-}
-
-// roundAge rounds d for a log line: to the second from a minute on, to the
-// millisecond below.
-func roundAge(d time.Duration) time.Duration {
-	if d >= time.Minute {
-		return d.Round(time.Second)
-	}
-	return d.Round(time.Millisecond)
-}
-
-// Lag returns the outbox's pending rows, the age of the oldest, and what
-// holds back those that wait.
-func (r *Relay) Lag(ctx context.Context) (Lag, error) {
-	return r.db.lag(ctx)
-}
-
-func (o *pgOutbox) lag(ctx context.Context) (Lag, error) {
-	return measureLag(ctx, o.pool, o.q.lagQueries)
-}
-
-// OutboxLag returns what [Relay.Lag] returns, for the outbox table that
-// schema names (as given to sqlschema.Migrate), without a relay: for a
-// dashboard or an operator's console that watches the outbox from another
-// process. It runs the same queries as Relay.Lag of a relay without
-// LockOrderedWriters, so its Waiting rows are the ones such a relay would
-// hold back. A missing table is an
-// error that wraps PostgreSQL's undefined_table (SQLSTATE 42P01).
-func OutboxLag(ctx context.Context, pool *pgxpool.Pool, schema sqlschema.Config) (Lag, error) {
-	if pool == nil {
-		return Lag{}, errors.New("forwarder: OutboxLag: pool is nil")
-	}
-	schema = schema.WithDefaults()
-	if err := schema.Validate(); err != nil {
-		return Lag{}, fmt.Errorf("forwarder: OutboxLag: %w", err)
-	}
-	return measureLag(ctx, pool, newLagQueries(sqlschema.NamesFor(sqlschema.Postgres, schema).Outbox, false))
-}
-
-// measureLag runs q on pool.
-func measureLag(ctx context.Context, pool *pgxpool.Pool, q lagQueries) (Lag, error) {
-	var (
-		lag Lag
-		age float64
-	)
-	if err := pool.QueryRow(ctx, q.lag).Scan(&lag.Pending, &lag.Waiting, &age); err != nil {
-		return Lag{}, fmt.Errorf("forwarder: lag: %w", err)
-	}
-	lag.OldestAge = time.Duration(age * float64(time.Second))
-	if lag.Waiting == 0 {
-		return lag, nil
-	}
-	var (
-		h    Holder
-		open float64
-		xage int64
-	)
-	err := pool.QueryRow(ctx, q.holder).Scan(&h.PID, &h.Database, &h.User, &h.State, &h.Query, &h.GID, &open, &xage)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		// It ended between the two queries.
-	case err != nil:
-		return Lag{}, fmt.Errorf("forwarder: lag: find the open transaction: %w", err)
-	default:
-		h.Age = time.Duration(open * float64(time.Second))
-		lag.HeldBy = &h
-	}
-	return lag, nil
 }
 
 type row struct {
@@ -727,36 +573,6 @@ func (r *Relay) Run(ctx context.Context) error {
 	return nil
 }
 
-// lagReading is the relay's last measure of its backlog, shared by the lag
-// hooks and the stall check so that one count serves both.
-type lagReading struct {
-	lag Lag
-	err error
-	at  time.Time
-}
-
-// measure reads the backlog again unless the last reading is younger than
-// maxAge.
-func (l *lagReading) measure(ctx context.Context, r *Relay, maxAge time.Duration) (Lag, error) {
-	if l.at.IsZero() || time.Since(l.at) >= maxAge {
-		l.lag, l.err = r.Lag(ctx)
-		l.at = time.Now()
-	}
-	return l.lag, l.err
-}
-
-// reportLag measures the backlog and tells the lag hooks.
-func (r *Relay) reportLag(ctx context.Context, reading *lagReading) {
-	lag, err := reading.measure(ctx, r, 0)
-	if err != nil {
-		if ctx.Err() == nil {
-			r.cfg.Logger.Error("Outbox lag not measured", err, nil)
-		}
-		return
-	}
-	r.hooks.OutboxLag(ctx, observe.OutboxLag{Outbox: r.outbox, Pending: lag.Pending, Waiting: lag.Waiting, OldestAge: lag.OldestAge})
-}
-
 // poll runs one batch; after an empty look (probe), it first looks for
 // rows that may go out with one query outside a transaction, so that an
 // idle relay sends one query per wait.
@@ -778,110 +594,6 @@ func (o *pgOutbox) probe(ctx context.Context) (bool, error) {
 	err := o.pool.QueryRow(ctx, o.q.probe).Scan(&due)
 	return due, err
 }
-
-// stallWatch paces the stall checks and their log lines.
-type stallWatch struct {
-	// checked is the last check, warned the last line, flowed the last
-	// batch that took rows.
-	checked, warned, flowed time.Time
-}
-
-// stalled reports whether lag is a stall worth a line at now: rows wait,
-// on a transaction open for at least every, and the last line is at least
-// every old. A transaction younger than every is a writer in flight.
-func (s *stallWatch) stalled(now time.Time, lag Lag, every time.Duration) bool {
-	if lag.Waiting == 0 || lag.HeldBy == nil || lag.HeldBy.Age < every {
-		return false
-	}
-	if !s.warned.IsZero() && now.Sub(s.warned) < every {
-		return false
-	}
-	s.warned = now
-	return true
-}
-
-// watchStall, while the relay finds nothing to publish, checks every
-// StallWarning/2 whether rows wait on a transaction open for StallWarning
-// or longer, and logs it at most once per StallWarning.
-func (r *Relay) watchStall(ctx context.Context, s *stallWatch, reading *lagReading) {
-	now := time.Now()
-	if now.Sub(s.checked) < r.cfg.StallWarning/2 {
-		return
-	}
-	s.checked = now
-	// A reading from before rows last went out may name a transaction
-	// that has ended since.
-	lag, err := reading.measure(ctx, r, min(r.cfg.StallWarning/4, now.Sub(s.flowed)))
-	if err != nil || !s.stalled(now, lag, r.cfg.StallWarning) {
-		return
-	}
-	h := lag.HeldBy
-	fields := watermill.LogFields{
-		"waiting_rows": lag.Waiting, "pending_rows": lag.Pending,
-		"oldest_row_age": lag.OldestAge.Round(time.Millisecond).String(), "outbox": r.outbox,
-		"holder_pid": h.PID, "holder_database": h.Database, "holder_state": h.State,
-		"holder_age": roundAge(h.Age).String(),
-	}
-	if h.GID != "" {
-		fields["holder_gid"] = h.GID
-	}
-	msg := "Outbox rows wait for an open transaction: " + h.String()
-	if w, ok := r.cfg.Logger.(interface {
-		Warn(msg string, fields watermill.LogFields)
-	}); ok {
-		w.Warn(msg, fields)
-		return
-	}
-	r.cfg.Logger.Error(msg, ErrStalled, fields)
-}
-
-// Plugin runs the relay with a Watermill router: add it with
-// router.AddPlugin(relay.Plugin). The relay starts when the router runs,
-// as a handler of its own with no messages to handle, named after its
-// outbox table: oncemill_outbox_relay_<schema>.<table>, the same on every
-// start, so that the router's metrics and logs keep one series per relay.
-// A second relay of the same table in one router is named with a suffix,
-// _2, _3 and so on in the order the router loads them (handler names must
-// be unique in a router). The router's Close stops the relay, lets the
-// batch in flight finish and waits for it, within the router's
-// CloseTimeout. Do not also call Run.
-func (r *Relay) Plugin(router *message.Router) error {
-	router.AddNoPublisherHandler(handlerName(router, r.outbox), r.outbox, relaySubscriber{r},
-		func(*message.Message) error { return nil })
-	return nil
-}
-
-// handlerName is the name of the relay of outbox in router: the first one
-// free of oncemill_outbox_relay_<outbox>, then with _2, _3, ….
-func handlerName(router *message.Router, outbox string) string {
-	base := "oncemill_outbox_relay_" + outbox
-	taken := router.Handlers()
-	name := base
-	for i := 2; ; i++ {
-		if _, ok := taken[name]; !ok {
-			return name
-		}
-		name = fmt.Sprintf("%s_%d", base, i)
-	}
-}
-
-// relaySubscriber is how [Relay.Plugin] ties the relay to the router: the
-// router's Subscribe starts Run on the router's context, and the channel
-// closes once Run has returned, which is what the router's Close waits for.
-type relaySubscriber struct{ r *Relay }
-
-func (s relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
-	out := make(chan *message.Message)
-	go func() {
-		defer close(out)
-		if err := s.r.Run(ctx); err != nil {
-			s.r.cfg.Logger.Error("Outbox relay did not start with the router", err, nil)
-		}
-	}()
-	return out, nil
-}
-
-func (s relaySubscriber) Close() error { return s.r.Close() }
 
 // Close stops Run and waits for it to return. It is safe to call more than
 // once.
