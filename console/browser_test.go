@@ -108,6 +108,7 @@ func seedDemoDeadLetters(t *testing.T, pool *pgxpool.Pool, cfg sqlschema.Config,
 		m.Metadata.Set(delivery.DeadConsumer, d.consumer)
 		m.Metadata.Set(delivery.DeadKey, d.key)
 		m.Metadata.Set(delivery.DeadAttempts, strconv.Itoa(d.attempts))
+		m.Metadata.Set(delivery.DeadAttemptsSource, delivery.AttemptsFromInbox) // the inbox row below counted them
 		m.Metadata.Set(delivery.DeadError, d.err)
 		m.Metadata.Set(delivery.DeadPermanent, strconv.FormatBool(d.permanent))
 		m.Metadata.Set(delivery.DeadFirstFailedAt, first.Format(time.RFC3339Nano))
@@ -502,6 +503,8 @@ func TestBrowser(t *testing.T) {
 		chromedp.Click(chromedp.Search(`//table[@id="dlq-groups"]//a[contains(@class, "group-link")][starts-with(normalize-space(.), "card declined")]`))))
 	require.Equal(t, "5", b.text(t, "#dlq-total"))
 	require.Contains(t, b.text(t, "#active-group"), "card declined for order <n>")
+	require.Equal(t, "Failed attempts: 5, counted by the inbox",
+		evalIn[string](t, b, `document.querySelector('#dlq-table tbody tr[data-id] td.num.nowrap').title`), "the attempts say who counted them")
 	rows := evalIn[[]string](t, b, `Array.from(document.querySelectorAll('#dlq-table tbody tr[data-id]'), tr => tr.dataset.id)`)
 	want := make([]string, len(declined))
 	for i, e := range declined {
