@@ -45,7 +45,7 @@ func TestLinksOnlyImportedBrokers(t *testing.T) {
 	}
 	require.NotContains(t, lines[3], "not linked", "amqp:// is linked: it fails on the closed port, not on the import")
 
-	out, err = exec.CommandContext(ctx, "go", "run", "./testdata/kafkaonly", "kafka://?group=g").CombinedOutput()
+	out, err = exec.CommandContext(ctx, "go", "run", "./testdata/kafkaonly").CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	require.Contains(t, string(out), "broker package not linked", "%s", out)
 	require.Contains(t, string(out), `import _ "github.com/oncemill/oncemill/adapters/kafka/embedded"`, "%s", out)

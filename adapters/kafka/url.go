@@ -39,15 +39,10 @@ func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerur
 	}
 	ps := &brokerurl.Opened{}
 	if u.Host == "" {
-		start, err := brokerurl.Embedded("kafka")
+		addrs, err := brokerurl.StartEmbedded(ps, "kafka", opts.Logger)
 		if err != nil {
 			return nil, err
 		}
-		addrs, stop, err := start(opts.Logger)
-		if err != nil {
-			return nil, fmt.Errorf("start embedded kafka: %w", err)
-		}
-		ps.Closers = append(ps.Closers, stop)
 		pcfg.Brokers, scfg.Brokers = addrs, addrs
 	} else if err := probe(ctx, pcfg.Brokers, timeout); err != nil {
 		return nil, err

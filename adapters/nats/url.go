@@ -51,15 +51,10 @@ func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerur
 	}
 	ps := &brokerurl.Opened{}
 	if u.Host == "" {
-		start, err := brokerurl.Embedded("nats")
+		addrs, err := brokerurl.StartEmbedded(ps, "nats", opts.Logger)
 		if err != nil {
 			return nil, err
 		}
-		addrs, stop, err := start(opts.Logger)
-		if err != nil {
-			return nil, fmt.Errorf("start embedded nats: %w", err)
-		}
-		ps.Closers = append(ps.Closers, stop)
 		pcfg.URL, scfg.URL = addrs[0], addrs[0]
 	}
 	fail := func(err error) (*brokerurl.Opened, error) { return nil, errors.Join(err, ps.Close()) }

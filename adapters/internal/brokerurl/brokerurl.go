@@ -115,16 +115,23 @@ func RegisterEmbedded(scheme string, start EmbeddedStarter) {
 	embedded[scheme] = start
 }
 
-// Embedded returns the embedded broker of scheme, or an error wrapping
-// [ErrNotLinked] that names the package to import.
-func Embedded(scheme string) (EmbeddedStarter, error) {
+// StartEmbedded starts the embedded broker of scheme, adds its stop to
+// o's closers and returns its addresses; without a linked embedded broker
+// the error wraps [ErrNotLinked] and names the package to import.
+func StartEmbedded(o *Opened, scheme string, logger watermill.LoggerAdapter) ([]string, error) {
 	mu.RLock()
-	defer mu.RUnlock()
-	if start, ok := embedded[scheme]; ok {
-		return start, nil
+	start, ok := embedded[scheme]
+	mu.RUnlock()
+	if !ok {
+		return nil, fmt.Errorf("%w: %s:// with no host starts an embedded broker, which this program does not link; add import _ %q, or give a host",
+			ErrNotLinked, scheme, "github.com/oncemill/oncemill/adapters/"+scheme+"/embedded")
 	}
-	return nil, fmt.Errorf("%w: %s:// with no host starts an embedded broker, which this program does not link; add import _ %q, or give a host",
-		ErrNotLinked, scheme, "github.com/oncemill/oncemill/adapters/"+scheme+"/embedded")
+	addrs, stop, err := start(logger)
+	if err != nil {
+		return nil, fmt.Errorf("start embedded %s: %w", scheme, err)
+	}
+	o.Closers = append(o.Closers, stop)
+	return addrs, nil
 }
 
 // Query parses u's query and checks it against known, the parameters of
