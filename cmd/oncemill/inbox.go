@@ -191,7 +191,7 @@ func (t *inboxTarget) open(ctx context.Context) (dlq.Granter, func(), error) {
 			}
 			return fail(err)
 		}
-		store, err := postgres.New(pool, postgres.Config{Schema: t.schema, Table: t.table})
+		store, err := postgres.New(pool, postgres.Config{Schema: t.schema, InboxTable: t.table})
 		if err != nil {
 			pool.Close()
 			return fail(err)

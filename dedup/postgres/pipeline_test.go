@@ -252,7 +252,7 @@ func TestStartClaimConflictAndErrors(t *testing.T) {
 	requireHealthy(t, b)
 
 	// A missing table: the start fails, not counted, with the hint.
-	store, err := postgres.New(b.pool, postgres.Config{Schema: b.schema, Table: "missing"})
+	store, err := postgres.New(b.pool, postgres.Config{Schema: b.schema, InboxTable: "missing"})
 	require.NoError(t, err)
 	start, tx, _, err := store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "k"}, time.Hour)
 	require.ErrorIs(t, err, postgres.ErrNotMigrated)

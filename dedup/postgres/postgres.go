@@ -39,36 +39,12 @@ type DB interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
-// Config names the inbox table. The zero value is ready to use.
-type Config struct {
-	// Schema holding the inbox table. Defaults to "oncemill".
-	Schema string
-	// Table is the inbox table's name. Defaults to "inbox".
-	Table string
-}
-
-func (c Config) withDefaults() Config {
-	if c.Schema == "" {
-		c.Schema = sqlschema.DefaultSchema
-	}
-	if c.Table == "" {
-		c.Table = sqlschema.DefaultInboxTable
-	}
-	return c
-}
-
-// Validate reports whether the names are safe identifiers; the error names
-// the field.
-func (c Config) Validate() error {
-	c = c.withDefaults()
-	if err := sqlschema.ValidateIdentifier("Schema", c.Schema); err != nil {
-		return fmt.Errorf("postgres: %w", err)
-	}
-	if err := sqlschema.ValidateIdentifier("Table", c.Table); err != nil {
-		return fmt.Errorf("postgres: %w", err)
-	}
-	return nil
-}
+// Config names the tables: it is [sqlschema.Config], the value
+// [sqlschema.Migrate] created them with, so that the migrator, the store,
+// the outbox (forwarder) and the dead-letter table (dlq) take one value and
+// cannot name different tables. The store reads Schema and InboxTable. The
+// zero value is ready to use.
+type Config = sqlschema.Config
 
 // Store keeps inbox records in a PostgreSQL table created by
 // [sqlschema.Migrate]. It implements [dedup.TxStore], [dedup.LeaseStore] and
@@ -90,16 +66,16 @@ var (
 )
 
 // New returns a store on db. It does not create the table: run
-// [sqlschema.Migrate] with the same names first.
+// [sqlschema.Migrate] with the same Config first.
 func New(db DB, cfg Config) (*Store, error) {
 	if db == nil {
 		return nil, errors.New("postgres: db is nil")
 	}
-	cfg = cfg.withDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("postgres: %w", err)
 	}
-	names := sqlschema.NamesFor(sqlschema.Postgres, sqlschema.Config{Schema: cfg.Schema, InboxTable: cfg.Table})
+	names := sqlschema.NamesFor(sqlschema.Postgres, cfg)
 	return &Store{db: db, q: newQueries(names)}, nil
 }
 

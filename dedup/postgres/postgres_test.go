@@ -76,8 +76,8 @@ func TestConfigValidate(t *testing.T) {
 	require.ErrorContains(t, err, "db is nil")
 
 	pool := pgtest.Pool(t, 1)
-	_, err = postgres.New(pool, postgres.Config{Table: `inbox"; DROP TABLE x; --`})
-	require.ErrorContains(t, err, "Table")
+	_, err = postgres.New(pool, postgres.Config{InboxTable: `inbox"; DROP TABLE x; --`})
+	require.ErrorContains(t, err, "InboxTable")
 	_, err = postgres.New(pool, postgres.Config{Schema: "Bad-Schema"})
 	require.ErrorContains(t, err, "Schema")
 }

@@ -172,6 +172,10 @@ func tracesEndpoint(getenv func(string) string, bad func(name, format string, ar
 	return endpoint
 }
 
+// schema names oncemill's tables: the migrator, the inbox store, the
+// outbox and the dead-letter table all take this one value.
+func (c config) schema() sqlschema.Config { return sqlschema.Config{Schema: c.Schema} }
+
 // dlqTopic is the topic dead letters are filed under in the dead-letter
 // table (`oncemill dlq list --topic` shows the original topic instead).
 func (c config) dlqTopic() string { return c.Topic + ".dlq" }

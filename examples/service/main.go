@@ -136,8 +136,7 @@ func run(cfg config, produce int) error {
 
 	startCtx, cancelStart := context.WithTimeout(signals, startTimeout)
 	defer cancelStart()
-	schema := sqlschema.Config{Schema: cfg.Schema}
-	pool, err := openDatabase(startCtx, cfg.DatabaseURL, schema)
+	pool, err := openDatabase(startCtx, cfg.DatabaseURL, cfg.schema())
 	if err != nil {
 		return err
 	}
@@ -165,7 +164,7 @@ func run(cfg config, produce int) error {
 	if err != nil {
 		return err
 	}
-	deadLetters, err := dlq.NewStore(pool, schema)
+	deadLetters, err := dlq.NewStore(pool, cfg.schema())
 	if err != nil {
 		return err
 	}
@@ -318,8 +317,8 @@ func paymentsTable(schema string) string { return pgx.Identifier{schema, "paymen
 // and the janitor.
 func newRouter(ctx context.Context, cfg config, pool *pgxpool.Pool, sub message.Subscriber, pub message.Publisher,
 	hooks []observe.Hook, logger watermill.LoggerAdapter) (*message.Router, error) {
-	schema := sqlschema.Config{Schema: cfg.Schema}
-	store, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
+	schema := cfg.schema() // the one openDatabase migrated
+	store, err := postgres.New(pool, schema)
 	if err != nil {
 		return nil, err
 	}
