@@ -76,7 +76,8 @@ type Consumer struct {
 	// Store, if set, makes the inbox's store from the PostgreSQL one.
 	Store func(*postgres.Store) (dedup.TxStore, error)
 	// Poison, if set, puts the poison middleware outermost; its Publisher
-	// defaults to the dead-letter table.
+	// defaults to the dead-letter table, and without a Consumer or Key of
+	// its own it is built from the inbox.
 	Poison *middleware.PoisonConfig
 	// Bloom puts the Bloom prefilter in front of the inbox.
 	Bloom bool
@@ -182,6 +183,9 @@ func (c *Consumer) Run(term <-chan os.Signal, handler message.NoPublishHandlerFu
 	}}
 	if c.Poison != nil {
 		poisonCfg := *c.Poison
+		if poisonCfg.Inbox == nil && poisonCfg.Consumer == "" && poisonCfg.Key == nil {
+			poisonCfg.Inbox = inbox
+		}
 		if poisonCfg.Publisher == nil {
 			if poisonCfg.Publisher, err = dlq.NewPublisher(pool, sqlschema.Config{Schema: c.Schema}); err != nil {
 				return Setup(err)
