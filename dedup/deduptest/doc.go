@@ -3,8 +3,10 @@
 // [RunLeaseStore] for a [dedup.LeaseStore], that a store's own tests call
 // to prove it keeps the semantics the inbox and the poison middleware rely
 // on. Every store of this module runs it (dedup/postgres in both modes,
-// dedup/sqlite, dedup/twotier, dedup/redis, dedup/memory); a store written
-// elsewhere runs it the same way.
+// dedup/sqlite, dedup/sqlstore, dedup/twotier, dedup/redis, dedup/memory);
+// a store written elsewhere runs it the same way. Its author reads the
+// contract in [dedup] and the optional capabilities in [dedupdriver], then
+// runs this suite.
 //
 // # Running the suite
 //
