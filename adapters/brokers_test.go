@@ -318,21 +318,7 @@ func natsRow(t *testing.T, name, server string) broker {
 			}
 			return ps
 		},
-		pending: func(t *testing.T, topic, group string) int {
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			stream := nats.Config{}.StreamName(topic)
-			cons, err := js.Consumer(ctx, stream, nats.SubscriberConfig{ConsumerGroup: group}.ConsumerName(topic))
-			if errors.Is(err, jetstream.ErrConsumerNotFound) {
-				s, err := js.Stream(ctx, stream)
-				require.NoError(t, err)
-				return int(s.CachedInfo().State.Msgs)
-			}
-			require.NoError(t, err)
-			info, err := cons.Info(ctx)
-			require.NoError(t, err)
-			return int(info.NumPending) + info.NumAckPending
-		},
+		pending: func(t *testing.T, topic, group string) int { return brokertest.NATSPending(t, js, topic, group) },
 		cleanup: func(t *testing.T, topic string, _ ...string) {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()

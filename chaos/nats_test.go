@@ -3,8 +3,6 @@
 package chaos_test
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"net/url"
 	"strconv"
@@ -16,8 +14,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/oncemill/oncemill/adapters/nats"
 	"github.com/oncemill/oncemill/adapters/nats/embedded"
+	"github.com/oncemill/oncemill/internal/brokertest"
 	"github.com/oncemill/oncemill/internal/natstest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 )
@@ -141,9 +139,8 @@ func (r *restartable) stop(t *testing.T) {
 	r.srv = nil
 }
 
-// natsPending is what group's durable consumer of topic has not had
-// acked: its messages not yet delivered and those delivered and not
-// acked (all of the stream's before the consumer exists).
+// natsPending is what group's durable consumer of topic on server has
+// not had acked.
 func natsPending(t *testing.T, server, topic, group string) int {
 	t.Helper()
 	nc, err := natsgo.Connect(server, natsgo.Timeout(5*time.Second))
@@ -151,17 +148,5 @@ func natsPending(t *testing.T, server, topic, group string) int {
 	defer nc.Close()
 	js, err := jetstream.New(nc)
 	require.NoError(t, err)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	stream := nats.Config{}.StreamName(topic)
-	cons, err := js.Consumer(ctx, stream, nats.SubscriberConfig{ConsumerGroup: group}.ConsumerName(topic))
-	if errors.Is(err, jetstream.ErrConsumerNotFound) {
-		s, err := js.Stream(ctx, stream)
-		require.NoError(t, err)
-		return int(s.CachedInfo().State.Msgs)
-	}
-	require.NoError(t, err, "consumer of group %s in stream %s", group, stream)
-	info, err := cons.Info(ctx)
-	require.NoError(t, err)
-	return int(info.NumPending) + info.NumAckPending
+	return brokertest.NATSPending(t, js, topic, group)
 }
