@@ -40,11 +40,11 @@ func instrument(router *message.Router, pool *pgxpool.Pool, store *postgres.Stor
 	if err != nil {
 		return err
 	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: deadLetters, Topic: "orders.dlq", Hooks: hooks})
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Hooks: hooks})
 	if err != nil {
 		return err
 	}
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Hooks: hooks})
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: deadLetters, Topic: "orders.dlq", Hooks: hooks})
 	if err != nil {
 		return err
 	}
