@@ -49,10 +49,10 @@ func run(ctx context.Context, args []string, env func(string) string, stdout, st
 		return exitOK
 	case "dlq", "amqp":
 		return runGroup(ctx, args[0], args[1:], env, stdout, stderr)
-	case "console":
-		return runCommand(ctx, lookup("console"), args[1:], env, stdout, stderr)
+	case "console", "relay":
+		return runCommand(ctx, lookup(args[0]), args[1:], env, stdout, stderr)
 	default:
-		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq, amqp or console); run 'oncemill --help' for usage\n", args[0])
+		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq, amqp, console or relay); run 'oncemill --help' for usage\n", args[0])
 		return exitUsage
 	}
 }

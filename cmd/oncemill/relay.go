@@ -1,0 +1,429 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/observe"
+	"github.com/oncemill/oncemill/observe/prom"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+const (
+	// relayEnvPrefix starts the variable of each relay flag that has no
+	// variable of its own: --batch-size is $ONCEMILL_RELAY_BATCH_SIZE.
+	relayEnvPrefix = "ONCEMILL_RELAY_"
+	// defaultRelayListen is where the relay serves /healthz and /metrics
+	// without --listen: every interface, so that a probe or a scraper of
+	// the pod or host reaches it.
+	defaultRelayListen = ":9464"
+	// relayHealthTimeout bounds the database ping of one /healthz request.
+	relayHealthTimeout = 2 * time.Second
+	// relayGroup is the consumer group the relay opens the broker with: it
+	// only publishes, the group merely satisfies brokers whose URL needs
+	// one (Kafka). A group the URL names is taken as it is.
+	relayGroup = "oncemill-relay"
+)
+
+// relayHelp is the relay's help after its synopsis.
+const relayHelp = `Relays the outbox table of a service to a broker, as forwarder.Relay does
+in a Go service: it publishes the committed rows (topic, uuid, payload,
+metadata), in per-key order, and deletes them. It is the relay for
+services written in other languages, run as a sidecar: the service
+inserts its outbox rows in its business transactions, this command
+publishes them.
+
+It runs until SIGTERM or SIGINT, then takes no new batch, lets the batch
+in flight finish publishing and deleting its rows within --drain-timeout
+(past it the batch is rolled back and its rows stay for the next run),
+and exits 0. A relay killed outright publishes its last batch again on
+the next run, with the same UUIDs, which the consumers' inboxes absorb.
+
+Several copies may run at once on one table, for availability or
+throughput: each batch locks a set of the table's 64 lanes (a hash of the
+partition key), so no row goes out twice in normal operation and each
+key's rows keep their order.
+
+The outbox table belongs to the service: the relay refuses to start when
+it does not exist, unless --migrate creates it (sqlschema.Migrate's
+tables, PostgreSQL or MySQL).
+
+On --listen it serves /healthz (200 while the relay runs and its database
+answers, 503 otherwise) and /metrics (Prometheus: oncemill_outbox_* as
+observe/prom exports them, and the process's go_* and process_* series).
+
+Every flag can also be set by an environment variable: --database by
+$DATABASE_URL, --broker by $BROKER_URL, any other by $ONCEMILL_RELAY_
+and its name in capitals with '_' for '-' ($ONCEMILL_RELAY_BATCH_SIZE).
+A flag beats its variable. ` + `--database is PostgreSQL (postgres://…) or
+MySQL/MariaDB (mysql://user:password@host:3306/db).`
+
+// relayOptions is "oncemill relay"'s command line, checked.
+type relayOptions struct {
+	db        dbTarget
+	schema    sqlschema.Config
+	broker    string
+	listen    string
+	migrate   bool
+	ordered   bool
+	batchSize int
+	lanes     int
+	poll      time.Duration
+	drain     time.Duration
+	// fromEnv holds the flags set from their variables, which errors name.
+	fromEnv map[string]bool
+}
+
+// field names flag for an error: the flag, or its variable when that set it.
+func (o relayOptions) field(flag string) string {
+	if o.fromEnv[flag] {
+		return "$" + relayEnv(flag) + " (--" + flag + ")"
+	}
+	return "--" + flag
+}
+
+// relayEnv is the variable of flag name.
+func relayEnv(name string) string {
+	switch name {
+	case "database":
+		return "DATABASE_URL"
+	case "broker":
+		return "BROKER_URL"
+	}
+	return relayEnvPrefix + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
+}
+
+// relayOptions parses and checks the relay's flags and their variables,
+// before anything connects.
+func (c *cmd) relayOptions(args []string) (relayOptions, error) {
+	o := relayOptions{}
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	fs.StringVar(&c.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding the outbox table: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
+	fs.StringVar(&o.broker, "broker", "", "`URL` of the broker to publish to, as adapters.Open reads it: kafka://…, amqp://…, sqs://…, nats://… (default $BROKER_URL; gochannel:// is refused)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the outbox table's schema (on MySQL: its database) ($"+relayEnv("schema")+")")
+	fs.StringVar(&c.table, "table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table ($"+relayEnv("table")+")")
+	fs.IntVar(&o.batchSize, "batch-size", 500, "most `N` rows one batch (one transaction) publishes, 1 to 10000 ($"+relayEnv("batch-size")+")")
+	fs.IntVar(&o.lanes, "lanes-per-batch", 16, "most `N` of the table's 64 lanes one batch takes: copies running at once share the lanes, 1 to 64 ($"+relayEnv("lanes-per-batch")+")")
+	fs.DurationVar(&o.poll, "poll-interval", 250*time.Millisecond, "longest wait (`DURATION`) between two looks for rows while the outbox stays empty; while rows flow the relay looks again at once ($"+relayEnv("poll-interval")+")")
+	fs.DurationVar(&o.drain, "drain-timeout", 5*time.Second, "how long (`DURATION`), once told to stop, the batch in flight may take to finish publishing and deleting its rows; past it the batch rolls back and its rows stay ($"+relayEnv("drain-timeout")+")")
+	fs.BoolVar(&o.ordered, "lock-ordered-writers", false, "the service's writers of each partition key are ordered by a lock each holds until it commits, taken before its outbox insert (the key's business row): publish every committed row at once instead of waiting until every older transaction on the server has ended, so that a transaction left open elsewhere on the server no longer stalls the outbox; see forwarder.RelayConfig.LockOrderedWriters ($"+relayEnv("lock-ordered-writers")+")")
+	fs.StringVar(&o.listen, "listen", defaultRelayListen, "`HOST:PORT` to serve /healthz and /metrics on; empty: no HTTP ($"+relayEnv("listen")+")")
+	fs.BoolVar(&o.migrate, "migrate", false, "create or upgrade oncemill's tables (sqlschema.Migrate) before relaying; without it the outbox table must exist ($"+relayEnv("migrate")+")")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return o, err
+	}
+	if len(pos) > 0 {
+		return o, usagef("unexpected argument %q: relay takes only flags", pos[0])
+	}
+	if o.fromEnv, err = c.relayFromEnv(fs); err != nil {
+		return o, err
+	}
+	switch {
+	case o.broker == "":
+		return o, usagef("--broker is required (or set BROKER_URL)")
+	case o.batchSize < 1 || o.batchSize > 10000:
+		return o, usagef("%s must be 1 to 10000, got %d", o.field("batch-size"), o.batchSize)
+	case o.lanes < 1 || o.lanes > 64:
+		return o, usagef("%s must be 1 to 64, got %d", o.field("lanes-per-batch"), o.lanes)
+	case o.poll < time.Millisecond:
+		return o, usagef("%s must be at least 1ms, got %s", o.field("poll-interval"), o.poll)
+	case o.drain <= 0:
+		return o, usagef("%s must be positive, got %s", o.field("drain-timeout"), o.drain)
+	}
+	if err := checkRelayBroker(o.field("broker"), o.broker); err != nil {
+		return o, err
+	}
+	if o.listen != "" {
+		if err := checkAddr(o.listen); err != nil {
+			return o, usageError{msg: strings.Replace(err.Error(), "--addr", o.field("listen"), 1)}
+		}
+	}
+	if o.db, o.schema, err = c.target(); err != nil {
+		return o, err
+	}
+	o.schema = sqlschema.Config{Schema: o.schema.Schema, OutboxTable: c.table}
+	return o, nil
+}
+
+// relayFromEnv sets each flag the command line did not give from its
+// variable, when that is set: a flag beats its variable. --database is
+// left to target, which reads $DATABASE_URL for every command.
+func (c *cmd) relayFromEnv(fs *flag.FlagSet) (fromEnv map[string]bool, err error) {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	fromEnv = map[string]bool{}
+	fs.VisitAll(func(f *flag.Flag) {
+		name := relayEnv(f.Name)
+		v := c.env(name)
+		if err != nil || given[f.Name] || v == "" {
+			return
+		}
+		if f.Name == "database" {
+			return // target reads $DATABASE_URL
+		}
+		if serr := fs.Set(f.Name, v); serr != nil {
+			err = usagef("$%s (--%s): %v", name, f.Name, serr)
+		}
+		fromEnv[f.Name] = true
+	})
+	return fromEnv, err
+}
+
+// checkRelayBroker refuses, as a usage error, a broker that would lose
+// the rows: an in-process gochannel:// broker has no subscriber outside
+// this command, and the relay deletes what it publishes.
+func checkRelayBroker(field, broker string) error {
+	u, err := url.Parse(broker)
+	if err != nil || u.Scheme != "gochannel" {
+		return nil
+	}
+	return usagef("%s: gochannel:// lives inside this process, which nothing else subscribes to: the relayed rows would be deleted and lost; give the broker the consumers read from", field)
+}
+
+// relayDB is the database the relay reads, open: a pool for PostgreSQL or
+// a *sql.DB for MySQL.
+type relayDB struct {
+	pool *pgxpool.Pool
+	sql  *sql.DB
+}
+
+func (d relayDB) ping(ctx context.Context) error {
+	if d.sql != nil {
+		return d.sql.PingContext(ctx)
+	}
+	return d.pool.Ping(ctx)
+}
+
+func (d relayDB) close() {
+	if d.sql != nil {
+		_ = d.sql.Close()
+		return
+	}
+	d.pool.Close()
+}
+
+// openRelayDB connects to the database and checks that it answers.
+func openRelayDB(ctx context.Context, t dbTarget, conns int32) (relayDB, error) {
+	if t.my != nil {
+		db, err := openMySQL(ctx, t.my, int(conns))
+		if err != nil {
+			return relayDB{}, fmt.Errorf("connect to the database: %w", err)
+		}
+		return relayDB{sql: db}, nil
+	}
+	cfg := t.pg.Copy()
+	cfg.MaxConns = conns
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return relayDB{}, fmt.Errorf("connect to the database: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return relayDB{}, fmt.Errorf("connect to the database: %w", err)
+	}
+	return relayDB{pool: pool}, nil
+}
+
+// errNoOutbox is wrapped by the error of a relay started on a table that
+// does not exist.
+var errNoOutbox = errors.New("no outbox table")
+
+// prepare migrates oncemill's tables with --migrate, and otherwise checks
+// that the outbox table exists, naming it when it does not.
+func (o relayOptions) prepare(ctx context.Context, db relayDB) error {
+	cfg := o.schema.WithDefaults()
+	if db.sql != nil {
+		if o.migrate {
+			if err := sqlschema.MigrateSQL(ctx, db.sql, sqlschema.MySQL, cfg); err != nil {
+				return fmt.Errorf("migrate: %w", err)
+			}
+			return nil
+		}
+		var n int
+		err := db.sql.QueryRowContext(ctx, `SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = ?`,
+			cfg.Schema, cfg.OutboxTable).Scan(&n)
+		if err != nil {
+			return fmt.Errorf("look for the outbox table: %w", err)
+		}
+		if n == 0 {
+			return o.noOutbox("`" + cfg.Schema + "`.`" + cfg.OutboxTable + "`")
+		}
+		return nil
+	}
+	if o.migrate {
+		if err := sqlschema.Migrate(ctx, db.pool, cfg); err != nil {
+			return fmt.Errorf("migrate: %w", err)
+		}
+		return nil
+	}
+	name := sqlschema.NamesFor(sqlschema.Postgres, cfg).Outbox
+	var found *string
+	if err := db.pool.QueryRow(ctx, `SELECT to_regclass($1)::text`, name).Scan(&found); err != nil {
+		return fmt.Errorf("look for the outbox table: %w", err)
+	}
+	if found == nil {
+		return o.noOutbox(name)
+	}
+	return nil
+}
+
+func (o relayOptions) noOutbox(name string) error {
+	return fmt.Errorf("%w: %s does not exist in the database: create it with the service's migrations "+
+		"(sqlschema.Migrate, or its SQL files), name it with --schema and --table, or run once with --migrate", errNoOutbox, name)
+}
+
+// relay runs the outbox relay until ctx is cancelled.
+func (c *cmd) relay(ctx context.Context, args []string) (err error) {
+	o, err := c.relayOptions(args)
+	if err != nil {
+		return err
+	}
+	// One connection for the batch, one for the probes and lag, one for
+	// /healthz.
+	db, err := openRelayDB(ctx, o.db, 4)
+	if err != nil {
+		return err
+	}
+	defer db.close()
+	if err := o.prepare(ctx, db); err != nil {
+		return err
+	}
+	logger := watermill.NewStdLoggerWithOut(c.stderr, false, false)
+	ps, err := adapters.Open(ctx, o.broker, relayBrokerOptions(o.broker, logger))
+	if errors.Is(err, adapters.ErrUnknownScheme) || errors.Is(err, adapters.ErrBadURL) {
+		return usagef("%s: %v", o.field("broker"), err)
+	}
+	if err != nil {
+		return fmt.Errorf("open broker: %w", err)
+	}
+	defer func() {
+		if closeErr := ps.Close(); closeErr != nil {
+			err = errors.Join(err, fmt.Errorf("close broker: %w", closeErr))
+		}
+	}()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics, err := prom.New(prom.Config{Registerer: reg})
+	if err != nil {
+		return err
+	}
+	cfg := forwarder.RelayConfig{
+		Publisher:          ps.Publisher,
+		Schema:             o.schema,
+		BatchSize:          o.batchSize,
+		LanesPerBatch:      o.lanes,
+		PollInterval:       o.poll,
+		DrainTimeout:       o.drain,
+		LockOrderedWriters: o.ordered,
+		Hooks:              []observe.Hook{metrics},
+		Logger:             logger,
+	}
+	if db.sql != nil {
+		cfg.DB, cfg.Dialect = db.sql, sqlschema.MySQL
+	} else {
+		cfg.Pool = db.pool
+	}
+	relay, err := forwarder.NewRelay(cfg)
+	if err != nil {
+		return err
+	}
+
+	var running atomic.Bool
+	var srv *http.Server
+	served := make(chan error, 1)
+	if o.listen != "" {
+		ln, err := net.Listen("tcp", o.listen)
+		if err != nil {
+			return fmt.Errorf("listen on %s (--listen): %w", o.listen, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+			relayHealth(w, r, running.Load(), db)
+		})
+		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
+		go func() { served <- srv.Serve(ln) }()
+		fmt.Fprintf(c.stdout, "oncemill relay serving /healthz and /metrics on %s\n", consoleURL(ln.Addr()))
+	}
+
+	outbox := o.schema.WithDefaults()
+	fmt.Fprintf(c.stdout, "oncemill relay running: %s.%s to %s\n", outbox.Schema, outbox.OutboxTable, redactBroker(o.broker))
+	running.Store(true)
+	runErr := relay.Run(ctx)
+	running.Store(false)
+
+	if srv != nil {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), relayHealthTimeout)
+		defer cancel()
+		if serr := srv.Shutdown(sctx); serr != nil {
+			_ = srv.Close()
+		}
+		if serr := <-served; serr != nil && !errors.Is(serr, http.ErrServerClosed) {
+			runErr = errors.Join(runErr, fmt.Errorf("serve on %s: %w", o.listen, serr))
+		}
+	}
+	if runErr != nil {
+		return runErr
+	}
+	fmt.Fprintln(c.stdout, "oncemill relay stopped")
+	return nil
+}
+
+// relayBrokerOptions are the options the relay opens broker with.
+func relayBrokerOptions(broker string, logger watermill.LoggerAdapter) adapters.Options {
+	opts := adapters.Options{Logger: logger}
+	if u, err := url.Parse(broker); err != nil || u.Query().Get("group") == "" {
+		opts.ConsumerGroup = relayGroup
+	}
+	return opts
+}
+
+// relayHealth answers /healthz: 200 while the relay runs and its database
+// answers a ping, 503 with the reason otherwise.
+func relayHealth(w http.ResponseWriter, r *http.Request, running bool, db relayDB) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	if !running {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		fmt.Fprintln(w, "relay not running")
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), relayHealthTimeout)
+	defer cancel()
+	if err := db.ping(ctx); err != nil {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		fmt.Fprintf(w, "database unreachable: %s\n", oneLine(err.Error()))
+		return
+	}
+	fmt.Fprintln(w, "ok")
+}
+
+// redactBroker is broker without its password, for the logs.
+func redactBroker(broker string) string {
+	u, err := url.Parse(broker)
+	if err != nil {
+		return redactRaw(broker)
+	}
+	return u.Redacted()
+}
