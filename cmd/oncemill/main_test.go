@@ -30,10 +30,16 @@ import (
 	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/netfault"
 	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/proctest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	// A child process started by a test of this package (the relay's
+	// consumer, the Kafka broker) runs its role and exits here.
+	proctest.Main(relayConsumerRole)
+	goleak.VerifyTestMain(m)
+}
 
 // result is one run of the command.
 type result struct {

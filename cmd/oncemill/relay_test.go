@@ -1,0 +1,410 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/middleware"
+)
+
+// relayConsumerRole is the Go service downstream of the relay: the
+// standard stack (Poison, Inbox on PostgreSQL), whose handler records one
+// effect per event in the inbox's transaction. Each handler run is also
+// recorded, outside the transaction, in runs.
+var relayConsumerRole = proctest.NewRole("relay-consumer", func(cfg proctest.Stack, term <-chan os.Signal) error {
+	c := &proctest.Consumer{Stack: cfg, RecordRuns: true, StrictClose: true, Poison: &middleware.PoisonConfig{
+		Topic: "dlq", MaxAttempts: 5, InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+	}}
+	effects := cfg.Table("effects")
+	return c.Run(term, func(msg *message.Message) error {
+		ctx := msg.Context()
+		_, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (key) VALUES ($1)`, middleware.IdempotencyKey(ctx))
+		return err
+	})
+})
+
+// relayTables are the Node service's business table and the consumer's
+// effects and handler runs, beside oncemill's tables.
+const relayTables = `
+CREATE TABLE {S}.orders (id text PRIMARY KEY);
+CREATE TABLE {S}.effects (key text NOT NULL);
+CREATE TABLE {S}.runs (key text NOT NULL, pid integer NOT NULL);`
+
+// buildOncemill builds this command into a directory of the test's own.
+func buildOncemill(t *testing.T) string {
+	t.Helper()
+	goBin, err := exec.LookPath("go")
+	require.NoError(t, err, "the go command, to build oncemill")
+	bin := filepath.Join(t.TempDir(), "oncemill")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, goBin, "build", "-o", bin, ".").CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
+	return bin
+}
+
+// writeResult is one transaction of the Node writer.
+type writeResult struct {
+	ID        string `json:"id"`
+	Committed bool   `json:"committed"`
+}
+
+// nodeWriter installs testdata/nodewriter (the npm package pg, at the
+// version its lock file pins) in a directory of the test's own and
+// returns a function that runs its writer: count transactions on schema,
+// each an order and its event on topic, every fifth rolled back.
+func nodeWriter(t *testing.T) func(schema, topic string, count int) ([]writeResult, error) {
+	t.Helper()
+	node, err := exec.LookPath("node")
+	if err != nil {
+		pgtest.Unavailable(t, "node", fmt.Errorf("not installed (Debian package nodejs, Node 20 or newer): %w", err))
+	}
+	npm, err := exec.LookPath("npm")
+	if err != nil {
+		pgtest.Unavailable(t, "npm", fmt.Errorf("not installed (Debian package npm): %w", err))
+	}
+	dir := t.TempDir()
+	for _, f := range []string{"package.json", "package-lock.json", "writer.js"} {
+		b, err := os.ReadFile(filepath.Join("testdata", "nodewriter", f))
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, f), b, 0o644))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	install := exec.CommandContext(ctx, npm, "ci", "--no-audit", "--no-fund", "--loglevel=error")
+	install.Dir = dir
+	if out, err := install.CombinedOutput(); err != nil {
+		pgtest.Unavailable(t, "the npm package pg (npm ci)", fmt.Errorf("%w: %s", err, out))
+	}
+	return func(schema, topic string, count int) ([]writeResult, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, node, "writer.js", pgtest.URL(), schema, topic, fmt.Sprint(count))
+		cmd.Dir = dir
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
+		if err != nil {
+			return nil, fmt.Errorf("node writer.js: %w: %s", err, stderr.String())
+		}
+		var results []writeResult
+		sc := bufio.NewScanner(strings.NewReader(string(out)))
+		for sc.Scan() {
+			var r writeResult
+			if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
+				return nil, fmt.Errorf("writer output %q: %w", sc.Text(), err)
+			}
+			results = append(results, r)
+		}
+		return results, nil
+	}
+}
+
+// relayProcess is a running "oncemill relay".
+type relayProcess struct {
+	cmd  *exec.Cmd
+	out  *proctest.Buffer
+	done chan struct{}
+	err  error // Wait's, once done is closed
+}
+
+// startRelay runs bin relay with args and waits for its "running" line.
+func startRelay(t *testing.T, bin string, env []string, args ...string) *relayProcess {
+	t.Helper()
+	p := &relayProcess{cmd: exec.Command(bin, append([]string{"relay"}, args...)...), out: &proctest.Buffer{}, done: make(chan struct{})}
+	p.cmd.Env = append(os.Environ(), env...)
+	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
+	require.NoError(t, p.cmd.Start())
+	go func() {
+		defer close(p.done)
+		p.err = p.cmd.Wait()
+	}()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	})
+	waitFor(t, "the relay runs", func() (bool, string) {
+		select {
+		case <-p.done:
+			require.FailNow(t, "the relay exited before it ran", "%v; output:\n%s", p.err, p.out.String())
+		default:
+		}
+		_, ok := p.out.Line("oncemill relay running: ")
+		return ok, p.out.String()
+	})
+	return p
+}
+
+// kill SIGKILLs the relay and waits until it is gone.
+func (p *relayProcess) kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+// terminate sends SIGTERM and requires the relay to exit 0.
+func (p *relayProcess) terminate(t *testing.T) {
+	t.Helper()
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-p.done:
+	case <-time.After(time.Minute):
+		require.FailNow(t, "the relay still runs a minute after SIGTERM", p.out.String())
+	}
+	require.NoError(t, p.err, "the relay exits 0 after SIGTERM; output:\n%s", p.out.String())
+	require.Contains(t, p.out.String(), "oncemill relay stopped")
+}
+
+// waitFor polls cond until it holds, for up to two minutes; what it
+// returns second describes the state for the failure.
+func waitFor(t *testing.T, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		ok, state := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			require.FailNow(t, "timed out waiting: "+what, state)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestRelayNodeWriter: a Node.js service writes orders and their events
+// to the outbox with the npm package pg, one transaction each, and rolls
+// every fifth back; "oncemill relay" runs as a process of its own into
+// RabbitMQ, then Kafka, and is SIGKILLed while it relays and started
+// again; a Go consumer (router, Poison, Inbox on PostgreSQL) records one
+// effect per event. Every committed event has exactly one effect, no
+// rolled-back one reached the handler, and the outbox ends empty.
+func TestRelayNodeWriter(t *testing.T) {
+	t.Parallel()
+	write := nodeWriter(t)
+	bin := buildOncemill(t)
+	const count = 300
+
+	cases := []struct {
+		name string
+		// broker returns the URL of the broker and a topic of its own,
+		// consumed by group, ready for the relay's first publish.
+		broker func(t *testing.T, group string) (url, topic string)
+	}{
+		{"rabbitmq", func(t *testing.T, group string) (string, string) {
+			r := newRabbit(t)
+			topic := r.topic("relay", "$."+group)
+			// RabbitMQ drops a publish to an exchange with no queue bound:
+			// the consumer's queue is declared before the relay runs.
+			d := oncemill(t, nil, "amqp", "declare", "--topic", topic, "--group", group, "--url", r.url)
+			require.Equal(t, exitOK, d.code, d.stderr)
+			return r.url, topic
+		}},
+		{"kafka", func(t *testing.T, _ string) (string, string) {
+			return "kafka://" + strings.Join(proctest.StartKafka(t), ","), "orders-" + pgtest.Name(t)
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			db := proctest.NewDB(t, relayTables)
+			const group = "billing"
+			brokerURL, topic := tc.broker(t, group)
+			consumer := relayConsumerRole.Start(t, db.Stack(brokerURL, group, topic, "billing"))
+
+			written := make(chan []writeResult, 1)
+			writeErr := make(chan error, 1)
+			go func() {
+				res, err := write(db.Schema, topic, count)
+				writeErr <- err
+				written <- res
+			}()
+
+			args := []string{"--database", pgtest.URL(), "--schema", db.Schema, "--listen", "",
+				"--batch-size", "10", "--lanes-per-batch", "4", "--poll-interval", "20ms",
+				// Each transaction locks its order's row before it inserts
+				// the event: lock-ordered. The relay then waits for no
+				// transaction open elsewhere on the server.
+				"--lock-ordered-writers"}
+			env := []string{"BROKER_URL=" + brokerURL}
+			relay := startRelay(t, bin, env, args...)
+			// Killed while rows flow, twice, and started again each time:
+			// a batch the kill cut short stays in the outbox and goes out
+			// again, and the inbox absorbs what had reached the broker.
+			for kill := 1; kill <= 2; kill++ {
+				waitFor(t, fmt.Sprintf("effects before kill %d", kill), func() (bool, string) {
+					n := db.Count(t, `SELECT count(*) FROM {S}.effects`)
+					return n >= kill*count/10, fmt.Sprintf("%d effects; relay output:\n%s", n, relay.out.String())
+				})
+				relay.kill()
+				t.Logf("relay killed with %d rows in the outbox", db.Count(t, `SELECT count(*) FROM {S}.outbox`))
+				relay = startRelay(t, bin, env, args...)
+			}
+
+			require.NoError(t, <-writeErr)
+			results := <-written
+			require.Len(t, results, count)
+			var committed, rolledBack []string
+			for _, r := range results {
+				if r.Committed {
+					committed = append(committed, r.ID)
+				} else {
+					rolledBack = append(rolledBack, r.ID)
+				}
+			}
+			require.NotEmpty(t, rolledBack, "the writer rolls some transactions back")
+			require.ElementsMatch(t, committed, ids(t, db, `SELECT id FROM {S}.orders`), "the business rows are the committed ones")
+
+			waitFor(t, "every committed event applied and the outbox empty", func() (bool, string) {
+				applied := db.Count(t, `SELECT count(DISTINCT key) FROM {S}.effects`)
+				left := db.Count(t, `SELECT count(*) FROM {S}.outbox`)
+				return applied == len(committed) && left == 0,
+					fmt.Sprintf("%d of %d applied, %d rows in the outbox; relay output:\n%s", applied, len(committed), left, relay.out.String())
+			})
+			relay.terminate(t)
+			stats := consumer.Stop(t, time.Minute)
+			t.Logf("consumer: %+v", stats)
+
+			require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.outbox`), "the outbox ends empty")
+			require.Zero(t, db.Count(t, `SELECT count(*) FROM (SELECT key FROM {S}.effects GROUP BY key HAVING count(*) > 1) d`),
+				"every event applied once")
+			require.ElementsMatch(t, committed, ids(t, db, `SELECT key FROM {S}.effects`), "the effects are the committed events'")
+			require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.runs WHERE key = ANY($1)`, rolledBack),
+				"no rolled-back event reached the handler")
+			require.Zero(t, db.Count(t, `SELECT count(*) FROM {S}.dlq`), "nothing dead-lettered")
+		})
+	}
+}
+
+// ids runs query, which returns one text column.
+func ids(t *testing.T, db *proctest.DB, query string) []string {
+	t.Helper()
+	rows, err := db.Pool.Query(context.Background(), db.Q(query))
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return out
+}
+
+// TestRelayHealthMetricsAndDrain: without --migrate the relay refuses a
+// schema with no outbox table, naming it; with it, it creates the table,
+// relays rows into RabbitMQ, answers /healthz and /metrics with the
+// oncemill_outbox_ series, and exits 0 on SIGTERM with the outbox empty.
+func TestRelayHealthMetricsAndDrain(t *testing.T) {
+	t.Parallel()
+	bin := buildOncemill(t)
+	pool := pgtest.Pool(t, 2)
+	schema := pgtest.Name(t)
+	t.Cleanup(func() {
+		_, err := pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+		require.NoError(t, err)
+	})
+	r := newRabbit(t)
+	topic := r.topic("relay", "$.audit")
+	d := oncemill(t, nil, "amqp", "declare", "--topic", topic, "--group", "audit", "--url", r.url)
+	require.Equal(t, exitOK, d.code, d.stderr)
+
+	// No table and no --migrate: a clear error naming the table, exit 1.
+	out, err := exec.Command(bin, "relay", "--database", pgtest.URL(), "--broker", r.url, "--schema", schema, "--listen", "").CombinedOutput()
+	var exit *exec.ExitError
+	require.ErrorAs(t, err, &exit, "%s", out)
+	require.Equal(t, exitFailure, exit.ExitCode(), "%s", out)
+	require.Contains(t, string(out), `"`+schema+`"."outbox" does not exist`)
+	require.Contains(t, string(out), "--migrate")
+
+	// The schema and the HTTP address from the environment, --migrate by flag.
+	relay := startRelay(t, bin, []string{"DATABASE_URL=" + pgtest.URL(), "BROKER_URL=" + r.url,
+		"ONCEMILL_RELAY_SCHEMA=" + schema, "ONCEMILL_RELAY_LISTEN=127.0.0.1:0",
+		// One transaction writes all the rows below: lock-ordered.
+		"ONCEMILL_RELAY_LOCK_ORDERED_WRITERS=true"}, "--migrate")
+	line, ok := relay.out.Line("oncemill relay serving /healthz and /metrics on ")
+	require.True(t, ok, relay.out.String())
+	base := strings.TrimSuffix(line, "/")
+
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	const rows = 20
+	_, err = pool.Exec(context.Background(), `INSERT INTO `+outbox+` (topic, uuid, partition_key, payload, metadata)
+		SELECT $1, gen_random_uuid()::text, 'k' || i, '{}', jsonb_build_object('idempotency_key', 'k' || i)
+		FROM generate_series(1, $2) AS i`, topic, rows)
+	require.NoError(t, err)
+
+	waitFor(t, "the rows in the queue", func() (bool, string) {
+		n := r.ready(topic + ".audit")
+		return n == rows, fmt.Sprintf("%d of %d in the queue; relay output:\n%s", n, rows, relay.out.String())
+	})
+	var left int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM `+outbox).Scan(&left))
+	require.Zero(t, left, "the relayed rows are deleted")
+
+	code, body := httpGet(t, base+"/healthz")
+	require.Equal(t, http.StatusOK, code, body)
+	waitFor(t, "the relayed rows in /metrics", func() (bool, string) {
+		_, body := httpGet(t, base+"/metrics")
+		want := fmt.Sprintf(`oncemill_outbox_published_total{outbox="%s.outbox"} %d`, schema, rows)
+		return strings.Contains(body, want), body
+	})
+
+	relay.terminate(t)
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM `+outbox).Scan(&left))
+	require.Zero(t, left)
+	require.Equal(t, rows, r.ready(topic+".audit"), "each row published once")
+}
+
+// httpGet fetches url and returns the status and the body.
+func httpGet(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(b)
+}
+
+// TestRelayUsageErrors: the relay's command line and variables are
+// checked before anything connects; errors name the flag, or the
+// variable that set it, and a flag beats its variable.
+func TestRelayUsageErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{nil, map[string]string{"DATABASE_URL": pgtest.URL()}, "--broker is required (or set BROKER_URL)"},
+		{[]string{"--broker", "amqp://127.0.0.1:1/"}, nil, "--database is required (or set DATABASE_URL)"},
+		{[]string{"--batch-size", "0"}, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/"}, "--batch-size must be 1 to 10000, got 0"},
+		{nil, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_LANES_PER_BATCH": "65"},
+			"$ONCEMILL_RELAY_LANES_PER_BATCH (--lanes-per-batch) must be 1 to 64, got 65"},
+		{nil, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_POLL_INTERVAL": "soon"},
+			"$ONCEMILL_RELAY_POLL_INTERVAL (--poll-interval): "},
+		// The flag beats its variable, which is then not even read.
+		{[]string{"--drain-timeout", "0s"}, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_DRAIN_TIMEOUT": "bad"},
+			"--drain-timeout must be positive, got 0s"},
+		{[]string{"--listen", "nowhere"}, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/"}, `--listen "nowhere" is not host:port`},
+		{[]string{"--broker", "gochannel://"}, nil, "--broker: gochannel:// lives inside this process"},
+		{[]string{"--schema", "bad name", "--broker", "amqp://127.0.0.1:1/", "--database", pgtest.URL()}, nil, "--schema"},
+		{[]string{"extra"}, nil, `unexpected argument "extra"`},
+	} {
+		r := oncemill(t, tc.env, append([]string{"relay"}, tc.args...)...)
+		require.Equal(t, exitUsage, r.code, "%v %v: %s", tc.args, tc.env, r.stderr)
+		require.Contains(t, r.stderr, tc.want, "%v %v", tc.args, tc.env)
+		requireOneLine(t, r.stderr)
+	}
+}
