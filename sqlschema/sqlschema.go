@@ -39,6 +39,8 @@ const (
 	DefaultOutboxTable = "outbox"
 	// DefaultDLQTable is the name of the dead-letter table.
 	DefaultDLQTable = "dlq"
+	// DefaultLedgerTable is the name of the relay's ledger table.
+	DefaultLedgerTable = "outbox_ledger"
 )
 
 // identifier is what a schema or table name may be: lower-case, so that it
@@ -60,6 +62,11 @@ type Config struct {
 	// DLQTable is the name of the dead-letter table (PostgreSQL only), the
 	// one package dlq writes and reads. Defaults to "dlq".
 	DLQTable string
+	// LedgerTable is the name of the table where the relay records what
+	// it published when forwarder.RelayConfig.Ledger is set, and that
+	// `oncemill reconcile` reads (PostgreSQL only). Defaults to
+	// "outbox_ledger".
+	LedgerTable string
 }
 
 // WithDefaults returns a copy of c with empty fields set to their defaults.
@@ -75,6 +82,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.DLQTable == "" {
 		c.DLQTable = DefaultDLQTable
+	}
+	if c.LedgerTable == "" {
+		c.LedgerTable = DefaultLedgerTable
 	}
 	return c
 }
@@ -92,7 +102,10 @@ func (c Config) Validate() error {
 	if err := ValidateIdentifier("OutboxTable", c.OutboxTable); err != nil {
 		return err
 	}
-	return ValidateIdentifier("DLQTable", c.DLQTable)
+	if err := ValidateIdentifier("DLQTable", c.DLQTable); err != nil {
+		return err
+	}
+	return ValidateIdentifier("LedgerTable", c.LedgerTable)
 }
 
 // distinctTables reports two tables of c that share a name: they would be
@@ -104,6 +117,7 @@ func (c Config) distinctTables() error {
 		{"InboxTable", c.InboxTable},
 		{"OutboxTable", c.OutboxTable},
 		{"DLQTable", c.DLQTable},
+		{"LedgerTable", c.LedgerTable},
 	}
 	for i := range tables {
 		for j := i + 1; j < len(tables); j++ {
@@ -150,6 +164,11 @@ type Names struct {
 	DLQ string
 	// DLQName is the bare dead-letter table name.
 	DLQName string
+	// Ledger is the quoted, schema-qualified ledger table (PostgreSQL
+	// only).
+	Ledger string
+	// LedgerName is the bare ledger table name.
+	LedgerName string
 }
 
 // NamesFor returns the quoted names of cfg for dialect d. cfg must be
@@ -172,6 +191,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 			OutboxName:  cfg.OutboxTable,
 			DLQ:         table(cfg.DLQTable),
 			DLQName:     cfg.DLQTable,
+			Ledger:      table(cfg.LedgerTable),
+			LedgerName:  cfg.LedgerTable,
 		}
 	}
 	schema := `"` + cfg.Schema + `"`
@@ -185,6 +206,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 		OutboxChannel: cfg.Schema + "." + cfg.OutboxTable,
 		DLQ:           schema + `."` + cfg.DLQTable + `"`,
 		DLQName:       cfg.DLQTable,
+		Ledger:        schema + `."` + cfg.LedgerTable + `"`,
+		LedgerName:    cfg.LedgerTable,
 	}
 }
 
