@@ -126,6 +126,21 @@ type RelayConfig struct {
 	// LagInterval is how often the relay measures its backlog for the
 	// lag hooks (one count of the table). Defaults to 5s.
 	LagInterval time.Duration
+	// Ledger makes the relay record each row it publishes in the ledger
+	// table (sqlschema.Config.LedgerTable), in the statement that deletes
+	// the row from the outbox, so that the record commits with the delete,
+	// once the broker took the message: uuid, topic, partition key, the
+	// idempotency key the inbox's default KeyFunc derives (the
+	// idempotency_key metadata, else the UUID) and the time the relay took
+	// the row. `oncemill reconcile` compares it with a consumer's inbox.
+	// It costs no extra statement per batch, only the ledger rows'
+	// inserts. PostgreSQL only. Defaults to false: no ledger.
+	Ledger bool
+	// LedgerRetention is how long ledger rows are kept: the relay deletes
+	// older ones at start and then every minute, 1000 rows per
+	// statement. Keep it longer than the window reconcile checks
+	// (--since). Only with Ledger. Defaults to 7 days.
+	LedgerRetention time.Duration
 	// Logger receives failed batches and stalls. Watermill's LoggerAdapter
 	// has no Warn level: a logger that also has a method
 	// Warn(msg string, fields watermill.LogFields) gets the stall lines
@@ -165,6 +180,9 @@ func (c *RelayConfig) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
+	if c.Ledger && c.LedgerRetention == 0 {
+		c.LedgerRetention = DefaultLedgerRetention
+	}
 	c.Schema = c.Schema.WithDefaults()
 }
 
@@ -198,6 +216,9 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("forwarder: RelayConfig.StallWarning must not be negative, got %s", c.StallWarning)
 	case c.LagInterval < 0:
 		return fmt.Errorf("forwarder: RelayConfig.LagInterval must not be negative, got %s", c.LagInterval)
+	}
+	if err := c.validateLedger(); err != nil {
+		return err
 	}
 	return c.Schema.Validate()
 }
@@ -377,9 +398,7 @@ candidates AS MATERIALIZED (
 due AS (
 	SELECT id FROM (
 		SELECT id, bool_and(` + due("txid", lockOrdered) + `) OVER (PARTITION BY lane ORDER BY id) AS ok FROM candidates) w
-	WHERE ok)
-DELETE FROM ` + t + ` WHERE id IN (SELECT id FROM due)
-RETURNING id, topic, uuid, payload, metadata`,
+	WHERE ok)` + takeDue(t, names, cfg.Ledger),
 				// One cheap look, outside a transaction, before a batch.
 				probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + due("txid", lockOrdered) + `)`,
 				lagQueries: newLagQueries(t, lockOrdered),
@@ -541,10 +560,15 @@ func (r *Relay) Run(ctx context.Context) error {
 		backoff = r.cfg.MinBackoff
 		stall   stallWatch
 		lag     lagReading
+		pruned  time.Time
 	)
 	for ctx.Err() == nil {
 		if r.hooks.ObservesLag() && time.Since(lag.at) >= r.cfg.LagInterval {
 			r.reportLag(ctx, &lag)
+		}
+		if r.cfg.Ledger && time.Since(pruned) >= ledgerPruneInterval {
+			r.pruneLedger(ctx)
+			pruned = time.Now()
 		}
 		n, err := r.poll(batchCtx, wait > 0)
 		switch {
