@@ -236,22 +236,10 @@ func (s *Store) observe(ctx context.Context, probe bool, err error) {
 	if s.policy != FailOpen {
 		return
 	}
-	o := breaker.Answered
-	switch {
-	case err == nil:
-	case ctx.Err() != nil:
-		o = breaker.Inconclusive
-	case unavailable(err):
-		o = breaker.Unreachable
-	}
-	switch s.breaker.Record(time.Now(), probe, o) {
-	case breaker.Opened:
-		s.logger.Error("Redis unavailable: circuit breaker open, claims and peeks fail open without calling Redis", err, watermill.LogFields{
-			"failures_in_a_row": s.breaker.Failures(), "probe_every": s.breaker.Probe().String(),
-		})
-	case breaker.Closed:
-		s.logger.Info("Redis answers again: circuit breaker closed", nil)
-	}
+	s.breaker.Observe(ctx, probe, err, unavailable, s.logger, breaker.Lines{
+		Opened: "Redis unavailable: circuit breaker open, claims and peeks fail open without calling Redis",
+		Closed: "Redis answers again: circuit breaker closed",
+	})
 }
 
 // skipped answers a claim or peek that the open breaker kept from Redis,

@@ -247,22 +247,10 @@ func (s *Store) guard(ctx context.Context, op func(context.Context) error) (bool
 // observe gives the breaker the outcome of a lock call that ended with err
 // and logs the breaker's change, if any.
 func (s *Store) observe(ctx context.Context, probe bool, err error) {
-	o := breaker.Answered
-	switch {
-	case err == nil:
-	case ctx.Err() != nil:
-		o = breaker.Inconclusive
-	case errors.Is(err, dedup.ErrUnavailable):
-		o = breaker.Unreachable
-	}
-	switch s.breaker.Record(time.Now(), probe, o) {
-	case breaker.Opened:
-		s.logger.Error("Inbox lock unavailable: circuit breaker open, the record decides alone", err, watermill.LogFields{
-			"failures_in_a_row": s.breaker.Failures(), "probe_every": s.breaker.Probe().String(),
-		})
-	case breaker.Closed:
-		s.logger.Info("Inbox lock answers again: circuit breaker closed", nil)
-	}
+	s.breaker.Observe(ctx, probe, err, func(err error) bool { return errors.Is(err, dedup.ErrUnavailable) }, s.logger, breaker.Lines{
+		Opened: "Inbox lock unavailable: circuit breaker open, the record decides alone",
+		Closed: "Inbox lock answers again: circuit breaker closed",
+	})
 }
 
 // doubtLeases notes that a lock call that takes or settles a lease failed
