@@ -51,7 +51,7 @@ func takeDue(outbox string, names sqlschema.Names, ledger bool) string {
 	if !ledger {
 		return `
 DELETE FROM ` + outbox + ` WHERE id IN (SELECT id FROM due)
-RETURNING id, topic, uuid, payload, metadata`
+RETURNING id, topic, uuid, partition_key, payload, metadata`
 	}
 	return `,
 taken AS (
@@ -60,7 +60,7 @@ taken AS (
 recorded AS (
 	INSERT INTO ` + names.Ledger + ` (uuid, topic, partition_key, idempotency_key)
 	SELECT uuid, topic, partition_key, COALESCE(metadata->>'` + delivery.IdempotencyKey + `', uuid) FROM taken)
-SELECT id, topic, uuid, payload, metadata FROM taken`
+SELECT id, topic, uuid, partition_key, payload, metadata FROM taken`
 }
 
 // PruneLedger deletes the ledger rows older than RelayConfig.LedgerRetention,

@@ -43,6 +43,7 @@ import (
 // locked, as READ COMMITTED and READ UNCOMMITTED take none.
 type mysqlOutbox struct {
 	db                       *sql.DB
+	consumer                 string
 	lockOrdered              bool
 	lanesPerBatch, batchSize int
 	q                        mysqlRelaySQL
@@ -66,8 +67,10 @@ type mysqlRelaySQL struct {
 	// rows reads rows by id; remove deletes the rows of a JSON array of
 	// ids.
 	rows, remove string
-	probe        string
-	lagQueries   mysqlLagQueries
+	// deadLetter writes a refused row to the dead-letter table.
+	deadLetter string
+	probe      string
+	lagQueries mysqlLagQueries
 }
 
 // mysqlLagQueries measure the backlog of a MySQL outbox table: shared by
@@ -122,6 +125,7 @@ func newMySQLOutbox(cfg RelayConfig, names sqlschema.Names) *mysqlOutbox {
 	}
 	return &mysqlOutbox{
 		db:            cfg.DB,
+		consumer:      relayConsumer(cfg.Schema.Schema + "." + cfg.Schema.OutboxTable),
 		lockOrdered:   cfg.LockOrderedWriters,
 		lanesPerBatch: cfg.LanesPerBatch,
 		batchSize:     cfg.BatchSize,
@@ -131,11 +135,12 @@ func newMySQLOutbox(cfg RelayConfig, names sqlschema.Names) *mysqlOutbox {
 			committedPart: `(SELECT id, lane FROM ` + byLane + ` WHERE lane = ? ORDER BY id LIMIT ?` + lock + `)`,
 			committedEnd:  ` ORDER BY id LIMIT ?`,
 			inFlightPart:  `(SELECT id, lane FROM ` + byLane + ` WHERE lane = ? AND id < ?)`,
-			rows:          `SELECT id, topic, uuid, payload, metadata FROM ` + t + ` FORCE INDEX (PRIMARY) WHERE id IN (`,
+			rows:          `SELECT id, topic, uuid, partition_key, payload, metadata FROM ` + t + ` FORCE INDEX (PRIMARY) WHERE id IN (`,
 			// One primary-key lookup per id (eq_ref), whatever the table's
 			// size: the ids (a JSON array) are the outer table of the join.
 			remove: `DELETE o FROM JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT UNSIGNED PATH '$')) AS j
 STRAIGHT_JOIN ` + t + ` AS o ON o.id = j.id`,
+			deadLetter: mysqlDeadLetter(names),
 			probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + `)`,
 			lagQueries: newMySQLLagQueries(names),
 		},
@@ -166,7 +171,7 @@ func (o *mysqlOutbox) probe(ctx context.Context) (bool, error) {
 	return any, err
 }
 
-func (o *mysqlOutbox) batch(ctx context.Context, publish func(context.Context, []row) error) (int, error) {
+func (o *mysqlOutbox) batch(ctx context.Context, publish func(context.Context, []row) (int, error)) (int, error) {
 	lanes, err := o.lanesWithRows(ctx)
 	if err != nil || len(lanes) == 0 {
 		return 0, err
@@ -230,7 +235,7 @@ type laneRow struct {
 	lane int16
 }
 
-func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publish func(context.Context, []row) error) (int, error) {
+func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publish func(context.Context, []row) (int, error)) (int, error) {
 	q, args := inList(o.q.lockLanes, lanes, " FOR UPDATE SKIP LOCKED")
 	rs, err := tx.QueryContext(ctx, q, args...)
 	if err != nil {
@@ -278,16 +283,14 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 	}
 	batch, err := collect(rs, func(rs *sql.Rows) (row, error) {
 		var (
-			x                   row
-			topic, uuid, mdJSON []byte
+			x                        row
+			topic, uuid, key, mdJSON []byte
 		)
-		if err := rs.Scan(&x.id, &topic, &uuid, &x.payload, &mdJSON); err != nil {
+		if err := rs.Scan(&x.id, &topic, &uuid, &key, &x.payload, &mdJSON); err != nil {
 			return x, err
 		}
-		x.topic, x.uuid = string(topic), string(uuid)
-		if err := json.Unmarshal(mdJSON, &x.metadata); err != nil {
-			return x, fmt.Errorf("row %d: metadata: %w", x.id, err)
-		}
+		x.topic, x.uuid, x.key = string(topic), string(uuid), string(key)
+		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdJSON)
 		return x, nil
 	})
 	if err != nil {
@@ -296,7 +299,21 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 	if len(batch) != len(ids) {
 		return 0, fmt.Errorf("forwarder: read rows: %d of the %d rows taken are gone (deleted by something other than a relay?)", len(ids)-len(batch), len(ids))
 	}
-	if err := publish(ctx, batch); err != nil {
+	for _, x := range batch {
+		if x.refused == nil {
+			continue
+		}
+		payload := x.payload
+		if payload == nil {
+			payload = []byte{}
+		}
+		if _, err := tx.ExecContext(ctx, o.q.deadLetter, []byte(x.uuid), []byte(x.topic), []byte(o.consumer), []byte(x.key),
+			x.refused.Error(), payload, x.deadMetadata()); err != nil {
+			return 0, fmt.Errorf("forwarder: dead-letter refused row %d: %w", x.id, err)
+		}
+	}
+	published, err := publish(ctx, batch)
+	if err != nil {
 		return 0, err
 	}
 	// The broker has the rows: delete them even if ctx ends now.
@@ -307,7 +324,7 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 	if _, err := tx.ExecContext(context.WithoutCancel(ctx), o.q.remove, string(idsJSON)); err != nil {
 		return 0, fmt.Errorf("forwarder: delete %d published rows (they will be published again): %w", len(ids), err)
 	}
-	return len(batch), nil
+	return published, nil
 }
 
 // cutBeforeInFlight reads, after taken was read, the rows of taken's

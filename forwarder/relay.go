@@ -3,7 +3,6 @@ package forwarder
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -320,7 +319,9 @@ type outboxDB interface {
 	// and gives them to publish in id order; when publish returns nil it
 	// deletes them and commits, otherwise it rolls back and the rows
 	// stay. It returns how many rows were published and deleted.
-	batch(ctx context.Context, publish func(context.Context, []row) error) (int, error)
+	// Rows that cannot be published (row.refused) are dead-lettered in
+	// the same transaction; publish skips them.
+	batch(ctx context.Context, publish func(context.Context, []row) (int, error)) (int, error)
 	// probe reports, in one cheap query outside a transaction, whether a
 	// batch may find rows.
 	probe(ctx context.Context) (bool, error)
@@ -331,13 +332,17 @@ type outboxDB interface {
 // pgOutbox is the outbox on PostgreSQL through pgx.
 type pgOutbox struct {
 	pool                     *pgxpool.Pool
+	consumer                 string
 	lockKey                  int32
 	lanesPerBatch, batchSize int
 	q                        relayQueries
 }
 
 type relayQueries struct {
-	take, probe string
+	take, probe, deadLetter string
+	// unledger takes a refused row's record out of the ledger; empty
+	// without a ledger.
+	unledger string
 	lagQueries
 }
 
@@ -374,6 +379,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		outbox: outbox,
 		db: &pgOutbox{
 			pool:          cfg.Pool,
+			consumer:      relayConsumer(outbox),
 			lockKey:       int32(h.Sum32()),
 			lanesPerBatch: cfg.LanesPerBatch,
 			batchSize:     cfg.BatchSize,
@@ -400,6 +406,8 @@ due AS (
 		SELECT id, bool_and(` + due("txid", lockOrdered) + `) OVER (PARTITION BY lane ORDER BY id) AS ok FROM candidates) w
 	WHERE ok)` + takeDue(t, names, cfg.Ledger),
 				// One cheap look, outside a transaction, before a batch.
+				deadLetter: pgDeadLetter(names),
+				unledger:   pgUnledger(names, cfg.Ledger),
 				probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + due("txid", lockOrdered) + `)`,
 				lagQueries: newLagQueries(t, lockOrdered),
 			},
@@ -411,8 +419,12 @@ type row struct {
 	id       int64
 	topic    string
 	uuid     string
+	key      string
 	payload  []byte
 	metadata map[string]string
+	// refused is why the row cannot be published (see [ErrRefusedRow]);
+	// such a row is dead-lettered with the batch, not published.
+	refused error
 }
 
 // RelayBatch publishes one batch and deletes its rows, in one transaction:
@@ -430,7 +442,7 @@ func (r *Relay) relayBatch(ctx context.Context) (int, error) {
 	return r.db.batch(ctx, r.publish)
 }
 
-func (o *pgOutbox) batch(ctx context.Context, publish func(context.Context, []row) error) (int, error) {
+func (o *pgOutbox) batch(ctx context.Context, publish func(context.Context, []row) (int, error)) (int, error) {
 	tx, err := o.pool.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: begin: %w", err)
@@ -453,7 +465,7 @@ func (o *pgOutbox) batch(ctx context.Context, publish func(context.Context, []ro
 	return n, nil
 }
 
-func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Context, []row) error) (int, error) {
+func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Context, []row) (int, error)) (int, error) {
 	// The batch's commit need not wait for its WAL to reach disk: a
 	// delete lost in a server crash only publishes its rows again, which
 	// the consumers' inboxes absorb, and the writers' commits no longer
@@ -475,31 +487,51 @@ func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Con
 			x     row
 			mdRaw []byte
 		)
-		if err := rw.Scan(&x.id, &x.topic, &x.uuid, &x.payload, &mdRaw); err != nil {
+		if err := rw.Scan(&x.id, &x.topic, &x.uuid, &x.key, &x.payload, &mdRaw); err != nil {
 			return x, err
 		}
-		if err := json.Unmarshal(mdRaw, &x.metadata); err != nil {
-			return x, fmt.Errorf("row %d: metadata: %w", x.id, err)
-		}
+		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdRaw)
 		return x, nil
 	})
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: take rows: %w", err)
 	}
+	if err := br.Close(); err != nil {
+		return 0, fmt.Errorf("forwarder: take rows: %w", err)
+	}
 	// RETURNING gives no order.
 	sort.Slice(batch, func(i, j int) bool { return batch[i].id < batch[j].id })
-	if err := publish(ctx, batch); err != nil {
-		return 0, err
+	for _, x := range batch {
+		if x.refused == nil {
+			continue
+		}
+		if _, err := tx.Exec(ctx, o.q.deadLetter, x.uuid, x.topic, o.consumer, x.key, x.refused.Error(), x.payload, x.deadMetadata()); err != nil {
+			return 0, fmt.Errorf("forwarder: dead-letter refused row %d: %w", x.id, err)
+		}
+		if o.q.unledger != "" {
+			if _, err := tx.Exec(ctx, o.q.unledger, x.uuid, x.topic); err != nil {
+				return 0, fmt.Errorf("forwarder: dead-letter refused row %d: ledger: %w", x.id, err)
+			}
+		}
 	}
-	return len(batch), nil
+	return publish(ctx, batch)
 }
 
 // publish publishes batch, in id order, to the relay's publisher: runs of
-// one topic together.
-func (r *Relay) publish(ctx context.Context, batch []row) error {
+// one topic together. Refused rows are logged and skipped: the batch
+// dead-letters them. It returns how many rows it published.
+func (r *Relay) publish(ctx context.Context, batch []row) (int, error) {
+	published := 0
 	for start := 0; start < len(batch); {
+		if x := batch[start]; x.refused != nil {
+			r.cfg.Logger.Error("Outbox row refused, dead-lettered", x.refused, watermill.LogFields{
+				"outbox": r.outbox, "row_id": x.id, "uuid": x.uuid, "topic": x.topic, "dlq_consumer": relayConsumer(r.outbox),
+			})
+			start++
+			continue
+		}
 		end := start + 1
-		for end < len(batch) && batch[end].topic == batch[start].topic {
+		for end < len(batch) && batch[end].refused == nil && batch[end].topic == batch[start].topic {
 			end++
 		}
 		msgs := make([]*message.Message, 0, end-start)
@@ -513,11 +545,12 @@ func (r *Relay) publish(ctx context.Context, batch []row) error {
 			msgs = append(msgs, m)
 		}
 		if err := r.cfg.Publisher.Publish(batch[start].topic, msgs...); err != nil {
-			return fmt.Errorf("forwarder: publish %d rows to %q: %w", len(msgs), batch[start].topic, err)
+			return 0, fmt.Errorf("forwarder: publish %d rows to %q: %w", len(msgs), batch[start].topic, err)
 		}
+		published += len(msgs)
 		start = end
 	}
-	return nil
+	return published, nil
 }
 
 // Run relays until ctx is done or Close is called, and returns nil then;
