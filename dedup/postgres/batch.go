@@ -26,7 +26,7 @@ const batchLockTimeout = "100ms"
 // answers done and dead keys from the same statement, as
 // [Store.InboxStart] does for one key. keys must be distinct.
 func (s *Store) InboxStartBatch(ctx context.Context, consumer string, keys []string, window time.Duration) ([]dedup.Claim, error) {
-	rows, err := s.db.Query(ctx, s.q.startBatch, consumer, keys, seconds(window))
+	rows, err := s.db.Query(ctx, s.q.StartBatch, consumer, keys, seconds(window))
 	if err != nil {
 		return nil, s.batchStartError(ctx, err)
 	}
@@ -109,7 +109,7 @@ func (s *Store) InboxBeginClaimBatch(ctx context.Context, consumer string, keys 
 	b := &pgx.Batch{}
 	b.Queue("begin")
 	b.Queue("set local lock_timeout = '" + batchLockTimeout + "'")
-	claimed := b.Queue(s.q.claimBatch, consumer, keys, seconds(window))
+	claimed := b.Queue(s.q.ClaimBatch, consumer, keys, seconds(window))
 	b.Queue("set local lock_timeout to default")
 	claims := make([]dedup.Claim, len(keys))
 	at := index(keys)

@@ -21,7 +21,7 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 		firstFailed *time.Time
 		leased      bool
 	)
-	err := s.db.QueryRow(ctx, s.q.peek, key.Consumer, key.Key).
+	err := s.db.QueryRow(ctx, s.q.Peek, key.Consumer, key.Key).
 		Scan(&status, &c.Attempts, &until, &c.Result, &firstFailed, &leased)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return dedup.Claim{State: dedup.StateNew}, nil
@@ -48,7 +48,7 @@ func (s *Store) InboxPeek(ctx context.Context, key dedup.Key) (dedup.Claim, erro
 // InboxHasRecord reports whether key has a row, in any state.
 func (s *Store) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
 	var ok bool
-	if err := s.db.QueryRow(ctx, s.q.hasRecord, key.Consumer, key.Key).Scan(&ok); err != nil {
+	if err := s.db.QueryRow(ctx, s.q.HasRecord, key.Consumer, key.Key).Scan(&ok); err != nil {
 		return false, interpret(ctx, "read record", err)
 	}
 	return ok, nil
@@ -57,7 +57,7 @@ func (s *Store) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error)
 // InboxDoneKeys streams the keys consumer completed at or after since, one
 // row at a time from the server.
 func (s *Store) InboxDoneKeys(ctx context.Context, consumer string, since time.Time, fn func(key string) error) error {
-	rows, err := s.db.Query(ctx, s.q.doneKeys, consumer, since)
+	rows, err := s.db.Query(ctx, s.q.DoneKeys, consumer, since)
 	if err != nil {
 		return interpret(ctx, "done keys", err)
 	}

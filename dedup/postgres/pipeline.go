@@ -130,12 +130,12 @@ func (s *Store) beginThenClaim(ctx context.Context, key dedup.Key, window time.D
 func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, window time.Duration) (dedup.Claim, claimRow, error) {
 	conn := c.Conn()
 	params := claimParams(key, window)
-	stmts, err := prepare(ctx, conn, s.q.start, s.q.claim)
+	stmts, err := prepare(ctx, conn, s.q.Start, s.q.Claim)
 	if err != nil {
 		return dedup.Claim{}, claimRow{}, interpret(ctx, "start", err)
 	}
 
-	trace := traceStart(ctx, conn, params, s.q.start, "begin", s.q.claim)
+	trace := traceStart(ctx, conn, params, s.q.Start, "begin", s.q.Claim)
 	p := conn.PgConn().StartPipeline(ctx)
 	stmts.send(p, 0, params)
 	p.SendPipelineSync()
@@ -255,11 +255,11 @@ func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.
 func (s *Store) beginClaim(ctx context.Context, c *pgxpool.Conn, key dedup.Key, window time.Duration) (claimRow, error) {
 	conn := c.Conn()
 	params := claimParams(key, window)
-	stmts, err := prepare(ctx, conn, s.q.claim)
+	stmts, err := prepare(ctx, conn, s.q.Claim)
 	if err != nil {
 		return claimRow{}, interpret(ctx, "begin", err)
 	}
-	trace := traceStart(ctx, conn, params, "begin", s.q.claim)
+	trace := traceStart(ctx, conn, params, "begin", s.q.Claim)
 	p := conn.PgConn().StartPipeline(ctx)
 	p.SendQueryParams("begin", nil, nil, nil, nil)
 	stmts.send(p, 0, params)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/dedupdriver"
+	"github.com/oncemill/oncemill/dedup/internal/pgsql"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -51,7 +52,7 @@ type Config = sqlschema.Config
 // [dedup.Expirer], and is safe for concurrent use. It starts no goroutines.
 type Store struct {
 	db DB
-	q  queries
+	q  pgsql.Queries
 }
 
 var _ dedupdriver.Classifier = (*inboxTx)(nil)
@@ -76,7 +77,7 @@ func New(db DB, cfg Config) (*Store, error) {
 		return nil, fmt.Errorf("postgres: %w", err)
 	}
 	names := sqlschema.NamesFor(sqlschema.Postgres, cfg)
-	return &Store{db: db, q: newQueries(names)}, nil
+	return &Store{db: db, q: pgsql.New(names)}, nil
 }
 
 type txKey struct{}
@@ -108,7 +109,7 @@ func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Durat
 		c           dedup.Claim
 		firstFailed *time.Time
 	)
-	err := s.db.QueryRow(ctx, s.q.start, key.Consumer, key.Key, seconds(window)).
+	err := s.db.QueryRow(ctx, s.q.Start, key.Consumer, key.Key, seconds(window)).
 		Scan(&status, &c.Attempts, &c.Result, &firstFailed)
 	if err != nil {
 		if maybeSent(err) {
@@ -135,7 +136,7 @@ func (s *Store) InboxStart(ctx context.Context, key dedup.Key, window time.Durat
 
 // InboxUnstart takes back one started attempt of key.
 func (s *Store) InboxUnstart(ctx context.Context, key dedup.Key) error {
-	if _, err := s.db.Exec(ctx, s.q.unstart, key.Consumer, key.Key); err != nil {
+	if _, err := s.db.Exec(ctx, s.q.Unstart, key.Consumer, key.Key); err != nil {
 		return interpret(ctx, "unstart", err)
 	}
 	return nil
@@ -148,7 +149,7 @@ func (s *Store) InboxGrantReplay(ctx context.Context, key dedup.Key, grant strin
 	if grant == "" {
 		return false, fmt.Errorf("postgres: grant replay of consumer %q key %q: %w", key.Consumer, key.Key, dedup.ErrNoGrant)
 	}
-	tag, err := s.db.Exec(ctx, s.q.grant, key.Consumer, key.Key, grant)
+	tag, err := s.db.Exec(ctx, s.q.Grant, key.Consumer, key.Key, grant)
 	if err != nil {
 		return false, interpret(ctx, "grant replay", err)
 	}
@@ -162,7 +163,7 @@ func (s *Store) InboxReopen(ctx context.Context, key dedup.Key, grant string) (b
 		return false, nil
 	}
 	var n int
-	if err := s.db.QueryRow(ctx, s.q.reopen, key.Consumer, key.Key, grant).Scan(&n); err != nil {
+	if err := s.db.QueryRow(ctx, s.q.Reopen, key.Consumer, key.Key, grant).Scan(&n); err != nil {
 		return false, interpret(ctx, "reopen", err)
 	}
 	return n == 1, nil
@@ -174,7 +175,7 @@ func (s *Store) InboxReplayGranted(ctx context.Context, key dedup.Key, grant str
 		return false, nil
 	}
 	var ok bool
-	if err := s.db.QueryRow(ctx, s.q.granted, key.Consumer, key.Key, grant).Scan(&ok); err != nil {
+	if err := s.db.QueryRow(ctx, s.q.Granted, key.Consumer, key.Key, grant).Scan(&ok); err != nil {
 		return false, interpret(ctx, "read replay grant", err)
 	}
 	return ok, nil
@@ -182,7 +183,7 @@ func (s *Store) InboxReplayGranted(ctx context.Context, key dedup.Key, grant str
 
 // InboxDeadCopy counts a copy of a dead key on its record.
 func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
-	if _, err := s.db.Exec(ctx, s.q.deadCopy, key.Consumer, key.Key); err != nil {
+	if _, err := s.db.Exec(ctx, s.q.DeadCopy, key.Consumer, key.Key); err != nil {
 		return interpret(ctx, "count dead copy", err)
 	}
 	return nil
@@ -191,7 +192,7 @@ func (s *Store) InboxDeadCopy(ctx context.Context, key dedup.Key) error {
 // InboxFail records a failed attempt outside any transaction. A done or
 // dead key is left alone.
 func (s *Store) InboxFail(ctx context.Context, key dedup.Key, f dedup.Failure, window time.Duration) error {
-	_, err := s.db.Exec(ctx, s.q.fail, key.Consumer, key.Key, storable(f.Err), f.At, seconds(window))
+	_, err := s.db.Exec(ctx, s.q.Fail, key.Consumer, key.Key, storable(f.Err), f.At, seconds(window))
 	if err != nil {
 		return interpret(ctx, "record failure", err)
 	}
@@ -203,7 +204,7 @@ func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) 
 	if limit <= 0 {
 		return 0, fmt.Errorf("postgres: delete expired: limit must be positive, got %d", limit)
 	}
-	tag, err := s.db.Exec(ctx, s.q.deleteExpired, limit)
+	tag, err := s.db.Exec(ctx, s.q.DeleteExpired, limit)
 	if err != nil {
 		return 0, interpret(ctx, "delete expired", err)
 	}
@@ -213,7 +214,7 @@ func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) 
 // LeaseClaim takes key for lease unless it is done or held by a live lease.
 func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window time.Duration) (dedup.Claim, error) {
 	var r leaseRow
-	err := s.db.QueryRow(ctx, s.q.leaseClaim, key.Consumer, key.Key, seconds(lease), seconds(window)).
+	err := s.db.QueryRow(ctx, s.q.LeaseClaim, key.Consumer, key.Key, seconds(lease), seconds(window)).
 		Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result, &r.firstFailed)
 	if errors.Is(err, pgx.ErrNoRows) || (err == nil && r.status == "failed") {
 		// The outer SELECT runs on the snapshot taken before the INSERT
@@ -221,7 +222,7 @@ func (s *Store) LeaseClaim(ctx context.Context, key dedup.Key, lease, window tim
 		// row; read it again. A failed row here was released after this
 		// claim looked: the caller retries soon as if it were in flight.
 		r = leaseRow{}
-		err = s.db.QueryRow(ctx, s.q.leaseRead, key.Consumer, key.Key).
+		err = s.db.QueryRow(ctx, s.q.LeaseRead, key.Consumer, key.Key).
 			Scan(&r.status, &r.attempts, &r.token, &r.until, &r.result, &r.firstFailed)
 	}
 	if err != nil {
@@ -261,7 +262,7 @@ type leaseRow struct {
 
 // LeaseComplete marks key done with result if token is still current.
 func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, result []byte) error {
-	tag, err := s.db.Exec(ctx, s.q.leaseComplete, key.Consumer, key.Key, token, result)
+	tag, err := s.db.Exec(ctx, s.q.LeaseComplete, key.Consumer, key.Key, token, result)
 	if err != nil {
 		return interpret(ctx, "lease complete", err)
 	}
@@ -274,7 +275,7 @@ func (s *Store) LeaseComplete(ctx context.Context, key dedup.Key, token int64, r
 // LeaseExtend renews the lease of token to end lease from now.
 func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lease time.Duration) (time.Time, error) {
 	var until time.Time
-	err := s.db.QueryRow(ctx, s.q.leaseExtend, key.Consumer, key.Key, token, seconds(lease)).Scan(&until)
+	err := s.db.QueryRow(ctx, s.q.LeaseExtend, key.Consumer, key.Key, token, seconds(lease)).Scan(&until)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return time.Time{}, dedup.ErrLeaseLost
 	}
@@ -286,7 +287,7 @@ func (s *Store) LeaseExtend(ctx context.Context, key dedup.Key, token int64, lea
 
 // LeaseBury marks key dead if token is still current.
 func (s *Store) LeaseBury(ctx context.Context, key dedup.Key, token int64, f dedup.Failure) error {
-	tag, err := s.db.Exec(ctx, s.q.leaseBury, key.Consumer, key.Key, token, storable(f.Err), f.At)
+	tag, err := s.db.Exec(ctx, s.q.LeaseBury, key.Consumer, key.Key, token, storable(f.Err), f.At)
 	if err != nil {
 		return interpret(ctx, "lease bury", err)
 	}
@@ -304,9 +305,9 @@ func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f 
 		err error
 	)
 	if f.Abandoned {
-		tag, err = s.db.Exec(ctx, s.q.leaseAbandon, key.Consumer, key.Key, token)
+		tag, err = s.db.Exec(ctx, s.q.LeaseAbandon, key.Consumer, key.Key, token)
 	} else {
-		tag, err = s.db.Exec(ctx, s.q.leaseRelease, key.Consumer, key.Key, token, storable(f.Err), f.At)
+		tag, err = s.db.Exec(ctx, s.q.LeaseRelease, key.Consumer, key.Key, token, storable(f.Err), f.At)
 	}
 	if err != nil {
 		return interpret(ctx, "lease release", err)
@@ -319,12 +320,12 @@ func (s *Store) LeaseRelease(ctx context.Context, key dedup.Key, token int64, f 
 
 type inboxTx struct {
 	tx pgx.Tx
-	q  *queries
+	q  *pgsql.Queries
 }
 
 func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, error) {
 	var r claimRow
-	err := t.tx.QueryRow(ctx, t.q.claim, key.Consumer, key.Key, seconds(window)).Scan(&r.status, &r.attempts, &r.result, &r.firstFailed)
+	err := t.tx.QueryRow(ctx, t.q.Claim, key.Consumer, key.Key, seconds(window)).Scan(&r.status, &r.attempts, &r.result, &r.firstFailed)
 	return t.claimed(ctx, key, window, r, err)
 }
 
@@ -345,17 +346,17 @@ func (t *inboxTx) claimed(ctx context.Context, key dedup.Key, window time.Durati
 		// A concurrent claimer committed while this statement waited on
 		// its row: the INSERT saw the row, the statement's snapshot did
 		// not. A new statement sees it.
-		err = t.tx.QueryRow(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &firstFailed)
+		err = t.tx.QueryRow(ctx, t.q.Read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &firstFailed)
 	}
 	if err == nil && status == "failed" {
 		result = nil
-		err = t.tx.QueryRow(ctx, t.q.reclaim, key.Consumer, key.Key, seconds(window)).Scan(&attempts, &firstFailed)
+		err = t.tx.QueryRow(ctx, t.q.Reclaim, key.Consumer, key.Key, seconds(window)).Scan(&attempts, &firstFailed)
 		if err == nil {
 			status = "new"
 		} else if errors.Is(err, pgx.ErrNoRows) {
 			// Another claimer took it first and committed: read what it
 			// left.
-			err = t.tx.QueryRow(ctx, t.q.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &firstFailed)
+			err = t.tx.QueryRow(ctx, t.q.Read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &firstFailed)
 			if err == nil && status == "failed" {
 				err = fmt.Errorf("key %q of consumer %q is still failed after a concurrent claim", key.Key, key.Consumer)
 			}
@@ -381,7 +382,7 @@ func (t *inboxTx) claimed(ctx context.Context, key dedup.Key, window time.Durati
 }
 
 func (t *inboxTx) InboxBury(ctx context.Context, key dedup.Key, f dedup.Failure) error {
-	if _, err := t.tx.Exec(ctx, t.q.bury, key.Consumer, key.Key, storable(f.Err), f.At); err != nil {
+	if _, err := t.tx.Exec(ctx, t.q.Bury, key.Consumer, key.Key, storable(f.Err), f.At); err != nil {
 		return interpret(ctx, "bury", err)
 	}
 	return nil
@@ -391,7 +392,7 @@ func (t *inboxTx) InboxComplete(ctx context.Context, key dedup.Key, result []byt
 	if result == nil {
 		return nil
 	}
-	if _, err := t.tx.Exec(ctx, t.q.complete, key.Consumer, key.Key, result); err != nil {
+	if _, err := t.tx.Exec(ctx, t.q.Complete, key.Consumer, key.Key, result); err != nil {
 		return interpret(ctx, "complete", err)
 	}
 	return nil

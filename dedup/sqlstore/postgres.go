@@ -11,12 +11,13 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/internal/pgsql"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
 // postgresDialect is PostgreSQL through database/sql: pgx's stdlib or
 // lib/pq. Its statements are those of dedup/postgres on the same tables
-// (see that package's queries.go for the reasoning of each), sent one
+// (dedup/internal/pgsql, with the reasoning of each), sent one
 // statement per call; every placeholder is $n, which both drivers take.
 type postgresDialect struct{}
 
@@ -83,107 +84,21 @@ func (postgresDialect) closed(dc any) bool {
 	return ok && !valid
 }
 
-// postgresSQL is the dialect's statements, rendered for one set of tables.
+// postgresSQL is the dialect's statements, rendered for one set of
+// tables: dedup/postgres's, and a peek of its own, whose columns suit
+// database/sql's scanning.
 type postgresSQL struct {
-	start, unstart, claim, reclaim, read, bury, complete, fail string
-	grant, granted, reopen, deadCopy                           string
-	peek, hasRecord, doneKeys, deleteExpired                   string
+	pgsql.Queries
+	peek string
 }
 
 func (postgresDialect) ops(names sqlschema.Names) ops {
 	r := strings.NewReplacer("{T}", names.Inbox, "{S}", names.InboxStarts)
 	return &postgresOps{sql: postgresSQL{
-		start: r.Replace(`WITH rec AS (
-	SELECT status, attempts, result, first_failed_at FROM {T}
-	WHERE consumer = $1 AND key = $2 AND status IN ('done', 'dead')
-), st AS (
-	INSERT INTO {S} AS s (consumer, key, started, expires_at)
-	SELECT $1, $2, 1, now() + make_interval(secs => $3)
-	WHERE NOT EXISTS (SELECT 1 FROM rec)
-	ON CONFLICT (consumer, key) DO UPDATE SET started = s.started + 1, expires_at = EXCLUDED.expires_at
-	RETURNING started
-)
-SELECT status, attempts, result, first_failed_at FROM rec
-UNION ALL
-SELECT 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
-
-		unstart: r.Replace(`UPDATE {S} SET started = started - 1
-WHERE consumer = $1 AND key = $2 AND started > 0`),
-
-		claim: r.Replace(`WITH del AS (
-	DELETE FROM {S} WHERE consumer = $1 AND key = $2
-), ins AS (
-	INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
-	VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
-	ON CONFLICT (consumer, key) DO NOTHING
-	RETURNING attempts, first_failed_at
-)
-SELECT 'new'::text, attempts, NULL::bytea, first_failed_at FROM ins
-UNION ALL
-SELECT status, attempts, result, first_failed_at FROM {T}
-WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
-
-		reclaim: r.Replace(`WITH del AS (DELETE FROM {S} WHERE consumer = $1 AND key = $2)
-UPDATE {T} SET status = 'done', attempts = attempts + 1, lease_until = NULL,
-	updated_at = now(), done_at = now(), expires_at = now() + make_interval(secs => $3)
-WHERE consumer = $1 AND key = $2 AND status = 'failed'
-RETURNING attempts, first_failed_at`),
-
-		read: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T} WHERE consumer = $1 AND key = $2`),
-
-		bury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), result = NULL, done_at = NULL,
-	attempts = GREATEST(attempts - 1, 0), replay_grant = NULL,
-	first_error = COALESCE(first_error, $3), first_failed_at = COALESCE(first_failed_at, $4),
-	last_error = $3, last_failed_at = $4, updated_at = now()
-WHERE consumer = $1 AND key = $2`),
-
-		complete: r.Replace(`UPDATE {T} SET result = $3 WHERE consumer = $1 AND key = $2`),
-
-		fail: r.Replace(`INSERT INTO {T} AS i (consumer, key, status, attempts,
-	first_error, last_error, first_failed_at, last_failed_at, expires_at)
-VALUES ($1, $2, 'failed', 1, $3, $3, $4, $4, now() + make_interval(secs => $5))
-ON CONFLICT (consumer, key) DO UPDATE
-SET status = 'failed', attempts = i.attempts + 1, lease_until = NULL,
-    first_error = COALESCE(i.first_error, EXCLUDED.first_error),
-    first_failed_at = COALESCE(i.first_failed_at, EXCLUDED.first_failed_at),
-    last_error = EXCLUDED.last_error, last_failed_at = EXCLUDED.last_failed_at,
-    updated_at = now(), expires_at = EXCLUDED.expires_at
-WHERE i.status NOT IN ('done', 'dead')`),
-
-		grant: r.Replace(`UPDATE {T} SET replay_grant = $3, updated_at = now()
-WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
-
-		granted: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2 AND replay_grant = $3)`),
-
-		reopen: r.Replace(`WITH up AS (
-	UPDATE {T} SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, updated_at = now()
-	WHERE consumer = $1 AND key = $2 AND status = 'dead' AND replay_grant = $3
-	RETURNING 1
-), del AS (
-	DELETE FROM {S} WHERE consumer = $1 AND key = $2 AND EXISTS (SELECT 1 FROM up)
-)
-SELECT count(*) FROM up`),
-
-		deadCopy: r.Replace(`UPDATE {T} SET dead_copies = dead_copies + 1
-WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
-
+		Queries: pgsql.New(names),
 		peek: r.Replace(`SELECT status, attempts, result, first_failed_at,
 	CASE WHEN status = 'processing' AND lease_until > clock_timestamp() THEN lease_until END
 FROM {T} WHERE consumer = $1 AND key = $2 AND expires_at > now()`),
-
-		hasRecord: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2)`),
-
-		doneKeys: r.Replace(`SELECT key FROM {T}
-WHERE consumer = $1 AND status = 'done' AND done_at >= $2 AND expires_at > now()`),
-
-		deleteExpired: r.Replace(`WITH starts AS (
-	DELETE FROM {S} WHERE (consumer, key) IN (
-		SELECT consumer, key FROM {S} WHERE expires_at < now()
-		LIMIT $1 FOR UPDATE SKIP LOCKED)
-)
-DELETE FROM {T} WHERE (consumer, key) IN (
-	SELECT consumer, key FROM {T} WHERE expires_at < now()
-	LIMIT $1 FOR UPDATE SKIP LOCKED)`),
 	}}
 }
 
@@ -196,7 +111,7 @@ func (q *postgresOps) start(ctx context.Context, db *sql.DB, key dedup.Key, wind
 		c      dedup.Claim
 		first  sql.NullTime
 	)
-	err := db.QueryRowContext(ctx, q.sql.start, key.Consumer, key.Key, window.Seconds()).Scan(&status, &c.Attempts, &c.Result, &first)
+	err := db.QueryRowContext(ctx, q.sql.Start, key.Consumer, key.Key, window.Seconds()).Scan(&status, &c.Attempts, &c.Result, &first)
 	if err != nil {
 		if maybeSent(postgresDialect{}, err) {
 			return dedup.Claim{State: dedup.StateNew}, err
@@ -216,7 +131,7 @@ func (q *postgresOps) start(ctx context.Context, db *sql.DB, key dedup.Key, wind
 }
 
 func (q *postgresOps) unstart(ctx context.Context, db *sql.DB, key dedup.Key) error {
-	_, err := db.ExecContext(ctx, q.sql.unstart, key.Consumer, key.Key)
+	_, err := db.ExecContext(ctx, q.sql.Unstart, key.Consumer, key.Key)
 	return err
 }
 
@@ -231,18 +146,18 @@ func (q *postgresOps) claim(ctx context.Context, tx *sql.Tx, key dedup.Key, wind
 		result   []byte
 		first    sql.NullTime
 	)
-	err := tx.QueryRowContext(ctx, q.sql.claim, key.Consumer, key.Key, window.Seconds()).Scan(&status, &attempts, &result, &first)
+	err := tx.QueryRowContext(ctx, q.sql.Claim, key.Consumer, key.Key, window.Seconds()).Scan(&status, &attempts, &result, &first)
 	if errors.Is(err, sql.ErrNoRows) {
-		err = tx.QueryRowContext(ctx, q.sql.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &first)
+		err = tx.QueryRowContext(ctx, q.sql.Read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &first)
 	}
 	if err == nil && status == "failed" {
 		result = nil
-		err = tx.QueryRowContext(ctx, q.sql.reclaim, key.Consumer, key.Key, window.Seconds()).Scan(&attempts, &first)
+		err = tx.QueryRowContext(ctx, q.sql.Reclaim, key.Consumer, key.Key, window.Seconds()).Scan(&attempts, &first)
 		if err == nil {
 			status = "new"
 		} else if errors.Is(err, sql.ErrNoRows) {
 			// Another claimer took it first and committed.
-			err = tx.QueryRowContext(ctx, q.sql.read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &first)
+			err = tx.QueryRowContext(ctx, q.sql.Read, key.Consumer, key.Key).Scan(&status, &attempts, &result, &first)
 			if err == nil && status == "failed" {
 				err = errStillFailed(key)
 			}
@@ -258,39 +173,39 @@ func (q *postgresOps) claim(ctx context.Context, tx *sql.Tx, key dedup.Key, wind
 }
 
 func (q *postgresOps) bury(ctx context.Context, tx *sql.Tx, key dedup.Key, f dedup.Failure) error {
-	_, err := tx.ExecContext(ctx, q.sql.bury, key.Consumer, key.Key, f.Err, f.At)
+	_, err := tx.ExecContext(ctx, q.sql.Bury, key.Consumer, key.Key, f.Err, f.At)
 	return err
 }
 
 func (q *postgresOps) complete(ctx context.Context, tx *sql.Tx, key dedup.Key, result []byte) error {
-	_, err := tx.ExecContext(ctx, q.sql.complete, key.Consumer, key.Key, result)
+	_, err := tx.ExecContext(ctx, q.sql.Complete, key.Consumer, key.Key, result)
 	return err
 }
 
 func (q *postgresOps) fail(ctx context.Context, db *sql.DB, key dedup.Key, f dedup.Failure, window time.Duration) error {
-	_, err := db.ExecContext(ctx, q.sql.fail, key.Consumer, key.Key, f.Err, f.At, window.Seconds())
+	_, err := db.ExecContext(ctx, q.sql.Fail, key.Consumer, key.Key, f.Err, f.At, window.Seconds())
 	return err
 }
 
 func (q *postgresOps) grant(ctx context.Context, db *sql.DB, key dedup.Key, grant string) (bool, error) {
-	n, err := affected(db.ExecContext(ctx, q.sql.grant, key.Consumer, key.Key, grant))
+	n, err := affected(db.ExecContext(ctx, q.sql.Grant, key.Consumer, key.Key, grant))
 	return n == 1, err
 }
 
 func (q *postgresOps) reopen(ctx context.Context, db *sql.DB, key dedup.Key, grant string) (bool, error) {
 	var n int
-	err := db.QueryRowContext(ctx, q.sql.reopen, key.Consumer, key.Key, grant).Scan(&n)
+	err := db.QueryRowContext(ctx, q.sql.Reopen, key.Consumer, key.Key, grant).Scan(&n)
 	return n == 1, err
 }
 
 func (q *postgresOps) granted(ctx context.Context, db *sql.DB, key dedup.Key, grant string) (bool, error) {
 	var ok bool
-	err := db.QueryRowContext(ctx, q.sql.granted, key.Consumer, key.Key, grant).Scan(&ok)
+	err := db.QueryRowContext(ctx, q.sql.Granted, key.Consumer, key.Key, grant).Scan(&ok)
 	return ok, err
 }
 
 func (q *postgresOps) deadCopy(ctx context.Context, db *sql.DB, key dedup.Key) error {
-	_, err := db.ExecContext(ctx, q.sql.deadCopy, key.Consumer, key.Key)
+	_, err := db.ExecContext(ctx, q.sql.DeadCopy, key.Consumer, key.Key)
 	return err
 }
 
@@ -314,15 +229,15 @@ func (q *postgresOps) peek(ctx context.Context, db *sql.DB, key dedup.Key) (dedu
 
 func (q *postgresOps) hasRecord(ctx context.Context, db *sql.DB, key dedup.Key) (bool, error) {
 	var ok bool
-	err := db.QueryRowContext(ctx, q.sql.hasRecord, key.Consumer, key.Key).Scan(&ok)
+	err := db.QueryRowContext(ctx, q.sql.HasRecord, key.Consumer, key.Key).Scan(&ok)
 	return ok, err
 }
 
 func (q *postgresOps) doneKeys(ctx context.Context, db *sql.DB, consumer string, since time.Time) (*sql.Rows, error) {
-	return db.QueryContext(ctx, q.sql.doneKeys, consumer, since)
+	return db.QueryContext(ctx, q.sql.DoneKeys, consumer, since)
 }
 
 func (q *postgresOps) deleteExpired(ctx context.Context, db *sql.DB, limit int) (int, error) {
-	n, err := affected(db.ExecContext(ctx, q.sql.deleteExpired, limit))
+	n, err := affected(db.ExecContext(ctx, q.sql.DeleteExpired, limit))
 	return int(n), err
 }

@@ -1,4 +1,8 @@
-package postgres
+// Package pgsql is the SQL of the PostgreSQL inbox, shared by
+// dedup/postgres (pgx) and dedup/sqlstore's PostgreSQL dialect
+// (database/sql), so that both stores run the same statements on the same
+// tables.
+package pgsql
 
 import (
 	"strings"
@@ -6,28 +10,29 @@ import (
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// queries holds the store's SQL, rendered once for the configured table.
+// Queries holds the store's SQL, rendered once for the configured table.
 // Every statement is parameterised; only the validated table name is
 // spliced in.
-type queries struct {
-	start, unstart, bury, reopen, deadCopy              string
-	grant, granted                                      string
-	claim, reclaim, read, complete, fail, deleteExpired string
-	leaseClaim, leaseRead, leaseComplete, leaseRelease  string
-	leaseExtend, leaseBury, leaseAbandon                string
-	peek, doneKeys, hasRecord                           string
-	startBatch, claimBatch                              string
+type Queries struct {
+	Start, Unstart, Bury, Reopen, DeadCopy              string
+	Grant, Granted                                      string
+	Claim, Reclaim, Read, Complete, Fail, DeleteExpired string
+	LeaseClaim, LeaseRead, LeaseComplete, LeaseRelease  string
+	LeaseExtend, LeaseBury, LeaseAbandon                string
+	Peek, DoneKeys, HasRecord                           string
+	StartBatch, ClaimBatch                              string
 }
 
-func newQueries(names sqlschema.Names) queries {
+// New renders the statements for the tables of names.
+func New(names sqlschema.Names) Queries {
 	r := strings.NewReplacer("{T}", names.Inbox, "{S}", names.InboxStarts,
 		"{SEQ}", names.Schema+`."`+names.InboxName+`_token_seq"`)
-	return queries{
+	return Queries{
 		// Counts the attempt in the unlogged starts table, unless the key
 		// is done or dead, which it reads in the same statement: a
 		// duplicate is answered here, without a transaction. It commits on
 		// its own, before the handler's transaction begins.
-		start: r.Replace(`WITH rec AS (
+		Start: r.Replace(`WITH rec AS (
 	SELECT status, attempts, result, first_failed_at FROM {T}
 	WHERE consumer = $1 AND key = $2 AND status IN ('done', 'dead')
 ), st AS (
@@ -48,7 +53,7 @@ SELECT 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
 		// planner from folding the lookups into a join): a generic plan
 		// made while the table's statistics are stale would otherwise
 		// scan every row of the consumer, and grow with the table.
-		startBatch: r.Replace(`WITH rec AS (
+		StartBatch: r.Replace(`WITH rec AS (
 	SELECT r.* FROM unnest($2::text[]) AS k(key)
 	CROSS JOIN LATERAL (
 		SELECT t.key, t.status, t.attempts, t.result, t.first_failed_at FROM {T} t
@@ -71,7 +76,7 @@ SELECT key, 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
 		// rows are found one key at a time, as in startBatch, and deleted
 		// by their row ids; a start row that a concurrent copy of a key
 		// bumps meanwhile is left, on a key that is done.
-		claimBatch: r.Replace(`WITH ins AS (
+		ClaimBatch: r.Replace(`WITH ins AS (
 	INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
 	SELECT $1, k, 'done', 1, now(), now() + make_interval(secs => $3) FROM unnest($2::text[]) AS k
 	ON CONFLICT (consumer, key) DO NOTHING
@@ -83,14 +88,14 @@ SELECT key, 'new'::text, started, NULL::bytea, NULL::timestamptz FROM st`),
 )
 SELECT key, attempts, first_failed_at FROM ins`),
 
-		unstart: r.Replace(`UPDATE {S} SET started = started - 1
+		Unstart: r.Replace(`UPDATE {S} SET started = started - 1
 WHERE consumer = $1 AND key = $2 AND started > 0`),
 
 		// Runs in the transaction that claimed the key.
 		// The claim that took the key for burying counted itself as an
 		// attempt; the bury takes that back.
 		// It clears the key's replay grant: a grant reopens a key once.
-		bury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), result = NULL, done_at = NULL,
+		Bury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), result = NULL, done_at = NULL,
 	attempts = GREATEST(attempts - 1, 0), replay_grant = NULL,
 	first_error = COALESCE(first_error, $3), first_failed_at = COALESCE(first_failed_at, $4),
 	last_error = $3, last_failed_at = $4, updated_at = now()
@@ -98,7 +103,7 @@ WHERE consumer = $1 AND key = $2`),
 
 		// Only for the grant written on the dead key; the attempts that
 		// started are forgotten only when it reopens.
-		reopen: r.Replace(`WITH up AS (
+		Reopen: r.Replace(`WITH up AS (
 	UPDATE {T} SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, updated_at = now()
 	WHERE consumer = $1 AND key = $2 AND status = 'dead' AND replay_grant = $3
 	RETURNING 1
@@ -107,12 +112,12 @@ WHERE consumer = $1 AND key = $2`),
 )
 SELECT count(*) FROM up`),
 
-		grant: r.Replace(`UPDATE {T} SET replay_grant = $3, updated_at = now()
+		Grant: r.Replace(`UPDATE {T} SET replay_grant = $3, updated_at = now()
 WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
 
-		granted: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2 AND replay_grant = $3)`),
+		Granted: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2 AND replay_grant = $3)`),
 
-		deadCopy: r.Replace(`UPDATE {T} SET dead_copies = dead_copies + 1
+		DeadCopy: r.Replace(`UPDATE {T} SET dead_copies = dead_copies + 1
 WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
 
 		// The claim writes the row as 'done' at once: it only becomes
@@ -127,7 +132,7 @@ WHERE consumer = $1 AND key = $2 AND status = 'dead'`),
 		//
 		// The key's start count goes in the same statement: the delete
 		// commits with the effect, and a rollback (or a crash) keeps it.
-		claim: r.Replace(`WITH del AS (
+		Claim: r.Replace(`WITH del AS (
 	DELETE FROM {S} WHERE consumer = $1 AND key = $2
 ), ins AS (
 	INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
@@ -143,17 +148,17 @@ WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
 		// Takes a key whose earlier attempts failed. A concurrent claimer
 		// of the same failed key waits on the row lock and, if the first
 		// commits, finds it no longer failed.
-		reclaim: r.Replace(`WITH del AS (DELETE FROM {S} WHERE consumer = $1 AND key = $2)
+		Reclaim: r.Replace(`WITH del AS (DELETE FROM {S} WHERE consumer = $1 AND key = $2)
 UPDATE {T} SET status = 'done', attempts = attempts + 1, lease_until = NULL,
 	updated_at = now(), done_at = now(), expires_at = now() + make_interval(secs => $3)
 WHERE consumer = $1 AND key = $2 AND status = 'failed'
 RETURNING attempts, first_failed_at`),
 
-		read: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T} WHERE consumer = $1 AND key = $2`),
+		Read: r.Replace(`SELECT status, attempts, result, first_failed_at FROM {T} WHERE consumer = $1 AND key = $2`),
 
-		complete: r.Replace(`UPDATE {T} SET result = $3 WHERE consumer = $1 AND key = $2`),
+		Complete: r.Replace(`UPDATE {T} SET result = $3 WHERE consumer = $1 AND key = $2`),
 
-		fail: r.Replace(`INSERT INTO {T} AS i (consumer, key, status, attempts,
+		Fail: r.Replace(`INSERT INTO {T} AS i (consumer, key, status, attempts,
 	first_error, last_error, first_failed_at, last_failed_at, expires_at)
 VALUES ($1, $2, 'failed', 1, $3, $3, $4, $4, now() + make_interval(secs => $5))
 ON CONFLICT (consumer, key) DO UPDATE
@@ -165,21 +170,21 @@ SET status = 'failed', attempts = i.attempts + 1, lease_until = NULL,
 WHERE i.status NOT IN ('done', 'dead')`),
 
 		// Reads the committed row only; a claim in progress is invisible.
-		peek: r.Replace(`SELECT status, attempts, lease_until, result, first_failed_at,
+		Peek: r.Replace(`SELECT status, attempts, lease_until, result, first_failed_at,
 	status = 'processing' AND lease_until > clock_timestamp()
 FROM {T} WHERE consumer = $1 AND key = $2 AND expires_at > now()`),
 
-		doneKeys: r.Replace(`SELECT key FROM {T}
+		DoneKeys: r.Replace(`SELECT key FROM {T}
 WHERE consumer = $1 AND status = 'done' AND done_at >= $2 AND expires_at > now()`),
 
 		// Any row, expired or not: a claim reads the row until cleanup
 		// deletes it.
-		hasRecord: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2)`),
+		HasRecord: r.Replace(`SELECT EXISTS (SELECT 1 FROM {T} WHERE consumer = $1 AND key = $2)`),
 
 		// SKIP LOCKED: a row being claimed right now is not waited for.
 		// Start counts left behind by a duplicate that lost a race go
 		// with them, in the same statement.
-		deleteExpired: r.Replace(`WITH starts AS (
+		DeleteExpired: r.Replace(`WITH starts AS (
 	DELETE FROM {S} WHERE (consumer, key) IN (
 		SELECT consumer, key FROM {S} WHERE expires_at < now()
 		LIMIT $1 FOR UPDATE SKIP LOCKED)
@@ -188,7 +193,7 @@ DELETE FROM {T} WHERE (consumer, key) IN (
 	SELECT consumer, key FROM {T} WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED)`),
 
-		leaseClaim: r.Replace(`WITH claim AS (
+		LeaseClaim: r.Replace(`WITH claim AS (
 	INSERT INTO {T} AS i (consumer, key, status, attempts, token, lease_until, expires_at)
 	VALUES ($1, $2, 'processing', 1, nextval('{SEQ}'), clock_timestamp() + make_interval(secs => $3),
 	        now() + make_interval(secs => $4))
@@ -203,29 +208,29 @@ UNION ALL
 SELECT status, attempts, token, lease_until, result, first_failed_at FROM {T}
 WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claim)`),
 
-		leaseRead: r.Replace(`SELECT status, attempts, token, lease_until, result, first_failed_at FROM {T}
+		LeaseRead: r.Replace(`SELECT status, attempts, token, lease_until, result, first_failed_at FROM {T}
 WHERE consumer = $1 AND key = $2`),
 
-		leaseComplete: r.Replace(`UPDATE {T} SET status = 'done', result = $4, lease_until = NULL,
+		LeaseComplete: r.Replace(`UPDATE {T} SET status = 'done', result = $4, lease_until = NULL,
 	done_at = now(), updated_at = now()
 WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),
 
-		leaseExtend: r.Replace(`UPDATE {T} SET lease_until = clock_timestamp() + make_interval(secs => $4),
+		LeaseExtend: r.Replace(`UPDATE {T} SET lease_until = clock_timestamp() + make_interval(secs => $4),
 	expires_at = GREATEST(expires_at, clock_timestamp() + make_interval(secs => $4)), updated_at = now()
 WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'
 RETURNING lease_until`),
 
-		leaseBury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), lease_until = NULL, replay_grant = NULL,
+		LeaseBury: r.Replace(`UPDATE {T} SET status = 'dead', dead_at = now(), lease_until = NULL, replay_grant = NULL,
 	first_error = COALESCE(first_error, $4), first_failed_at = COALESCE(first_failed_at, $5),
 	last_error = $4, last_failed_at = $5, updated_at = now()
 WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),
 
 		// An abandoned attempt (shutdown) is not counted.
-		leaseAbandon: r.Replace(`UPDATE {T} SET status = 'failed', lease_until = NULL,
+		LeaseAbandon: r.Replace(`UPDATE {T} SET status = 'failed', lease_until = NULL,
 	attempts = GREATEST(attempts - 1, 0), updated_at = now()
 WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),
 
-		leaseRelease: r.Replace(`UPDATE {T} SET status = 'failed', lease_until = NULL,
+		LeaseRelease: r.Replace(`UPDATE {T} SET status = 'failed', lease_until = NULL,
 	first_error = COALESCE(first_error, $4), first_failed_at = COALESCE(first_failed_at, $5),
 	last_error = $4, last_failed_at = $5, updated_at = now()
 WHERE consumer = $1 AND key = $2 AND token = $3 AND status = 'processing'`),
