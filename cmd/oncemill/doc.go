@@ -13,6 +13,8 @@
 //	oncemill console [--addr HOST:PORT] [--token T] [--read-only] [--broker URL]
 //	oncemill amqp declare --topic T [--topic T ...] [--group G] [--url URL]
 //	                      [--delivery-limit N] [--dead-letter-exchange X]
+//	oncemill reconcile --database URL --consumer NAME [--inbox-database URL]
+//	                   [--grace DURATION] [--since DURATION] [--strict]
 //
 // "oncemill --help" lists the commands; "oncemill <command> --help" (or -h),
 // "oncemill dlq replay --help" for instance, prints that command's usage
@@ -84,6 +86,13 @@
 // differ from them when both are given. The queue arguments must be those
 // the consumers use: the broker refuses to redeclare a queue with others.
 // Declaring what exists with the same settings changes nothing.
+//
+// reconcile compares the relay's ledger (forwarder.RelayConfig.Ledger)
+// with a consumer's inbox: it lists the events published more than
+// --grace ago and within --since that the inbox holds neither as done nor
+// as dead (dead-lettered), and with --strict the done keys no ledger row
+// explains. It exits 0 when nothing is missing, 1 when something is, 2 for
+// a usage error and 3 when the check could not run.
 //
 // Exit status: 0 on success, also when nothing matched ("no entries
 // matched"); 1 when the work failed (database or broker unreachable, an ID

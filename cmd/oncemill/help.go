@@ -129,6 +129,12 @@ flight finish; beyond 127.0.0.1, put it behind a TLS proxy.`,
 		about: relayHelp,
 		run:   (*cmd).relay,
 	},
+	{
+		path: "reconcile", args: "--database URL --consumer NAME [--inbox-database URL] [--grace DURATION]\n       [--since DURATION] [--strict] [--schema NAME] [--inbox-schema NAME]\n       [--ledger-table NAME] [--inbox-table NAME] [--dlq-table NAME]",
+		short: "check that every event the relay published reached a consumer exactly once",
+		about: reconcileHelp,
+		run:   (*cmd).reconcile,
+	},
 }
 
 // lookup returns the command at path, or nil.

@@ -49,10 +49,10 @@ func run(ctx context.Context, args []string, env func(string) string, stdout, st
 		return exitOK
 	case "dlq", "amqp":
 		return runGroup(ctx, args[0], args[1:], env, stdout, stderr)
-	case "console", "relay":
+	case "console", "relay", "reconcile":
 		return runCommand(ctx, lookup(args[0]), args[1:], env, stdout, stderr)
 	default:
-		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq, amqp, console or relay); run 'oncemill --help' for usage\n", args[0])
+		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq, amqp, console, relay or reconcile); run 'oncemill --help' for usage\n", args[0])
 		return exitUsage
 	}
 }
@@ -90,10 +90,16 @@ func runGroup(ctx context.Context, group string, args []string, env func(string)
 // exit reports err, from the command called name, and returns the exit
 // status.
 func exit(name string, err error, stderr io.Writer) int {
-	var uerr usageError
+	var (
+		uerr  usageError
+		coded codedError
+	)
 	switch {
 	case err == nil:
 		return exitOK
+	case errors.As(err, &coded):
+		fmt.Fprintf(stderr, "%s: %s\n", name, oneLine(err.Error()))
+		return coded.code
 	case errors.As(err, &uerr):
 		fmt.Fprintf(stderr, "%s: %s; run '%s --help' for usage\n", name, oneLine(uerr.msg), name)
 		return exitUsage
