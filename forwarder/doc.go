@@ -31,7 +31,11 @@
 // again, and the consumer's inbox absorbs the copy. On a broker error the
 // rows stay and the relay backs off. Several relays may run on one table:
 // each batch locks a set of lanes (a hash of the partition key), so no row
-// goes out twice in normal operation.
+// goes out twice in normal operation. A row that cannot become a message
+// (metadata that is not a JSON object of strings, an empty topic or uuid:
+// a writer in another language got the contract wrong) is dead-lettered
+// to the dead-letter table and logged, never published and never kept to
+// block its lane; see [ErrRefusedRow] and docs/outbox-contract.md.
 //
 // Per-key order is the order the writers' locks give: a transaction's
 // rows go out in the order it inserted them, and a row inserted after
