@@ -124,7 +124,7 @@ flight finish; beyond 127.0.0.1, put it behind a TLS proxy.`,
 		run: (*cmd).serveConsole,
 	},
 	{
-		path: "relay", args: "--database URL --broker URL [--schema NAME] [--table NAME]\n       [--batch-size N] [--lanes-per-batch N] [--poll-interval DURATION]\n       [--drain-timeout DURATION] [--lock-ordered-writers] [--listen HOST:PORT]\n       [--migrate]",
+		path: "relay", args: "--database URL --broker URL [--schema NAME] [--table NAME]\n       [--batch-size N] [--lanes-per-batch N] [--poll-interval DURATION]\n       [--drain-timeout DURATION] [--lock-ordered-writers] [--listen HOST:PORT]\n       [--migrate] [--ledger] [--ledger-retention DURATION]",
 		short: "relay a service's outbox table to the broker, as a process of its own",
 		about: relayHelp,
 		run:   (*cmd).relay,

@@ -84,6 +84,8 @@ type relayOptions struct {
 	listen    string
 	migrate   bool
 	ordered   bool
+	ledger    bool
+	retention time.Duration
 	batchSize int
 	lanes     int
 	poll      time.Duration
@@ -127,6 +129,8 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	fs.DurationVar(&o.poll, "poll-interval", 250*time.Millisecond, "longest wait (`DURATION`) between two looks for rows while the outbox stays empty; while rows flow the relay looks again at once ($"+relayEnv("poll-interval")+")")
 	fs.DurationVar(&o.drain, "drain-timeout", 5*time.Second, "how long (`DURATION`), once told to stop, the batch in flight may take to finish publishing and deleting its rows; past it the batch rolls back and its rows stay ($"+relayEnv("drain-timeout")+")")
 	fs.BoolVar(&o.ordered, "lock-ordered-writers", false, "the service's writers of each partition key are ordered by a lock each holds until it commits, taken before its outbox insert (the key's business row): publish every committed row at once instead of waiting until every older transaction on the server has ended, so that a transaction left open elsewhere on the server no longer stalls the outbox; see forwarder.RelayConfig.LockOrderedWriters ($"+relayEnv("lock-ordered-writers")+")")
+	fs.BoolVar(&o.ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the statement that deletes it from the outbox; PostgreSQL only; see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
+	fs.DurationVar(&o.retention, "ledger-retention", forwarder.DefaultLedgerRetention, "how long (`DURATION`) ledger rows are kept, at least 1m; only with --ledger ($"+relayEnv("ledger-retention")+")")
 	fs.StringVar(&o.listen, "listen", defaultRelayListen, "`HOST:PORT` to serve /healthz and /metrics on; empty: no HTTP ($"+relayEnv("listen")+")")
 	fs.BoolVar(&o.migrate, "migrate", false, "create or upgrade oncemill's tables (sqlschema.Migrate) before relaying; without it the outbox table must exist ($"+relayEnv("migrate")+")")
 	pos, err := parse(fs, args)
@@ -150,6 +154,8 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 		return o, usagef("%s must be at least 1ms, got %s", o.field("poll-interval"), o.poll)
 	case o.drain <= 0:
 		return o, usagef("%s must be positive, got %s", o.field("drain-timeout"), o.drain)
+	case o.retention < time.Minute:
+		return o, usagef("%s must be at least 1m, got %s", o.field("ledger-retention"), o.retention)
 	}
 	if err := checkRelayBroker(o.field("broker"), o.broker); err != nil {
 		return o, err
@@ -161,6 +167,9 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	}
 	if o.db, o.schema, err = c.target(); err != nil {
 		return o, err
+	}
+	if o.ledger && o.db.my != nil {
+		return o, usagef("%s is PostgreSQL only: the MySQL relay keeps no ledger", o.field("ledger"))
 	}
 	o.schema = sqlschema.Config{Schema: o.schema.Schema, OutboxTable: c.table}
 	return o, nil
@@ -285,6 +294,16 @@ func (o relayOptions) prepare(ctx context.Context, db relayDB) error {
 	if found == nil {
 		return o.noOutbox(name)
 	}
+	if o.ledger {
+		ledger := sqlschema.NamesFor(sqlschema.Postgres, cfg).Ledger
+		if err := db.pool.QueryRow(ctx, `SELECT to_regclass($1)::text`, ledger).Scan(&found); err != nil {
+			return fmt.Errorf("look for the ledger table: %w", err)
+		}
+		if found == nil {
+			return fmt.Errorf("the ledger table %s does not exist in the database, and %s needs it: upgrade the service's migrations "+
+				"(sqlschema.Migrate, or its SQL files), or run once with --migrate", ledger, o.field("ledger"))
+		}
+	}
 	return nil
 }
 
@@ -337,6 +356,8 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 		PollInterval:       o.poll,
 		DrainTimeout:       o.drain,
 		LockOrderedWriters: o.ordered,
+		Ledger:             o.ledger,
+		LedgerRetention:    o.retention,
 		Hooks:              []observe.Hook{metrics},
 		Logger:             logger,
 	}
