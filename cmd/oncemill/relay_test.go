@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
@@ -256,6 +258,14 @@ func TestRelayNodeWriter(t *testing.T) {
 				t.Logf("relay killed with %d rows in the outbox", db.Count(t, `SELECT count(*) FROM {S}.outbox`))
 				relay = startRelay(t, bin, env, args...)
 			}
+			// Then stopped as an orchestrator stops it, and started again:
+			// the batch in flight finishes, the relay exits 0.
+			waitFor(t, "effects before SIGTERM", func() (bool, string) {
+				n := db.Count(t, `SELECT count(*) FROM {S}.effects`)
+				return n >= 3*count/10, fmt.Sprintf("%d effects; relay output:\n%s", n, relay.out.String())
+			})
+			relay.terminate(t)
+			relay = startRelay(t, bin, env, args...)
 
 			require.NoError(t, <-writeErr)
 			results := <-written
@@ -375,6 +385,40 @@ func httpGet(t *testing.T, url string) (int, string) {
 	b, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
 	return resp.StatusCode, string(b)
+}
+
+// TestRelayHealthzAndHelp: /healthz answers 503, with the
+// reason, while the relay does not run or its database does not answer;
+// the help names the variables and says that copies may run at once.
+func TestRelayHealthzAndHelp(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, 1)
+	for _, tc := range []struct {
+		name    string
+		running bool
+		db      func() relayDB
+		code    int
+		body    string
+	}{
+		{"running", true, func() relayDB { return relayDB{pool: pool} }, http.StatusOK, "ok"},
+		{"stopped", false, func() relayDB { return relayDB{pool: pool} }, http.StatusServiceUnavailable, "relay not running"},
+		{"database gone", true, func() relayDB {
+			gone, err := pgxpool.New(context.Background(), pgtest.URL())
+			require.NoError(t, err)
+			gone.Close()
+			return relayDB{pool: gone}
+		}, http.StatusServiceUnavailable, "database unreachable: "},
+	} {
+		w := httptest.NewRecorder()
+		relayHealth(w, httptest.NewRequest(http.MethodGet, "/healthz", nil), tc.running, tc.db())
+		require.Equal(t, tc.code, w.Code, tc.name)
+		require.Contains(t, w.Body.String(), tc.body, tc.name)
+	}
+	help := oncemill(t, nil, "relay", "--help")
+	require.Equal(t, exitOK, help.code)
+	for _, want := range []string{"$DATABASE_URL", "$BROKER_URL", "$ONCEMILL_RELAY_BATCH_SIZE", "Several copies may run at once", "--drain-timeout"} {
+		require.Contains(t, help.stdout, want)
+	}
 }
 
 // TestRelayUsageErrors: the relay's command line and variables are
