@@ -199,7 +199,7 @@ func TestConsoleHelp(t *testing.T) {
 		require.Empty(t, r.stderr, args)
 	}
 	r := oncemill(t, nil, "frobnicate")
-	require.Contains(t, r.stderr, "(want dlq, amqp, console or relay)")
+	require.Contains(t, r.stderr, "(want dlq, amqp, console, relay or reconcile)")
 }
 
 // consoleOptionsOf parses a console command line without running it.
