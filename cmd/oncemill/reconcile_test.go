@@ -168,9 +168,21 @@ func TestReconcile(t *testing.T) {
 
 	// (b) A relayed message is purged from its queue before the consumer
 	// runs: the broker lost it.
+	queued := func(want int) {
+		t.Helper()
+		require.Eventually(t, func() bool {
+			ch, err := rb.conn.Channel()
+			require.NoError(t, err)
+			defer ch.Close()
+			q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+			require.NoError(t, err)
+			return q.Consumers == 0 && q.Messages == want
+		}, 30*time.Second, 20*time.Millisecond, "the queue holds %d messages and has no consumer", want)
+	}
+	queued(0)
 	dropped := newEvent(n)
 	write(dropped)
-	require.Equal(t, 1, rb.ready(queue))
+	queued(1)
 	ch, err := rb.conn.Channel()
 	require.NoError(t, err)
 	purged, err := ch.QueuePurge(queue, false)
@@ -181,7 +193,7 @@ func TestReconcile(t *testing.T) {
 	// hold it).
 	stuck := newEvent(n + 1)
 	write(stuck)
-	require.Equal(t, 1, rb.ready(queue))
+	queued(1)
 	purged, err = ch.QueuePurge(queue, false)
 	require.NoError(t, err)
 	require.Equal(t, 1, purged)
