@@ -376,10 +376,14 @@ func TestRelayHealthMetricsAndDrain(t *testing.T) {
 	require.Equal(t, rows, r.ready(topic+".audit"), "each row published once")
 }
 
-// httpGet fetches url and returns the status and the body.
+// httpGet fetches url and returns the status and the body. The
+// connection is not kept: no client goroutine outlives the request.
 func httpGet(t *testing.T, url string) (int, string) {
 	t.Helper()
-	resp, err := http.Get(url)
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	require.NoError(t, err)
+	req.Close = true
+	resp, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
