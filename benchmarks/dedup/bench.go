@@ -305,7 +305,7 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 		return r, err
 	}
 	defer p.stop()
-	if err := e.warmConnections(ctx, c, d.Redis); err != nil {
+	if err := e.warmConnections(ctx, c, fx.sqlDB, d.Redis); err != nil {
 		return r, err
 	}
 

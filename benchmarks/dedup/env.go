@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"os"
@@ -9,15 +10,19 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	redisstore "github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/internal/redistest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -26,27 +31,48 @@ import (
 // run's random ID (in every schema, prefix and file name it creates) and a
 // temp dir for the SQLite files.
 type env struct {
-	cfg   Config
-	pool  *pgxpool.Pool
-	rdb   *goredis.Client
-	runID string
-	tmp   string
-	seq   atomic.Int64
+	cfg  Config
+	pool *pgxpool.Pool
+	// std is the same PostgreSQL through database/sql on pgx's stdlib
+	// driver, my the MySQL server: each opened only when a strategy of
+	// the run needs it.
+	std, my *sql.DB
+	rdb     *goredis.Client
+	runID   string
+	tmp     string
+	seq     atomic.Int64
 }
 
-// newEnv connects to PostgreSQL and, when needRedis, to Redis, and makes
-// the run's temp dir. close undoes all of it.
-func newEnv(ctx context.Context, cfg Config, needRedis bool) (e *env, closeFn func(), err error) {
+// needs says which connections a run needs besides the pgx pool.
+type needs struct{ redis, stdlib, mysql bool }
+
+// needsOf collects what defs need.
+func needsOf(defs []strategyDef) needs {
+	var n needs
+	for _, d := range defs {
+		n.redis = n.redis || d.Redis
+		n.stdlib = n.stdlib || d.Stdlib
+		n.mysql = n.mysql || d.MySQL
+	}
+	return n
+}
+
+// newEnv connects to PostgreSQL and, as need says, to Redis, to PostgreSQL
+// through database/sql and to MySQL, and makes the run's temp dir. close
+// undoes all of it.
+func newEnv(ctx context.Context, cfg Config, need needs) (e *env, closeFn func(), err error) {
 	e = &env{cfg: cfg, runID: benchutil.RandomID()}
 	var closers []func()
-	closeFn = func() {
+	// closeAll, not closeFn: a failed return sets closeFn to nil before
+	// the deferred cleanup runs.
+	closeAll := func() {
 		for i := len(closers) - 1; i >= 0; i-- {
 			closers[i]()
 		}
 	}
 	defer func() {
 		if err != nil {
-			closeFn()
+			closeAll()
 		}
 	}()
 	conns := int32(maxOf(cfg.Concurrency, cfg.CrashWorkers, cfg.PacedWorkers) + 8)
@@ -66,7 +92,24 @@ func newEnv(ctx context.Context, cfg Config, needRedis bool) (e *env, closeFn fu
 		return nil, nil, fmt.Errorf("ping PostgreSQL: %w", err)
 	}
 
-	if needRedis {
+	if need.stdlib {
+		cc := pcfg.ConnConfig.Copy()
+		e.std = stdlib.OpenDB(*cc)
+		e.std.SetMaxOpenConns(int(conns))
+		e.std.SetMaxIdleConns(int(conns))
+		closers = append(closers, func() { _ = e.std.Close() })
+		if err := e.std.PingContext(ctx); err != nil {
+			return nil, nil, fmt.Errorf("ping PostgreSQL through database/sql: %w", err)
+		}
+	}
+	if need.mysql {
+		if e.my, err = openMySQL(ctx, cfg.MySQLDSN, int(conns)); err != nil {
+			return nil, nil, err
+		}
+		closers = append(closers, func() { _ = e.my.Close() })
+	}
+
+	if need.redis {
 		opts, err := goredis.ParseURL(cfg.RedisURL)
 		if err != nil {
 			return nil, nil, fmt.Errorf("parse Redis URL: %w", err)
@@ -85,7 +128,36 @@ func newEnv(ctx context.Context, cfg Config, needRedis bool) (e *env, closeFn fu
 		return nil, nil, fmt.Errorf("temp dir: %w", err)
 	}
 	closers = append(closers, func() { _ = os.RemoveAll(e.tmp) })
-	return e, closeFn, nil
+	return e, closeAll, nil
+}
+
+// openMySQL connects to the MySQL server of dsn with at most conns
+// connections and pings it; an error names the DSN (its password masked)
+// and the flag that sets it.
+func openMySQL(ctx context.Context, dsn string, conns int) (*sql.DB, error) {
+	mc, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		return nil, fmt.Errorf("parse -mysql DSN: %w", err)
+	}
+	shown := mc.Clone()
+	if shown.Passwd != "" {
+		shown.Passwd = "xxxxx"
+	}
+	connector, err := mysql.NewConnector(mc)
+	if err != nil {
+		return nil, fmt.Errorf("MySQL connector for %s: %w", shown.FormatDSN(), err)
+	}
+	db := sql.OpenDB(connector)
+	db.SetMaxOpenConns(conns)
+	db.SetMaxIdleConns(conns)
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := db.PingContext(pctx); err != nil {
+		_ = db.Close()
+		return nil, fmt.Errorf("MySQL/MariaDB unreachable at %s (set -mysql or $MYSQL_URL, or leave out %s and %s with -strategies): %w",
+			shown.FormatDSN(), stSQLStoreMy, stRawMySQL, err)
+	}
+	return db, nil
 }
 
 // fixture is the durable state one measurement owns, fresh for it and gone
@@ -100,6 +172,12 @@ type fixture struct {
 	redis  *redisstore.Store
 	sqlite *sqlite.Store
 	sqlDir string
+	// myDB is the MySQL database of a MySQL strategy; sqlDB the
+	// database/sql pool of a database/sql strategy (env's std or my), and
+	// sqlStore its inbox store.
+	myDB     string
+	sqlDB    *sql.DB
+	sqlStore *sqlstore.Store
 
 	insertEffect, rawClaim string
 }
@@ -118,7 +196,7 @@ func (e *env) newFixture(ctx context.Context, d strategyDef) (_ *fixture, err er
 	if d.Postgres {
 		f.schema = "bench_dedup_" + f.id
 		s := pgx.Identifier{f.schema}.Sanitize()
-		if d.Name == stRaw || d.Name == stRawBatched {
+		if d.Name == stRaw || d.Name == stRawBatched || d.Name == stRawStdlib {
 			if _, err := e.pool.Exec(ctx, `CREATE SCHEMA `+s); err != nil {
 				return nil, fmt.Errorf("create schema %s: %w", f.schema, err)
 			}
@@ -134,6 +212,22 @@ CREATE TABLE ` + s + `.raw_keys (key text PRIMARY KEY)`
 		f.rawClaim = `INSERT INTO ` + s + `.raw_keys (key) VALUES ($1) ON CONFLICT DO NOTHING RETURNING key`
 		if f.pg, err = postgres.New(e.pool, postgres.Config{Schema: f.schema}); err != nil {
 			return nil, fmt.Errorf("postgres store: %w", err)
+		}
+		if d.Stdlib {
+			if e.std == nil {
+				return nil, errors.New("strategy needs database/sql on PostgreSQL but no pool is open")
+			}
+			f.sqlDB = e.std
+			// dedup/postgres's tables, which sqlschema.Migrate made above.
+			f.sqlStore, err = sqlstore.New(e.std, sqlstore.Config{Dialect: sqlstore.Postgres, Schema: sqlschema.Config{Schema: f.schema}})
+			if err != nil {
+				return nil, fmt.Errorf("sqlstore: %w", err)
+			}
+		}
+	}
+	if d.MySQL {
+		if err := f.mysqlFixture(ctx, d); err != nil {
+			return nil, err
 		}
 	}
 	if d.Redis {
@@ -160,6 +254,45 @@ CREATE TABLE ` + s + `.raw_keys (key text PRIMARY KEY)`
 	return f, nil
 }
 
+// mysqlFixture creates the MySQL database of strategy d: oncemill's
+// tables (sqlschema.MigrateSQL, which creates the database too) for the
+// store, an empty one for the raw baseline, and the effects and raw keys
+// tables in it. Keys are VARBINARY, compared byte for byte as the store
+// compares them.
+func (f *fixture) mysqlFixture(ctx context.Context, d strategyDef) error {
+	db := f.e.my
+	if db == nil {
+		return errors.New("strategy needs MySQL but no pool is open")
+	}
+	f.myDB, f.sqlDB = "bench_dedup_"+f.id, db
+	q := "`" + f.myDB + "`"
+	if d.Name == stRawMySQL {
+		if _, err := db.ExecContext(ctx, "CREATE DATABASE "+q+" CHARACTER SET utf8mb4"); err != nil {
+			return fmt.Errorf("create database %s: %w", f.myDB, err)
+		}
+	} else if err := sqlschema.MigrateSQL(ctx, db, sqlschema.MySQL, sqlschema.Config{Schema: f.myDB}); err != nil {
+		return fmt.Errorf("migrate database %s: %w", f.myDB, err)
+	}
+	for _, ddl := range []string{
+		"CREATE TABLE " + q + ".effects (`key` VARBINARY(255) NOT NULL, payload BLOB NOT NULL) ENGINE=InnoDB",
+		"CREATE TABLE " + q + ".raw_keys (`key` VARBINARY(255) PRIMARY KEY) ENGINE=InnoDB",
+	} {
+		if _, err := db.ExecContext(ctx, ddl); err != nil {
+			return fmt.Errorf("create tables in %s: %w", f.myDB, err)
+		}
+	}
+	f.insertEffect = "INSERT INTO " + q + ".effects (`key`, payload) VALUES (?, ?)"
+	f.rawClaim = "INSERT IGNORE INTO " + q + ".raw_keys (`key`) VALUES (?)"
+	if d.Name != stRawMySQL {
+		var err error
+		f.sqlStore, err = sqlstore.New(db, sqlstore.Config{Dialect: sqlstore.MySQL, Schema: sqlschema.Config{Schema: f.myDB}})
+		if err != nil {
+			return fmt.Errorf("sqlstore: %w", err)
+		}
+	}
+	return nil
+}
+
 // effectCounts is what the effects table holds at the end of a run.
 type effectCounts struct {
 	// Rows counts effect rows; Exactly, Doubles and Keys count keys with
@@ -171,10 +304,15 @@ type effectCounts struct {
 func (f *fixture) countEffects(ctx context.Context) (effectCounts, error) {
 	var c effectCounts
 	var err error
-	if f.sqlite != nil {
+	switch {
+	case f.myDB != "":
+		err = f.e.my.QueryRowContext(ctx, "SELECT coalesce(sum(n = 1), 0), coalesce(sum(n > 1), 0), count(*), coalesce(sum(n), 0) "+
+			"FROM (SELECT `key`, count(*) AS n FROM `"+f.myDB+"`.effects GROUP BY `key`) AS per_key").
+			Scan(&c.Exactly, &c.Doubles, &c.Keys, &c.Rows)
+	case f.sqlite != nil:
 		err = f.sqlite.DB().QueryRowContext(ctx, `SELECT coalesce(sum(n = 1), 0), coalesce(sum(n > 1), 0), count(*), coalesce(sum(n), 0)
 FROM (SELECT key, count(*) AS n FROM effects GROUP BY key)`).Scan(&c.Exactly, &c.Doubles, &c.Keys, &c.Rows)
-	} else {
+	default:
 		err = f.e.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE n = 1), count(*) FILTER (WHERE n > 1), count(*), coalesce(sum(n), 0)
 FROM (SELECT key, count(*) AS n FROM `+pgx.Identifier{f.schema, "effects"}.Sanitize()+` GROUP BY key) AS per_key`).
 			Scan(&c.Exactly, &c.Doubles, &c.Keys, &c.Rows)
@@ -200,6 +338,11 @@ func (f *fixture) close() error {
 			errs = append(errs, fmt.Errorf("drop schema %s: %w", f.schema, err))
 		}
 	}
+	if f.myDB != "" {
+		if _, err := f.e.my.ExecContext(ctx, "DROP DATABASE IF EXISTS `"+f.myDB+"`"); err != nil {
+			errs = append(errs, fmt.Errorf("drop database %s: %w", f.myDB, err))
+		}
+	}
 	if f.prefix != "" {
 		if err := redistest.DeleteKeys(ctx, f.e.rdb, f.prefix); err != nil {
 			errs = append(errs, fmt.Errorf("delete Redis keys %s*: %w", f.prefix, err))
@@ -209,14 +352,32 @@ func (f *fixture) close() error {
 }
 
 // warmConnections makes sure the pools hold n connections before the
-// clock starts, so that no measurement pays for dialling.
-func (e *env) warmConnections(ctx context.Context, n int, redis bool) error {
+// clock starts, so that no measurement pays for dialling: the pgx pool,
+// db when not nil, and Redis when redis.
+func (e *env) warmConnections(ctx context.Context, n int, db *sql.DB, redis bool) error {
 	conns := make([]*pgxpool.Conn, 0, n)
+	sqlConns := make([]*sql.Conn, 0, n)
 	defer func() {
 		for _, c := range conns {
 			c.Release()
 		}
+		for _, c := range sqlConns {
+			_ = c.Close()
+		}
 	}()
+	for range n {
+		if db == nil {
+			break
+		}
+		c, err := db.Conn(ctx)
+		if err == nil {
+			err = c.PingContext(ctx)
+			sqlConns = append(sqlConns, c)
+		}
+		if err != nil {
+			return fmt.Errorf("warm database/sql connections: %w", err)
+		}
+	}
 	for range n {
 		c, err := e.pool.Acquire(ctx)
 		if err != nil {

@@ -5,6 +5,9 @@
 // three baselines that do not promise exactly-once effects — no
 // deduplication, Watermill's own Deduplicator, and the inbox on the
 // in-memory store — and to the raw SQL of one claim+effect transaction.
+// The inbox on database/sql (dedup/sqlstore) runs on the same PostgreSQL
+// through pgx's stdlib driver and on MySQL/MariaDB (-mysql), each next to
+// the same raw SQL on its own database and driver.
 //
 // Messages are handed to the wrapped handler directly by worker goroutines
 // (no broker): what is measured is the cost of deduplicating. The handler's
@@ -50,6 +53,7 @@ func main() {
 	var (
 		quick        = flag.Bool("quick", false, "a short run (under a minute) with small streams; writes nothing unless -out is given")
 		dsn          = flag.String("dsn", benchutil.EnvOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (default $DATABASE_URL)")
+		mysqlDSN     = flag.String("mysql", benchutil.EnvOr("MYSQL_URL", benchutil.EnvOr("ONCEMILL_TEST_MYSQL_DSN", defaultMySQLDSN)), "MySQL/MariaDB DSN (go-sql-driver/mysql) of sqlstore-mysql and raw-sql-mysql (default $MYSQL_URL, else $ONCEMILL_TEST_MYSQL_DSN)")
 		redisURL     = flag.String("redis", benchutil.EnvOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis URL (default $REDIS_URL)")
 		out          = flag.String("out", benchutil.Path(), "directory receiving RESULTS.md (its \"Deduplication\" section) and dedup/results.csv and dedup/throughput.png; empty writes nothing")
 		n            = flag.Int("n", 0, "messages in each speed run (default 8000, -quick 300)")
@@ -71,6 +75,7 @@ func main() {
 
 	cfg := Config{
 		DSN:             *dsn,
+		MySQLDSN:        *mysqlDSN,
 		RedisURL:        *redisURL,
 		N:               8000,
 		Seed:            *seed,
@@ -189,6 +194,10 @@ func writeOutputs(res *Results, cfg Config, section, report, csvPath, png string
 type Config struct {
 	// DSN is the PostgreSQL URL; RedisURL the Redis URL.
 	DSN, RedisURL string
+	// MySQLDSN is the MySQL or MariaDB server of the MySQL strategies, a
+	// go-sql-driver/mysql DSN; each measurement gets a database of its
+	// own on it. Defaults to defaultMySQLDSN.
+	MySQLDSN string
 	// N is the stream length of the speed runs, DupRatios their duplicate
 	// ratios and Concurrency their worker counts.
 	N           int
@@ -223,6 +232,11 @@ type Config struct {
 	// Out receives progress lines.
 	Out io.Writer
 }
+
+// defaultMySQLDSN is the local MariaDB. interpolateParams saves the
+// statement preparation's round trip per statement, as sqlstore's doc
+// advises; the store and its raw baseline share the pool and the setting.
+const defaultMySQLDSN = "root@tcp(127.0.0.1:3306)/test?interpolateParams=true"
 
 // Validate reports the first field out of range.
 func (c Config) Validate() error {

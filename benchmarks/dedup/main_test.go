@@ -14,6 +14,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/oncemill/oncemill/internal/mysqltest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
 )
@@ -169,6 +170,86 @@ func TestSmoke(t *testing.T) {
 	_ = f.Close()
 	if err != nil || img.Bounds().Dx() < 500 {
 		t.Errorf("chart: %v, %v", err, img)
+	}
+}
+
+// TestSmokeSQL runs the database/sql strategies, on PostgreSQL through
+// pgx's stdlib driver and on MySQL, each with its own raw-SQL baseline:
+// every key applied once in the speed runs, 0 double and 0 lost under
+// every fault, each store's ratio taken against its own baseline.
+func TestSmokeSQL(t *testing.T) {
+	// Both fail the test under CI=true when the server is unreachable.
+	pgtest.Pool(t, 1)
+	mysqltest.Open(t, mysqltest.Config(t, ""), 1)
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	var out strings.Builder
+	cfg := Config{
+		DSN: pgtest.URL(), MySQLDSN: mysqltest.DSN(),
+		N: 60, DupRatios: []float64{0, 0.5}, Concurrency: []int{1, 4},
+		Strategies: []string{stSQLStorePG, stSQLStoreMy},
+		Seed:       7, CrashN: 70, CrashDupRatio: 0.1, CrashEvery: 7, CrashWorkers: 4, CrashLease: 100 * time.Millisecond,
+		RunTimeout: time.Minute, Out: &out,
+	}
+	res, err := Run(ctx, cfg)
+	t.Log(out.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Each store brings its own baseline, and only that one.
+	if want := len(cfg.DupRatios) * len(cfg.Concurrency) * 4; len(res.Speed) != want {
+		t.Fatalf("got %d speed results, want %d", len(res.Speed), want)
+	}
+	for _, r := range res.Speed {
+		name := r.Strategy + " " + strconv.Itoa(r.DupPct) + "% c=" + strconv.Itoa(r.Concurrency)
+		if r.Effects.Doubles != 0 || r.Effects.Rows != r.Keys || r.Effects.Keys != r.Keys {
+			t.Errorf("%s: effects %+v for %d keys, want one per key", name, r.Effects, r.Keys)
+		}
+		raw, ok := findSpeed(res.Speed, rawOf(r.Strategy), r.DupPct, r.Concurrency)
+		switch {
+		case r.Strategy == stRawStdlib || r.Strategy == stRawMySQL:
+			if r.RatioRaw != 0 {
+				t.Errorf("%s: ratio %.2f, want none for a baseline", name, r.RatioRaw)
+			}
+		case !ok || r.RatioRaw != r.MsgsPerSec/raw.MsgsPerSec:
+			t.Errorf("%s: ratio %.3f, not to %s (found %v)", name, r.RatioRaw, rawOf(r.Strategy), ok)
+		}
+	}
+	if want := len(cfg.Strategies) * len(faults()); len(res.Crash) != want {
+		t.Fatalf("got %d correctness results, want %d", len(res.Crash), want)
+	}
+	for _, r := range res.Crash {
+		if r.Effects.Doubles != 0 || r.Lost != 0 || r.Faults != cfg.CrashN/cfg.CrashEvery {
+			t.Errorf("%s / %s: %d double, %d lost, %d faults; want 0, 0 and %d", r.Strategy, r.Fault, r.Effects.Doubles, r.Lost, r.Faults, cfg.CrashN/cfg.CrashEvery)
+		}
+	}
+	tables := Markdown(res, cfg)
+	for _, want := range []string{"| raw-sql-stdlib |", "| sqlstore-mysql |", "sqlstore-postgres ≥ 1.0× raw-sql-stdlib",
+		"sqlstore-mysql ≥ 1.0× raw-sql-mysql", "sqlstore-mysql: 0 double / 0 lost"} {
+		if !strings.Contains(tables, want) {
+			t.Errorf("report lacks %q:\n%s", want, tables)
+		}
+	}
+	if strings.Contains(tables, "| raw-sql |") {
+		t.Errorf("report has the pgx baseline, which no strategy of this run compares with:\n%s", tables)
+	}
+}
+
+// TestUnreachableMySQL checks that a run needing MySQL fails, naming the
+// DSN, when the server cannot be reached.
+func TestUnreachableMySQL(t *testing.T) {
+	pgtest.Pool(t, 1)
+	dsn := "root@tcp(127.0.0.1:1)/test"
+	cfg := Config{
+		DSN: pgtest.URL(), MySQLDSN: dsn,
+		N: 10, DupRatios: []float64{0}, Concurrency: []int{1}, Strategies: []string{stSQLStoreMy},
+		CrashN: 10, CrashEvery: 7, CrashWorkers: 1, CrashLease: time.Second, RunTimeout: time.Minute,
+	}
+	_, err := Run(context.Background(), cfg)
+	if err == nil || !strings.Contains(err.Error(), "127.0.0.1:1") {
+		t.Fatalf("got %v, want an error naming the DSN", err)
 	}
 }
 

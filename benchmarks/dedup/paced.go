@@ -85,7 +85,7 @@ func (e *env) paced(ctx context.Context, run pacedRun, s *stream, rate float64, 
 		return r, err
 	}
 	defer p.stop()
-	if err := e.warmConnections(ctx, workers, d.Redis); err != nil {
+	if err := e.warmConnections(ctx, workers, nil, d.Redis); err != nil {
 		return r, err
 	}
 

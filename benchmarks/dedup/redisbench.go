@@ -131,7 +131,7 @@ func (e *env) storeClaims(ctx context.Context, c, n int) (perSec float64, err er
 		return 0, err
 	}
 	defer func() { err = errors.Join(err, fx.close()) }()
-	if err := e.warmConnections(ctx, c, true); err != nil {
+	if err := e.warmConnections(ctx, c, nil, true); err != nil {
 		return 0, err
 	}
 	var (

@@ -31,15 +31,11 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 	}
 	// Loggers print from the subscribers' and handlers' goroutines.
 	cfg.Out = benchutil.SyncWriter(cfg.Out)
-	defs, err := lookupStrategies(cfg.Strategies)
+	baselines, defs, err := lookupStrategies(cfg.Strategies)
 	if err != nil {
 		return nil, err
 	}
-	needRedis := false
-	for _, d := range defs {
-		needRedis = needRedis || d.Redis
-	}
-	e, closeEnv, err := newEnv(ctx, cfg, needRedis)
+	e, closeEnv, err := newEnv(ctx, cfg, needsOf(append(slices.Clone(baselines), defs...)))
 	if err != nil {
 		return nil, err
 	}
@@ -47,9 +43,9 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 
 	res := &Results{}
 	total := 0
-	paced := pacedSelected(defs, cfg)
+	paced := pacedSelected(baselines, defs, cfg)
 	if !cfg.SkipSpeed {
-		total += len(cfg.DupRatios)*len(cfg.Concurrency)*(len(defs)+len(baselineDefs())) + len(paced)
+		total += len(cfg.DupRatios)*len(cfg.Concurrency)*(len(defs)+len(baselines)) + len(paced)
 	}
 	if !cfg.SkipCorrectness {
 		total += len(defs) * len(faults())
@@ -60,7 +56,7 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 		for _, ratio := range cfg.DupRatios {
 			s := newStream(cfg.N, ratio, cfg.Seed)
 			for _, c := range cfg.Concurrency {
-				for _, d := range append(baselineDefs(), defs...) {
+				for _, d := range append(slices.Clone(baselines), defs...) {
 					r, err := e.speed(ctx, d, &s, c)
 					if err != nil {
 						return res, fmt.Errorf("speed %s, %d%% duplicates, %d workers: %w", d.Name, pct(ratio), c, err)
@@ -106,14 +102,15 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 }
 
 // pacedSelected returns the paced runs of the strategies cfg selects
-// (the raw-SQL baseline always runs), none when cfg.PacedN is 0.
-func pacedSelected(defs []strategyDef, cfg Config) []pacedRun {
+// (the raw-SQL baseline's whenever it runs), none when cfg.PacedN is 0.
+func pacedSelected(baselines, defs []strategyDef, cfg Config) []pacedRun {
 	if cfg.PacedN == 0 {
 		return nil
 	}
+	all := append(slices.Clone(baselines), defs...)
 	var out []pacedRun
 	for _, run := range pacedRuns() {
-		if run.Strategy == stRaw || slices.ContainsFunc(defs, func(d strategyDef) bool { return d.Name == run.Strategy }) {
+		if slices.ContainsFunc(all, func(d strategyDef) bool { return d.Name == run.Strategy }) {
 			out = append(out, run)
 		}
 	}
@@ -156,14 +153,34 @@ func (e *env) redisBenchmarks(ctx context.Context, res *Results, defs []strategy
 	return nil
 }
 
-// fillRatios sets every speed result's throughput ratio to the raw-SQL
-// baseline at the same duplicate ratio and concurrency.
+// fillRatios sets every speed result's throughput ratio to its raw-SQL
+// baseline (strategyDef.Raw) at the same duplicate ratio and concurrency;
+// the baselines on their own database and driver have none.
 func fillRatios(rs []SpeedResult) {
 	for i := range rs {
-		if raw, ok := findSpeed(rs, stRaw, rs[i].DupPct, rs[i].Concurrency); ok && raw.MsgsPerSec > 0 {
+		if isRawRef(rs[i].Strategy) && rs[i].Strategy != stRaw {
+			continue
+		}
+		if raw, ok := findSpeed(rs, rawOf(rs[i].Strategy), rs[i].DupPct, rs[i].Concurrency); ok && raw.MsgsPerSec > 0 {
 			rs[i].RatioRaw = rs[i].MsgsPerSec / raw.MsgsPerSec
 		}
 	}
+}
+
+// isRawRef says whether name is a baseline other rows' ratios compare
+// with: raw-sql, raw-sql-stdlib, raw-sql-mysql.
+func isRawRef(name string) bool {
+	return name == stRaw || name == stRawStdlib || name == stRawMySQL
+}
+
+// rawOf is the baseline strategy name's ratio compares with.
+func rawOf(name string) string {
+	for _, d := range allDefs() {
+		if d.Name == name {
+			return d.raw()
+		}
+	}
+	return stRaw
 }
 
 func findSpeed(rs []SpeedResult, strategy string, dupPct, c int) (SpeedResult, bool) {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"slices"
@@ -20,6 +21,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/dedup/twotier"
 	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/middleware"
@@ -63,6 +65,16 @@ const (
 	// stRawBatched is the raw-SQL floor of group commit: the raw
 	// baseline's statements for rawBatchSize messages in one transaction.
 	stRawBatched = "raw-sql-batched"
+	// stSQLStorePG is the inbox on dedup/sqlstore, dialect Postgres,
+	// through database/sql on pgx's stdlib driver; stRawStdlib is its
+	// baseline, raw-sql's statements through the same driver.
+	stSQLStorePG = "sqlstore-postgres"
+	stRawStdlib  = "raw-sql-stdlib"
+	// stSQLStoreMy is the inbox on dedup/sqlstore, dialect MySQL, on
+	// MariaDB through go-sql-driver/mysql; stRawMySQL is its baseline,
+	// the same claim and effect hand-written for MySQL on the same pool.
+	stSQLStoreMy = "sqlstore-mysql"
+	stRawMySQL   = "raw-sql-mysql"
 )
 
 // Group commit, as the batched strategies and the batched raw floor run
@@ -102,6 +114,9 @@ const (
 	effectPGTx
 	// effectSQLiteTx writes it in the inbox's SQLite transaction.
 	effectSQLiteTx
+	// effectSQLTx writes it in dedup/sqlstore's *sql.Tx (sqlstore.Tx),
+	// into the database of the strategy's store.
+	effectSQLTx
 )
 
 // strategyDef describes one way of deduplicating.
@@ -120,7 +135,22 @@ type strategyDef struct {
 	NoStart bool
 	// Postgres, Redis and SQLite say which durable state it needs.
 	Postgres, Redis, SQLite bool
-	Effect                  effectKind
+	// Stdlib says it reaches PostgreSQL through database/sql on pgx's
+	// stdlib driver (a pool of its own); MySQL that its state and effect
+	// live in MariaDB or MySQL.
+	Stdlib, MySQL bool
+	// Raw names the raw-SQL baseline its "× raw" compares with, the one on
+	// its database and driver. Defaults to raw-sql.
+	Raw    string
+	Effect effectKind
+}
+
+// raw is the baseline d's ratio compares with.
+func (d strategyDef) raw() string {
+	if d.Raw == "" {
+		return stRaw
+	}
+	return d.Raw
 }
 
 // strategies lists every strategy, in report order.
@@ -154,6 +184,10 @@ func strategies() []strategyDef {
 			What: "Inbox transactional mode on dedup/twotier: Redis lock, PostgreSQL record"},
 		{Name: stSQLite, ExactlyOnce: true, SQLite: true, Effect: effectSQLiteTx,
 			What: "Inbox transactional mode on dedup/sqlite (a temp file, WAL, synchronous=FULL)"},
+		{Name: stSQLStorePG, ExactlyOnce: true, Postgres: true, Stdlib: true, Raw: stRawStdlib, Effect: effectSQLTx,
+			What: "Inbox transactional mode on dedup/sqlstore, dialect Postgres, through database/sql on pgx's stdlib driver; the effect through sqlstore.Tx; × raw is to raw-sql-stdlib"},
+		{Name: stSQLStoreMy, ExactlyOnce: true, MySQL: true, Raw: stRawMySQL, Effect: effectSQLTx,
+			What: "Inbox transactional mode on dedup/sqlstore, dialect MySQL, on MariaDB through go-sql-driver/mysql; the effect through sqlstore.Tx into MariaDB; × raw is to raw-sql-mysql"},
 	}
 }
 
@@ -169,27 +203,58 @@ func rawBatchedDef() strategyDef {
 		What: fmt.Sprintf("the raw-sql statements for up to %d messages in one transaction: each worker takes up to %d messages off the queue, BEGIN; per message, in key order, INSERT INTO keys … ON CONFLICT DO NOTHING RETURNING and, if new, INSERT effect; COMMIT — through pgx, no middleware", rawBatchSize, rawBatchSize)}
 }
 
-// baselineDefs are the raw-SQL baselines every speed cell runs first.
+// baselineDefs are the raw-SQL baselines on pgx every speed cell of the
+// pgx strategies runs first.
 func baselineDefs() []strategyDef { return []strategyDef{rawDef(), rawBatchedDef()} }
 
-// lookupStrategies returns the definitions named, in report order.
-func lookupStrategies(names []string) ([]strategyDef, error) {
-	all := strategies()
-	if len(names) == 0 {
-		return all, nil
+// sqlBaselineDefs are the raw-SQL baselines of the database/sql
+// strategies: raw-sql's transaction through pgx's stdlib driver, and the
+// same on MySQL. A speed cell runs one first when its strategy runs.
+func sqlBaselineDefs() []strategyDef {
+	return []strategyDef{
+		{Name: stRawStdlib, Baseline: true, Postgres: true, Stdlib: true, Effect: effectPool,
+			What: "raw-sql's BEGIN; INSERT INTO keys … ON CONFLICT DO NOTHING RETURNING; if new INSERT effect; COMMIT — through database/sql on pgx's stdlib driver, the pool sqlstore-postgres uses"},
+		{Name: stRawMySQL, Baseline: true, MySQL: true, Effect: effectPool,
+			What: "the same on MariaDB through go-sql-driver/mysql, the pool sqlstore-mysql uses: BEGIN; INSERT IGNORE INTO keys; if a row was inserted INSERT effect; COMMIT"},
 	}
-	var out []strategyDef
-	for _, d := range all {
-		if slices.Contains(names, d.Name) {
-			out = append(out, d)
-		}
-	}
+}
+
+// allDefs is every strategy and baseline.
+func allDefs() []strategyDef {
+	return append(append(baselineDefs(), sqlBaselineDefs()...), strategies()...)
+}
+
+// lookupStrategies returns the baselines and the strategies a run
+// measures, each in report order. With no names it is all of them; names
+// may name strategies and baselines. A strategy brings the baseline its
+// ratio compares with: raw-sql (and raw-sql-batched) for the pgx ones,
+// raw-sql-stdlib and raw-sql-mysql for the database/sql ones.
+func lookupStrategies(names []string) (baselines, defs []strategyDef, err error) {
 	for _, n := range names {
-		if !slices.ContainsFunc(all, func(d strategyDef) bool { return d.Name == n }) {
-			return nil, fmt.Errorf("unknown strategy %q", n)
+		if !slices.ContainsFunc(allDefs(), func(d strategyDef) bool { return d.Name == n }) {
+			return nil, nil, fmt.Errorf("unknown strategy %q", n)
 		}
 	}
-	return out, nil
+	if len(names) == 0 {
+		return append(baselineDefs(), sqlBaselineDefs()...), strategies(), nil
+	}
+	for _, d := range strategies() {
+		if slices.Contains(names, d.Name) {
+			defs = append(defs, d)
+		}
+	}
+	wanted := func(name string) bool {
+		return slices.Contains(names, name) || slices.ContainsFunc(defs, func(d strategyDef) bool { return d.raw() == name })
+	}
+	if wanted(stRaw) || wanted(stRawBatched) {
+		baselines = baselineDefs()
+	}
+	for _, d := range sqlBaselineDefs() {
+		if wanted(d.Name) {
+			baselines = append(baselines, d)
+		}
+	}
+	return baselines, defs, nil
 }
 
 // errCrashed is what a dead process answers: nothing runs in it any more.
@@ -322,6 +387,10 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tt})
 	case stSQLite:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.sqlite)})
+	case stSQLStorePG, stSQLStoreMy:
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.sqlStore)})
+	case stRawStdlib, stRawMySQL:
+		p.handler = p.rawSQLHandler(d.MySQL)
 	default:
 		err = fmt.Errorf("unknown strategy %q", d.Name)
 	}
@@ -379,6 +448,12 @@ func (p *process) effectHandler(kind effectKind) message.HandlerFunc {
 		switch kind {
 		case effectPool:
 			_, err = f.e.pool.Exec(ctx, f.insertEffect, key, []byte(msg.Payload))
+		case effectSQLTx:
+			tx := sqlstore.Tx(ctx)
+			if tx == nil {
+				return nil, errors.New("effect: no database/sql transaction in the context")
+			}
+			_, err = tx.ExecContext(ctx, f.insertEffect, key, []byte(msg.Payload))
 		case effectPGTx:
 			tx := postgres.Tx(ctx)
 			if tx == nil {
@@ -426,6 +501,52 @@ func (p *process) rawHandler() message.HandlerFunc {
 			return nil, fmt.Errorf("raw: claim: %w", err)
 		}
 		if err := tx.Commit(ctx); err != nil {
+			return nil, fmt.Errorf("raw: commit: %w", err)
+		}
+		return nil, nil
+	}
+}
+
+// rawSQLHandler is rawHandler through database/sql, on the fixture's
+// pool: pgx's stdlib driver, or MySQL, whose claim is INSERT IGNORE
+// (no RETURNING) and tells a new key by the row it inserted. Like
+// ON CONFLICT DO NOTHING, INSERT IGNORE waits on a concurrent
+// transaction's uncommitted row of the same key and then ignores it.
+func (p *process) rawSQLHandler(mysql bool) message.HandlerFunc {
+	f := p.f
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		key := msg.Metadata.Get(dlv.IdempotencyKey)
+		tx, err := f.sqlDB.BeginTx(ctx, nil)
+		if err != nil {
+			return nil, fmt.Errorf("raw: begin: %w", err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		var claimed bool
+		if mysql {
+			var res sql.Result
+			if res, err = tx.ExecContext(ctx, f.rawClaim, key); err == nil {
+				var n int64
+				n, err = res.RowsAffected()
+				claimed = n == 1
+			}
+		} else {
+			var got string
+			err = tx.QueryRowContext(ctx, f.rawClaim, key).Scan(&got)
+			claimed = err == nil
+			if errors.Is(err, sql.ErrNoRows) {
+				err = nil
+			}
+		}
+		if err != nil {
+			return nil, fmt.Errorf("raw: claim: %w", err)
+		}
+		if claimed {
+			if _, err := tx.ExecContext(ctx, f.insertEffect, key, []byte(msg.Payload)); err != nil {
+				return nil, fmt.Errorf("raw: effect: %w", err)
+			}
+		}
+		if err := tx.Commit(); err != nil {
 			return nil, fmt.Errorf("raw: commit: %w", err)
 		}
 		return nil, nil
