@@ -674,9 +674,9 @@ Source: [benchmarks/dedup](dedup/); every measured row is in [dedup/results.csv]
   stdlib driver (a pool of its own on the same PostgreSQL), raw-sql-mysql the same on MySQL/MariaDB
   (-mysql) with INSERT IGNORE as the claim, a new key told by the row it inserted. The MySQL
   strategies get a database of their own per measurement (sqlschema.MigrateSQL), dropped afterwards;
-  the effects and keys tables there have VARBINARY keys. pgx's stdlib driver sends COMMIT without the
-  delivery's context, so those rows count no COMMIT (msgs/COMMIT "—", RT/msg one short per
-  transaction); MySQL statements are not counted.
+  the effects and keys tables there have VARBINARY keys. The PostgreSQL rows count round trips with
+  the same QueryTracer (database/sql on pgx's stdlib driver passes the delivery's context through);
+  the MySQL rows count none (RT "not counted", msgs/COMMIT "—").
 - **Batched raw floor** (raw-sql-batched): the same statements for up to %d messages in one
   transaction. Each worker takes up to %d messages off the queue at once (as many as are queued),
   sorts them by key (so that two transactions holding copies of the same keys take the row locks in
