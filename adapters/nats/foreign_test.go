@@ -4,8 +4,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"fmt"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -23,6 +21,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/nodetest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -34,27 +33,7 @@ import (
 // returns the stream's ack of each.
 func nodeProducer(t *testing.T) func(server string, msgs []nodeMsg) []nodeAck {
 	t.Helper()
-	node, err := exec.LookPath("node")
-	if err != nil {
-		pgtest.Unavailable(t, "node", fmt.Errorf("not installed (Debian package nodejs, Node 20 or newer): %w", err))
-	}
-	npm, err := exec.LookPath("npm")
-	if err != nil {
-		pgtest.Unavailable(t, "npm", fmt.Errorf("not installed (Debian package npm): %w", err))
-	}
-	dir := t.TempDir()
-	for _, f := range []string{"package.json", "package-lock.json", "producer.js"} {
-		b, err := os.ReadFile(filepath.Join("testdata", "nodeproducer", f))
-		require.NoError(t, err)
-		require.NoError(t, os.WriteFile(filepath.Join(dir, f), b, 0o644))
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	install := exec.CommandContext(ctx, npm, "ci", "--no-audit", "--no-fund", "--loglevel=error")
-	install.Dir = dir
-	if out, err := install.CombinedOutput(); err != nil {
-		pgtest.Unavailable(t, "the npm package nats (npm ci)", fmt.Errorf("%w: %s", err, out))
-	}
+	node, dir := nodetest.Install(t, filepath.Join("testdata", "nodeproducer"), "producer.js", "the npm package nats")
 	return func(server string, msgs []nodeMsg) []nodeAck {
 		t.Helper()
 		spec, err := json.Marshal(msgs)

@@ -22,6 +22,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/internal/nodetest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/proctest"
 	"github.com/oncemill/oncemill/middleware"
@@ -75,27 +76,7 @@ type writeResult struct {
 // each an order and its event on topic, every fifth rolled back.
 func nodeWriter(t *testing.T) func(schema, topic string, count int) ([]writeResult, error) {
 	t.Helper()
-	node, err := exec.LookPath("node")
-	if err != nil {
-		pgtest.Unavailable(t, "node", fmt.Errorf("not installed (Debian package nodejs, Node 20 or newer): %w", err))
-	}
-	npm, err := exec.LookPath("npm")
-	if err != nil {
-		pgtest.Unavailable(t, "npm", fmt.Errorf("not installed (Debian package npm): %w", err))
-	}
-	dir := t.TempDir()
-	for _, f := range []string{"package.json", "package-lock.json", "writer.js"} {
-		b, err := os.ReadFile(filepath.Join("testdata", "nodewriter", f))
-		require.NoError(t, err)
-		require.NoError(t, os.WriteFile(filepath.Join(dir, f), b, 0o644))
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	install := exec.CommandContext(ctx, npm, "ci", "--no-audit", "--no-fund", "--loglevel=error")
-	install.Dir = dir
-	if out, err := install.CombinedOutput(); err != nil {
-		pgtest.Unavailable(t, "the npm package pg (npm ci)", fmt.Errorf("%w: %s", err, out))
-	}
+	node, dir := nodetest.Install(t, filepath.Join("testdata", "nodewriter"), "writer.js", "the npm package pg")
 	return func(schema, topic string, count int) ([]writeResult, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()

@@ -21,6 +21,7 @@ import (
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/nodetest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
@@ -30,28 +31,7 @@ import (
 // test's own and returns the node binary and that directory.
 func nodeConsumer(t *testing.T) (node, dir string) {
 	t.Helper()
-	node, err := exec.LookPath("node")
-	if err != nil {
-		pgtest.Unavailable(t, "node", fmt.Errorf("not installed (Debian package nodejs, Node 20 or newer): %w", err))
-	}
-	npm, err := exec.LookPath("npm")
-	if err != nil {
-		pgtest.Unavailable(t, "npm", fmt.Errorf("not installed (Debian package npm): %w", err))
-	}
-	dir = t.TempDir()
-	for _, f := range []string{"package.json", "package-lock.json", "consumer.js"} {
-		b, err := os.ReadFile(filepath.Join("testdata", "nodeconsumer", f))
-		require.NoError(t, err)
-		require.NoError(t, os.WriteFile(filepath.Join(dir, f), b, 0o644))
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	install := exec.CommandContext(ctx, npm, "ci", "--no-audit", "--no-fund", "--loglevel=error")
-	install.Dir = dir
-	if out, err := install.CombinedOutput(); err != nil {
-		pgtest.Unavailable(t, "the npm packages pg and amqplib (npm ci)", fmt.Errorf("%w: %s", err, out))
-	}
-	return node, dir
+	return nodetest.Install(t, filepath.Join("testdata", "nodeconsumer"), "consumer.js", "the npm packages pg and amqplib")
 }
 
 // nodeProcess is a running consumer.js; commits gets a line per commit.
