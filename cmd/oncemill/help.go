@@ -162,7 +162,8 @@ func usage() string {
 Run 'oncemill <command> --help' for a command's arguments and every flag
 it takes, e.g. 'oncemill dlq replay --help'.
 
-Exit status: 0 success (also when nothing matched), 1 failure, 2 usage error.
+Exit status: 0 success (also when nothing matched), 1 failure, 2 usage error;
+reconcile exits 3 when its check could not run.
 `)
 	return b.String()
 }

@@ -205,6 +205,21 @@ func TestReconcile(t *testing.T) {
 	require.Equal(t, exitFailure, r.code, r.stdout+r.stderr)
 	require.Equal(t, map[string]string{gone.UUID: "lost", dropped.UUID: "lost", stuck.UUID: "stuck"}, reconcileRows(r.stdout))
 	require.Contains(t, r.stdout, "failed")
+	require.Contains(t, r.stdout, "3 missing (2 lost, 1 stuck)")
+	// --limit lists the oldest and counts them all.
+	r = f.reconcile(t, consumer, "--limit", "1")
+	require.Equal(t, exitFailure, r.code, r.stdout+r.stderr)
+	require.Equal(t, map[string]string{gone.UUID: "lost"}, reconcileRows(r.stdout))
+	require.Contains(t, r.stdout, "(the oldest 1 of 3 listed: --limit)")
+	require.Equal(t, "oncemill reconcile: 3 missing\n", r.stderr)
+	// --topic checks the consumer's topics only: another topic's consumer
+	// misses nothing here.
+	r = f.reconcile(t, consumer, "--topic", topic)
+	require.Equal(t, exitFailure, r.code, r.stdout+r.stderr)
+	require.Len(t, reconcileRows(r.stdout), 3)
+	r = f.reconcile(t, consumer, "--topic", "payments,refunds")
+	require.Equal(t, exitOK, r.code, r.stdout+r.stderr)
+	require.True(t, strings.HasPrefix(r.stdout, "0 missing (0 lost, 0 stuck) of 0 events"), r.stdout)
 
 	// An event the consumer dead-lettered is not missing: it is what
 	// 'oncemill dlq list' shows.
@@ -238,7 +253,7 @@ func TestReconcile(t *testing.T) {
 	// Outside --since, nothing is checked.
 	r = oncemill(t, nil, "reconcile", "--database", pgtest.URL(), "--schema", f.schema, "--consumer", consumer, "--grace", "1h", "--since", "2h")
 	require.Equal(t, exitOK, r.code, r.stdout+r.stderr)
-	require.True(t, strings.HasPrefix(r.stdout, "0 missing of 0 events"), r.stdout)
+	require.True(t, strings.HasPrefix(r.stdout, "0 missing (0 lost, 0 stuck) of 0 events"), r.stdout)
 }
 
 // TestReconcileErrors: flag mistakes exit 2 naming the flag, before
@@ -254,7 +269,9 @@ func TestReconcileErrors(t *testing.T) {
 		{[]string{"--database", "postgres://x/y", "--consumer", "c", "--grace", "2h", "--since", "1h"}, "--since (1h0m0s) must be longer than --grace"},
 		{[]string{"--database", "postgres://x/y", "--consumer", "c", "--since", "-1h"}, `flag -since: "-1h" is not a positive duration`},
 		{[]string{"--database", "postgres://x/y", "--consumer", "c", "--schema", "Bad"}, "--schema"},
-		{[]string{"--database", "mysql://root@127.0.0.1:3306/test", "--consumer", "c"}, "PostgreSQL only"},
+		{[]string{"--database", "mysql://root@127.0.0.1:3306/test?timeout=soon", "--consumer", "c"}, "--database"},
+		{[]string{"--database", "postgres://x/y", "--consumer", "c", "--limit", "0"}, "--limit must be at least 1"},
+		{[]string{"--database", "postgres://x/y", "--consumer", "c", "--topic", "a,,b"}, `"a,,b" holds an empty topic`},
 		{[]string{"--database", "postgres://x/y", "--consumer", "c", "extra"}, `unexpected argument "extra"`},
 	} {
 		r := oncemill(t, nil, append([]string{"reconcile"}, tc.args...)...)
@@ -268,6 +285,11 @@ func TestReconcileErrors(t *testing.T) {
 	require.Equal(t, exitCannotCheck, r.code, r.stderr)
 	requireOneLine(t, r.stderr)
 	require.Contains(t, r.stderr, "no_such_table")
+	// On MySQL too: a database without the ledger table.
+	r = oncemill(t, nil, "reconcile", "--database", "mysql://root@127.0.0.1:3306/test", "--schema", "no_such_database", "--consumer", "c")
+	require.Equal(t, exitCannotCheck, r.code, r.stderr)
+	requireOneLine(t, r.stderr)
+	require.Contains(t, r.stderr, "no_such_database")
 	r = oncemill(t, nil, "reconcile", "--database", "postgres://postgres@127.0.0.1:1/test?connect_timeout=2", "--consumer", "c")
 	require.Equal(t, exitCannotCheck, r.code, r.stderr)
 	require.Contains(t, r.stderr, "--database")
