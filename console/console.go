@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -97,6 +98,14 @@ type Config struct {
 	// inbox store when that is not the inbox table of Schema (Redis,
 	// SQLite, another schema). Defaults to the inbox table of Schema.
 	Granter dlq.Granter
+	// Reconcile are the checks the overview runs, on every load, one
+	// after the other: what each consumer misses of the events the relay
+	// published, by its ledger (package reconcile, as `oncemill reconcile`
+	// runs it). A check's Ledger defaults to this database and Schema, and
+	// its Limit to 10, the events the overview lists. A check reads its
+	// window of the ledger a page at a time: keep Since short on a busy
+	// ledger. Defaults to none.
+	Reconcile []reconcile.Config
 	// PageSize is the dead letters per page; default 50, at most 1000.
 	PageSize int
 	// MaxPayload caps the payload (and stored result) bytes shown on an
@@ -129,6 +138,11 @@ func (c Config) Validate() error {
 	}
 	if err := c.Schema.WithDefaults().Validate(); err != nil {
 		return fmt.Errorf("%w: Schema: %w", ErrInvalidConfig, err)
+	}
+	for i, rc := range c.Reconcile {
+		if err := c.reconcileCheck(rc).Validate(); err != nil {
+			return fmt.Errorf("%w: Reconcile[%d]: %w", ErrInvalidConfig, i, err)
+		}
 	}
 	return nil
 }
@@ -185,6 +199,11 @@ func New(cfg Config) (*Console, error) {
 	if cfg.DisableAuth {
 		cfg.Token = ""
 	}
+	checks := make([]reconcile.Config, len(cfg.Reconcile))
+	for i, rc := range cfg.Reconcile {
+		checks[i] = cfg.reconcileCheck(rc)
+	}
+	cfg.Reconcile = checks
 	var (
 		store *dlq.Store
 		my    *mysqlData

@@ -26,6 +26,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -276,13 +277,15 @@ func TestConfigValidate(t *testing.T) {
 		cfg   console.Config
 		field string
 	}{
-		"no pool":           {console.Config{Token: "t"}, "Pool"},
-		"no token":          {console.Config{Pool: pool}, "Token"},
-		"negative page":     {console.Config{Pool: pool, Token: "t", PageSize: -1}, "PageSize"},
-		"page too large":    {console.Config{Pool: pool, Token: "t", PageSize: 5000}, "PageSize"},
-		"negative payload":  {console.Config{Pool: pool, Token: "t", MaxPayload: -1}, "MaxPayload"},
-		"bad schema":        {console.Config{Pool: pool, Token: "t", Schema: sqlschema.Config{Schema: "x;y"}}, "Schema"},
-		"payload too large": {console.Config{Pool: pool, Token: "t", MaxPayload: 1 << 30}, "MaxPayload"},
+		"no pool":                {console.Config{Token: "t"}, "Pool"},
+		"no token":               {console.Config{Pool: pool}, "Token"},
+		"negative page":          {console.Config{Pool: pool, Token: "t", PageSize: -1}, "PageSize"},
+		"page too large":         {console.Config{Pool: pool, Token: "t", PageSize: 5000}, "PageSize"},
+		"negative payload":       {console.Config{Pool: pool, Token: "t", MaxPayload: -1}, "MaxPayload"},
+		"bad schema":             {console.Config{Pool: pool, Token: "t", Schema: sqlschema.Config{Schema: "x;y"}}, "Schema"},
+		"payload too large":      {console.Config{Pool: pool, Token: "t", MaxPayload: 1 << 30}, "MaxPayload"},
+		"check without consumer": {console.Config{Pool: pool, Token: "t", Reconcile: []reconcile.Config{{Consumer: "charge"}, {Topics: []string{"orders"}}}}, "Reconcile[1]: reconcile: invalid config: Consumer"},
+		"check window":           {console.Config{Pool: pool, Token: "t", Reconcile: []reconcile.Config{{Consumer: "charge", Since: time.Minute}}}, "Reconcile[0]: reconcile: invalid config: Since"},
 	} {
 		err := tc.cfg.Validate()
 		require.ErrorIs(t, err, console.ErrInvalidConfig, name)

@@ -22,6 +22,9 @@
 //     (dead inbox rows; entries of the dead-letter table, which also hold
 //     messages dead-lettered without an inbox and outlive expired inbox
 //     rows); where they differ for a consumer, the page says so and why.
+//     With Config.Reconcile, the consumers' reconciliation with the
+//     relay's ledger ([reconcile.Check]): events checked, lost, stuck and
+//     unexplained keys, and the oldest missing events.
 //   - /dlq (Dead letters): a filter form (topic, consumer, error text,
 //     since, until: RFC 3339, a UTC time as a datetime-local input sends
 //     it, or a duration ago such as 90m, 2h or 7d), the filtered entries

@@ -38,6 +38,10 @@ type overviewData struct {
 	// DeadDiffer lists the consumers whose dead inbox rows and dead
 	// letters differ in number, which the page explains.
 	DeadDiffer []deadDiff
+
+	// Reconcile holds Config.Reconcile's checks, in order.
+	Reconcile   []reconcileRow
+	LedgerTable string
 }
 
 // deadDiff is a consumer whose count of dead inbox rows (Inbox) differs
@@ -123,6 +127,8 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 	if !d.InboxMissing && d.InboxErr == "" && !d.DLQMissing && d.DLQErr == "" {
 		d.DeadDiffer = deadDiffs(d.Inbox, d.DLQ)
 	}
+
+	d.Reconcile = c.reconcileRows(ctx)
 
 	lag, err := c.outboxLag(ctx)
 	switch {

@@ -18,6 +18,7 @@ import (
 	"github.com/oncemill/oncemill/console"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/reconcile"
 )
 
 // TestDeadLetterFilters: each field of the filter form, alone and
@@ -389,4 +390,94 @@ func TestOverview(t *testing.T) {
 	body = cl.page("/", http.StatusOK)
 	require.Contains(t, section("overview-outbox"), "There is no outbox table")
 	require.Contains(t, section("overview-inbox"), "charge", "the other sections are there")
+}
+
+// TestOverviewReconcile: the overview shows what each configured
+// consumer misses of the events the relay's ledger holds, lists the
+// oldest with a link to the key's inbox page, and says when there is no
+// ledger.
+func TestOverviewReconcile(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	ctx := context.Background()
+	// Six orders events and a payment, an hour old; one order a minute
+	// old (within the grace).
+	_, err := f.pool.Exec(ctx, `INSERT INTO `+f.table("outbox_ledger")+` (uuid, topic, partition_key, idempotency_key, published_at) VALUES
+('u-1', 'orders', 'p', 'order-1', now() - interval '60 minutes'),
+('u-2', 'orders', 'p', 'order-2', now() - interval '59 minutes'),
+('u-3', 'orders', 'p', 'order-3', now() - interval '58 minutes'),
+('u-4', 'orders', 'p', 'order-4', now() - interval '57 minutes'),
+('u-5', 'orders', 'p', 'order-5', now() - interval '56 minutes'),
+('u-6', 'orders', 'p', 'order-<6>', now() - interval '55 minutes'),
+('u-7', 'payments', 'p', 'payment-7', now() - interval '55 minutes'),
+('u-8', 'orders', 'p', 'order-8', now() - interval '1 minute')`)
+	require.NoError(t, err)
+	// charge: 1 and 2 done, 3 failing, 4 dead, 5 dead-lettered, 6
+	// absent; and a done key no event explains. ship: order-1 only.
+	_, err = f.pool.Exec(ctx, `INSERT INTO `+f.table("inbox")+` (consumer, key, status, done_at, expires_at) VALUES
+('charge', 'order-1', 'done', now() - interval '50 minutes', now() + interval '1 day'),
+('charge', 'order-2', 'done', now() - interval '50 minutes', now() + interval '1 day'),
+('charge', 'order-3', 'failed', NULL, now() + interval '1 day'),
+('charge', 'order-4', 'dead', NULL, now() + interval '1 day'),
+('charge', 'forged', 'done', now() - interval '40 minutes', now() + interval '1 day'),
+('ship', 'order-1', 'done', now() - interval '50 minutes', now() + interval '1 day')`)
+	require.NoError(t, err)
+	letter := f.deadLetter("orders", "charge", "card declined", nil)
+	letter.UUID = "u-5"
+	letter.Metadata.Set(delivery.DeadKey, "order-5")
+	f.seed(letter)
+
+	cl := bearer(t, f.console(func(c *console.Config) {
+		c.Reconcile = []reconcile.Config{
+			{Consumer: "charge", Topics: []string{"orders"}, Strict: true},
+			{Consumer: "ship", Topics: []string{"orders"}, Limit: 2},
+		}
+	}))
+	body := cl.page("/", http.StatusOK)
+	i := strings.Index(body, `id="overview-reconcile"`)
+	require.Positive(t, i, "the reconciliation card")
+	card := body[i : i+strings.Index(body[i:], "</section>")]
+	row := func(consumer string) []string {
+		m := regexp.MustCompile(`(?s)<tr><td class="mono">` + consumer + `</td>(.*?)</tr>`).FindStringSubmatch(card)
+		require.NotNil(t, m, consumer)
+		var out []string
+		for _, c := range regexp.MustCompile(`<td[^>]*>(?:<[^>]+>)?([^<]*)`).FindAllStringSubmatch(m[1], 5) {
+			out = append(out, c[1])
+		}
+		return out
+	}
+	require.Equal(t, []string{"orders", "6", "1", "1", "1"}, row("charge"), "topics, checked, lost, stuck, unexplained")
+	require.Equal(t, []string{"orders", "6", "5", "0", "–"}, row("ship"), "not strict")
+
+	missing := func(consumer string) string {
+		m := regexp.MustCompile(`(?s)<table class="grid reconcile-missing" data-consumer="` + consumer + `">(.*?)</table>`).FindStringSubmatch(card)
+		require.NotNil(t, m, consumer)
+		return m[1]
+	}
+	charge := missing("charge")
+	require.Equal(t, 2, strings.Count(charge, "<tr><td>"), charge)
+	require.Regexp(t, `(?s)stuck</span></td><td class="mono">u-3</td>.*failed`, charge)
+	require.Regexp(t, `(?s)lost</span></td><td class="mono">u-6</td>.*href="./inbox\?consumer=charge&amp;key=order-%3c6%3e">order-&lt;6&gt;</a>`, charge)
+	require.NotContains(t, charge, "u-5", "dead-lettered")
+	require.NotContains(t, charge, "u-4", "dead in the inbox")
+	require.NotContains(t, charge, "u-8", "within the grace")
+	require.NotContains(t, charge, "u-7", "another topic")
+	ship := missing("ship")
+	require.Equal(t, 2, strings.Count(ship, "<tr><td>"), "Limit")
+	require.Contains(t, ship, "u-2")
+	require.Contains(t, ship, "u-3")
+	require.Contains(t, card, "the oldest 2 of 5")
+	require.Regexp(t, `(?s)<table class="grid reconcile-unexplained" data-consumer="charge">.*forged`, card)
+	require.NotContains(t, card, `reconcile-unexplained" data-consumer="ship"`)
+
+	// Without the ledger table, the card says so and the rest stays.
+	_, err = f.pool.Exec(ctx, `DROP TABLE `+f.table("outbox_ledger"))
+	require.NoError(t, err)
+	body = cl.page("/", http.StatusOK)
+	require.Contains(t, body, "No ledger table: the relay keeps none")
+	require.Contains(t, body, `id="overview-inbox"`)
+
+	// No checks, no card.
+	body = bearer(t, f.console(nil)).page("/", http.StatusOK)
+	require.NotContains(t, body, `id="overview-reconcile"`)
 }

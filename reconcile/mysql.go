@@ -60,7 +60,7 @@ WHERE published_at >= ` + mysqlAt + ` AND published_at < ` + mysqlAt + `
 	args = append(args, n)
 	rows, err := t.db.QueryContext(ctx, q, args...)
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+		return nil, ledgerError(t.names.Ledger, err)
 	}
 	defer rows.Close()
 	var events []Event
@@ -68,13 +68,13 @@ WHERE published_at >= ` + mysqlAt + ` AND published_at < ` + mysqlAt + `
 		var e Event
 		var us int64
 		if err := rows.Scan(&e.UUID, &e.Topic, &e.Key, &us); err != nil {
-			return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+			return nil, ledgerError(t.names.Ledger, err)
 		}
 		e.PublishedAt = fromMicros(us)
 		events = append(events, e)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+		return nil, ledgerError(t.names.Ledger, err)
 	}
 	return events, nil
 }
@@ -83,7 +83,7 @@ func (t mysqlTables) known(ctx context.Context, keys []string) (map[string]bool,
 	list, args := in(keys)
 	rows, err := t.db.QueryContext(ctx, `SELECT DISTINCT idempotency_key FROM `+t.names.Ledger+` WHERE idempotency_key IN `+list, args...)
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+		return nil, ledgerError(t.names.Ledger, err)
 	}
 	known := map[string]bool{}
 	err = each(rows, func() error {
@@ -95,7 +95,7 @@ func (t mysqlTables) known(ctx context.Context, keys []string) (map[string]bool,
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+		return nil, ledgerError(t.names.Ledger, err)
 	}
 	return known, nil
 }

@@ -38,7 +38,7 @@ ORDER BY published_at, uuid LIMIT $6`
 	}
 	rows, err := t.pool.Query(ctx, q, from, to, at, uuid, topics, n)
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+		return nil, ledgerError(t.names.Ledger, err)
 	}
 	events, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Event, error) {
 		var e Event
@@ -46,7 +46,7 @@ ORDER BY published_at, uuid LIMIT $6`
 		return e, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+		return nil, ledgerError(t.names.Ledger, err)
 	}
 	return events, nil
 }
@@ -54,12 +54,12 @@ ORDER BY published_at, uuid LIMIT $6`
 func (t pgTables) known(ctx context.Context, keys []string) (map[string]bool, error) {
 	rows, err := t.pool.Query(ctx, `SELECT DISTINCT idempotency_key FROM `+t.names.Ledger+` WHERE idempotency_key = ANY($1)`, keys)
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+		return nil, ledgerError(t.names.Ledger, err)
 	}
 	known := map[string]bool{}
 	var k string
 	if _, err := pgx.ForEachRow(rows, []any{&k}, func() error { known[k] = true; return nil }); err != nil {
-		return nil, fmt.Errorf("reconcile: read the ledger %s: %w", t.names.Ledger, err)
+		return nil, ledgerError(t.names.Ledger, err)
 	}
 	return known, nil
 }

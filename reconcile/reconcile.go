@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/sqlschema"
@@ -16,6 +18,30 @@ import (
 // for a Config that is missing a field or has one out of range; the
 // message names the field.
 var ErrInvalidConfig = errors.New("reconcile: invalid config")
+
+// ErrNoLedger is returned, wrapped, by [Check] when the ledger table does
+// not exist: the relay keeps none unless forwarder.RelayConfig.Ledger is
+// set, and sqlschema's migrations create it.
+var ErrNoLedger = errors.New("reconcile: no ledger table")
+
+// ledgerError is err of reading the ledger table name.
+func ledgerError(name string, err error) error {
+	if isUndefinedTable(err) {
+		return fmt.Errorf("%w %s: %w", ErrNoLedger, name, err)
+	}
+	return fmt.Errorf("reconcile: read the ledger %s: %w", name, err)
+}
+
+// isUndefinedTable reports whether err is PostgreSQL's undefined_table or
+// invalid_schema_name, or MySQL's missing table or database.
+func isUndefinedTable(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == "42P01" || pgErr.Code == "3F000"
+	}
+	var myErr *mysql.MySQLError
+	return errors.As(err, &myErr) && (myErr.Number == 1146 || myErr.Number == 1049)
+}
 
 const (
 	// DefaultGrace is Config.Grace's default.

@@ -264,8 +264,27 @@ func TestCheckCannotRun(t *testing.T) {
 	_, err := pool.Exec(ctx, `DROP TABLE `+sqlschema.NamesFor(sqlschema.Postgres, sqlschema.Config{Schema: schema}.WithDefaults()).Ledger)
 	require.NoError(t, err)
 	rep, err := reconcile.Check(ctx, reconcile.Config{Ledger: reconcile.Tables{Pool: pool, Schema: sqlschema.Config{Schema: schema}}, Consumer: consumer})
+	require.ErrorIs(t, err, reconcile.ErrNoLedger)
 	require.ErrorContains(t, err, "outbox_ledger")
 	require.Zero(t, rep.MissingEvents())
+
+	// On MySQL: a database without oncemill's tables.
+	db, _ := mysqltest.DB(t, 2)
+	_, err = reconcile.Check(ctx, reconcile.Config{Ledger: reconcile.Tables{DB: db, Dialect: sqlschema.MySQL, Schema: sqlschema.Config{Schema: "no_such_database"}}, Consumer: consumer})
+	require.ErrorIs(t, err, reconcile.ErrNoLedger)
+
+	// A missing inbox table is an error too, not ErrNoLedger.
+	_, err = pool.Exec(ctx, `DROP TABLE `+sqlschema.NamesFor(sqlschema.Postgres, sqlschema.Config{Schema: schema}.WithDefaults()).Inbox)
+	require.NoError(t, err)
+	ledgerSchema := pgtest.Schema(t, pool)
+	pgLedger(t, pool, ledgerSchema, ledgerRow{"u-1", "orders", "k-1", time.Hour})
+	_, err = reconcile.Check(ctx, reconcile.Config{
+		Ledger:   reconcile.Tables{Pool: pool, Schema: sqlschema.Config{Schema: ledgerSchema}},
+		Inbox:    reconcile.Tables{Pool: pool, Schema: sqlschema.Config{Schema: schema}},
+		Consumer: consumer,
+	})
+	require.ErrorContains(t, err, "read the inbox")
+	require.NotErrorIs(t, err, reconcile.ErrNoLedger)
 }
 
 func TestConfigValidate(t *testing.T) {
