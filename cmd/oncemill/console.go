@@ -24,6 +24,7 @@ import (
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/console"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -51,6 +52,8 @@ type consoleOptions struct {
 	inbox    *inboxTarget // nil without --inbox
 	db       dbTarget
 	schema   sqlschema.Config
+	// reconcile are the overview's checks, from --reconcile.
+	reconcile []reconcile.Config
 }
 
 // consoleOptions parses and checks the console's flags, before anything
@@ -71,6 +74,32 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "`NAME` of the dead-letter table")
 	fs.StringVar(&inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "`NAME` of the inbox table")
 	fs.StringVar(&outboxTable, "outbox-table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table")
+	fs.Func("reconcile", "`CONSUMER[=TOPIC,…]` whose inbox the overview checks against the relay's ledger, on the topics it reads (default every topic), as 'oncemill reconcile' does; repeated for each consumer", func(s string) error {
+		consumer, topics, hasTopics := strings.Cut(s, "=")
+		rc := reconcile.Config{Consumer: strings.TrimSpace(consumer)}
+		if rc.Consumer == "" {
+			return fmt.Errorf("%q names no consumer: want CONSUMER or CONSUMER=TOPIC,TOPIC", s)
+		}
+		if hasTopics {
+			for _, topic := range strings.Split(topics, ",") {
+				if topic = strings.TrimSpace(topic); topic == "" {
+					return fmt.Errorf("%q holds an empty topic", s)
+				}
+				rc.Topics = append(rc.Topics, topic)
+			}
+		}
+		o.reconcile = append(o.reconcile, rc)
+		return nil
+	})
+	grace, since := reconcile.DefaultGrace, reconcile.DefaultSince
+	fs.Func("reconcile-grace", "`DURATION` an event may take from its publish to its consumer's commit: younger events are not checked (default 5m)", func(s string) (err error) {
+		grace, err = parseAgo(s)
+		return err
+	})
+	fs.Func("reconcile-since", "`DURATION` back from now that the overview's checks read (default 24h); each page load reads it, so keep it short on a busy ledger", func(s string) (err error) {
+		since, err = parseAgo(s)
+		return err
+	})
 	pos, err := parse(fs, args)
 	if err != nil {
 		return o, err
@@ -80,6 +109,12 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	}
 	if err := checkAddr(o.addr); err != nil {
 		return o, err
+	}
+	if since <= grace {
+		return o, usagef("--reconcile-since (%s) must be longer than --reconcile-grace (%s): nothing would be checked", since, grace)
+	}
+	for i := range o.reconcile {
+		o.reconcile[i].Grace, o.reconcile[i].Since = grace, since
 	}
 	if o.broker != "" {
 		if o.readOnly {
@@ -172,6 +207,7 @@ func (o consoleOptions) config(pool *pgxpool.Pool, db *sql.DB, pub message.Publi
 		ReadOnly:  o.readOnly,
 		Publisher: pub,
 		Granter:   granter,
+		Reconcile: o.reconcile,
 		Logger:    logger,
 	}
 }

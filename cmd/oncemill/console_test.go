@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -180,6 +181,9 @@ func TestConsoleUsageErrors(t *testing.T) {
 		{nil, []string{"--outbox-table", "Out", "--database", db}, `--outbox-table "Out" is not a valid identifier`},
 		{nil, nil, "--database is required (or set DATABASE_URL)"},
 		{nil, []string{"--database", "postgres://h:notaport/db"}, "--database: "},
+		{nil, []string{"--reconcile", "=orders", "--database", db}, `flag -reconcile: "=orders" names no consumer`},
+		{nil, []string{"--reconcile", "charge=orders,", "--database", db}, `"charge=orders," holds an empty topic`},
+		{nil, []string{"--reconcile", "charge", "--reconcile-since", "1m", "--database", db}, "--reconcile-since (1m0s) must be longer than --reconcile-grace (5m0s)"},
 	} {
 		r := oncemill(t, tc.env, append([]string{"console"}, tc.args...)...)
 		require.Equal(t, exitUsage, r.code, "%v: %s", tc.args, r.stderr)
@@ -242,6 +246,14 @@ func TestConsoleOptions(t *testing.T) {
 	require.Nil(t, cfg.Publisher, "no --broker: replays go to the consumers")
 	require.Equal(t, sqlschema.Config{Schema: "ops", DLQTable: "dead", InboxTable: "in", OutboxTable: "out"}, cfg.Schema)
 	require.False(t, cfg.DisableAuth)
+
+	require.Empty(t, cfg.Reconcile, "no --reconcile: no checks")
+
+	o = consoleOptionsOf(t, env, "--database", db, "--reconcile", "charge=orders.created, orders.paid", "--reconcile", "ship", "--reconcile-since", "2h")
+	require.Equal(t, []reconcile.Config{
+		{Consumer: "charge", Topics: []string{"orders.created", "orders.paid"}, Grace: reconcile.DefaultGrace, Since: 2 * time.Hour},
+		{Consumer: "ship", Grace: reconcile.DefaultGrace, Since: 2 * time.Hour},
+	}, o.config(nil, nil, nil, nil, nil).Reconcile)
 
 	o = consoleOptionsOf(t, map[string]string{"DATABASE_URL": db}, "--broker", "kafka://127.0.0.1:1")
 	require.Equal(t, "kafka://127.0.0.1:1", o.broker)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"net/url"
 	"strings"
 	"testing"
@@ -249,6 +250,19 @@ func TestReconcile(t *testing.T) {
 	for _, e := range events {
 		require.NotContains(t, r.stdout, "\n"+e.Metadata.Get(delivery.IdempotencyKey)+" ", "explained by its ledger row")
 	}
+
+	// The console's overview shows the same findings.
+	const token = "reconcile-console-token"
+	cr := startConsole(t, nil, "--addr", "127.0.0.1:0", "--database", pgtest.URL(), "--schema", f.schema, "--token", token,
+		"--reconcile", consumer+"="+topic, "--reconcile-grace", "1ms", "--reconcile-since", "1h")
+	code, body := get(t, cr.url, "", token)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `id="overview-reconcile"`)
+	for _, lost := range []*message.Message{gone, dropped} {
+		require.Regexp(t, `lost</span></td><td class="mono">`+lost.UUID+`</td>`, body)
+	}
+	require.NotContains(t, body, stuck.UUID, "dead-lettered")
+	require.Equal(t, exitOK, cr.stop(t), "stderr: %s", cr.stderr)
 
 	// Outside --since, nothing is checked.
 	r = oncemill(t, nil, "reconcile", "--database", pgtest.URL(), "--schema", f.schema, "--consumer", consumer, "--grace", "1h", "--since", "2h")
