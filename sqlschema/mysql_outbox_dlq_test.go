@@ -10,11 +10,12 @@ import (
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// TestMySQLOutboxAndDLQMigrations: 002 creates the outbox with its 64
-// lanes, 003 the dead-letter table whose once_key keeps one entry per
-// consumer, topic and UUID until its replay is requested; applied twice
+// TestMySQLOutboxDLQAndLedgerMigrations: 002 creates the outbox with its
+// 64 lanes, 003 the dead-letter table whose once_key keeps one entry per
+// consumer, topic and UUID until its replay is requested, 004 the relay's
+// ledger with its published_at and idempotency_key indexes; applied twice
 // they change nothing, and their down steps undo them.
-func TestMySQLOutboxAndDLQMigrations(t *testing.T) {
+func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 	t.Parallel()
 	name := mysqltest.Database(t)
 	mc := mysqltest.Config(t, name)
@@ -24,9 +25,10 @@ func TestMySQLOutboxAndDLQMigrations(t *testing.T) {
 	cfg := sqlschema.Config{Schema: name, OutboxTable: "events"}
 	ms, err := sqlschema.Migrations(sqlschema.MySQL, cfg)
 	require.NoError(t, err)
-	require.Len(t, ms, 3)
+	require.Len(t, ms, 4)
 	require.Equal(t, "outbox", ms[1].Name)
 	require.Equal(t, "dlq", ms[2].Name)
+	require.Equal(t, "ledger", ms[3].Name)
 	for range 2 {
 		for _, m := range ms {
 			_, err := db.ExecContext(ctx, m.Up)
@@ -66,10 +68,28 @@ func TestMySQLOutboxAndDLQMigrations(t *testing.T) {
 	}
 	require.Equal(t, 4, count("SELECT COUNT(*) FROM `"+name+"`.dlq"), "the digest tells the parts apart")
 
+	ledger := "`" + name + "`.outbox_ledger"
+	_, err = db.ExecContext(ctx, "INSERT INTO "+ledger+" (uuid, topic, partition_key, idempotency_key, published_at)\n"+
+		"VALUES ('u-1', 'orders', 'order-7', 'order-7:paid', '2026-03-01 12:00:00.123456')")
+	require.NoError(t, err)
+	var at string
+	require.NoError(t, db.QueryRowContext(ctx, "SELECT published_at FROM "+ledger+" WHERE idempotency_key = 'order-7:paid'").Scan(&at))
+	require.Equal(t, "2026-03-01 12:00:00.123456", at, "published_at keeps microseconds")
+	indexes := map[string]string{}
+	rs, err := db.QueryContext(ctx, "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = 'outbox_ledger'", name)
+	require.NoError(t, err)
+	for rs.Next() {
+		var ix, col string
+		require.NoError(t, rs.Scan(&ix, &col))
+		indexes[ix] = col
+	}
+	require.NoError(t, rs.Err())
+	require.Equal(t, map[string]string{"PRIMARY": "id", "outbox_ledger_key_idx": "idempotency_key", "outbox_ledger_published_at_idx": "published_at"}, indexes)
+
 	for i := len(ms) - 1; i >= 1; i-- {
 		_, err := db.ExecContext(ctx, ms[i].Down)
 		require.NoError(t, err, "%03d_%s down", ms[i].Version, ms[i].Name)
 	}
 	require.Equal(t, 2, count("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = '"+name+"' AND TABLE_NAME LIKE 'inbox%'"), "the inbox's tables stay")
-	require.Equal(t, 2, count("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = '"+name+"'"), "the outbox, its lanes and the dead-letter table are gone")
+	require.Equal(t, 2, count("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = '"+name+"'"), "the outbox, its lanes, the dead-letter and the ledger tables are gone")
 }

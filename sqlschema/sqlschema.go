@@ -63,8 +63,8 @@ type Config struct {
 	// one package dlq writes and reads. Defaults to "dlq".
 	DLQTable string
 	// LedgerTable is the name of the table where the relay records what
-	// it published when forwarder.RelayConfig.Ledger is set, and that
-	// `oncemill reconcile` reads (PostgreSQL only). Defaults to
+	// it published when forwarder.RelayConfig.Ledger is set (PostgreSQL
+	// and MySQL), and that `oncemill reconcile` reads. Defaults to
 	// "outbox_ledger".
 	LedgerTable string
 }
@@ -165,7 +165,7 @@ type Names struct {
 	// DLQName is the bare dead-letter table name.
 	DLQName string
 	// Ledger is the quoted, schema-qualified ledger table (PostgreSQL
-	// only).
+	// and MySQL).
 	Ledger string
 	// LedgerName is the bare ledger table name.
 	LedgerName string
