@@ -25,14 +25,13 @@ const (
 	// rows past their retention.
 	ledgerPruneInterval = time.Minute
 	// ledgerPruneBatch is the most ledger rows one statement deletes, so
-	// that no delete holds long locks or writes a large WAL burst.
+	// that no delete holds long locks or writes a large WAL (or binlog)
+	// burst.
 	ledgerPruneBatch = 1000
 )
 
 func (c RelayConfig) validateLedger() error {
 	switch {
-	case c.Ledger && c.DB != nil:
-		return fmt.Errorf("forwarder: RelayConfig.Ledger is PostgreSQL only (RelayConfig.Pool), not %s", c.Dialect)
 	case c.LedgerRetention < 0:
 		return fmt.Errorf("forwarder: RelayConfig.LedgerRetention must not be negative, got %s", c.LedgerRetention)
 	case c.Ledger && c.LedgerRetention < time.Minute:
@@ -64,23 +63,24 @@ SELECT id, topic, uuid, partition_key, payload, metadata FROM taken`
 }
 
 // PruneLedger deletes the ledger rows older than RelayConfig.LedgerRetention,
-// 1000 rows per statement, each statement its own transaction, until none
-// is left or ctx is done; it returns how many it deleted. Run calls it at
-// start and every minute; call it from a job of your own if the relay
-// runs rarely.
+// by the database's clock, 1000 rows per statement, each statement its own
+// transaction, until none is left or ctx is done; it returns how many it
+// deleted. Run calls it at start and every minute; call it from a job of
+// your own if the relay runs rarely.
 func (r *Relay) PruneLedger(ctx context.Context) (int, error) {
 	if !r.cfg.Ledger {
 		return 0, ErrNoLedger
 	}
-	q := `DELETE FROM ` + r.names.Ledger + ` WHERE ctid IN (
-	SELECT ctid FROM ` + r.names.Ledger + ` WHERE published_at < now() - $1::float8 * interval '1 second' LIMIT $2)`
+	prune := r.pgPruneLedger
+	if r.cfg.DB != nil {
+		prune = r.mysqlPruneLedger
+	}
 	total := 0
 	for {
-		tag, err := r.cfg.Pool.Exec(ctx, q, r.cfg.LedgerRetention.Seconds(), ledgerPruneBatch)
+		n, err := prune(ctx)
 		if err != nil {
 			return total, fmt.Errorf("forwarder: prune the ledger %s: %w", r.names.Ledger, err)
 		}
-		n := int(tag.RowsAffected())
 		total += n
 		if n < ledgerPruneBatch {
 			return total, nil
@@ -102,4 +102,30 @@ func (r *Relay) pruneLedger(ctx context.Context) {
 	if n > 0 {
 		r.cfg.Logger.Debug("Ledger pruned", watermill.LogFields{"deleted": n, "retention": r.cfg.LedgerRetention.String()})
 	}
+}
+
+// pgPruneLedger deletes up to ledgerPruneBatch expired ledger rows on
+// PostgreSQL, and returns how many.
+func (r *Relay) pgPruneLedger(ctx context.Context) (int, error) {
+	q := `DELETE FROM ` + r.names.Ledger + ` WHERE ctid IN (
+	SELECT ctid FROM ` + r.names.Ledger + ` WHERE published_at < now() - $1::float8 * interval '1 second' LIMIT $2)`
+	tag, err := r.cfg.Pool.Exec(ctx, q, r.cfg.LedgerRetention.Seconds(), ledgerPruneBatch)
+	if err != nil {
+		return 0, err
+	}
+	return int(tag.RowsAffected()), nil
+}
+
+// mysqlPruneLedger deletes up to ledgerPruneBatch expired ledger rows on
+// MySQL, the oldest first through the published_at index, and returns how
+// many. published_at is UTC, as UTC_TIMESTAMP(6) is.
+func (r *Relay) mysqlPruneLedger(ctx context.Context) (int, error) {
+	q := `DELETE FROM ` + r.names.Ledger + ` WHERE published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+ORDER BY published_at LIMIT ?`
+	res, err := r.cfg.DB.ExecContext(ctx, q, r.cfg.LedgerRetention.Microseconds(), ledgerPruneBatch)
+	if err != nil {
+		return 0, err
+	}
+	n, err := res.RowsAffected()
+	return int(n), err
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -36,7 +37,9 @@ import (
 //     too; step 4 comes after step 3, so a row that was in flight when
 //     step 3 read the lane is seen by step 4, committed by then or not,
 //     and each lane is cut before its first such row;
-//  5. the rows themselves, published in id order, then deleted; commit.
+//  5. the rows themselves, published in id order, then deleted and, with
+//     RelayConfig.Ledger, recorded in the ledger (one INSERT for the
+//     batch's published rows); commit.
 //
 // The writers never wait for the relay: it locks rows of the lanes table,
 // which they never touch, and outbox rows they no longer hold; no gap is
@@ -64,9 +67,13 @@ type mysqlRelaySQL struct {
 	// inFlightPart is one lane's rows below an id (arguments: lane, id),
 	// read uncommitted.
 	inFlightPart string
-	// rows reads rows by id; remove deletes the rows of a JSON array of
-	// ids.
+	// rows reads rows by id, and with the ledger the server's time in UTC
+	// (the rows' published_at); remove deletes the rows of a JSON array
+	// of ids.
 	rows, remove string
+	// record starts the INSERT of ledger rows, which a "(?, ?, ?, ?, ?)"
+	// per row completes; empty without a ledger.
+	record string
 	// deadLetter writes a refused row to the dead-letter table.
 	deadLetter string
 	probe      string
@@ -123,6 +130,11 @@ func newMySQLOutbox(cfg RelayConfig, names sqlschema.Names) *mysqlOutbox {
 	if !cfg.LockOrderedWriters {
 		lock = " FOR UPDATE SKIP LOCKED"
 	}
+	takenAt, record := "", ""
+	if cfg.Ledger {
+		takenAt = ", UTC_TIMESTAMP(6)"
+		record = `INSERT INTO ` + names.Ledger + ` (uuid, topic, partition_key, idempotency_key, published_at) VALUES `
+	}
 	return &mysqlOutbox{
 		db:            cfg.DB,
 		consumer:      relayConsumer(cfg.Schema.Schema + "." + cfg.Schema.OutboxTable),
@@ -135,11 +147,12 @@ func newMySQLOutbox(cfg RelayConfig, names sqlschema.Names) *mysqlOutbox {
 			committedPart: `(SELECT id, lane FROM ` + byLane + ` WHERE lane = ? ORDER BY id LIMIT ?` + lock + `)`,
 			committedEnd:  ` ORDER BY id LIMIT ?`,
 			inFlightPart:  `(SELECT id, lane FROM ` + byLane + ` WHERE lane = ? AND id < ?)`,
-			rows:          `SELECT id, topic, uuid, partition_key, payload, metadata FROM ` + t + ` FORCE INDEX (PRIMARY) WHERE id IN (`,
+			rows:          `SELECT id, topic, uuid, partition_key, payload, metadata` + takenAt + ` FROM ` + t + ` FORCE INDEX (PRIMARY) WHERE id IN (`,
 			// One primary-key lookup per id (eq_ref), whatever the table's
 			// size: the ids (a JSON array) are the outer table of the join.
 			remove: `DELETE o FROM JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT UNSIGNED PATH '$')) AS j
 STRAIGHT_JOIN ` + t + ` AS o ON o.id = j.id`,
+			record:     record,
 			deadLetter: mysqlDeadLetter(names),
 			probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + `)`,
 			lagQueries: newMySQLLagQueries(names),
@@ -281,12 +294,19 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: read rows: %w", err)
 	}
+	// takenAt is the server's UTC_TIMESTAMP(6) with the ledger: text, or a
+	// time.Time in the driver's loc under parseTime, sent back as it came.
+	var takenAt any
 	batch, err := collect(rs, func(rs *sql.Rows) (row, error) {
 		var (
 			x                        row
 			topic, uuid, key, mdJSON []byte
 		)
-		if err := rs.Scan(&x.id, &topic, &uuid, &key, &x.payload, &mdJSON); err != nil {
+		dest := []any{&x.id, &topic, &uuid, &key, &x.payload, &mdJSON}
+		if o.q.record != "" {
+			dest = append(dest, &takenAt)
+		}
+		if err := rs.Scan(dest...); err != nil {
 			return x, err
 		}
 		x.topic, x.uuid, x.key = string(topic), string(uuid), string(key)
@@ -324,7 +344,44 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 	if _, err := tx.ExecContext(context.WithoutCancel(ctx), o.q.remove, string(idsJSON)); err != nil {
 		return 0, fmt.Errorf("forwarder: delete %d published rows (they will be published again): %w", len(ids), err)
 	}
+	if o.q.record != "" {
+		if err := o.record(context.WithoutCancel(ctx), tx, batch, takenAt); err != nil {
+			return 0, fmt.Errorf("forwarder: record %d published rows in the ledger (they will be published again): %w", published, err)
+		}
+	}
 	return published, nil
+}
+
+// record inserts the ledger rows of batch's published rows, in one
+// statement: five placeholders a row, which BatchSize (at most 10000)
+// keeps under the server's 65535. Refused rows were dead-lettered, not
+// published: they get none. at is their published_at, the time the
+// batch read them.
+func (o *mysqlOutbox) record(ctx context.Context, tx *sql.Tx, batch []row, at any) error {
+	var (
+		b    strings.Builder
+		args = make([]any, 0, 5*len(batch))
+	)
+	b.WriteString(o.q.record)
+	for _, x := range batch {
+		if x.refused != nil {
+			continue
+		}
+		if len(args) > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString("(?, ?, ?, ?, ?)")
+		key, ok := x.metadata[delivery.IdempotencyKey]
+		if !ok {
+			key = x.uuid
+		}
+		args = append(args, []byte(x.uuid), []byte(x.topic), []byte(x.key), []byte(key), at)
+	}
+	if len(args) == 0 {
+		return nil
+	}
+	_, err := tx.ExecContext(ctx, b.String(), args...)
+	return err
 }
 
 // cutBeforeInFlight reads, after taken was read, the rows of taken's

@@ -126,14 +126,17 @@ type RelayConfig struct {
 	// lag hooks (one count of the table). Defaults to 5s.
 	LagInterval time.Duration
 	// Ledger makes the relay record each row it publishes in the ledger
-	// table (sqlschema.Config.LedgerTable), in the statement that deletes
-	// the row from the outbox, so that the record commits with the delete,
-	// once the broker took the message: uuid, topic, partition key, the
-	// idempotency key the inbox's default KeyFunc derives (the
-	// idempotency_key metadata, else the UUID) and the time the relay took
-	// the row. `oncemill reconcile` compares it with a consumer's inbox.
-	// It costs no extra statement per batch, only the ledger rows'
-	// inserts. PostgreSQL only. Defaults to false: no ledger.
+	// table (sqlschema.Config.LedgerTable), in the batch's transaction,
+	// which deletes the row from the outbox, so that the record commits
+	// with the delete, once the broker took the message: uuid, topic,
+	// partition key, the idempotency key the inbox's default KeyFunc
+	// derives (the idempotency_key metadata, else the UUID) and the time
+	// the relay took the row. A row the relay refuses and dead-letters
+	// gets no record. `oncemill reconcile` compares the ledger with a
+	// consumer's inbox. On PostgreSQL it costs no extra statement per
+	// batch (the statement that deletes the rows records them), on MySQL
+	// one INSERT per batch; either way the ledger rows' inserts.
+	// Defaults to false: no ledger.
 	Ledger bool
 	// LedgerRetention is how long ledger rows are kept: the relay deletes
 	// older ones at start and then every minute, 1000 rows per
