@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/mysqltest"
 	"github.com/oncemill/oncemill/internal/pgtest"
@@ -287,4 +289,71 @@ func TestMySQLReplayGrantsOnInbox(t *testing.T) {
 	r = f.dlq(t, "replay", "--all", "--broker", broker, "--inbox", "mysql://app:secret@127.0.0.1:1/x?schema=bad;name")
 	require.Equal(t, exitUsage, r.code)
 	require.NotContains(t, r.stderr, "secret")
+}
+
+// TestMySQLRelayLedgerFlag: "oncemill relay --ledger" on a mysql://
+// database keeps the ledger: every row it relays has its ledger row, with
+// the inbox's default key. Without the ledger table the relay refuses to
+// start, naming it.
+func TestMySQLRelayLedgerFlag(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := setupMySQL(t)
+	topic := pgtest.Name(t)
+	broker := pgBroker(t, pgtest.Pool(t, 2), topic)
+
+	tx, err := f.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer tx.Rollback() //nolint:errcheck // no-op after commit
+	pub, err := forwarder.NewSQLTxPublisher(ctx, tx, sqlschema.MySQL, sqlschema.Config{Schema: f.name})
+	require.NoError(t, err)
+	want := map[string]string{} // uuid: key
+	for i := range 3 {
+		m := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(i)))
+		want[m.UUID] = m.UUID
+		if i > 0 {
+			m.Metadata.Set(delivery.IdempotencyKey, "order-"+strconv.Itoa(i))
+			want[m.UUID] = "order-" + strconv.Itoa(i)
+		}
+		require.NoError(t, pub.Publish(topic, m))
+	}
+	require.NoError(t, tx.Commit())
+
+	ledger := "`" + f.name + "`.`outbox_ledger`"
+	count := func(table string) (n int) {
+		require.NoError(t, f.db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+table).Scan(&n))
+		return n
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	var out, errOut syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- run(runCtx, []string{"relay", "--database", f.url, "--schema", f.name, "--broker", broker,
+			"--listen", "", "--ledger", "--ledger-retention", "48h"}, func(string) string { return "" }, &out, &errOut)
+	}()
+	require.Eventually(t, func() bool {
+		return count(ledger) == len(want)
+	}, 30*time.Second, 20*time.Millisecond, errOut.String())
+	stop()
+	require.Equal(t, exitOK, <-done, errOut.String())
+	require.Zero(t, count("`"+f.name+"`.`outbox`"))
+	rs, err := f.db.QueryContext(ctx, "SELECT uuid, topic, idempotency_key FROM "+ledger)
+	require.NoError(t, err)
+	got := map[string]string{}
+	for rs.Next() {
+		var uuid, tpc, key string
+		require.NoError(t, rs.Scan(&uuid, &tpc, &key))
+		require.Equal(t, topic, tpc)
+		got[uuid] = key
+	}
+	require.NoError(t, rs.Err())
+	require.Equal(t, want, got, "one ledger row per relayed row, with its key")
+
+	_, err = f.db.ExecContext(ctx, "DROP TABLE "+ledger)
+	require.NoError(t, err)
+	r := oncemill(t, nil, "relay", "--database", f.url, "--schema", f.name, "--broker", broker, "--listen", "", "--ledger")
+	require.Equal(t, exitFailure, r.code, r.stderr)
+	requireOneLine(t, r.stderr)
+	require.Contains(t, r.stderr, ledger+" does not exist")
+	require.Contains(t, r.stderr, "--ledger")
 }

@@ -129,7 +129,7 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	fs.DurationVar(&o.poll, "poll-interval", 250*time.Millisecond, "longest wait (`DURATION`) between two looks for rows while the outbox stays empty; while rows flow the relay looks again at once ($"+relayEnv("poll-interval")+")")
 	fs.DurationVar(&o.drain, "drain-timeout", 5*time.Second, "how long (`DURATION`), once told to stop, the batch in flight may take to finish publishing and deleting its rows; past it the batch rolls back and its rows stay ($"+relayEnv("drain-timeout")+")")
 	fs.BoolVar(&o.ordered, "lock-ordered-writers", false, "the service's writers of each partition key are ordered by a lock each holds until it commits, taken before its outbox insert (the key's business row): publish every committed row at once instead of waiting until every older transaction on the server has ended, so that a transaction left open elsewhere on the server no longer stalls the outbox; see forwarder.RelayConfig.LockOrderedWriters ($"+relayEnv("lock-ordered-writers")+")")
-	fs.BoolVar(&o.ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the statement that deletes it from the outbox; PostgreSQL only; see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
+	fs.BoolVar(&o.ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the transaction that deletes it from the outbox (PostgreSQL or MySQL); see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
 	fs.DurationVar(&o.retention, "ledger-retention", forwarder.DefaultLedgerRetention, "how long (`DURATION`) ledger rows are kept, at least 1m; only with --ledger ($"+relayEnv("ledger-retention")+")")
 	fs.StringVar(&o.listen, "listen", defaultRelayListen, "`HOST:PORT` to serve /healthz and /metrics on; empty: no HTTP ($"+relayEnv("listen")+")")
 	fs.BoolVar(&o.migrate, "migrate", false, "create or upgrade oncemill's tables (sqlschema.Migrate) before relaying; without it the outbox table must exist ($"+relayEnv("migrate")+")")
@@ -167,9 +167,6 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	}
 	if o.db, o.schema, err = c.target(); err != nil {
 		return o, err
-	}
-	if o.ledger && o.db.my != nil {
-		return o, usagef("%s is PostgreSQL only: the MySQL relay keeps no ledger", o.field("ledger"))
 	}
 	o.schema = sqlschema.Config{Schema: o.schema.Schema, OutboxTable: c.table}
 	return o, nil
@@ -278,6 +275,16 @@ func (o relayOptions) prepare(ctx context.Context, db relayDB) error {
 		if n == 0 {
 			return o.noOutbox("`" + cfg.Schema + "`.`" + cfg.OutboxTable + "`")
 		}
+		if o.ledger {
+			err := db.sql.QueryRowContext(ctx, `SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = ?`,
+				cfg.Schema, cfg.LedgerTable).Scan(&n)
+			if err != nil {
+				return fmt.Errorf("look for the ledger table: %w", err)
+			}
+			if n == 0 {
+				return o.noLedger(sqlschema.NamesFor(sqlschema.MySQL, cfg).Ledger)
+			}
+		}
 		return nil
 	}
 	if o.migrate {
@@ -300,11 +307,15 @@ func (o relayOptions) prepare(ctx context.Context, db relayDB) error {
 			return fmt.Errorf("look for the ledger table: %w", err)
 		}
 		if found == nil {
-			return fmt.Errorf("the ledger table %s does not exist in the database, and %s needs it: upgrade the service's migrations "+
-				"(sqlschema.Migrate, or its SQL files), or run once with --migrate", ledger, o.field("ledger"))
+			return o.noLedger(ledger)
 		}
 	}
 	return nil
+}
+
+func (o relayOptions) noLedger(name string) error {
+	return fmt.Errorf("the ledger table %s does not exist in the database, and %s needs it: upgrade the service's migrations "+
+		"(sqlschema.Migrate, or its SQL files), or run once with --migrate", name, o.field("ledger"))
 }
 
 func (o relayOptions) noOutbox(name string) error {
