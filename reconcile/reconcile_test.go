@@ -311,3 +311,29 @@ func TestConfigValidate(t *testing.T) {
 		require.True(t, errors.Is(checkErr, reconcile.ErrInvalidConfig), fmt.Sprint(field, checkErr))
 	}
 }
+
+// TestCheckMySQLLedger reads the ledger on MySQL, as the MySQL relay
+// keeps it (DATETIME(6) in UTC), against an inbox there too.
+func TestCheckMySQLLedger(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	in := newMySQLInbox(t).(mysqlInbox)
+	for _, r := range []ledgerRow{
+		{"u-applied", "orders", "k-applied", 10 * time.Minute},
+		{"u-absent", "orders", "k-absent", 9 * time.Minute},
+		{"u-young", "orders", "k-young", time.Minute},
+	} {
+		_, err := in.db.ExecContext(ctx, "INSERT INTO "+in.names().Ledger+" (uuid, topic, partition_key, idempotency_key, published_at)"+
+			" VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)", r.uuid, r.topic, r.key, r.key, r.ago.Microseconds())
+		require.NoError(t, err)
+	}
+	in.key(t, consumer, "k-applied", "done", 8*time.Minute)
+	in.key(t, consumer, "k-ghost", "done", 7*time.Minute)
+	rep, err := reconcile.Check(ctx, reconcile.Config{Ledger: in.tables(), Consumer: consumer, Strict: true})
+	require.NoError(t, err)
+	require.Equal(t, 2, rep.Checked)
+	require.Equal(t, []string{"u-absent "}, described(rep.Missing))
+	require.WithinDuration(t, time.Now().Add(-9*time.Minute), rep.Missing[0].PublishedAt, time.Minute)
+	require.Equal(t, 1, rep.UnexplainedKeys)
+	require.Equal(t, "k-ghost", rep.Unexplained[0].Key)
+}
