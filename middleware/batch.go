@@ -79,12 +79,19 @@ type queued struct {
 	key dedup.Key
 	h   message.HandlerFunc
 	o   *attemptObs
+	seq uint64 // arrival order, across consumers
 
 	wake chan struct{} // a token: done, or asked to lead
 	// drain is the context its handler runs on (with the batch's
 	// transaction added): its drain budget starts when the delivery's
-	// context is cancelled, not when its turn in the batch comes.
+	// context is cancelled, not when its turn in the batch comes. It has
+	// no deadline of its own: see budget.
 	drain context.Context
+	// budget is what was left of the delivery's deadline (Watermill's
+	// Timeout middleware) when it arrived; each run of its handler gets
+	// that much from when it starts, so that the time it waited for its
+	// batch and its mates' handlers is not charged to it. 0: no deadline.
+	budget time.Duration
 	// Set under the batcher's lock.
 	lead bool
 	done bool
@@ -97,9 +104,14 @@ type queued struct {
 }
 
 // batcher forms batches from the deliveries that call it and runs them
-// in the callers' own goroutines: the first caller that finds a slot free
-// leads, runs batches until its own delivery is done, then hands the lead
-// to a waiting delivery. It starts no goroutine.
+// in the callers' own goroutines: a caller that finds a slot free leads,
+// runs batches of its consumer until its own delivery is done, then hands
+// its slot to the delivery that has waited longest, of whichever
+// consumer, or frees it. It starts no goroutine.
+//
+// A slot is never lost: leaders counts the deliveries that hold one, and
+// a delivery asked to lead after another leader finished it passes the
+// slot on at once. An idle batcher holds none.
 type batcher struct {
 	in    *Inbox
 	store dedupdriver.BatchClaimer
@@ -109,6 +121,7 @@ type batcher struct {
 	running map[dedup.Key]bool   // keys in a batch that runs
 	leaders int                  // slots taken
 	linger  map[string]time.Time // when the oldest queued delivery arrived, by consumer
+	seq     uint64
 }
 
 func newBatcher(in *Inbox, store dedupdriver.BatchClaimer) *batcher {
@@ -120,8 +133,12 @@ func newBatcher(in *Inbox, store dedupdriver.BatchClaimer) *batcher {
 // it is counted then).
 func (b *batcher) handle(msg *message.Message, key dedup.Key, h message.HandlerFunc, o *attemptObs) ([]*message.Message, bool, error) {
 	q := &queued{msg: msg, key: key, h: h, o: o, wake: make(chan struct{}, 1)}
+	if d, ok := msg.Context().Deadline(); ok {
+		// A budget already spent still cuts the handler short at once.
+		q.budget = max(time.Until(d), time.Nanosecond)
+	}
 	var endDrain func()
-	q.drain, endDrain = drainContext(msg.Context(), b.in.cfg.DrainTimeout)
+	q.drain, endDrain = drainContextOf(msg.Context(), b.in.cfg.DrainTimeout, false)
 	defer endDrain()
 	b.mu.Lock()
 	for _, other := range b.queues[key.Consumer] {
@@ -135,6 +152,8 @@ func (b *batcher) handle(msg *message.Message, key dedup.Key, h message.HandlerF
 	if len(b.queues[key.Consumer]) == 0 {
 		b.linger[key.Consumer] = time.Now()
 	}
+	b.seq++
+	q.seq = b.seq
 	b.queues[key.Consumer] = append(b.queues[key.Consumer], q)
 	lead := b.leaders < b.in.cfg.Batch.Parallel
 	if lead {
@@ -149,46 +168,71 @@ func (b *batcher) handle(msg *message.Message, key dedup.Key, h message.HandlerF
 		done, asked := q.done, q.lead
 		q.lead = false
 		b.mu.Unlock()
-		if done {
-			return q.produced, !q.single, q.err
-		}
 		if asked {
+			// Even when another leader finished q meanwhile: lead passes
+			// the slot on.
 			b.lead(q)
 			continue
+		}
+		if done {
+			return q.produced, !q.single, q.err
 		}
 		<-q.wake
 	}
 }
 
 // lead runs batches of self's consumer until self is done, then passes
-// the lead on to a waiting delivery, or frees the slot.
+// its slot on.
 func (b *batcher) lead(self *queued) {
 	consumer := self.key.Consumer
 	for {
-		batch := b.take(consumer)
-		if len(batch) > 0 {
-			b.in.runBatch(b.store, batch, false)
-			b.finish(batch)
-		}
 		b.mu.Lock()
 		if self.done {
-			if q := b.queues[consumer]; len(q) > 0 {
-				next := q[0]
-				next.lead = true
-				b.mu.Unlock()
-				signal(next)
-				return
-			}
-			b.leaders--
+			b.passSlot()
 			b.mu.Unlock()
 			return
 		}
 		b.mu.Unlock()
+		batch := b.take(consumer)
 		if len(batch) == 0 {
 			// self is queued behind keys that run in other batches.
 			time.Sleep(time.Millisecond)
+			continue
+		}
+		b.in.runBatch(b.store, batch, false)
+		b.finish(batch)
+	}
+}
+
+// passSlot hands the caller's slot to the queued delivery that has waited
+// longest, of any consumer, that is not asked to lead already, or frees
+// it. Called with b.mu held.
+func (b *batcher) passSlot() {
+	var next *queued
+	for _, queue := range b.queues {
+		for _, q := range queue {
+			if !q.lead {
+				if next == nil || q.seq < next.seq {
+					next = q
+				}
+				break
+			}
 		}
 	}
+	if next == nil {
+		b.leaders--
+		return
+	}
+	next.lead = true
+	signal(next)
+}
+
+// slots reports how many batch slots are taken, for the tests' check that
+// an idle inbox holds none.
+func (b *batcher) slots() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.leaders
 }
 
 // take removes the next batch of consumer from its queue: up to
@@ -216,8 +260,13 @@ func (b *batcher) take(consumer string) []*queued {
 		}
 		rest = append(rest, q)
 	}
-	b.queues[consumer] = rest
-	b.linger[consumer] = time.Now()
+	if len(rest) == 0 {
+		delete(b.queues, consumer)
+		delete(b.linger, consumer)
+	} else {
+		b.queues[consumer] = rest
+		b.linger[consumer] = time.Now()
+	}
 	return batch
 }
 
@@ -339,18 +388,27 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 			continue
 		}
 		// q failed: its transaction mates lose what they wrote with it.
-		// Roll back, end q's attempt alone, and run the others again in
-		// a new transaction, unless the transaction's connection is gone
-		// or the consumer is shutting down: then they are nacked,
-		// uncounted.
+		// Roll back and end q's attempt alone; the others are not at
+		// fault, whatever q's failure was (its own error, a dependency
+		// it found unavailable, a conflict its statements lost, its
+		// connection lost): they run again, in a new transaction, unless
+		// the consumer is shutting down.
 		ctx, cancel := in.finishContext(q.msg.Context())
 		err = errors.Join(err, in.rollback(ctx, tx))
-		q.err = in.endFailed(ctx, q, err)
+		if errors.Is(err, dedup.ErrConflict) && !stopping(q.msg.Context()) {
+			// Lost to another transaction: nothing is known against q. It
+			// runs alone, where a conflict is run again at once.
+			q.produced, q.o.outcome = nil, ""
+			q.err = in.unstart(ctx, q.key, nil)
+			q.single = q.err == nil
+		} else {
+			q.err = in.endFailed(ctx, q, err)
+		}
 		rest := append(append([]*queued(nil), held[:i]...), held[i+1:]...)
 		for _, r := range rest {
 			r.produced, r.o.outcome = nil, ""
 		}
-		if IsInfrastructure(err) || stopping(q.msg.Context()) {
+		if stopping(q.msg.Context()) {
 			for _, r := range rest {
 				r.err = in.endUncounted(ctx, r, fmt.Errorf("batch mate %s failed: %w", q.msg.UUID, err))
 			}
@@ -420,12 +478,31 @@ func (in *Inbox) endUncounted(ctx context.Context, q *queued, err error) error {
 }
 
 // runInBatch runs q's handler in the batch's transaction, and its outbox
-// write; it keeps what the handler produced in q.
+// write; it keeps what the handler produced in q. The handler's deadline,
+// if the delivery has one, counts from now. A handler that returns nil
+// but leaves the transaction aborted (it swallowed the failure of one of
+// its statements) failed: [ErrTxAborted].
 func (in *Inbox) runInBatch(tx dedup.InboxTx, q *queued) error {
 	q.o.step(q.msg.Context(), observe.StepClaimed)
-	produced, err := in.runOn(tx, q.drain, q.msg, q.key, q.h, q.o)
+	drain := q.drain
+	if q.budget > 0 {
+		var cancel context.CancelFunc
+		drain, cancel = context.WithTimeout(drain, q.budget)
+		defer cancel()
+	}
+	produced, err := in.runOn(tx, drain, q.msg, q.key, q.h, q.o)
+	if err == nil && aborted(tx) {
+		produced, err = nil, fmt.Errorf("%w (message %s)", ErrTxAborted, q.msg.UUID)
+	}
 	q.produced = produced
 	return err
+}
+
+// aborted reports whether tx says a statement in it failed
+// (dedupdriver.AbortReporter).
+func aborted(tx dedup.InboxTx) bool {
+	a, ok := tx.(dedupdriver.AbortReporter)
+	return ok && a.InboxAborted()
 }
 
 // endFailed ends the attempt of q, whose transaction failed with err and

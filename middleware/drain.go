@@ -21,9 +21,16 @@ var errDrainTimeout = errors.New("middleware: consumer shut down and the drain t
 // end releases the context and its timer; call it when the handler has
 // returned.
 func drainContext(base context.Context, drain time.Duration) (ctx context.Context, end func()) {
+	return drainContextOf(base, drain, true)
+}
+
+// drainContextOf is drainContext, with base's deadline left out unless
+// keepDeadline: a batched delivery's handler gets its deadline's budget
+// from when it starts instead (see queued.budget).
+func drainContextOf(base context.Context, drain time.Duration, keepDeadline bool) (ctx context.Context, end func()) {
 	ctx, cancel := context.WithCancelCause(context.WithoutCancel(base))
 	cancelDeadline := func() {}
-	if d, ok := base.Deadline(); ok {
+	if d, ok := base.Deadline(); ok && keepDeadline {
 		ctx, cancelDeadline = context.WithDeadline(ctx, d)
 	}
 	var (

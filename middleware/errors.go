@@ -45,6 +45,14 @@ var (
 	// of them (an OOM kill, os.Exit, a crash in cgo). The poison
 	// middleware dead-letters it.
 	ErrCrashLoop = errors.New("middleware: every attempt died before it finished")
+	// ErrTxAborted is wrapped by the error a batched attempt ends with
+	// when its handler returned nil but left the batch's transaction
+	// aborted: one of its statements failed and it did not return the
+	// error (a unique violation read as "already done", say). The attempt
+	// is counted against that message, and its batch mates run again
+	// without it. Return the statement's error, or run the statement in a
+	// savepoint (pgx's tx.Begin) when its failure is expected.
+	ErrTxAborted = errors.New("middleware: the handler returned nil after a statement of its transaction failed")
 )
 
 // ErrDeadLetter is wrapped by the error a [Poison] middleware returns when

@@ -23,3 +23,25 @@ func OptimalBitsPerKey(p float64) float64 { return -math.Log(p) / (math.Ln2 * ma
 // StoredAttempts is storedAttempts, for the tests that check the count the
 // inbox hands the poison middleware.
 var StoredAttempts = storedAttempts
+
+// BatchSlots is how many batch slots in is holding (0 when not batching).
+func BatchSlots(in *Inbox) int {
+	if in.batcher == nil {
+		return 0
+	}
+	return in.batcher.slots()
+}
+
+// BatchQueued is how many deliveries wait in in's batch queues.
+func BatchQueued(in *Inbox) int {
+	if in.batcher == nil {
+		return 0
+	}
+	in.batcher.mu.Lock()
+	defer in.batcher.mu.Unlock()
+	n := 0
+	for _, q := range in.batcher.queues {
+		n += len(q)
+	}
+	return n
+}

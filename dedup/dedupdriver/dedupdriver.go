@@ -25,6 +25,18 @@ type Classifier interface {
 	InboxClassify(err error) error
 }
 
+// AbortReporter is implemented by a [dedup.InboxTx] that can tell, without
+// a round trip, whether a statement in it failed, so that the database
+// refuses every later statement until the transaction is rolled back
+// (PostgreSQL's "current transaction is aborted"). Group commit asks it
+// after each handler of a batch returns: a handler that swallowed its
+// failed statement and returned nil is the one at fault, not the batch
+// mate whose first statement the database then refuses.
+type AbortReporter interface {
+	// InboxAborted reports whether the transaction can no longer commit.
+	InboxAborted() bool
+}
+
 // StartClaimer is implemented by a [dedup.TxStore] that can do what
 // [dedup.TxStore.InboxStart], [dedup.TxStore.InboxBegin] and
 // [dedup.InboxTx.InboxClaim] do in turn in one exchange with its database.

@@ -17,7 +17,8 @@
 //     [KeyLister] serve the Bloom prefilter and the in-flight wait;
 //     [RecordFinder] lets a replay tell a key with no record from one that
 //     is done; [Classifier], on a transaction, tells the inbox that a
-//     handler's error came from a connection lost under it;
+//     handler's error came from a connection lost under it, and
+//     [AbortReporter] that a handler left its transaction aborted;
 //     [StartClaimer], [BeginClaimer] and [BatchClaimer] save round trips
 //     (InboxConfig.PipelineClaim and InboxConfig.Batch need them).
 //   - deduptest: the conformance suite the store's tests run, which checks

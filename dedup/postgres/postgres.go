@@ -55,7 +55,10 @@ type Store struct {
 	q  pgsql.Queries
 }
 
-var _ dedupdriver.Classifier = (*inboxTx)(nil)
+var (
+	_ dedupdriver.Classifier    = (*inboxTx)(nil)
+	_ dedupdriver.AbortReporter = (*inboxTx)(nil)
+)
 
 var (
 	_ dedup.TxStore            = (*Store)(nil)
@@ -537,6 +540,14 @@ func (t *inboxTx) InboxClassify(err error) error {
 		return fmt.Errorf("%w: %w", dedup.ErrConflict, err)
 	}
 	return err
+}
+
+// InboxAborted reports whether a statement of the transaction failed: the
+// connection's transaction status is 'E' (failed), known locally from the
+// server's last ReadyForQuery.
+func (t *inboxTx) InboxAborted() bool {
+	conn := t.tx.Conn()
+	return conn != nil && !conn.IsClosed() && conn.PgConn().TxStatus() == 'E'
 }
 
 func seconds(d time.Duration) float64 { return d.Seconds() }
