@@ -172,7 +172,8 @@ func Tx(ctx context.Context) *sql.Tx {
 }
 
 // InboxBegin starts the transaction that will hold the claim and the effect.
-// It ends, rolled back, if ctx is done before Commit.
+// It ends, rolled back, if ctx is done before Commit: the inbox begins it on
+// a context that outlives the message's cancellation for its drain.
 func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
