@@ -54,6 +54,7 @@ func RunTxStore(t *testing.T, h TxHarness) {
 		{"StartClaim", txStartClaim},
 		{"BeginClaim", txBeginClaim},
 		{"Batch", txBatch},
+		{"Drain", txDrain},
 	} {
 		t.Run(st.name, func(t *testing.T) {
 			t.Parallel()
