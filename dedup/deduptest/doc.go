@@ -118,6 +118,11 @@
 //     the attempt record, pipelined when the store can), calling
 //     [TxBundle.Effect] from the handler with a transaction whose WithTx
 //     returns the handler's context as it is.
+//   - Misconfigured ([TxBundle.Misconfigure]): a store that cannot use
+//     its own tables (missing, not granted to its user) fails every call
+//     for the infrastructure's fault; under the inbox and the poison
+//     middleware the message is nacked, never counted nor dead-lettered,
+//     and applied once after the repair.
 //
 // # What the lease suite checks
 //

@@ -55,6 +55,7 @@ func RunTxStore(t *testing.T, h TxHarness) {
 		{"BeginClaim", txBeginClaim},
 		{"Batch", txBatch},
 		{"Drain", txDrain},
+		{"Misconfigured", txMisconfigured},
 	} {
 		t.Run(st.name, func(t *testing.T) {
 			t.Parallel()

@@ -91,6 +91,12 @@ func TestConformance(t *testing.T) {
 					redisProxy.Cut()
 					pgProxy.Cut()
 				},
+				Misconfigure: map[string]func(*testing.T) func(*testing.T){
+					"MissingTable": func(t *testing.T) func(*testing.T) {
+						renameRecord(t, pool, schema, "inbox", "inbox_away")
+						return func(t *testing.T) { renameRecord(t, pool, schema, "inbox_away", "inbox") }
+					},
+				},
 			}
 		},
 	})
@@ -131,7 +137,30 @@ func TestConformanceSQLiteRecord(t *testing.T) {
 						key.Consumer, key.Key).Scan(&n)
 					return n, err
 				},
+				Misconfigure: map[string]func(*testing.T) func(*testing.T){
+					"MissingTable": func(t *testing.T) func(*testing.T) {
+						renameSQLite := func(t *testing.T, from, to string) {
+							for _, suffix := range []string{"", "_starts"} {
+								_, err := db.ExecContext(t.Context(), `ALTER TABLE "`+from+suffix+`" RENAME TO "`+to+suffix+`"`)
+								require.NoError(t, err)
+							}
+						}
+						renameSQLite(t, "inbox", "inbox_away")
+						return func(t *testing.T) { renameSQLite(t, "inbox_away", "inbox") }
+					},
+				},
 			}
 		},
 	})
+}
+
+// renameRecord renames the PostgreSQL record's inbox table of schema and
+// its starts table from to.
+func renameRecord(t *testing.T, pool *pgxpool.Pool, schema, from, to string) {
+	t.Helper()
+	for _, suffix := range []string{"", "_starts"} {
+		_, err := pool.Exec(t.Context(), `ALTER TABLE `+pgx.Identifier{schema, from + suffix}.Sanitize()+
+			` RENAME TO `+pgx.Identifier{to + suffix}.Sanitize())
+		require.NoError(t, err)
+	}
 }
