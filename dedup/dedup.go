@@ -146,7 +146,12 @@ type TxStore interface {
 	// down, or another delivery held the key.
 	InboxUnstart(ctx context.Context, key Key) error
 	// InboxBegin starts a transaction in which the key is claimed and the
-	// handler's effect is written.
+	// handler's effect is written. The transaction may end, rolled back,
+	// when ctx ends (database/sql's do), but not before: an implementation
+	// that opens it later (in InboxClaim) still begins it on ctx, never on
+	// a later call's context. The inbox passes a context that outlives the
+	// message's cancellation for its drain, and ends it once the
+	// transaction is committed or rolled back.
 	InboxBegin(ctx context.Context) (InboxTx, error)
 	// InboxFail records a failed attempt outside any transaction (the
 	// handler's transaction has been rolled back). It never changes a key

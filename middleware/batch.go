@@ -137,9 +137,11 @@ func (b *batcher) handle(msg *message.Message, key dedup.Key, h message.HandlerF
 		// A budget already spent still cuts the handler short at once.
 		q.budget = max(time.Until(d), time.Nanosecond)
 	}
-	var endDrain func()
-	q.drain, endDrain = drainContextOf(msg.Context(), b.in.cfg.DrainTimeout, false)
-	defer endDrain()
+	// The drain's own context has neither the message's cancellation nor
+	// its deadline: see budget.
+	d := newDrain(msg.Context(), b.in.cfg.DrainTimeout)
+	defer d.end()
+	q.drain = d.ctx
 	b.mu.Lock()
 	for _, other := range b.queues[key.Consumer] {
 		if other.key == key {

@@ -22,11 +22,17 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		preClaim dedup.Claim
 		preErr   error
 	)
+	// The attempt's transactions begin on the drain's context, never on
+	// the message's: database/sql rolls a transaction back when the
+	// context it was begun with ends, and the router cancels the
+	// message's the moment it closes.
+	d := newDrain(base, in.cfg.DrainTimeout)
+	defer d.end()
 	if !in.cfg.SkipAttemptRecord {
 		in.debts.pay(base, in.cfg.TxStore, key)
 		var err error
 		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.cfg.PipelineClaim {
-			start, pre, preClaim, err = sc.InboxStartClaim(base, key, in.cfg.Window)
+			start, pre, preClaim, err = sc.InboxStartClaim(d.ctx, key, in.cfg.Window)
 			if err != nil && start.Attempts > 0 {
 				// Counted, but the transaction did not begin or claim.
 				preErr, err = err, nil
@@ -96,9 +102,9 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		case try == 1 && preErr != nil:
 			err = in.claimFailed(base, key, preErr)
 		case try == 1 && pre != nil:
-			produced, err = in.attemptClaimed(msg, key, h, start, pre, preClaim, o)
+			produced, err = in.attemptClaimed(msg, d, key, h, start, pre, preClaim, o)
 		default:
-			produced, err = in.attemptTx(msg, key, h, start, o)
+			produced, err = in.attemptTx(msg, d, key, h, start, o)
 		}
 		if !errors.Is(err, dedup.ErrConflict) {
 			return produced, err
@@ -120,21 +126,21 @@ const (
 	conflictBackoff    = 5 * time.Millisecond
 )
 
-// attemptTx runs one transaction of an attempt: claim, handler, commit. An
-// error wrapping dedup.ErrConflict leaves the attempt's count for the
-// caller, which runs it again.
-func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.HandlerFunc, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
+// attemptTx runs one transaction of an attempt, begun on d's context:
+// claim, handler, commit. An error wrapping dedup.ErrConflict leaves the
+// attempt's count for the caller, which runs it again.
+func (in *Inbox) attemptTx(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	store := in.cfg.TxStore
 	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.cfg.PipelineClaim {
 		// Nothing is held after an error: the claim failed, or BEGIN did.
-		tx, claim, err := bc.InboxBeginClaim(base, key, in.cfg.Window)
+		tx, claim, err := bc.InboxBeginClaim(d.ctx, key, in.cfg.Window)
 		if err != nil {
 			return nil, in.claimFailed(base, key, err)
 		}
-		return in.attemptClaimed(msg, key, h, start, tx, claim, o)
+		return in.attemptClaimed(msg, d, key, h, start, tx, claim, o)
 	}
-	tx, err := store.InboxBegin(base)
+	tx, err := store.InboxBegin(d.ctx)
 	if err != nil {
 		return nil, in.unstart(base, key, err)
 	}
@@ -142,7 +148,7 @@ func (in *Inbox) attemptTx(msg *message.Message, key dedup.Key, h message.Handle
 	if err != nil {
 		return nil, in.claimFailed(base, key, errors.Join(err, in.rollback(base, tx)))
 	}
-	return in.attemptClaimed(msg, key, h, start, tx, claim, o)
+	return in.attemptClaimed(msg, d, key, h, start, tx, claim, o)
 }
 
 // claimFailed ends an attempt whose claim failed, its transaction ended:
@@ -156,8 +162,8 @@ func (in *Inbox) claimFailed(base context.Context, key dedup.Key, err error) err
 }
 
 // attemptClaimed runs the rest of an attempt whose key tx claimed: the
-// handler and the commit.
-func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.HandlerFunc, start dedup.Claim, tx dedup.InboxTx, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
+// handler, on d's handler context, and the commit.
+func (in *Inbox) attemptClaimed(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, start dedup.Claim, tx dedup.InboxTx, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	if in.cfg.SkipAttemptRecord {
 		start.Attempts = claim.Attempts // the failed attempts, this one included
@@ -183,9 +189,9 @@ func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.H
 	}
 	o.step(base, observe.StepClaimed)
 
-	drain, endDrain := drainContext(base, in.cfg.DrainTimeout)
-	produced, err := in.runOn(tx, drain, msg, key, h, o)
-	endDrain()
+	hctx, handled := d.handler(base)
+	produced, err := in.runOn(tx, hctx, msg, key, h, o)
+	handled()
 
 	// The handler has returned: what it did is committed, or rolled back
 	// and recorded, even if the consumer is shutting down meanwhile.
@@ -212,7 +218,7 @@ func (in *Inbox) attemptClaimed(msg *message.Message, key dedup.Key, h message.H
 	return nil, in.failAttempt(finish, msg, key, o, dedup.Claim{Attempts: start.Attempts, FirstFailedAt: claim.FirstFailedAt}, err)
 }
 
-// runOn runs h in tx on drain (the handler's context: see drainContext),
+// runOn runs h in tx on drain (the handler's context: see drain.handler),
 // and writes what it produced into the outbox when one is configured. The
 // handler's error is the message's, whatever it wraps, unless the
 // transaction it wrote through says it failed itself (its connection was

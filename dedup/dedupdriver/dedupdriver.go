@@ -44,7 +44,9 @@ type AbortReporter interface {
 // the guarantees InboxStart gives.
 type StartClaimer interface {
 	// InboxStartClaim counts an attempt of key, begins a transaction and
-	// claims key in it. It answers in one of four ways:
+	// claims key in it; the transaction lives on ctx as one that
+	// [dedup.TxStore.InboxBegin] began on it does. It answers in one of
+	// four ways:
 	//
 	//   - start is StateDone (with the stored result) or StateDead: the key
 	//     must not run; tx is nil and nothing is held.
@@ -71,7 +73,8 @@ type StartClaimer interface {
 // [dedup.TxStore.InboxBegin] and [dedup.InboxTx.InboxClaim] do in turn in
 // one exchange with its database.
 type BeginClaimer interface {
-	// InboxBeginClaim begins a transaction and claims key in it. Without
+	// InboxBeginClaim begins a transaction and claims key in it, the
+	// transaction living on ctx as [dedup.TxStore.InboxBegin]'s does. Without
 	// an error, tx is open and claim is what InboxClaim would have
 	// answered in it; the caller ends tx. With an error, nothing is held.
 	InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration) (tx dedup.InboxTx, claim dedup.Claim, err error)

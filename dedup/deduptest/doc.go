@@ -110,6 +110,19 @@
 //   - StartClaim ([dedupdriver.StartClaimer]), BeginClaim ([dedupdriver.BeginClaimer]),
 //     Batch ([dedupdriver.BatchClaimer]): the pipelined and batched paths answer
 //     as the single calls do.
+//   - Drain: under the inbox middleware and a Watermill router, a handler
+//     that is running when the router closes finishes on a live context
+//     and transaction, though the router cancelled the message's context:
+//     its effect is committed once, the key is done and the message acked.
+//     It runs each of the inbox's ways to a transaction (with and without
+//     the attempt record, pipelined when the store can), calling
+//     [TxBundle.Effect] from the handler with a transaction whose WithTx
+//     returns the handler's context as it is.
+//   - Misconfigured ([TxBundle.Misconfigure]): a store that cannot use
+//     its own tables (missing, not granted to its user) fails every call
+//     for the infrastructure's fault; under the inbox and the poison
+//     middleware the message is nacked, never counted nor dead-lettered,
+//     and applied once after the repair.
 //
 // # What the lease suite checks
 //

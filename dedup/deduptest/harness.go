@@ -61,6 +61,17 @@ type TxBundle struct {
 	// TCP. Optional: an embedded store (SQLite) has no connection to lose, and
 	// without Cut the Cut subtest is skipped.
 	Cut func(t *testing.T)
+	// Misconfigure breaks the store's use of its own tables, in each way
+	// the harness can, by name: "MissingTable" (the tables dropped, as if
+	// never migrated) or "ReadOnly" (the store's database user may read
+	// them but not write them), say. Each returns the repair (migrating
+	// again, granting again). The Misconfigured subtest checks that the
+	// store's calls then fail for the infrastructure's fault (an error
+	// wrapping [dedup.ErrUnavailable]): the inbox and the poison
+	// middleware nack the message, never count it and never dead-letter
+	// it, and once repaired it is applied once. It must not break what
+	// Effects reads through. Optional: without it the subtest is skipped.
+	Misconfigure map[string]func(t *testing.T) (repair func(t *testing.T))
 }
 
 // LeaseHarness describes a [dedup.LeaseStore] implementation to

@@ -54,6 +54,8 @@ func RunTxStore(t *testing.T, h TxHarness) {
 		{"StartClaim", txStartClaim},
 		{"BeginClaim", txBeginClaim},
 		{"Batch", txBatch},
+		{"Drain", txDrain},
+		{"Misconfigured", txMisconfigured},
 	} {
 		t.Run(st.name, func(t *testing.T) {
 			t.Parallel()

@@ -72,6 +72,12 @@ func TestConformanceTx(t *testing.T) {
 				},
 				DeadCopies: deadCopies(direct, schema),
 				Cut:        cut,
+				Misconfigure: map[string]func(*testing.T) func(*testing.T){
+					"MissingTable": func(t *testing.T) func(*testing.T) {
+						renameInbox(t, direct, schema, "inbox", "inbox_away")
+						return func(t *testing.T) { renameInbox(t, direct, schema, "inbox_away", "inbox") }
+					},
+				},
 			}
 		},
 	})
@@ -85,4 +91,15 @@ func TestConformanceLease(t *testing.T) {
 			return deduptest.LeaseBundle{Store: store, DeadCopies: deadCopies(direct, schema), Cut: cut}
 		},
 	})
+}
+
+// renameInbox renames the inbox table of schema and its starts table from
+// to.
+func renameInbox(t *testing.T, direct *pgxpool.Pool, schema, from, to string) {
+	t.Helper()
+	for _, suffix := range []string{"", "_starts"} {
+		_, err := direct.Exec(t.Context(), `ALTER TABLE `+pgx.Identifier{schema, from + suffix}.Sanitize()+
+			` RENAME TO `+pgx.Identifier{to + suffix}.Sanitize())
+		require.NoError(t, err)
+	}
 }

@@ -432,8 +432,8 @@ func (t *inboxTx) Rollback(ctx context.Context) error {
 // sentinels (see [classify]). ctx is the context the failed call ran on.
 func interpret(ctx context.Context, op string, err error) error {
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
-		return fmt.Errorf("postgres: %s: %w: %w", op, ErrNotMigrated, err)
+	if errors.As(err, &pgErr) && pgsql.UndefinedTable(pgErr.Code) {
+		return fmt.Errorf("postgres: %s: %w: %w: %w", op, dedup.ErrUnavailable, ErrNotMigrated, err)
 	}
 	if class := classify(err, ctx.Err() != nil); class != nil {
 		return fmt.Errorf("postgres: %s: %w: %w", op, class, err)
@@ -454,9 +454,12 @@ func interpret(ctx context.Context, op string, err error) error {
 //     context.WithTimeout, a shutdown. It is the message's, not the
 //     store's. One that the caller's context did not cause (a timeout
 //     inside the driver or the pool) is unavailability, as in dedup/redis.
-//   - A serialization failure or deadlock is a conflict to retry; a server
-//     shutting down, out of connections or with a broken connection, and a
-//     connection that failed ([connectionError]), is unavailability.
+//   - The server's answer is classed by its SQLSTATE in pgsql.Class,
+//     shared with dedup/sqlstore: a serialization failure or deadlock is a
+//     conflict to retry; a server shutting down, out of connections, read
+//     only or with a broken connection, and tables the store cannot use
+//     (missing, or not granted to its user), are unavailability.
+//   - A connection that failed ([connectionError]) is unavailability.
 func classify(err error, callerDone bool) error {
 	if err == nil {
 		return nil
@@ -473,15 +476,7 @@ func classify(err error, callerDone bool) error {
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		switch {
-		case pgErr.Code == "40001", pgErr.Code == "40P01": // serialization_failure, deadlock_detected
-			return dedup.ErrConflict
-		case strings.HasPrefix(pgErr.Code, "08"), // connection_exception
-			pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03", // admin/crash shutdown, cannot_connect_now
-			pgErr.Code == "53300", pgErr.Code == "53400": // too_many_connections, configuration_limit_exceeded
-			return dedup.ErrUnavailable
-		}
-		return nil
+		return pgsql.Class(pgErr.Code)
 	}
 	if connectionError(err) {
 		return dedup.ErrUnavailable

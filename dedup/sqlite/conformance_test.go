@@ -2,6 +2,7 @@ package sqlite_test
 
 import (
 	"context"
+	"database/sql"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -37,7 +38,22 @@ func TestConformance(t *testing.T) {
 						key.Consumer, key.Key).Scan(&n)
 					return n, err
 				},
+				Misconfigure: map[string]func(*testing.T) func(*testing.T){
+					"MissingTable": func(t *testing.T) func(*testing.T) {
+						renameInbox(t, db, "inbox", "inbox_away")
+						return func(t *testing.T) { renameInbox(t, db, "inbox_away", "inbox") }
+					},
+				},
 			}
 		},
 	})
+}
+
+// renameInbox renames the inbox table and its starts table from to.
+func renameInbox(t *testing.T, db *sql.DB, from, to string) {
+	t.Helper()
+	for _, suffix := range []string{"", "_starts"} {
+		_, err := db.ExecContext(t.Context(), `ALTER TABLE "`+from+suffix+`" RENAME TO "`+to+suffix+`"`)
+		require.NoError(t, err)
+	}
 }

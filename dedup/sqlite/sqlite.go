@@ -172,7 +172,8 @@ func Tx(ctx context.Context) *sql.Tx {
 }
 
 // InboxBegin starts the transaction that will hold the claim and the effect.
-// It ends, rolled back, if ctx is done before Commit.
+// It ends, rolled back, if ctx is done before Commit: the inbox begins it on
+// a context that outlives the message's cancellation for its drain.
 func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
@@ -517,10 +518,34 @@ func micros(t time.Time) int64 { return t.UnixMicro() }
 // interpret wraps driver errors in one place; a busy or locked database
 // wraps dedup.ErrConflict (see [classify]).
 func interpret(op string, err error) error {
+	if unusable(err) {
+		return fmt.Errorf("sqlite: %s: %w: %w", op, dedup.ErrUnavailable, err)
+	}
 	if class := classify(err); class != nil {
 		return fmt.Errorf("sqlite: %s: %w: %w", op, class, err)
 	}
 	return fmt.Errorf("sqlite: %s: %w", op, err)
+}
+
+// unusable reports whether err, SQLite's answer to one of the store's own
+// statements, says that the store cannot use its table: it is missing
+// (dropped after New, whose check it passed; SQLite reports it with the
+// generic SQLITE_ERROR, so its text is read), or the database cannot be
+// written (SQLITE_READONLY: a read-only file or connection). That is the
+// operator's to put right, never the message's: the inbox nacks without
+// counting. It is never asked of the handler's own statements.
+func unusable(err error) bool {
+	var e *sqlitedriver.Error
+	if !errors.As(err, &e) {
+		return false
+	}
+	switch e.Code() & 0xff {
+	case sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM, sqlite3.SQLITE_AUTH, sqlite3.SQLITE_CANTOPEN:
+		return true
+	case sqlite3.SQLITE_ERROR:
+		return strings.Contains(e.Error(), "no such table")
+	}
+	return false
 }
 
 // classify returns dedup.ErrConflict when the database was busy or locked

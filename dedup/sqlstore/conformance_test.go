@@ -39,9 +39,28 @@ func TestConformance(t *testing.T) {
 							return r.deadCopies, nil
 						},
 						Cut: func(*testing.T) { proxy.Cut() },
+						Misconfigure: map[string]func(*testing.T) func(*testing.T){
+							"MissingTable": func(t *testing.T) func(*testing.T) {
+								b.renameInbox(t, "inbox", "inbox_away")
+								return func(t *testing.T) { b.renameInbox(t, "inbox_away", "inbox") }
+							},
+						},
 					}
 				},
 			})
 		})
+	}
+}
+
+// renameInbox renames the inbox table and its starts table from to.
+func (b backend) renameInbox(t *testing.T, from, to string) {
+	t.Helper()
+	for _, suffix := range []string{"", "_starts"} {
+		q := `ALTER TABLE ` + b.table(from+suffix) + ` RENAME TO "` + to + suffix + `"`
+		if b.dialect == sqlstore.MySQL {
+			q = `RENAME TABLE ` + b.table(from+suffix) + ` TO ` + b.table(to+suffix)
+		}
+		_, err := b.db.ExecContext(t.Context(), q)
+		require.NoError(t, err)
 	}
 }

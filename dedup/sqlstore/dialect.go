@@ -67,7 +67,9 @@ type dialect interface {
 	conflict(err error) bool
 	// unavailable reports whether the server answered that it cannot
 	// serve (shutting down, out of connections, read-only after a
-	// failover), or the driver says the connection failed.
+	// failover) or that the store cannot use its own tables (missing, or
+	// not granted to its user), or the driver says the connection
+	// failed. It is asked of the store's own statements only.
 	unavailable(err error) bool
 	// sessionEnded reports whether err is the server's answer that the
 	// session itself ended (it was killed, the server shut down): the

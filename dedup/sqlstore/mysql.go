@@ -53,9 +53,14 @@ func (mysqlDialect) schema() sqlschema.Dialect { return sqlschema.MySQL }
 const (
 	erCheckRead             = 1020 // MariaDB's snapshot isolation: record changed since last read
 	erConCount              = 1040 // too many connections
+	erDBAccessDenied        = 1044 // the user may not use the database
+	erAccessDenied          = 1045 // the user's login was refused
 	erBadDB                 = 1049 // unknown database
 	erServerShutdown        = 1053
+	erTableAccessDenied     = 1142 // a command on a table not granted
+	erColumnAccessDenied    = 1143
 	erNoSuchTable           = 1146
+	erSpecificAccessDenied  = 1227 // a privilege the user lacks
 	erNetReadError          = 1158
 	erNetReadInterrupted    = 1159
 	erNetErrorOnWrite       = 1160
@@ -99,7 +104,11 @@ func (d mysqlDialect) unavailable(err error) bool {
 		case erConCount, erTooManyUserConns, erServerShutdown, erConnectionKilled,
 			erNetReadError, erNetReadInterrupted, erNetErrorOnWrite, erNetWriteInterrupted,
 			erOptionPrevents, erReadOnlyTransaction, erReadOnlyMode,
-			crServerGone, crServerLost, erClientInteractionTime:
+			crServerGone, crServerLost, erClientInteractionTime,
+			// Tables the store cannot use, missing or not granted to its
+			// user: the operator's to put right, never the message's.
+			erNoSuchTable, erBadDB, erTableAccessDenied, erColumnAccessDenied,
+			erDBAccessDenied, erAccessDenied, erSpecificAccessDenied:
 			return true
 		}
 		return false

@@ -41,16 +41,17 @@ func (postgresDialect) answered(err error) bool {
 	return ok
 }
 
+// conflict and unavailable class the server's answer by its SQLSTATE as
+// dedup/postgres does (pgsql.Class): a read-only server and tables the
+// store cannot use (missing, not granted) are unavailability too.
 func (postgresDialect) conflict(err error) bool {
-	code, _ := stateOf(err)
-	return code == "40001" || code == "40P01" // serialization_failure, deadlock_detected
+	code, ok := stateOf(err)
+	return ok && pgsql.Class(code) == dedup.ErrConflict
 }
 
 func (postgresDialect) unavailable(err error) bool {
 	if code, ok := stateOf(err); ok {
-		return strings.HasPrefix(code, "08") || // connection_exception
-			code == "57P01" || code == "57P02" || code == "57P03" || // admin/crash shutdown, cannot_connect_now
-			code == "53300" || code == "53400" // too_many_connections, configuration_limit_exceeded
+		return pgsql.Class(code) == dedup.ErrUnavailable
 	}
 	var connectErr *pgconn.ConnectError
 	return errors.As(err, &connectErr) || errors.Is(err, pgconn.ErrConnClosed) || pgconn.SafeToRetry(err)
@@ -71,7 +72,7 @@ func (postgresDialect) notSent(err error) bool {
 
 func (postgresDialect) undefinedTable(err error) bool {
 	code, _ := stateOf(err)
-	return code == "42P01" || code == "3F000" // undefined_table, invalid_schema_name
+	return pgsql.UndefinedTable(code)
 }
 
 // closed asks pgx's connection under the stdlib, or lib/pq's through

@@ -257,7 +257,7 @@ func (s *Store) InboxDeleteExpired(ctx context.Context, limit int) (int, error) 
 // sentinels (see [classify]). ctx is the context the failed call ran on.
 func (s *Store) interpret(ctx context.Context, op string, err error) error {
 	if s.d.undefinedTable(err) {
-		return fmt.Errorf("sqlstore: %s: %w: %w", op, ErrNotMigrated, err)
+		return fmt.Errorf("sqlstore: %s: %w: %w: %w", op, dedup.ErrUnavailable, ErrNotMigrated, err)
 	}
 	if class := classify(s.d, err, ctx.Err() != nil); class != nil {
 		return fmt.Errorf("sqlstore: %s: %w: %w", op, class, err)

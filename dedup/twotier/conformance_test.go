@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"path/filepath"
 	"strconv"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/deduptest"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/redis"
+	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/dedup/twotier"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/internal/redistest"
@@ -89,7 +91,76 @@ func TestConformance(t *testing.T) {
 					redisProxy.Cut()
 					pgProxy.Cut()
 				},
+				Misconfigure: map[string]func(*testing.T) func(*testing.T){
+					"MissingTable": func(t *testing.T) func(*testing.T) {
+						renameRecord(t, pool, schema, "inbox", "inbox_away")
+						return func(t *testing.T) { renameRecord(t, pool, schema, "inbox_away", "inbox") }
+					},
+				},
 			}
 		},
 	})
+}
+
+// TestConformanceSQLiteRecord runs the suite with the record on SQLite,
+// through database/sql, whose transactions end with the context they were
+// begun on: the store begins the record's transaction on the context
+// InboxBegin was given, not on the claim's. The lock is cut off nowhere:
+// with the lock alone cut the store goes on, on the record, by design.
+func TestConformanceSQLiteRecord(t *testing.T) {
+	t.Parallel()
+	deduptest.RunTxStore(t, deduptest.TxHarness{
+		New: func(t *testing.T) deduptest.TxBundle {
+			direct := redistest.Client(t)
+			lock, err := redis.New(redis.Config{Client: direct, Prefix: redistest.Prefix(t, direct)})
+			require.NoError(t, err)
+			record, err := sqlite.Open(t.Context(), filepath.Join(t.TempDir(), "inbox.db"), sqlite.Config{})
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, record.Close()) })
+			db := record.DB()
+			_, err = db.ExecContext(t.Context(), `CREATE TABLE effects (key TEXT NOT NULL)`)
+			require.NoError(t, err)
+			store, err := twotier.New(twotier.Config{Lock: lock, Record: record, Lease: 2 * time.Second})
+			require.NoError(t, err)
+			return deduptest.TxBundle{
+				Store: store,
+				Effect: func(ctx context.Context, tx dedup.InboxTx, key string) error {
+					_, err := sqlite.Tx(tx.WithTx(ctx)).ExecContext(ctx, `INSERT INTO effects (key) VALUES (?)`, key)
+					return err
+				},
+				Effects: func(ctx context.Context, key string) (n int, err error) {
+					err = db.QueryRowContext(ctx, `SELECT count(*) FROM effects WHERE key = ?`, key).Scan(&n)
+					return n, err
+				},
+				DeadCopies: func(ctx context.Context, key dedup.Key) (n int, err error) {
+					err = db.QueryRowContext(ctx, `SELECT COALESCE(SUM(dead_copies), 0) FROM inbox WHERE consumer = ? AND key = ?`,
+						key.Consumer, key.Key).Scan(&n)
+					return n, err
+				},
+				Misconfigure: map[string]func(*testing.T) func(*testing.T){
+					"MissingTable": func(t *testing.T) func(*testing.T) {
+						renameSQLite := func(t *testing.T, from, to string) {
+							for _, suffix := range []string{"", "_starts"} {
+								_, err := db.ExecContext(t.Context(), `ALTER TABLE "`+from+suffix+`" RENAME TO "`+to+suffix+`"`)
+								require.NoError(t, err)
+							}
+						}
+						renameSQLite(t, "inbox", "inbox_away")
+						return func(t *testing.T) { renameSQLite(t, "inbox_away", "inbox") }
+					},
+				},
+			}
+		},
+	})
+}
+
+// renameRecord renames the PostgreSQL record's inbox table of schema and
+// its starts table from to.
+func renameRecord(t *testing.T, pool *pgxpool.Pool, schema, from, to string) {
+	t.Helper()
+	for _, suffix := range []string{"", "_starts"} {
+		_, err := pool.Exec(t.Context(), `ALTER TABLE `+pgx.Identifier{schema, from + suffix}.Sanitize()+
+			` RENAME TO `+pgx.Identifier{to + suffix}.Sanitize())
+		require.NoError(t, err)
+	}
 }

@@ -277,9 +277,11 @@ func (s *Store) leasesDoubted() bool {
 
 // InboxBegin returns a transaction that opens nothing yet: the record's
 // transaction begins only when [dedup.InboxTx.InboxClaim] finds the key new
-// in the lock.
-func (s *Store) InboxBegin(context.Context) (dedup.InboxTx, error) {
-	return &inboxTx{s: s}, nil
+// in the lock, and it begins on ctx, not on the claim's context, so that it
+// lives as long as the caller of InboxBegin asked (see
+// [dedup.TxStore.InboxBegin]).
+func (s *Store) InboxBegin(ctx context.Context) (dedup.InboxTx, error) {
+	return &inboxTx{s: s, begin: ctx}, nil
 }
 
 // InboxStart counts an attempt of key in the record, which answers a done
@@ -468,6 +470,9 @@ const (
 // the lock says the key is new. It is used by one goroutine.
 type inboxTx struct {
 	s *Store
+	// begin is the context InboxBegin was given, which the record's
+	// transaction is begun on: a database/sql transaction ends with it.
+	begin context.Context
 
 	key     dedup.Key
 	claimed bool
@@ -525,7 +530,7 @@ func (t *inboxTx) InboxClaim(ctx context.Context, key dedup.Key, window time.Dur
 		return dedup.Claim{}, fmt.Errorf("twotier: lock claim: unexpected state %s", lc.State)
 	}
 
-	rec, err := t.s.record.InboxBegin(ctx)
+	rec, err := t.s.record.InboxBegin(t.begin)
 	if err != nil {
 		return dedup.Claim{}, errors.Join(fmt.Errorf("twotier: record begin: %w", err), t.end(ctx, err))
 	}
