@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -334,7 +335,9 @@ type outboxDB interface {
 
 // pgOutbox is the outbox on PostgreSQL through pgx.
 type pgOutbox struct {
-	pool                     *pgxpool.Pool
+	pool *pgxpool.Pool
+	// validate is the publisher's TopicValidator, or nil.
+	validate                 func(string) error
 	consumer                 string
 	lockKey                  int32
 	lanesPerBatch, batchSize int
@@ -346,6 +349,10 @@ type relayQueries struct {
 	// unledger takes a refused row's record out of the ledger; empty
 	// without a ledger.
 	unledger string
+	// record records one row in the ledger (arguments: uuid, topic,
+	// partition key, idempotency key), for the rows whose key is too long
+	// for the take statement to record; empty without a ledger.
+	record string
 	lagQueries
 }
 
@@ -382,6 +389,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		outbox: outbox,
 		db: &pgOutbox{
 			pool:          cfg.Pool,
+			validate:      topicValidation(cfg.Publisher),
 			consumer:      relayConsumer(outbox),
 			lockKey:       int32(h.Sum32()),
 			lanesPerBatch: cfg.LanesPerBatch,
@@ -411,6 +419,7 @@ due AS (
 				// One cheap look, outside a transaction, before a batch.
 				deadLetter: pgDeadLetter(names),
 				unledger:   pgUnledger(names, cfg.Ledger),
+				record:     pgRecord(names, cfg.Ledger),
 				probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + due("txid", lockOrdered) + `)`,
 				lagQueries: newLagQueries(t, lockOrdered),
 			},
@@ -493,7 +502,7 @@ func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Con
 		if err := rw.Scan(&x.id, &x.topic, &x.uuid, &x.key, &x.payload, &mdRaw); err != nil {
 			return x, err
 		}
-		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdRaw)
+		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdRaw, o.validate)
 		return x, nil
 	})
 	if err != nil {
@@ -506,9 +515,25 @@ func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Con
 	sort.Slice(batch, func(i, j int) bool { return batch[i].id < batch[j].id })
 	for _, x := range batch {
 		if x.refused == nil {
+			if o.q.record != "" && len(ledgerKey(x)) > delivery.MaxBoundBytes {
+				// The take statement records only keys that fit the
+				// ledger's index; this one is recorded bounded.
+				if _, err := tx.Exec(ctx, o.q.record, x.uuid, x.topic, x.key, delivery.Bound(ledgerKey(x))); err != nil {
+					return 0, fmt.Errorf("forwarder: record row %d in the ledger: %w", x.id, err)
+				}
+			}
 			continue
 		}
-		if _, err := tx.Exec(ctx, o.q.deadLetter, x.uuid, x.topic, o.consumer, x.key, x.refused.Error(), x.payload, x.deadMetadata()); err != nil {
+		err := deadLetterRow(x, func(uuid, metadata string) (bool, error) {
+			var id int64
+			err := tx.QueryRow(ctx, o.q.deadLetter, uuid, delivery.Bound(x.topic), delivery.Bound(o.consumer), delivery.Bound(x.key),
+				x.refused.Error(), x.payload, metadata).Scan(&id)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return false, nil
+			}
+			return err == nil, err
+		})
+		if err != nil {
 			return 0, fmt.Errorf("forwarder: dead-letter refused row %d: %w", x.id, err)
 		}
 		if o.q.unledger != "" {
@@ -528,7 +553,7 @@ func (r *Relay) publish(ctx context.Context, batch []row) (int, error) {
 	for start := 0; start < len(batch); {
 		if x := batch[start]; x.refused != nil {
 			r.cfg.Logger.Error("Outbox row refused, dead-lettered", x.refused, watermill.LogFields{
-				"outbox": r.outbox, "row_id": x.id, "uuid": x.uuid, "topic": x.topic, "dlq_consumer": relayConsumer(r.outbox),
+				"outbox": r.outbox, "row_id": x.id, "uuid": delivery.Bound(x.uuid), "topic": delivery.Bound(x.topic), "dlq_consumer": relayConsumer(r.outbox),
 			})
 			start++
 			continue
