@@ -5,15 +5,20 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -198,4 +203,109 @@ func noise(n int) string {
 	b := make([]byte, (n+1)/2)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)[:n]
+}
+
+// TestRelayRefusesTopicsRabbitMQRefuses, with a PostgreSQL and a MariaDB
+// outbox: rows whose topic RabbitMQ would refuse (300 bytes, longer than
+// an AMQP name; on MySQL, whose outbox holds bytes, also invalid UTF-8)
+// sit between good rows of their lane. They are dead-lettered with the
+// publisher's reason before any publish, and each good row reaches the
+// queue once. Issue 31, case 8: before, the 300-byte topic made the broker
+// close the channel and the relay retried the batch in a loop (0 rows
+// left the outbox), and on MySQL the invalid UTF-8 topic republished the
+// good row before it on every try.
+func TestRelayRefusesTopicsRabbitMQRefuses(t *testing.T) {
+	t.Parallel()
+	url := os.Getenv("ONCEMILL_AMQP_URL")
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	for _, db := range []struct {
+		name string
+		open func(*testing.T) outboxUnderTest
+		bad  []string
+	}{
+		{"PostgreSQL", pgOutboxUnderTest, []string{strings.Repeat("t", 300)}},
+		{"MySQL", mysqlOutboxUnderTest, []string{strings.Repeat("t", 300), "orders-\xff\xfe"}},
+	} {
+		t.Run(db.name, func(t *testing.T) {
+			t.Parallel()
+			topic := "oncemill-test-refused-topic-" + noise(12)
+			cfg := amqp.Config{URL: url}
+			if err := amqp.Declare(context.Background(), cfg, topic); err != nil {
+				pgtest.Unavailable(t, "RabbitMQ", err)
+			}
+			t.Cleanup(func() { deleteAMQPTopic(t, url, cfg, topic) })
+			o := db.open(t)
+			var rows [][]any
+			want := map[string]bool{}
+			for i := range 6 {
+				uuid := fmt.Sprintf("good-%d", i)
+				want[uuid] = true
+				rows = append(rows, []any{topic, uuid, "one-key", []byte(uuid), `{}`})
+				if i < len(db.bad) {
+					rows = append(rows, []any{db.bad[i], fmt.Sprintf("bad-%d", i), "one-key", []byte("bad"), `{}`})
+				}
+			}
+			o.insert(t, rows)
+
+			pub, err := amqp.NewPublisher(cfg, nil)
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, pub.Close()) })
+			run(t, o.relay(t, pub, func(c *forwarder.RelayConfig) { c.LockOrderedWriters = true }))
+			require.Eventually(t, func() bool { return o.count(t, "outbox") == 0 }, 15*time.Second, 10*time.Millisecond,
+				"the relay empties the outbox")
+
+			sub, err := amqp.NewSubscriber(cfg, nil)
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, sub.Close()) })
+			ctx, cancel := context.WithCancel(context.Background())
+			t.Cleanup(cancel)
+			msgs, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			got := map[string]int{}
+			// Every good row, then whatever else comes within a second:
+			// a copy published twice would be in the queue by now.
+			for deadline := time.After(30 * time.Second); ; {
+				var quiet <-chan time.Time
+				if len(got) == len(want) {
+					quiet = time.After(time.Second)
+				}
+				select {
+				case m := <-msgs:
+					got[m.UUID]++
+					m.Ack()
+					continue
+				case <-quiet:
+				case <-deadline:
+					t.Fatalf("received %v of %d rows", got, len(want))
+				}
+				break
+			}
+			for uuid, n := range got {
+				require.True(t, want[uuid], "only good rows reach the broker, got %s", uuid)
+				require.Equal(t, 1, n, "row %s reaches the broker once", uuid)
+			}
+			require.Equal(t, len(want), len(got))
+
+			dead := o.dead(t)
+			require.Equal(t, len(db.bad), len(dead), "every refused row is one dead letter")
+			for _, e := range dead {
+				require.Contains(t, e.Error, "the publisher refuses the topic")
+				require.Contains(t, e.Error, "amqp: invalid topic")
+			}
+		})
+	}
+}
+
+func deleteAMQPTopic(t *testing.T, url string, cfg amqp.Config, topic string) {
+	admin, err := amqp091.DialConfig(url, amqp091.Config{Dial: amqp091.DefaultDial(3 * time.Second)})
+	require.NoError(t, err)
+	defer admin.Close()
+	ch, err := admin.Channel()
+	require.NoError(t, err)
+	_, err = ch.QueueDelete(cfg.QueueName(topic), false, false, false)
+	require.NoError(t, err)
+	require.NoError(t, ch.ExchangeDelete(cfg.ExchangeName(topic), false, false))
+	require.NoError(t, ch.Close())
 }
