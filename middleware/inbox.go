@@ -334,6 +334,9 @@ func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // told.
 func (in *Inbox) handle(msg *message.Message, h message.HandlerFunc, o *attemptObs) ([]*message.Message, error) {
 	key, err := in.keyOf(msg)
+	if slot := slotOf(msg.Context()); slot != nil {
+		slot.keyed = true
+	}
 	if err != nil {
 		o.outcome = observe.Rejected
 		return nil, err
@@ -436,5 +439,5 @@ func (in *Inbox) store() any {
 }
 
 func logFields(msg *message.Message, key dedup.Key) watermill.LogFields {
-	return watermill.LogFields{"message_uuid": msg.UUID, "consumer": key.Consumer, "key": key.Key}
+	return watermill.LogFields{"message_uuid": delivery.Bound(msg.UUID), "consumer": key.Consumer, "key": key.Key}
 }
