@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -200,6 +201,8 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("forwarder: RelayConfig.Dialect must be sqlschema.MySQL with RelayConfig.DB, got %q (relay a PostgreSQL outbox through RelayConfig.Pool)", c.Dialect)
 	case c.Publisher == nil:
 		return errors.New("forwarder: RelayConfig.Publisher is required")
+	case typednil.Is(c.Publisher):
+		return fmt.Errorf("forwarder: RelayConfig.Publisher holds a nil %T: pass a publisher made by its constructor", c.Publisher)
 	case dropsUnsubscribed(c.Publisher):
 		return fmt.Errorf("%w: it is a non-persistent *gochannel.GoChannel, which returns nil for a topic nobody subscribes to; "+
 			"use adapters.NewGoChannel, whose Publish fails then, or set gochannel.Config.Persistent", ErrLossyPublisher)

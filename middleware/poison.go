@@ -14,6 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/observe"
 )
 
@@ -131,6 +132,8 @@ func (c PoisonConfig) Validate() error {
 	switch {
 	case c.Publisher == nil:
 		return errors.New("middleware: PoisonConfig.Publisher is required: it receives the dead-lettered messages")
+	case typednil.Is(c.Publisher):
+		return fmt.Errorf("middleware: PoisonConfig.Publisher holds a nil %T: pass a publisher made by its constructor", c.Publisher)
 	case c.Topic == "":
 		return errors.New("middleware: PoisonConfig.Topic is required: the dead-letter topic")
 	case c.MaxAttempts < 1:
