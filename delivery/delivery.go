@@ -8,8 +8,11 @@
 package delivery
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -174,3 +177,38 @@ const (
 // DeadPrefix starts every key of the dead-letter metadata above; a replay
 // strips the keys with this prefix.
 const DeadPrefix = "oncemill_dlq_"
+
+// DeadUUID is the message's UUID, set on a dead letter's metadata by the
+// dead-letter table when the entry's uuid column holds another value: the
+// [Bound] form of a UUID too long for the table's index, or a form made
+// unique per outbox row for the relay's dead letters. A replay publishes
+// the message with it.
+const DeadUUID = DeadPrefix + "uuid"
+
+// MaxBoundBytes is the most bytes [Bound] returns.
+const MaxBoundBytes = 512
+
+// Bound returns s when it is at most [MaxBoundBytes] long, else its first
+// bytes, cut at a UTF-8 boundary, followed by "…sha256:" and the hex
+// SHA-256 of the whole of s, MaxBoundBytes in all. It is the one form in
+// which oncemill's tables index, and its logs print, an identifier that a
+// producer chose and may have made of any length (a UUID, a key, a topic,
+// a consumer name): a database index has a bound (PostgreSQL's B-tree
+// takes about 2700 bytes a row) and a value past it fails the insert,
+// which would keep the row that carries it, and every row behind it, from
+// ever being written. Distinct values stay distinct (the digest is of the
+// whole value), the same value always gives the same form, Bound of a
+// bounded value is that value, and the readable prefix says what it was.
+func Bound(s string) string {
+	if len(s) <= MaxBoundBytes {
+		return s
+	}
+	sum := sha256.Sum256([]byte(s))
+	suffix := "…sha256:" + hex.EncodeToString(sum[:])
+	// Cut before a rune that the cut would split (up to 3 bytes back).
+	n := MaxBoundBytes - len(suffix)
+	for back := 0; back < utf8.UTFMax-1 && n > 0 && !utf8.RuneStart(s[n]); back++ {
+		n--
+	}
+	return s[:n] + suffix
+}

@@ -99,10 +99,10 @@ func (f Filter) where() (string, []any) {
 	// Strings are cleaned as the publisher cleans what it stores, so that
 	// they match what was stored and never fail as text.
 	if f.Topic != "" {
-		add("topic = ?", clean(f.Topic))
+		add("topic = ?", ident(f.Topic))
 	}
 	if f.Consumer != "" {
-		add("consumer = ?", clean(f.Consumer))
+		add("consumer = ?", ident(f.Consumer))
 	}
 	if f.ErrorContains != "" {
 		add("strpos(lower(error), lower(?)) > 0", clean(f.ErrorContains))

@@ -263,9 +263,15 @@ func (p *Publisher) Close() error { return nil }
 // Encoding the cleaned metadata as JSON cannot fail in practice; the error
 // is returned all the same.
 func insertArgs(dlqTopic string, m *message.Message) ([]any, error) {
-	md := make(map[string]string, len(m.Metadata))
+	md := make(map[string]string, len(m.Metadata)+1)
 	for k, v := range m.Metadata {
 		md[clean(k)] = clean(v)
+	}
+	uuid := ident(m.UUID)
+	if _, ok := md[delivery.DeadUUID]; !ok && uuid != clean(m.UUID) {
+		// Too long for the index: the entry's uuid is its bounded form,
+		// and a replay takes the whole UUID from here.
+		md[delivery.DeadUUID] = clean(m.UUID)
 	}
 	mdJSON, err := json.Marshal(md)
 	if err != nil {
@@ -277,11 +283,11 @@ func insertArgs(dlqTopic string, m *message.Message) ([]any, error) {
 	}
 	get := func(key string) string { return md[key] }
 	return []any{
-		clean(m.UUID),
-		get(delivery.DeadTopic),
-		clean(dlqTopic),
-		get(delivery.DeadConsumer),
-		get(delivery.DeadKey),
+		uuid,
+		ident(get(delivery.DeadTopic)),
+		ident(dlqTopic),
+		ident(get(delivery.DeadConsumer)),
+		ident(get(delivery.DeadKey)),
 		parseAttempts(get(delivery.DeadAttempts)),
 		get(delivery.DeadError),
 		parsePermanent(get(delivery.DeadPermanent)),
@@ -300,6 +306,14 @@ func clean(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")
 	return strings.ReplaceAll(s, "\x00", "\uFFFD")
 }
+
+// ident is the form of an identifier (uuid, topic, consumer, key) in a
+// column of the dead-letter table: clean, and bounded ([delivery.Bound])
+// so that a value of any length fits the table's indexes, on PostgreSQL
+// and MySQL alike. The metadata keeps the whole value (the topic,
+// consumer and key in their delivery.Dead* fields, the UUID in
+// delivery.DeadUUID).
+func ident(s string) string { return delivery.Bound(clean(s)) }
 
 // parseAttempts reads an attempt count; garbage or a negative number is 0.
 func parseAttempts(s string) int32 {

@@ -227,10 +227,10 @@ func (f Filter) mysqlWhere() (string, []any) {
 	// they match what was stored; the columns are binary, compared byte
 	// for byte.
 	if f.Topic != "" {
-		conds, args = append(conds, "topic = ?"), append(args, []byte(clean(f.Topic)))
+		conds, args = append(conds, "topic = ?"), append(args, []byte(ident(f.Topic)))
 	}
 	if f.Consumer != "" {
-		conds, args = append(conds, "consumer = ?"), append(args, []byte(clean(f.Consumer)))
+		conds, args = append(conds, "consumer = ?"), append(args, []byte(ident(f.Consumer)))
 	}
 	if f.ErrorContains != "" {
 		conds, args = append(conds, "LOCATE(LOWER(?), LOWER(`error`)) > 0"), append(args, clean(f.ErrorContains))

@@ -33,7 +33,10 @@ var (
 type Entry struct {
 	// ID numbers entries in the order they were written.
 	ID int64 `json:"id"`
-	// UUID is the message's UUID, kept on replay.
+	// UUID is the message's UUID, kept on replay. A UUID longer than
+	// delivery.MaxBoundBytes is held in its delivery.Bound form (the
+	// whole one is in Metadata's delivery.DeadUUID, which a replay uses),
+	// and so are Topic, DLQTopic, Consumer and Key.
 	UUID string `json:"uuid"`
 	// Topic is the topic the message was consumed from
 	// (delivery.DeadTopic), where a replay publishes it; "" when unknown.
@@ -69,8 +72,9 @@ type Entry struct {
 	DeadAt time.Time `json:"dead_at"`
 }
 
-// Message returns the message a replay of e publishes: e's UUID and
-// payload, and its metadata without the facts of the failed delivery
+// Message returns the message a replay of e publishes: e's UUID (the
+// whole one, [delivery.DeadUUID], where the uuid column holds a bounded
+// form) and payload, and its metadata without the facts of the failed delivery
 // ([delivery.IsDeliveryFact]: the dead-letter fields, any replay marker,
 // and the topic, partition, offset, attempt count and decode error the
 // adapter set), so that the replay is counted and decoded afresh. It
@@ -83,7 +87,11 @@ type Entry struct {
 // consumer's record ack it without running. With an empty grant the
 // message carries no replay marker.
 func (e Entry) Message(grant string) *message.Message {
-	msg := message.NewMessage(e.UUID, append([]byte(nil), e.Payload...))
+	uuid := e.UUID
+	if full := e.Metadata[delivery.DeadUUID]; full != "" {
+		uuid = full // the column holds a bounded or per-row form
+	}
+	msg := message.NewMessage(uuid, append([]byte(nil), e.Payload...))
 	for k, v := range e.Metadata {
 		if !delivery.IsDeliveryFact(k) {
 			msg.Metadata.Set(k, v)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -40,9 +41,33 @@ func (c RelayConfig) validateLedger() error {
 	return nil
 }
 
+// ledgerKey is the idempotency key the ledger records for x: the one the
+// inbox's default KeyFunc derives, its idempotency_key metadata, else its
+// UUID. It is recorded in its delivery.Bound form, so that a key of any
+// length fits the ledger's index; the inbox refuses a key that long
+// (middleware.MaxKeyBytes), so reconcile finds no record of it either way.
+func ledgerKey(x row) string {
+	if k, ok := x.metadata[delivery.IdempotencyKey]; ok {
+		return k
+	}
+	return x.uuid
+}
+
+// pgRecord records one row in the PostgreSQL ledger (arguments: uuid,
+// topic, partition key, idempotency key), at the transaction's now(), as
+// the take statement does; empty without a ledger.
+func pgRecord(names sqlschema.Names, ledger bool) string {
+	if !ledger {
+		return ""
+	}
+	return `INSERT INTO ` + names.Ledger + ` (uuid, topic, partition_key, idempotency_key) VALUES ($1, $2, $3, $4)`
+}
+
 // takeDue ends the PostgreSQL take statement, whose CTEs end with "due",
 // the ids of the rows to publish: it deletes them and returns them. With
-// the ledger, the same statement records them in the ledger table, so
+// the ledger, the same statement records them in the ledger table (but
+// for a row whose key is longer than delivery.MaxBoundBytes, which the
+// batch records bounded, see [ledgerKey]), so
 // that the record is in the batch's transaction (it commits with the
 // delete, after the publish, or rolls back with it) and costs no round
 // trip of its own.
@@ -58,7 +83,9 @@ taken AS (
 	RETURNING id, topic, uuid, partition_key, payload, metadata),
 recorded AS (
 	INSERT INTO ` + names.Ledger + ` (uuid, topic, partition_key, idempotency_key)
-	SELECT uuid, topic, partition_key, COALESCE(metadata->>'` + delivery.IdempotencyKey + `', uuid) FROM taken)
+	SELECT uuid, topic, partition_key, k FROM (
+		SELECT uuid, topic, partition_key, COALESCE(metadata->>'` + delivery.IdempotencyKey + `', uuid) AS k FROM taken) t
+	WHERE octet_length(k) <= ` + strconv.Itoa(delivery.MaxBoundBytes) + `)
 SELECT id, topic, uuid, partition_key, payload, metadata FROM taken`
 }
 

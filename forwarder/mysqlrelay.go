@@ -45,7 +45,9 @@ import (
 // which they never touch, and outbox rows they no longer hold; no gap is
 // locked, as READ COMMITTED and READ UNCOMMITTED take none.
 type mysqlOutbox struct {
-	db                       *sql.DB
+	db *sql.DB
+	// validate is the publisher's TopicValidator, or nil.
+	validate                 func(string) error
 	consumer                 string
 	lockOrdered              bool
 	lanesPerBatch, batchSize int
@@ -137,6 +139,7 @@ func newMySQLOutbox(cfg RelayConfig, names sqlschema.Names) *mysqlOutbox {
 	}
 	return &mysqlOutbox{
 		db:            cfg.DB,
+		validate:      topicValidation(cfg.Publisher),
 		consumer:      relayConsumer(cfg.Schema.Schema + "." + cfg.Schema.OutboxTable),
 		lockOrdered:   cfg.LockOrderedWriters,
 		lanesPerBatch: cfg.LanesPerBatch,
@@ -310,7 +313,7 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 			return x, err
 		}
 		x.topic, x.uuid, x.key = string(topic), string(uuid), string(key)
-		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdJSON)
+		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdJSON, o.validate)
 		return x, nil
 	})
 	if err != nil {
@@ -327,8 +330,15 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 		if payload == nil {
 			payload = []byte{}
 		}
-		if _, err := tx.ExecContext(ctx, o.q.deadLetter, []byte(x.uuid), []byte(x.topic), []byte(o.consumer), []byte(x.key),
-			x.refused.Error(), payload, x.deadMetadata()); err != nil {
+		err := deadLetterRow(x, func(uuid, metadata string) (bool, error) {
+			_, err := tx.ExecContext(ctx, o.q.deadLetter, []byte(uuid), []byte(delivery.Bound(x.topic)), []byte(delivery.Bound(o.consumer)),
+				[]byte(delivery.Bound(x.key)), x.refused.Error(), payload, metadata)
+			if n, ok := mysqlErrorNumber(err); ok && n == erDupEntry {
+				return false, nil
+			}
+			return err == nil, err
+		})
+		if err != nil {
 			return 0, fmt.Errorf("forwarder: dead-letter refused row %d: %w", x.id, err)
 		}
 	}
@@ -371,11 +381,7 @@ func (o *mysqlOutbox) record(ctx context.Context, tx *sql.Tx, batch []row, at an
 			b.WriteString(", ")
 		}
 		b.WriteString("(?, ?, ?, ?, ?)")
-		key, ok := x.metadata[delivery.IdempotencyKey]
-		if !ok {
-			key = x.uuid
-		}
-		args = append(args, []byte(x.uuid), []byte(x.topic), []byte(x.key), []byte(key), at)
+		args = append(args, []byte(x.uuid), []byte(x.topic), []byte(x.key), []byte(delivery.Bound(ledgerKey(x))), at)
 	}
 	if len(args) == 0 {
 		return nil
@@ -617,4 +623,17 @@ func measureMySQLLag(ctx context.Context, db *sql.DB, q mysqlLagQueries, lockOrd
 func mysqlAccessDenied(err error) bool {
 	var me *mysql.MySQLError
 	return errors.As(err, &me) && (me.Number == 1227 || me.Number == 1142 || me.Number == 1044)
+}
+
+// erDupEntry is MySQL's ER_DUP_ENTRY: a unique index holds the value.
+const erDupEntry = 1062
+
+// mysqlErrorNumber returns the server's error number of err, if it is a
+// server error.
+func mysqlErrorNumber(err error) (uint16, bool) {
+	var me *mysql.MySQLError
+	if errors.As(err, &me) {
+		return me.Number, true
+	}
+	return 0, false
 }

@@ -1,23 +1,28 @@
 package forwarder
 
 import (
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
 
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
 // ErrRefusedRow is wrapped by the reason the relay gives for an outbox
-// row it cannot turn into a message: an empty topic or uuid, or metadata
-// that is not a JSON object of strings (JSON null counts as no metadata).
+// row it cannot turn into a message: an empty topic or uuid, metadata
+// that is not a JSON object of strings (JSON null counts as no metadata),
+// or a topic that the publisher's broker refuses ([TopicValidator]).
 // Such a row cannot become valid by waiting, and keeping it would hold
 // every batch that takes its lane: the relay dead-letters it instead, in
 // the batch's transaction, to the dead-letter table (sqlschema.Config's
 // DLQTable) with the reason as its error, consumer "relay:" followed by
 // the outbox table (schema.table), permanent, and logs it at Error
 // ("Outbox row refused, dead-lettered"). The rows behind it in its lane
-// go on. A row whose metadata was refused is dead-lettered with empty
+// go on. Each refused row is one dead letter, its uuid, topic and key
+// bounded ([delivery.Bound]); a row whose uuid the table holds already is
+// filed under a uuid made unique for it (see [deadLetterRow]). A row whose metadata was refused is dead-lettered with empty
 // metadata, the column's text being quoted in the error.
 var ErrRefusedRow = errors.New("forwarder: outbox row refused")
 
@@ -25,9 +30,26 @@ var ErrRefusedRow = errors.New("forwarder: outbox row refused")
 // of outbox (schema.table).
 func relayConsumer(outbox string) string { return "relay:" + outbox }
 
+// TopicValidator is a publisher that can tell, before publishing, a
+// topic its broker refuses for its shape: too long for the broker's
+// frame (AMQP's 255-byte names), not valid UTF-8 where the broker needs
+// it, or against the broker's naming rules (a NATS subject with spaces or
+// wildcards, a Kafka topic with characters outside [a-zA-Z0-9._-]). The
+// relay asks it for each row's topic and refuses a row whose topic it
+// rejects ([ErrRefusedRow]): such a row would fail its publish on every
+// try, and with it the rows published before it in the batch, which
+// would go out again and again, while a broker that closes the channel or
+// connection on such a frame would make the relay reconnect in a loop.
+// oncemill's AMQP, Kafka and NATS publishers implement it.
+type TopicValidator interface {
+	// ValidateTopic returns why the broker would refuse topic, or nil.
+	ValidateTopic(topic string) error
+}
+
 // checkRow decodes a row's metadata column and reports why the row cannot
-// be published, if it cannot.
-func checkRow(topic, uuid string, metadata []byte) (map[string]string, error) {
+// be published, if it cannot: validate, when not nil, is the publisher's
+// TopicValidator.
+func checkRow(topic, uuid string, metadata []byte, validate func(string) error) (map[string]string, error) {
 	var md map[string]string
 	if err := json.Unmarshal(metadata, &md); err != nil {
 		return nil, fmt.Errorf("%w: metadata is not a JSON object of strings (%v): %q", ErrRefusedRow, err, clip(metadata, 500))
@@ -38,16 +60,60 @@ func checkRow(topic, uuid string, metadata []byte) (map[string]string, error) {
 	case uuid == "":
 		return md, fmt.Errorf("%w: uuid is empty", ErrRefusedRow)
 	}
+	if validate != nil {
+		if err := validate(topic); err != nil {
+			return md, fmt.Errorf("%w: the publisher refuses the topic: %w", ErrRefusedRow, err)
+		}
+	}
 	return md, nil
 }
 
-// deadMetadata is the metadata of a refused row's dead letter: the row's,
-// if it could be read, else none.
-func (x row) deadMetadata() string {
-	if x.metadata == nil {
-		return "{}"
+// topicValidation is pub's ValidateTopic, or nil when pub has none.
+func topicValidation(pub any) func(string) error {
+	if v, ok := pub.(TopicValidator); ok {
+		return v.ValidateTopic
 	}
-	b, err := json.Marshal(x.metadata)
+	return nil
+}
+
+// deadLetterRow writes the dead letter of the refused row x through
+// insert, which inserts one with the given uuid column and metadata and
+// reports whether it did: false when the table holds an entry already
+// for the same consumer, topic and uuid. The uuid column holds x's uuid,
+// bounded ([delivery.Bound]) so that an oversize one fits the table's
+// index. Each refused row is one dead letter: a row whose uuid is taken
+// (two rows of one uuid refused, or a uuid that was dead-lettered before)
+// is written under a uuid made unique for the row ("<uuid>#outbox-row-
+// <id>-<random>"), the row's own uuid kept in delivery.DeadUUID, which a
+// replay publishes with, rather than merged into the other entry and lost
+// with the outbox row's delete.
+func deadLetterRow(x row, insert func(uuid, metadata string) (bool, error)) error {
+	uuid := delivery.Bound(x.uuid)
+	done, err := insert(uuid, x.deadMetadata(uuid))
+	if err != nil || done {
+		return err
+	}
+	var salt [4]byte
+	_, _ = rand.Read(salt[:])
+	uuid = delivery.Bound(fmt.Sprintf("%s#outbox-row-%d-%x", x.uuid, x.id, salt))
+	if done, err = insert(uuid, x.deadMetadata(uuid)); err == nil && !done {
+		err = fmt.Errorf("the dead-letter table holds an entry of uuid %q already", uuid)
+	}
+	return err
+}
+
+// deadMetadata is the metadata of a refused row's dead letter, filed
+// under uuid: the row's, if it could be read, else none; with
+// delivery.DeadUUID holding the row's uuid when uuid is another.
+func (x row) deadMetadata(uuid string) string {
+	md := make(map[string]string, len(x.metadata)+1)
+	for k, v := range x.metadata {
+		md[k] = v
+	}
+	if uuid != x.uuid {
+		md[delivery.DeadUUID] = x.uuid
+	}
+	b, err := json.Marshal(md)
 	if err != nil {
 		return "{}"
 	}
@@ -62,20 +128,23 @@ func clip(b []byte, n int) string {
 }
 
 // pgDeadLetter writes a refused row to the PostgreSQL dead-letter table
-// (arguments: uuid, topic, consumer, key, error, payload, metadata), once
-// per consumer, topic and uuid, as dlq.Publisher does.
+// (arguments: uuid, topic, consumer, key, error, payload, metadata) and
+// returns its id, or no row when the table holds an entry for the same
+// consumer, topic and uuid (see [deadLetterRow]).
 func pgDeadLetter(names sqlschema.Names) string {
 	return `INSERT INTO ` + names.DLQ + ` (uuid, topic, consumer, key, error, permanent, first_failed_at, last_failed_at, payload, metadata)
 VALUES ($1, $2, $3, $4, $5, true, now(), now(), COALESCE($6::bytea, ''::bytea), $7::jsonb)
-ON CONFLICT (consumer, topic, uuid) WHERE replay_requested_at IS NULL DO NOTHING`
+ON CONFLICT (consumer, topic, uuid) WHERE replay_requested_at IS NULL DO NOTHING
+RETURNING id`
 }
 
-// mysqlDeadLetter is pgDeadLetter for the MySQL dead-letter table.
+// mysqlDeadLetter is pgDeadLetter for the MySQL dead-letter table: an
+// entry for the same consumer, topic and uuid fails it with a duplicate
+// key error (1062), which rolls back the statement only.
 func mysqlDeadLetter(names sqlschema.Names) string {
 	return "INSERT INTO " + names.DLQ + " (uuid, topic, dlq_topic, consumer, `key`, `error`, permanent,\n" +
 		"    first_failed_at, last_failed_at, payload, metadata, dead_at)\n" +
-		"VALUES (?, ?, '', ?, ?, ?, TRUE, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), ?, ?, UTC_TIMESTAMP(6))\n" +
-		"ON DUPLICATE KEY UPDATE id = id"
+		"VALUES (?, ?, '', ?, ?, ?, TRUE, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), ?, ?, UTC_TIMESTAMP(6))"
 }
 
 // pgUnledger deletes the ledger record that the take statement wrote for a

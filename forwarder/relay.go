@@ -17,6 +17,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -199,6 +201,8 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("forwarder: RelayConfig.Dialect must be sqlschema.MySQL with RelayConfig.DB, got %q (relay a PostgreSQL outbox through RelayConfig.Pool)", c.Dialect)
 	case c.Publisher == nil:
 		return errors.New("forwarder: RelayConfig.Publisher is required")
+	case typednil.Is(c.Publisher):
+		return fmt.Errorf("forwarder: RelayConfig.Publisher holds a nil %T: pass a publisher made by its constructor", c.Publisher)
 	case dropsUnsubscribed(c.Publisher):
 		return fmt.Errorf("%w: it is a non-persistent *gochannel.GoChannel, which returns nil for a topic nobody subscribes to; "+
 			"use adapters.NewGoChannel, whose Publish fails then, or set gochannel.Config.Persistent", ErrLossyPublisher)
@@ -334,7 +338,9 @@ type outboxDB interface {
 
 // pgOutbox is the outbox on PostgreSQL through pgx.
 type pgOutbox struct {
-	pool                     *pgxpool.Pool
+	pool *pgxpool.Pool
+	// validate is the publisher's TopicValidator, or nil.
+	validate                 func(string) error
 	consumer                 string
 	lockKey                  int32
 	lanesPerBatch, batchSize int
@@ -346,6 +352,10 @@ type relayQueries struct {
 	// unledger takes a refused row's record out of the ledger; empty
 	// without a ledger.
 	unledger string
+	// record records one row in the ledger (arguments: uuid, topic,
+	// partition key, idempotency key), for the rows whose key is too long
+	// for the take statement to record; empty without a ledger.
+	record string
 	lagQueries
 }
 
@@ -382,6 +392,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		outbox: outbox,
 		db: &pgOutbox{
 			pool:          cfg.Pool,
+			validate:      topicValidation(cfg.Publisher),
 			consumer:      relayConsumer(outbox),
 			lockKey:       int32(h.Sum32()),
 			lanesPerBatch: cfg.LanesPerBatch,
@@ -411,6 +422,7 @@ due AS (
 				// One cheap look, outside a transaction, before a batch.
 				deadLetter: pgDeadLetter(names),
 				unledger:   pgUnledger(names, cfg.Ledger),
+				record:     pgRecord(names, cfg.Ledger),
 				probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + due("txid", lockOrdered) + `)`,
 				lagQueries: newLagQueries(t, lockOrdered),
 			},
@@ -493,7 +505,7 @@ func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Con
 		if err := rw.Scan(&x.id, &x.topic, &x.uuid, &x.key, &x.payload, &mdRaw); err != nil {
 			return x, err
 		}
-		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdRaw)
+		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdRaw, o.validate)
 		return x, nil
 	})
 	if err != nil {
@@ -506,9 +518,25 @@ func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Con
 	sort.Slice(batch, func(i, j int) bool { return batch[i].id < batch[j].id })
 	for _, x := range batch {
 		if x.refused == nil {
+			if o.q.record != "" && len(ledgerKey(x)) > delivery.MaxBoundBytes {
+				// The take statement records only keys that fit the
+				// ledger's index; this one is recorded bounded.
+				if _, err := tx.Exec(ctx, o.q.record, x.uuid, x.topic, x.key, delivery.Bound(ledgerKey(x))); err != nil {
+					return 0, fmt.Errorf("forwarder: record row %d in the ledger: %w", x.id, err)
+				}
+			}
 			continue
 		}
-		if _, err := tx.Exec(ctx, o.q.deadLetter, x.uuid, x.topic, o.consumer, x.key, x.refused.Error(), x.payload, x.deadMetadata()); err != nil {
+		err := deadLetterRow(x, func(uuid, metadata string) (bool, error) {
+			var id int64
+			err := tx.QueryRow(ctx, o.q.deadLetter, uuid, delivery.Bound(x.topic), delivery.Bound(o.consumer), delivery.Bound(x.key),
+				x.refused.Error(), x.payload, metadata).Scan(&id)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return false, nil
+			}
+			return err == nil, err
+		})
+		if err != nil {
 			return 0, fmt.Errorf("forwarder: dead-letter refused row %d: %w", x.id, err)
 		}
 		if o.q.unledger != "" {
@@ -528,7 +556,7 @@ func (r *Relay) publish(ctx context.Context, batch []row) (int, error) {
 	for start := 0; start < len(batch); {
 		if x := batch[start]; x.refused != nil {
 			r.cfg.Logger.Error("Outbox row refused, dead-lettered", x.refused, watermill.LogFields{
-				"outbox": r.outbox, "row_id": x.id, "uuid": x.uuid, "topic": x.topic, "dlq_consumer": relayConsumer(r.outbox),
+				"outbox": r.outbox, "row_id": x.id, "uuid": delivery.Bound(x.uuid), "topic": delivery.Bound(x.topic), "dlq_consumer": relayConsumer(r.outbox),
 			})
 			start++
 			continue

@@ -63,6 +63,11 @@ type attemptSlot struct {
 
 	inbox *Inbox
 	key   dedup.Key
+	// keyed is set once the inbox ran the key function for the attempt,
+	// whatever its answer: the poison middleware then does not run it
+	// again for the dead letter (a key error leaves the dead letter's key
+	// empty).
+	keyed bool
 
 	// ends are called when the poison middleware is done with the
 	// attempt: it succeeded, was dead-lettered, or is to be retried.

@@ -13,6 +13,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/observe"
 )
 
@@ -151,6 +152,10 @@ func (c *InboxConfig) setDefaults() {
 // Validate reports the first field that is missing or out of range.
 func (c InboxConfig) Validate() error {
 	switch {
+	case c.TxStore != nil && typednil.Is(c.TxStore):
+		return fmt.Errorf("middleware: InboxConfig.TxStore holds a nil %T: pass a store made by its New", c.TxStore)
+	case c.LeaseStore != nil && typednil.Is(c.LeaseStore):
+		return fmt.Errorf("middleware: InboxConfig.LeaseStore holds a nil %T: pass a store made by its New", c.LeaseStore)
 	case c.TxStore == nil && c.LeaseStore == nil:
 		return errors.New("middleware: InboxConfig: set TxStore (transactional mode) or LeaseStore (lease mode)")
 	case c.TxStore != nil && c.LeaseStore != nil:
@@ -334,6 +339,9 @@ func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // told.
 func (in *Inbox) handle(msg *message.Message, h message.HandlerFunc, o *attemptObs) ([]*message.Message, error) {
 	key, err := in.keyOf(msg)
+	if slot := slotOf(msg.Context()); slot != nil {
+		slot.keyed = true
+	}
 	if err != nil {
 		o.outcome = observe.Rejected
 		return nil, err
@@ -436,5 +444,5 @@ func (in *Inbox) store() any {
 }
 
 func logFields(msg *message.Message, key dedup.Key) watermill.LogFields {
-	return watermill.LogFields{"message_uuid": msg.UUID, "consumer": key.Consumer, "key": key.Key}
+	return watermill.LogFields{"message_uuid": delivery.Bound(msg.UUID), "consumer": key.Consumer, "key": key.Key}
 }

@@ -130,9 +130,12 @@ func checkKey(k string) error {
 	return nil
 }
 
-// keyOf runs fn and checks its answer; every failure is permanent.
+// keyOf runs fn and checks its answer; every failure is permanent. A
+// panic in fn is recovered and is a key error that says so: a key function
+// that panics on a message panics on every delivery of it, and left to the
+// router's recovery the message would loop forever.
 func keyOf(fn KeyFunc, msg *message.Message) (string, error) {
-	k, err := fn(msg)
+	k, err := callKey(fn, msg)
 	if err != nil {
 		if !IsPermanent(err) {
 			err = Permanent(fmt.Errorf("%w: %w", ErrKey, err))
@@ -143,4 +146,14 @@ func keyOf(fn KeyFunc, msg *message.Message) (string, error) {
 		return "", err
 	}
 	return k, nil
+}
+
+// callKey runs fn under recover.
+func callKey(fn KeyFunc, msg *message.Message) (k string, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			k, err = "", keyError(nil, "key function panicked: %v", r)
+		}
+	}()
+	return fn(msg)
 }

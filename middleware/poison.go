@@ -14,6 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/observe"
 )
 
@@ -63,9 +64,10 @@ type PoisonConfig struct {
 	// With an inbox, its FinishTimeout bounds the publish. Defaults to 5s.
 	PublishTimeout time.Duration
 	// Key reads the message's key for dead-letter metadata when no inbox
-	// runs behind this middleware (or the inbox could not read a key);
-	// with one, the inbox's key is used, so the two cannot disagree. A
-	// key error leaves the field empty. Defaults to the Inbox's, else to
+	// runs behind this middleware; with one, the inbox's key is used, so
+	// the two cannot disagree, and a message whose key the inbox could
+	// not read is dead-lettered without one, the key function not run
+	// again. A key error, or a panic in it, leaves the field empty. Defaults to the Inbox's, else to
 	// [DefaultKey].
 	Key KeyFunc
 	// Hooks are told of every message dead-lettered
@@ -130,6 +132,8 @@ func (c PoisonConfig) Validate() error {
 	switch {
 	case c.Publisher == nil:
 		return errors.New("middleware: PoisonConfig.Publisher is required: it receives the dead-lettered messages")
+	case typednil.Is(c.Publisher):
+		return fmt.Errorf("middleware: PoisonConfig.Publisher holds a nil %T: pass a publisher made by its constructor", c.Publisher)
 	case c.Topic == "":
 		return errors.New("middleware: PoisonConfig.Topic is required: the dead-letter topic")
 	case c.MaxAttempts < 1:
@@ -317,7 +321,7 @@ func (p *Poison) outage(msg *message.Message, err error) error {
 	p.infrastructure.Add(1)
 	n := p.outages.Add(1)
 	p.cfg.Logger.Error("Infrastructure unavailable, message nacked without counting an attempt", err,
-		watermill.LogFields{"message_uuid": msg.UUID, "failures_in_a_row": n})
+		watermill.LogFields{"message_uuid": delivery.Bound(msg.UUID), "failures_in_a_row": n})
 	sleepCtx(msg.Context(), p.backoff(int(min(n, 32))))
 	return err
 }
@@ -406,10 +410,14 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	}
 	topic := topicOf(msg)
 	var key string
-	if slot != nil && slot.inbox != nil {
+	switch {
+	case slot != nil && slot.inbox != nil:
 		consumer, key = slot.key.Consumer, slot.key.Key
-	} else {
-		key, _ = p.cfg.Key(msg)
+	case slot != nil && slot.keyed:
+		// The inbox could not read a key: the key function ran once for
+		// this attempt, and the dead letter's key stays empty.
+	default:
+		key, _ = keyOf(p.cfg.Key, msg)
 	}
 
 	// The copy keeps the message's own metadata (its key, its partition
@@ -446,7 +454,7 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	}
 
 	fields := watermill.LogFields{
-		"message_uuid": msg.UUID, "consumer": consumer, "topic": topic, "key": key,
+		"message_uuid": delivery.Bound(msg.UUID), "consumer": consumer, "topic": topic, "key": key,
 		"attempts": attempts, "dlq_topic": p.cfg.Topic,
 	}
 	publish := func(ctx context.Context) error {

@@ -66,7 +66,7 @@ const uuidNamespace = "oncemill-amqp-id"
 // make the subscriber nack it in a loop. The zero value is ready to use.
 //
 // Marshal publishes the metadata as string headers, the UUID in
-// [UUIDHeader] and as the AMQP message-id, with persistent delivery mode.
+// [UUIDHeader] and as the AMQP message-id (when it fits its 255 bytes), with persistent delivery mode.
 // It leaves out the delivery facts of the delivery the message came from
 // (delivery.IsAdapterFact: its topic, attempts, redelivered flag, decode
 // error, and the partition, offset or stream sequence of another broker)
@@ -117,12 +117,17 @@ func (Marshaler) Marshal(msg *message.Message) (amqp091.Publishing, error) {
 		headers[k] = v
 	}
 	headers[UUIDHeader] = msg.UUID
-	return amqp091.Publishing{
+	pub := amqp091.Publishing{
 		Headers:      headers,
 		DeliveryMode: amqp091.Persistent,
-		MessageId:    msg.UUID,
 		Body:         msg.Payload,
-	}, nil
+	}
+	// message-id is a short string: a longer UUID would break the frame,
+	// and the channel with it. The UUIDHeader header carries it whole.
+	if len(msg.UUID) <= maxNameLength {
+		pub.MessageId = msg.UUID
+	}
+	return pub, nil
 }
 
 // Unmarshal returns the Watermill message for d. Its error is always nil.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
@@ -313,4 +314,20 @@ func (p *Publisher) Close() error {
 		errs = append(errs, redactErr(fmt.Errorf("amqp: close publisher connection: %w", err), p.cfg.URL))
 	}
 	return errors.Join(errs...)
+}
+
+// ValidateTopic returns why the broker would refuse topic, or nil: an
+// empty topic, an exchange name longer than AMQP's 255 bytes, or one that
+// is not valid UTF-8 (RabbitMQ closes the connection with FRAME_ERROR on
+// such a name). The error wraps [ErrInvalidTopic]. forwarder.Relay asks
+// it before publishing a row (forwarder.TopicValidator) and dead-letters
+// a row whose topic it refuses instead of retrying it forever.
+func (p *Publisher) ValidateTopic(topic string) error {
+	if err := checkTopic(p.cfg, topic); err != nil {
+		return err
+	}
+	if !utf8.ValidString(p.cfg.ExchangeName(topic)) {
+		return fmt.Errorf("%w: topic %q is not valid UTF-8, which AMQP names must be", ErrInvalidTopic, topic)
+	}
+	return nil
 }

@@ -96,3 +96,31 @@ func (p *Publisher) Close() error {
 	}
 	return nil
 }
+
+// ErrInvalidTopic is wrapped by the error [Publisher.ValidateTopic]
+// returns for a name Kafka refuses as a topic.
+var ErrInvalidTopic = errors.New("kafka: invalid topic")
+
+// maxTopicLength is the longest topic name Kafka accepts.
+const maxTopicLength = 249
+
+// ValidateTopic returns why Kafka would refuse topic as a topic name, or
+// nil: it must be 1 to 249 characters of ASCII letters, digits, '.', '_'
+// and '-', and not "." or "..". The error wraps [ErrInvalidTopic].
+// forwarder.Relay asks it before publishing a row
+// (forwarder.TopicValidator) and dead-letters a row whose topic it
+// refuses instead of retrying it forever.
+func (p *Publisher) ValidateTopic(topic string) error {
+	switch {
+	case topic == "" || topic == "." || topic == "..":
+		return fmt.Errorf("%w: %q is not a topic name", ErrInvalidTopic, topic)
+	case len(topic) > maxTopicLength:
+		return fmt.Errorf("%w: topic %q is %d bytes long, Kafka allows at most %d", ErrInvalidTopic, topic, len(topic), maxTopicLength)
+	}
+	for _, c := range []byte(topic) {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return fmt.Errorf("%w: topic %q has a character other than ASCII letters, digits, '.', '_' and '-'", ErrInvalidTopic, topic)
+		}
+	}
+	return nil
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -159,5 +160,23 @@ func (p *Publisher) Close() error {
 	p.inflight.Wait()
 	p.client.close()
 	close(p.done)
+	return nil
+}
+
+// ValidateTopic returns why topic is not a subject a message can be
+// published to, or a stream name can be made of, or nil; the error wraps
+// [ErrInvalidTopic]. forwarder.Relay asks it before publishing a row
+// (forwarder.TopicValidator) and dead-letters a row whose topic it
+// refuses instead of retrying it forever.
+func (p *Publisher) ValidateTopic(topic string) error {
+	if why := invalidTopic(topic); why != "" {
+		return fmt.Errorf("%w: topic %q %s", ErrInvalidTopic, topic, why)
+	}
+	if !utf8.ValidString(topic) {
+		return fmt.Errorf("%w: topic %q is not valid UTF-8", ErrInvalidTopic, topic)
+	}
+	if name := p.cfg.StreamName(topic); invalidName(name) != "" {
+		return fmt.Errorf("%w: topic %q makes stream name %q, which %s", ErrInvalidTopic, topic, name, invalidName(name))
+	}
 	return nil
 }

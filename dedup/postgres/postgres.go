@@ -17,6 +17,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/internal/pgsql"
+	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -72,7 +73,7 @@ var (
 // New returns a store on db. It does not create the table: run
 // [sqlschema.Migrate] with the same Config first.
 func New(db DB, cfg Config) (*Store, error) {
-	if db == nil {
+	if typednil.Is(db) {
 		return nil, errors.New("postgres: db is nil")
 	}
 	cfg = cfg.WithDefaults()

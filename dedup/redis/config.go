@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	goredis "github.com/redis/go-redis/v9"
+
+	"github.com/oncemill/oncemill/internal/typednil"
 )
 
 // DefaultPrefix starts every Redis key the store writes when
@@ -108,6 +110,8 @@ func (c Config) Validate() error {
 	switch {
 	case c.Client == nil:
 		return errors.New("redis: Config.Client is required")
+	case typednil.Is(c.Client):
+		return fmt.Errorf("redis: Config.Client holds a nil %T: pass a client made by goredis.NewClient or its kin", c.Client)
 	case strings.ContainsAny(c.Prefix, "{}"):
 		return fmt.Errorf("redis: Config.Prefix must not contain '{' or '}', got %q", c.Prefix)
 	case c.Policy != FailClosed && c.Policy != FailOpen:

@@ -62,6 +62,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/internal/breaker"
+	"github.com/oncemill/oncemill/internal/typednil"
 )
 
 // DefaultLease is the lock's lease when [Config.Lease] is zero.
@@ -133,6 +134,10 @@ func (c Config) Validate() error {
 		return errors.New("twotier: Config.Lock is required")
 	case c.Record == nil:
 		return errors.New("twotier: Config.Record is required")
+	case typednil.Is(c.Lock):
+		return fmt.Errorf("twotier: Config.Lock holds a nil %T: pass a store made by its New", c.Lock)
+	case typednil.Is(c.Record):
+		return fmt.Errorf("twotier: Config.Record holds a nil %T: pass a store made by its New", c.Record)
 	case sameStore(c.Lock, c.Record):
 		return errors.New("twotier: Config.Lock and Config.Record are the same store: the lock must be a separate store (dedup/redis), or its lease rows would collide with the record's")
 	case c.Lease < 0:
