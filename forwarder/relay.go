@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -588,7 +589,12 @@ func (r *Relay) publish(ctx context.Context, batch []row) (int, error) {
 		for _, x := range batch[start:end] {
 			m := message.NewMessage(x.uuid, x.payload)
 			for k, v := range x.metadata {
-				m.Metadata.Set(k, v)
+				// A delivery fact a producer wrote (a consumed message
+				// published again, a forged decode error) would lie about
+				// the delivery this publish makes.
+				if !delivery.IsAdapterFact(k) {
+					m.Metadata.Set(k, v)
+				}
 			}
 			m.SetContext(ctx)
 			r.hooks.MessageOut(ctx, observe.OutRelay, m)
