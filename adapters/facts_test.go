@@ -4,6 +4,7 @@ import (
 	"context"
 	"maps"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -11,6 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/oncemill/oncemill/adapters"
+	_ "github.com/oncemill/oncemill/adapters/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/msgtest"
 	"github.com/oncemill/oncemill/internal/pgtest"
@@ -114,5 +117,63 @@ func runRepublish(t *testing.T, from, to broker) {
 	require.Empty(t, delivery.DecodeErrorOf(arrived))
 	for _, k := range []string{delivery.IdempotencyKey, "tenant", delivery.Replay, delivery.DeadConsumer} {
 		require.Equal(t, msg.Metadata.Get(k), arrived.Metadata.Get(k), "%s travels", k)
+	}
+}
+
+// TestProducerSetFactsDoNotTravel: the in-process GoChannel and the
+// postgres:// broker set no delivery facts of their own, and a message
+// published with some (a producer's copy of a consumed message, or a
+// forged oncemill_decode_error that would have it dead-lettered unread)
+// arrives without them, as on the other brokers; its own metadata, the
+// replay marker and a dead-letter field travel with it.
+func TestProducerSetFactsDoNotTravel(t *testing.T) {
+	t.Parallel()
+	for _, rawURL := range []string{"gochannel://", pgtest.URL()} {
+		scheme, _, _ := strings.Cut(rawURL, ":")
+		t.Run(scheme, func(t *testing.T) {
+			t.Parallel()
+			ps, err := adapters.Open(context.Background(), rawURL, adapters.Options{ConsumerGroup: "facts"})
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, ps.Close()) })
+			topic := "facts_" + pgtest.Name(t)
+			if scheme == "postgres" {
+				t.Cleanup(func() {
+					_, err := pgtest.Pool(t, 1).Exec(context.Background(), `DROP TABLE IF EXISTS "watermill_`+topic+`"`)
+					require.NoError(t, err)
+				})
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			in, err := ps.Subscriber.Subscribe(ctx, topic)
+			require.NoError(t, err)
+
+			msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":7}`))
+			for _, k := range []string{delivery.Topic, delivery.Partition, delivery.Offset, delivery.Stream,
+				delivery.StreamSequence, delivery.Attempts, delivery.Redelivered, delivery.DecodeError} {
+				require.True(t, delivery.IsAdapterFact(k), k)
+				msg.Metadata.Set(k, "3")
+			}
+			msg.Metadata.Set(delivery.IdempotencyKey, "order-7")
+			msg.Metadata.Set(delivery.Replay, "grant-1")
+			msg.Metadata.Set(delivery.DeadConsumer, "billing")
+			sent := maps.Clone(msg.Metadata)
+			require.NoError(t, ps.Publisher.Publish(topic, msg))
+			require.Equal(t, sent, msg.Metadata, "the publisher leaves the caller's message alone")
+
+			got := msgtest.Receive(t, in, time.Minute)
+			got.Ack()
+			require.Equal(t, msg.UUID, got.UUID)
+			var facts []string
+			for k := range got.Metadata {
+				if delivery.IsAdapterFact(k) {
+					facts = append(facts, k)
+				}
+			}
+			require.Empty(t, facts, "no delivery fact the producer set arrives")
+			require.Empty(t, delivery.DecodeErrorOf(got))
+			for _, k := range []string{delivery.IdempotencyKey, delivery.Replay, delivery.DeadConsumer} {
+				require.Equal(t, msg.Metadata.Get(k), got.Metadata.Get(k), "%s travels", k)
+			}
+		})
 	}
 }

@@ -4,13 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/url"
+	"slices"
 	"sync"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
+	"github.com/oncemill/oncemill/delivery"
 )
 
 // ErrNoSubscribers is wrapped by the error a non-persistent [GoChannel]
@@ -58,12 +61,40 @@ func (g *GoChannel) Persistent() bool { return g.persistent }
 
 // Publish publishes msgs to topic, or, on a non-persistent GoChannel that
 // nothing subscribes to on topic, returns an error wrapping
-// [ErrNoSubscribers] and publishes nothing.
+// [ErrNoSubscribers] and publishes nothing. A message carrying delivery
+// facts ([delivery.IsAdapterFact]: a consumed message published again, or
+// a producer's own oncemill_decode_error) is published as a copy without
+// them, as every broker adapter publishes: they are facts of another
+// delivery. The caller's messages are left as they are.
 func (g *GoChannel) Publish(topic string, msgs ...*message.Message) error {
 	if !g.persistent && !g.subscribed(topic) {
 		return fmt.Errorf("%w: topic %q", ErrNoSubscribers, topic)
 	}
-	return g.gc.Publish(topic, msgs...)
+	out := msgs
+	cloned := false
+	for i, m := range msgs {
+		if !hasAdapterFact(m) {
+			continue
+		}
+		if !cloned {
+			out, cloned = slices.Clone(msgs), true
+		}
+		c := m.Copy()
+		c.SetContext(m.Context())
+		maps.DeleteFunc(c.Metadata, func(k, _ string) bool { return delivery.IsAdapterFact(k) })
+		out[i] = c
+	}
+	return g.gc.Publish(topic, out...)
+}
+
+// hasAdapterFact reports whether m carries a [delivery.IsAdapterFact] key.
+func hasAdapterFact(m *message.Message) bool {
+	for k := range m.Metadata {
+		if delivery.IsAdapterFact(k) {
+			return true
+		}
+	}
+	return false
 }
 
 // subscribed reports whether a subscription to topic is live, forgetting

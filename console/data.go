@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 )
@@ -84,13 +83,6 @@ func (cr criteria) where(a *args) string {
 func clean(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")
 	return strings.ReplaceAll(s, "\x00", "\uFFFD")
-}
-
-// isUndefinedTable reports whether err is PostgreSQL's undefined_table,
-// or MySQL's missing table or database.
-func isUndefinedTable(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "42P01" || isMySQLUndefinedTable(err)
 }
 
 // listRow is a dead letter as the list shows it.

@@ -13,6 +13,7 @@ import (
 
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/missingtable"
 )
 
 // overviewData is the overview's.
@@ -91,7 +92,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 
 	stats, err := c.inboxStats(ctx, c.cfg.Now())
 	switch {
-	case isUndefinedTable(err):
+	case missingtable.Is(err):
 		d.InboxMissing = true
 	case err != nil:
 		d.InboxErr = err.Error()
@@ -113,7 +114,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		d.Groups, err = c.groups(ctx, criteria{}, topGroups)
 	}
 	switch {
-	case errors.Is(err, dlq.ErrNotMigrated) || isUndefinedTable(err):
+	case errors.Is(err, dlq.ErrNotMigrated) || missingtable.Is(err):
 		d.DLQMissing = true
 	case err != nil:
 		d.DLQErr = err.Error()
@@ -132,7 +133,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 
 	lag, err := c.outboxLag(ctx)
 	switch {
-	case isUndefinedTable(err):
+	case missingtable.Is(err):
 		d.OutboxMissing = true
 	case err != nil:
 		d.OutboxErr = err.Error()
@@ -445,7 +446,7 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 	p := c.newPage(r, "Inbox", "inbox", &d)
 	consumers, err := c.consumers(ctx)
 	switch {
-	case isUndefinedTable(err):
+	case missingtable.Is(err):
 		d.Missing = true
 		c.render(w, r, http.StatusNotFound, "inbox", p)
 		return

@@ -12,8 +12,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/go-sql-driver/mysql"
-
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -38,13 +36,6 @@ func newMySQLData(db *sql.DB, schema sqlschema.Config) *mysqlData {
 		"{T}", names.DLQ, "{I}", names.Inbox,
 		"{US}", "TIMESTAMPDIFF(MICROSECOND, TIMESTAMP'1970-01-01 00:00:00', ",
 		"{AT}", "TIMESTAMPADD(MICROSECOND, ?, TIMESTAMP'1970-01-01 00:00:00')")}
-}
-
-// isMySQLUndefinedTable reports whether err is MySQL's "no such table" or
-// "no such database".
-func isMySQLUndefinedTable(err error) bool {
-	var me *mysql.MySQLError
-	return errors.As(err, &me) && (me.Number == 1146 || me.Number == 1049)
 }
 
 func fromMicros(n int64) time.Time { return time.UnixMicro(n).UTC() }

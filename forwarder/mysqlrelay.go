@@ -3,6 +3,7 @@ package forwarder
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -48,6 +49,7 @@ type mysqlOutbox struct {
 	db *sql.DB
 	// validate is the publisher's TopicValidator, or nil.
 	validate                 func(string) error
+	timeout                  time.Duration
 	consumer                 string
 	lockOrdered              bool
 	lanesPerBatch, batchSize int
@@ -140,6 +142,7 @@ func newMySQLOutbox(cfg RelayConfig, names sqlschema.Names) *mysqlOutbox {
 	return &mysqlOutbox{
 		db:            cfg.DB,
 		validate:      topicValidation(cfg.Publisher),
+		timeout:       cfg.DatabaseTimeout,
 		consumer:      relayConsumer(cfg.Schema.Schema + "." + cfg.Schema.OutboxTable),
 		lockOrdered:   cfg.LockOrderedWriters,
 		lanesPerBatch: cfg.LanesPerBatch,
@@ -188,41 +191,58 @@ func (o *mysqlOutbox) probe(ctx context.Context) (bool, error) {
 }
 
 func (o *mysqlOutbox) batch(ctx context.Context, publish func(context.Context, []row) (int, error)) (int, error) {
-	lanes, err := o.lanesWithRows(ctx)
+	dbCtx, cancel := boundDB(ctx, o.timeout)
+	defer cancel()
+	lanes, err := o.lanesWithRows(dbCtx)
 	if err != nil || len(lanes) == 0 {
 		return 0, err
 	}
 	rand.Shuffle(len(lanes), func(i, j int) { lanes[i], lanes[j] = lanes[j], lanes[i] })
 	lanes = lanes[:min(len(lanes), o.lanesPerBatch)]
 
-	// The connection is taken with ctx; the transaction then lives until
-	// it commits or rolls back, whatever becomes of ctx: database/sql
-	// would roll back a transaction whose context ends, and a batch that
-	// published its rows must still delete them.
-	conn, err := o.db.Conn(ctx)
+	// The transaction is the connection's own statements, not a sql.Tx:
+	// database/sql would roll back a transaction whose context ends, and
+	// a batch that published its rows must still delete them; and
+	// sql.Tx.Commit (go-sql-driver/mysql's COMMIT) honours no context, so
+	// a server that stopped answering would hold it forever. Each
+	// statement here runs on a context with a deadline, which the driver
+	// honours by closing the connection; the server then rolls back.
+	conn, err := o.db.Conn(dbCtx)
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: connect: %w", err)
 	}
 	defer conn.Close()
-	level := sql.LevelReadUncommitted
+	level := "READ UNCOMMITTED"
 	if o.lockOrdered {
-		level = sql.LevelReadCommitted
+		level = "READ COMMITTED"
 	}
-	tx, err := conn.BeginTx(context.WithoutCancel(ctx), &sql.TxOptions{Isolation: level})
-	if err != nil {
+	if _, err := conn.ExecContext(dbCtx, "SET TRANSACTION ISOLATION LEVEL "+level); err != nil {
 		return 0, fmt.Errorf("forwarder: begin: %w", err)
 	}
-	n, err := o.take(ctx, tx, lanes, publish)
+	if _, err := conn.ExecContext(dbCtx, "START TRANSACTION"); err != nil {
+		return 0, fmt.Errorf("forwarder: begin: %w", err)
+	}
+	n, err := o.take(dbCtx, conn, lanes, publishOn(ctx, publish))
 	if err == nil {
 		// Once the broker has the rows, delete them even if Close came
 		// meanwhile: a rollback would publish them all again.
-		if err = tx.Commit(); err != nil {
+		post, cancel := afterPublish(ctx, o.timeout)
+		_, err = conn.ExecContext(post, "COMMIT")
+		cancel()
+		if err != nil {
 			err = fmt.Errorf("forwarder: commit after publishing %d rows (they will be published again): %w", n, err)
 		}
 	}
 	if err != nil {
-		if rbErr := tx.Rollback(); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
+		post, cancel := afterPublish(ctx, o.timeout)
+		defer cancel()
+		if _, rbErr := conn.ExecContext(post, "ROLLBACK"); rbErr != nil {
 			err = errors.Join(err, rbErr)
+			// The connection may still hold the transaction: close it
+			// rather than give it back to the pool (Raw closes the
+			// connection when its function reports driver.ErrBadConn,
+			// which it then returns).
+			_ = conn.Raw(func(any) error { return driver.ErrBadConn })
 		}
 		return 0, err
 	}
@@ -251,7 +271,7 @@ type laneRow struct {
 	lane int16
 }
 
-func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publish func(context.Context, []row) (int, error)) (int, error) {
+func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Conn, lanes []int16, publish func(context.Context, []row) (int, error)) (int, error) {
 	q, args := inList(o.q.lockLanes, lanes, " FOR UPDATE SKIP LOCKED")
 	rs, err := tx.QueryContext(ctx, q, args...)
 	if err != nil {
@@ -346,16 +366,19 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 	if err != nil {
 		return 0, err
 	}
-	// The broker has the rows: delete them even if ctx ends now.
+	// The broker has the rows: delete them even if ctx ends now, each
+	// statement within DatabaseTimeout.
+	post, cancel := afterPublish(ctx, o.timeout)
+	defer cancel()
 	idsJSON, err := json.Marshal(ids)
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: delete %d published rows (they will be published again): %w", len(ids), err)
 	}
-	if _, err := tx.ExecContext(context.WithoutCancel(ctx), o.q.remove, string(idsJSON)); err != nil {
+	if _, err := tx.ExecContext(post, o.q.remove, string(idsJSON)); err != nil {
 		return 0, fmt.Errorf("forwarder: delete %d published rows (they will be published again): %w", len(ids), err)
 	}
 	if o.q.record != "" {
-		if err := o.record(context.WithoutCancel(ctx), tx, batch, takenAt); err != nil {
+		if err := o.record(post, tx, batch, takenAt); err != nil {
 			return 0, fmt.Errorf("forwarder: record %d published rows in the ledger (they will be published again): %w", published, err)
 		}
 	}
@@ -367,7 +390,7 @@ func (o *mysqlOutbox) take(ctx context.Context, tx *sql.Tx, lanes []int16, publi
 // keeps under the server's 65535. Refused rows were dead-lettered, not
 // published: they get none. at is their published_at, the time the
 // batch read them.
-func (o *mysqlOutbox) record(ctx context.Context, tx *sql.Tx, batch []row, at any) error {
+func (o *mysqlOutbox) record(ctx context.Context, tx *sql.Conn, batch []row, at any) error {
 	var (
 		b    strings.Builder
 		args = make([]any, 0, 5*len(batch))
@@ -394,7 +417,7 @@ func (o *mysqlOutbox) record(ctx context.Context, tx *sql.Tx, batch []row, at an
 // lanes below the highest taken id of each lane, uncommitted rows
 // included, and cuts each lane before its first row that is not in taken:
 // one that was in flight when taken was read.
-func (o *mysqlOutbox) cutBeforeInFlight(ctx context.Context, tx *sql.Tx, taken []laneRow) ([]laneRow, error) {
+func (o *mysqlOutbox) cutBeforeInFlight(ctx context.Context, tx *sql.Conn, taken []laneRow) ([]laneRow, error) {
 	highest := map[int16]uint64{}
 	for _, x := range taken {
 		highest[x.lane] = max(highest[x.lane], x.id)
@@ -439,7 +462,7 @@ func (o *mysqlOutbox) cutBeforeInFlight(ctx context.Context, tx *sql.Tx, taken [
 	return kept, nil
 }
 
-func queryLaneRows(ctx context.Context, tx *sql.Tx, q string, args []any) ([]laneRow, error) {
+func queryLaneRows(ctx context.Context, tx *sql.Conn, q string, args []any) ([]laneRow, error) {
 	rs, err := tx.QueryContext(ctx, q, args...)
 	if err != nil {
 		return nil, err

@@ -107,6 +107,17 @@ type RelayConfig struct {
 	// rolls back and its rows stay in the outbox for the next run. Run
 	// cannot return while Publish has not. Defaults to 5s.
 	DrainTimeout time.Duration
+	// DatabaseTimeout bounds the relay's waits on its database: a batch's
+	// statements up to the publish (begin, take, dead-lettering refused
+	// rows), each look for rows, and, once the publisher has the rows,
+	// each of the statements that delete them (on MySQL the delete, the
+	// ledger's insert), the commit and a rollback. Those last run even
+	// after Run was stopped, so that what was published is deleted; with
+	// the bound a database that stops answering fails the batch (its
+	// rows stay and go out again, which the consumers' inboxes absorb)
+	// instead of holding Run and Close forever. The publish itself is not
+	// bounded by it (see DrainTimeout). Defaults to 10s.
+	DatabaseTimeout time.Duration
 	// StallWarning is how long the transaction that outbox rows wait on
 	// (see [Lag.HeldBy]) must have been open before the relay logs it as a
 	// stall, naming its pid (or prepared gid), database and age; the relay
@@ -175,6 +186,9 @@ func (c *RelayConfig) setDefaults() {
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = 5 * time.Second
 	}
+	if c.DatabaseTimeout == 0 {
+		c.DatabaseTimeout = 10 * time.Second
+	}
 	if c.StallWarning == 0 {
 		c.StallWarning = 10 * time.Second
 	}
@@ -218,6 +232,8 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("forwarder: RelayConfig.MinBackoff (%s) must be positive and at most MaxBackoff (%s)", c.MinBackoff, c.MaxBackoff)
 	case c.DrainTimeout < 0:
 		return fmt.Errorf("forwarder: RelayConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
+	case c.DatabaseTimeout < 0:
+		return fmt.Errorf("forwarder: RelayConfig.DatabaseTimeout must not be negative, got %s", c.DatabaseTimeout)
 	case c.StallWarning < 0:
 		return fmt.Errorf("forwarder: RelayConfig.StallWarning must not be negative, got %s", c.StallWarning)
 	case c.LagInterval < 0:
@@ -341,6 +357,7 @@ type pgOutbox struct {
 	pool *pgxpool.Pool
 	// validate is the publisher's TopicValidator, or nil.
 	validate                 func(string) error
+	timeout                  time.Duration
 	consumer                 string
 	lockKey                  int32
 	lanesPerBatch, batchSize int
@@ -393,6 +410,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		db: &pgOutbox{
 			pool:          cfg.Pool,
 			validate:      topicValidation(cfg.Publisher),
+			timeout:       cfg.DatabaseTimeout,
 			consumer:      relayConsumer(outbox),
 			lockKey:       int32(h.Sum32()),
 			lanesPerBatch: cfg.LanesPerBatch,
@@ -458,26 +476,55 @@ func (r *Relay) relayBatch(ctx context.Context) (int, error) {
 }
 
 func (o *pgOutbox) batch(ctx context.Context, publish func(context.Context, []row) (int, error)) (int, error) {
-	tx, err := o.pool.Begin(ctx)
+	dbCtx, cancel := boundDB(ctx, o.timeout)
+	defer cancel()
+	tx, err := o.pool.Begin(dbCtx)
 	if err != nil {
 		return 0, fmt.Errorf("forwarder: begin: %w", err)
 	}
-	n, err := o.take(ctx, tx, publish)
+	n, err := o.take(dbCtx, tx, publishOn(ctx, publish))
 	if err == nil {
 		// Once the broker has the rows, delete them even if Close came
 		// meanwhile: a cancelled commit would publish them all again.
-		err = tx.Commit(context.WithoutCancel(ctx))
+		post, cancel := afterPublish(ctx, o.timeout)
+		err = tx.Commit(post)
+		cancel()
 		if err != nil {
 			err = fmt.Errorf("forwarder: commit after publishing %d rows (they will be published again): %w", n, err)
 		}
 	}
 	if err != nil {
-		if rbErr := tx.Rollback(context.WithoutCancel(ctx)); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
+		post, cancel := afterPublish(ctx, o.timeout)
+		defer cancel()
+		if rbErr := tx.Rollback(post); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
 			err = errors.Join(err, rbErr)
 		}
 		return 0, err
 	}
 	return n, nil
+}
+
+// boundDB returns the context of a batch's statements up to its publish:
+// ctx, within timeout. The broker's part of the batch runs on ctx itself
+// (see [publishOn]).
+func boundDB(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, timeout)
+}
+
+// publishOn returns publish, called with ctx whatever context it is
+// given: the batch's statements run on a context bounded by
+// DatabaseTimeout, its messages on the batch's own, bounded by the drain.
+func publishOn(ctx context.Context, publish func(context.Context, []row) (int, error)) func(context.Context, []row) (int, error) {
+	return func(_ context.Context, batch []row) (int, error) { return publish(ctx, batch) }
+}
+
+// afterPublish returns the context of a statement that follows a
+// successful publish (delete, ledger, commit, rollback): it outlives ctx,
+// whose end would otherwise publish the rows again, and ends after
+// timeout, so that a database that stops answering fails the batch
+// instead of holding the relay.
+func afterPublish(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), timeout)
 }
 
 func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Context, []row) (int, error)) (int, error) {
@@ -569,7 +616,12 @@ func (r *Relay) publish(ctx context.Context, batch []row) (int, error) {
 		for _, x := range batch[start:end] {
 			m := message.NewMessage(x.uuid, x.payload)
 			for k, v := range x.metadata {
-				m.Metadata.Set(k, v)
+				// A delivery fact a producer wrote (a consumed message
+				// published again, a forged decode error) would lie about
+				// the delivery this publish makes.
+				if !delivery.IsAdapterFact(k) {
+					m.Metadata.Set(k, v)
+				}
 			}
 			m.SetContext(ctx)
 			r.hooks.MessageOut(ctx, observe.OutRelay, m)
@@ -666,7 +718,9 @@ func (r *Relay) Run(ctx context.Context) error {
 // idle relay sends one query per wait.
 func (r *Relay) poll(ctx context.Context, probe bool) (int, error) {
 	if probe {
-		due, err := r.db.probe(ctx)
+		pctx, cancel := boundDB(ctx, r.cfg.DatabaseTimeout)
+		due, err := r.db.probe(pctx)
+		cancel()
 		if err != nil {
 			return 0, fmt.Errorf("forwarder: look for rows: %w", err)
 		}

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -101,8 +103,17 @@ func (t mysqlTables) known(ctx context.Context, keys []string) (map[string]bool,
 }
 
 func (t mysqlTables) statuses(ctx context.Context, consumer string, keys, uuids []string) (status map[string]string, deadKeys, deadUUIDs map[string]bool, err error) {
-	list, args := in(keys)
-	rows, err := t.db.QueryContext(ctx, "SELECT `key`, status FROM "+t.names.Inbox+" WHERE consumer = ? AND `key` IN "+list, append([]any{consumer}, args...)...)
+	// The inbox holds a long consumer or key as its digest: look each up
+	// in the store's own form, and answer by the ledger's key.
+	inboxConsumer := sqlstore.MySQLStoredKey(dedup.Key{Consumer: consumer}).Consumer
+	byStored := make(map[string][]string, len(keys))
+	storedKeys := make([]string, len(keys))
+	for i, k := range keys {
+		storedKeys[i] = sqlstore.MySQLStoredKey(dedup.Key{Consumer: consumer, Key: k}).Key
+		byStored[storedKeys[i]] = append(byStored[storedKeys[i]], k)
+	}
+	storedList, storedArgs := in(storedKeys)
+	rows, err := t.db.QueryContext(ctx, "SELECT `key`, status FROM "+t.names.Inbox+" WHERE consumer = ? AND `key` IN "+storedList, append([]any{inboxConsumer}, storedArgs...)...)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("reconcile: read the inbox %s: %w", t.names.Inbox, err)
 	}
@@ -112,12 +123,15 @@ func (t mysqlTables) statuses(ctx context.Context, consumer string, keys, uuids 
 		if err := rows.Scan(&k, &s); err != nil {
 			return err
 		}
-		status[k] = s
+		for _, key := range byStored[k] {
+			status[key] = s
+		}
 		return nil
 	})
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("reconcile: read the inbox %s: %w", t.names.Inbox, err)
 	}
+	list, args := in(keys)
 	uuidList, uuidArgs := in(uuids)
 	rows, err = t.db.QueryContext(ctx, "SELECT `key`, uuid FROM "+t.names.DLQ+" WHERE consumer = ? AND (`key` IN "+list+" OR uuid IN "+uuidList+")",
 		append(append([]any{consumer}, args...), uuidArgs...)...)

@@ -7,10 +7,9 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/go-sql-driver/mysql"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/internal/missingtable"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -26,21 +25,10 @@ var ErrNoLedger = errors.New("reconcile: no ledger table")
 
 // ledgerError is err of reading the ledger table name.
 func ledgerError(name string, err error) error {
-	if isUndefinedTable(err) {
+	if missingtable.Is(err) {
 		return fmt.Errorf("%w %s: %w", ErrNoLedger, name, err)
 	}
 	return fmt.Errorf("reconcile: read the ledger %s: %w", name, err)
-}
-
-// isUndefinedTable reports whether err is PostgreSQL's undefined_table or
-// invalid_schema_name, or MySQL's missing table or database.
-func isUndefinedTable(err error) bool {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr.Code == "42P01" || pgErr.Code == "3F000"
-	}
-	var myErr *mysql.MySQLError
-	return errors.As(err, &myErr) && (myErr.Number == 1146 || myErr.Number == 1049)
 }
 
 const (

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -12,6 +13,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/internal/mysqltest"
 	"github.com/oncemill/oncemill/internal/pgtest"
 	"github.com/oncemill/oncemill/reconcile"
@@ -336,4 +339,45 @@ func TestCheckMySQLLedger(t *testing.T) {
 	require.WithinDuration(t, time.Now().Add(-9*time.Minute), rep.Missing[0].PublishedAt, time.Minute)
 	require.Equal(t, 1, rep.UnexplainedKeys)
 	require.Equal(t, "k-ghost", rep.Unexplained[0].Key)
+}
+
+// TestCheckMySQLLongKey: the MySQL inbox keeps a key longer than its
+// column (1024 bytes) as its SHA-256 digest; reconcile finds such a key,
+// applied through the store as a handler's transaction applies it, by
+// the same digest, and does not report its event missing. A long
+// consumer name (over 255 bytes) is kept the same way.
+func TestCheckMySQLLongKey(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	in := newMySQLInbox(t).(mysqlInbox)
+	store, err := sqlstore.New(in.db, sqlstore.Config{Dialect: sqlstore.MySQL, Schema: sqlschema.Config{Schema: in.schema}})
+	require.NoError(t, err)
+	long, absent := strings.Repeat("k", 2000), strings.Repeat("a", 2000)
+	longConsumer := strings.Repeat("c", 300)
+	for _, c := range []string{consumer, longConsumer} {
+		tx, err := store.InboxBegin(ctx)
+		require.NoError(t, err)
+		claim, err := tx.InboxClaim(ctx, dedup.Key{Consumer: c, Key: long}, time.Hour)
+		require.NoError(t, err)
+		require.Equal(t, dedup.StateNew, claim.State)
+		require.NoError(t, tx.InboxComplete(ctx, dedup.Key{Consumer: c, Key: long}, nil))
+		require.NoError(t, tx.Commit(ctx))
+	}
+	for _, r := range []ledgerRow{
+		{"u-long", "orders", long, 10 * time.Minute},
+		{"u-absent", "orders", absent, 10 * time.Minute},
+	} {
+		_, err := in.db.ExecContext(ctx, "INSERT INTO "+in.names().Ledger+" (uuid, topic, partition_key, idempotency_key, published_at)"+
+			" VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)", r.uuid, r.topic, r.key, r.key, r.ago.Microseconds())
+		require.NoError(t, err)
+	}
+	for _, c := range []string{consumer, longConsumer} {
+		rep, err := reconcile.Check(ctx, reconcile.Config{Ledger: in.tables(), Consumer: c, Grace: time.Minute})
+		require.NoError(t, err)
+		require.Equal(t, 2, rep.Checked)
+		require.Equal(t, 1, rep.Lost, "only the absent key is lost, consumer of %d bytes", len(c))
+		require.Zero(t, rep.Stuck)
+		require.Len(t, rep.Missing, 1)
+		require.Equal(t, "u-absent", rep.Missing[0].UUID, "the applied 2000-byte key is found by its digest")
+	}
 }

@@ -25,7 +25,8 @@ const (
 	// SQLite is SQLite 3.35 or newer (for RETURNING and upsert).
 	SQLite Dialect = "sqlite"
 	// MySQL is MySQL 8.0 or newer, or MariaDB 10.6 or newer, with InnoDB.
-	// It has the inbox only, so far.
+	// It has every table: the inbox, the outbox, the dead-letter table and
+	// the relay's ledger.
 	MySQL Dialect = "mysql"
 )
 
@@ -56,11 +57,12 @@ type Config struct {
 	Schema string
 	// InboxTable is the name of the inbox table. Defaults to "inbox".
 	InboxTable string
-	// OutboxTable is the name of the outbox table (PostgreSQL only).
-	// Defaults to "outbox".
+	// OutboxTable is the name of the outbox table (PostgreSQL and MySQL;
+	// SQLite has none). Defaults to "outbox".
 	OutboxTable string
-	// DLQTable is the name of the dead-letter table (PostgreSQL only), the
-	// one package dlq writes and reads. Defaults to "dlq".
+	// DLQTable is the name of the dead-letter table (PostgreSQL and MySQL;
+	// SQLite has none), the one package dlq writes and reads. Defaults to
+	// "dlq".
 	DLQTable string
 	// LedgerTable is the name of the table where the relay records what
 	// it published when forwarder.RelayConfig.Ledger is set (PostgreSQL
@@ -152,7 +154,8 @@ type Names struct {
 	// attempts of an inbox key that started and have not completed
 	// ("<inbox>_starts"); in PostgreSQL it is UNLOGGED.
 	InboxStarts string
-	// Outbox is the quoted, schema-qualified outbox table.
+	// Outbox is the quoted, schema-qualified outbox table (PostgreSQL and
+	// MySQL).
 	Outbox string
 	// OutboxName is the bare outbox table name.
 	OutboxName string
@@ -160,7 +163,7 @@ type Names struct {
 	// commit: "<schema>.<outbox table>" (PostgreSQL only).
 	OutboxChannel string
 	// DLQ is the quoted, schema-qualified dead-letter table (PostgreSQL
-	// only).
+	// and MySQL).
 	DLQ string
 	// DLQName is the bare dead-letter table name.
 	DLQName string

@@ -14,6 +14,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/url"
 	"strconv"
@@ -22,6 +23,7 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
+	"github.com/oncemill/oncemill/delivery"
 )
 
 func init() { brokerurl.Register(openURL, "postgres", "postgresql") }
@@ -72,7 +74,7 @@ func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerur
 	// BYTEA, not the default JSON: a broker carries any payload, and a
 	// malformed one must reach the handler chain (and the DLQ), not fail
 	// the publish.
-	schema := wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }}
+	schema := factlessSchema{wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }}}
 	pub, err := wsql.NewPublisher(db, wsql.PublisherConfig{
 		SchemaAdapter:        schema,
 		AutoInitializeSchema: true,
@@ -131,4 +133,21 @@ func postgresHosts(cfg *pgxpool.Config) string {
 		}
 	}
 	return strings.Join(hosts, ", ")
+}
+
+// factlessSchema is watermill-sql's PostgreSQL schema whose subscriber
+// drops the delivery facts a message was stored with
+// ([delivery.IsAdapterFact]: a consumed message published again, or a
+// producer's own oncemill_decode_error), as every broker adapter ignores
+// them: they are facts of another delivery, and this broker sets none.
+type factlessSchema struct {
+	wsql.DefaultPostgreSQLSchema
+}
+
+func (s factlessSchema) UnmarshalMessage(params wsql.UnmarshalMessageParams) (wsql.Row, error) {
+	r, err := s.DefaultPostgreSQLSchema.UnmarshalMessage(params)
+	if err == nil && r.Msg != nil {
+		maps.DeleteFunc(r.Msg.Metadata, func(k, _ string) bool { return delivery.IsAdapterFact(k) })
+	}
+	return r, err
 }

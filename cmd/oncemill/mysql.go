@@ -3,11 +3,13 @@ package main
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"net"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -38,9 +40,12 @@ func isMySQLURL(raw string) bool {
 // connection's own (oncemill's tables are in the --schema database,
 // whatever it is), and the parameters go-sql-driver/mysql's DSN
 // parameters (tls, timeout, readTimeout, …; one it does not know is a
-// session variable to set). The connect timeout defaults
-// to adapters.DefaultConnectTimeout. Its errors name the flag and never
-// the password.
+// session variable to set). The connect timeout (timeout) defaults to
+// adapters.DefaultConnectTimeout and bounds the whole connect, the
+// server's handshake included (see [openMySQL]); readTimeout and
+// writeTimeout default to [mysqlIOTimeout]. A parameter the URL gives
+// wins, readTimeout=0 included (no bound). Its errors name the flag and
+// never the password.
 func parseMySQLURL(flagName, raw string) (*mysql.Config, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
@@ -73,15 +78,56 @@ func parseMySQLURL(flagName, raw string) (*mysql.Config, error) {
 		// otherwise hang the command: the same bound as adapters.Open.
 		cfg.Timeout = adapters.DefaultConnectTimeout
 	}
+	// go-sql-driver/mysql reads and writes without a deadline unless
+	// told: a server that stops answering mid-statement would hang the
+	// command, and the driver's COMMIT watches no context.
+	q := u.Query()
+	if !q.Has("readTimeout") {
+		cfg.ReadTimeout = mysqlIOTimeout
+	}
+	if !q.Has("writeTimeout") {
+		cfg.WriteTimeout = mysqlIOTimeout
+	}
 	return cfg, nil
 }
 
+// mysqlIOTimeout is the default readTimeout and writeTimeout of a mysql://
+// URL: the longest the command waits for the server's answer to a
+// statement, or for it to take what the command sends. Longer than any
+// statement of the command should take on a healthy server.
+const mysqlIOTimeout = 30 * time.Second
+
+// boundedConnector gives every connect of go-sql-driver/mysql at most
+// bound, the server's handshake and authentication included: the driver's
+// own timeout parameter bounds only the TCP dial, and the handshake is
+// read until the server answers. The driver closes the connection when the
+// context of Connect ends.
+type boundedConnector struct {
+	driver.Connector
+	addr  string
+	bound time.Duration
+}
+
+func (c boundedConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	cctx, cancel := context.WithTimeout(ctx, c.bound)
+	defer cancel()
+	conn, err := c.Connector.Connect(cctx)
+	if err != nil && ctx.Err() == nil && cctx.Err() != nil {
+		return nil, fmt.Errorf("the database at %s did not answer within %s: %w", c.addr, c.bound, err)
+	}
+	return conn, err
+}
+
 // openMySQL connects to cfg's server with at most maxConns connections and
-// checks that it answers.
+// checks that it answers. Each connect, handshake included, is bounded by
+// cfg.Timeout.
 func openMySQL(ctx context.Context, cfg *mysql.Config, maxConns int) (*sql.DB, error) {
 	connector, err := mysql.NewConnector(cfg)
 	if err != nil {
 		return nil, err
+	}
+	if cfg.Timeout > 0 {
+		connector = boundedConnector{Connector: connector, addr: cfg.Addr, bound: cfg.Timeout}
 	}
 	db := sql.OpenDB(connector)
 	db.SetMaxOpenConns(maxConns)

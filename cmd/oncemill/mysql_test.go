@@ -42,12 +42,19 @@ func TestParseMySQLURL(t *testing.T) {
 	require.Equal(t, 30*time.Second, cfg.ReadTimeout)
 	require.Equal(t, 10*time.Second, cfg.Timeout, "the connect timeout of adapters.Open")
 
-	cfg, err = parseMySQLURL("--database", "MySQL://root@127.0.0.1:3307/?timeout=2s")
+	cfg, err = parseMySQLURL("--database", "MySQL://root@127.0.0.1:3307/?timeout=2s&readTimeout=0")
 	require.NoError(t, err)
 	require.Equal(t, "127.0.0.1:3307", cfg.Addr)
 	require.Empty(t, cfg.DBName)
 	require.Empty(t, cfg.Passwd)
 	require.Equal(t, 2*time.Second, cfg.Timeout)
+	require.Zero(t, cfg.ReadTimeout, "the URL's own value wins, 0 (no bound) too")
+	require.Equal(t, mysqlIOTimeout, cfg.WriteTimeout, "a statement's write is bounded by default")
+
+	cfg, err = parseMySQLURL("--database", "mysql://root@127.0.0.1/test")
+	require.NoError(t, err)
+	require.Equal(t, mysqlIOTimeout, cfg.ReadTimeout, "a statement's answer is awaited for a bounded time by default")
+	require.Equal(t, mysqlIOTimeout, cfg.WriteTimeout)
 
 	for _, raw := range []string{
 		"mysql://app:secret@host/db?nosuchparam=1&timeout=never",

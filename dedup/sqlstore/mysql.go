@@ -160,6 +160,16 @@ func storedKey(key dedup.Key) (string, string) {
 	return stored(key.Consumer, mysqlMaxConsumer), stored(key.Key, mysqlMaxKey)
 }
 
+// MySQLStoredKey returns key as the MySQL inbox table holds it: a consumer
+// over 255 bytes or a key over 1024 bytes (their columns' sizes) as its
+// SHA-256 digest, "sha256:" and 64 hex digits, anything else as it is.
+// Whatever reads that table by key (reconcile, say) looks the key up in
+// this form.
+func MySQLStoredKey(key dedup.Key) dedup.Key {
+	c, k := storedKey(key)
+	return dedup.Key{Consumer: c, Key: k}
+}
+
 // text cuts an error text to what a TEXT column holds, on a rune boundary.
 func text(s string) string {
 	if len(s) <= mysqlMaxText {

@@ -1,8 +1,10 @@
 // Package netfault gives tests network peers that misbehave: a host that
 // accepts and never answers ([Silent]), for proving that every connect
-// gives up in time, and a proxy that loses the answer to a COMMIT
+// gives up in time, a proxy that loses the answer to a COMMIT
 // ([CutAtCommit]), for proving what happens when a commit's outcome is
-// unknown.
+// unknown, and a proxy that stops forwarding on cue ([FreezeProxy]), for
+// proving that a server which stops answering mid-session holds nothing
+// forever.
 package netfault
 
 import (
