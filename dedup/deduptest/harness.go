@@ -65,7 +65,10 @@ type TxBundle struct {
 	// the harness can, by name: "MissingTable" (the tables dropped, as if
 	// never migrated) or "ReadOnly" (the store's database user may read
 	// them but not write them), say. Each returns the repair (migrating
-	// again, granting again). The Misconfigured subtest checks that the
+	// again, granting again). A superuser's statements skip permission
+	// checks, so for "ReadOnly" the harness's store connects as a user of
+	// its own, granted what an application's user is, and the break
+	// revokes its writes on the store's tables. The Misconfigured subtest checks that the
 	// store's calls then fail for the infrastructure's fault (an error
 	// wrapping [dedup.ErrUnavailable]): the inbox and the poison
 	// middleware nack the message, never count it and never dead-letter
