@@ -75,6 +75,13 @@ type TxBundle struct {
 	// it, and once repaired it is applied once. It must not break what
 	// Effects reads through. Optional: without it the subtest is skipped.
 	Misconfigure map[string]func(t *testing.T) (repair func(t *testing.T))
+	// Refused runs in tx a statement the database refuses (a division by
+	// zero, say), the way Effect writes: through the transaction that
+	// tx.WithTx(ctx) carries. It returns the database's error. The Aborted
+	// subtest calls it on a transaction whose [dedupdriver.AbortReporter]
+	// must then report it aborted. Optional: without it, or on a
+	// transaction that is no AbortReporter, the subtest is skipped.
+	Refused func(ctx context.Context, tx dedup.InboxTx) error
 }
 
 // LeaseHarness describes a [dedup.LeaseStore] implementation to

@@ -77,6 +77,10 @@ func TestConformanceTx(t *testing.T) {
 				},
 				DeadCopies: deadCopies(direct, schema),
 				Cut:        cut,
+				Refused: func(ctx context.Context, tx dedup.InboxTx) error {
+					_, err := postgres.Tx(tx.WithTx(ctx)).Exec(ctx, `SELECT 1 / 0`)
+					return err
+				},
 				Misconfigure: map[string]func(*testing.T) func(*testing.T){
 					"MissingTable": func(t *testing.T) func(*testing.T) {
 						renameInbox(t, direct, schema, "inbox", "inbox_away")
