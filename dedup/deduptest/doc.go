@@ -107,6 +107,10 @@
 //     ([dedupdriver.KeyLister]): each state of a key as they answer it.
 //   - Classify ([dedupdriver.Classifier]) and Cut: the failure classes above,
 //     the pipelined and batched claims' calls included.
+//   - Aborted ([dedupdriver.AbortReporter], with [TxBundle.Refused]): a
+//     claimed transaction is not aborted, not after an effect either, and
+//     is once a statement in it failed; its rollback leaves no effect and
+//     the key claimable, in a transaction that is not aborted.
 //   - StartClaim ([dedupdriver.StartClaimer]), BeginClaim ([dedupdriver.BeginClaimer]),
 //     Batch ([dedupdriver.BatchClaimer]): the pipelined and batched paths answer
 //     as the single calls do.

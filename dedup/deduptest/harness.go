@@ -65,13 +65,23 @@ type TxBundle struct {
 	// the harness can, by name: "MissingTable" (the tables dropped, as if
 	// never migrated) or "ReadOnly" (the store's database user may read
 	// them but not write them), say. Each returns the repair (migrating
-	// again, granting again). The Misconfigured subtest checks that the
+	// again, granting again). A superuser's statements skip permission
+	// checks, so for "ReadOnly" the harness's store connects as a user of
+	// its own, granted what an application's user is, and the break
+	// revokes its writes on the store's tables. The Misconfigured subtest checks that the
 	// store's calls then fail for the infrastructure's fault (an error
 	// wrapping [dedup.ErrUnavailable]): the inbox and the poison
 	// middleware nack the message, never count it and never dead-letter
 	// it, and once repaired it is applied once. It must not break what
 	// Effects reads through. Optional: without it the subtest is skipped.
 	Misconfigure map[string]func(t *testing.T) (repair func(t *testing.T))
+	// Refused runs in tx a statement the database refuses (a division by
+	// zero, say), the way Effect writes: through the transaction that
+	// tx.WithTx(ctx) carries. It returns the database's error. The Aborted
+	// subtest calls it on a transaction whose [dedupdriver.AbortReporter]
+	// must then report it aborted. Optional: without it, or on a
+	// transaction that is no AbortReporter, the subtest is skipped.
+	Refused func(ctx context.Context, tx dedup.InboxTx) error
 }
 
 // LeaseHarness describes a [dedup.LeaseStore] implementation to

@@ -50,6 +50,7 @@ func RunTxStore(t *testing.T, h TxHarness) {
 		{"HasRecord", func(t *testing.T, x txSubject) { x.hasRecord(t) }},
 		{"DoneKeys", func(t *testing.T, x txSubject) { x.doneKeys(t) }},
 		{"Classify", txClassify},
+		{"Aborted", txAborted},
 		{"Cut", txCut},
 		{"StartClaim", txStartClaim},
 		{"BeginClaim", txBeginClaim},
@@ -635,6 +636,40 @@ func txClassify(t *testing.T, x txSubject) {
 		require.NotErrorIs(t, got, dedup.ErrUnavailable, "%v is the message's", err)
 		require.NotErrorIs(t, got, dedup.ErrConflict, "%v is the message's", err)
 	}
+}
+
+// txAborted: the transaction's dedupdriver.AbortReporter tells a
+// transaction in which a statement failed, which the database will no
+// longer commit, from one that is healthy; the rollback of an aborted one
+// undoes its effect and leaves the key claimable, by a transaction that is
+// not aborted.
+func txAborted(t *testing.T, x txSubject) {
+	ctx := t.Context()
+	k := key("aborted")
+	tx := x.claimNew(t, k, window)
+	ended := false
+	defer func() {
+		if !ended {
+			require.NoError(t, tx.Rollback(ctx))
+		}
+	}()
+	a := need[dedupdriver.AbortReporter](t, tx)
+	if x.b.Refused == nil {
+		t.Skip("the bundle has no Refused")
+	}
+	require.False(t, a.InboxAborted(), "a claimed transaction is not aborted")
+	require.NoError(t, x.b.Effect(ctx, tx, k.Key))
+	require.False(t, a.InboxAborted(), "an effect written does not abort the transaction")
+	require.Error(t, x.b.Refused(ctx, tx), "the database refuses the statement")
+	require.True(t, a.InboxAborted(), "a statement failed in the transaction")
+
+	ended = true
+	require.NoError(t, tx.Rollback(ctx), "an aborted transaction rolls back")
+	require.Zero(t, x.effects(t, k), "the rollback undid the effect")
+	again := x.claimNew(t, k, window)
+	defer func() { require.NoError(t, again.Rollback(ctx)) }()
+	require.False(t, need[dedupdriver.AbortReporter](t, again).InboxAborted(),
+		"the next transaction is not aborted")
 }
 
 // txCut: once the store's connections are cut, the handler's next

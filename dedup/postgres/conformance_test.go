@@ -16,17 +16,24 @@ import (
 	"github.com/oncemill/oncemill/internal/pgtest"
 )
 
-// conformanceStore is a store in a schema of its own whose connections go
-// through a proxy that cut breaks, and a direct pool for reading the
-// tables behind it, which the cut leaves alone.
-func conformanceStore(t *testing.T) (store *postgres.Store, direct *pgxpool.Pool, schema string, cut func(*testing.T)) {
+// conformanceStore is a store in a schema of its own, beside an effects
+// table, whose connections go through a proxy that cut breaks and run as a
+// role granted what an application's user is (read and write the schema's
+// tables), and a direct pool, a superuser's, for reading the tables behind
+// it, which the cut leaves alone.
+func conformanceStore(t *testing.T) (store *postgres.Store, direct *pgxpool.Pool, schema string, role pgtest.Role, cut func(*testing.T)) {
 	t.Helper()
 	direct = pgtest.Pool(t, 2)
 	schema = pgtest.Schema(t, direct)
+	_, err := direct.Exec(t.Context(), `CREATE TABLE `+pgx.Identifier{schema, "effects"}.Sanitize()+` (key text NOT NULL)`)
+	require.NoError(t, err)
+	role = pgtest.NewRole(t, direct, schema)
 	proxy := deduptest.NewProxy(t, upstream(t))
 	cfg, err := pgxpool.ParseConfig(pgtest.URL())
 	require.NoError(t, err)
 	cfg.MaxConns = 12 // concurrent claims of one key wait for the pool or the row alike
+	k, v := role.Param()
+	cfg.ConnConfig.RuntimeParams[k] = v
 	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, network, proxy.Addr())
@@ -36,7 +43,7 @@ func conformanceStore(t *testing.T) (store *postgres.Store, direct *pgxpool.Pool
 	t.Cleanup(pool.Close)
 	store, err = postgres.New(pool, postgres.Config{Schema: schema})
 	require.NoError(t, err)
-	return store, direct, schema, func(*testing.T) { proxy.Cut() }
+	return store, direct, schema, role, func(*testing.T) { proxy.Cut() }
 }
 
 // deadCopies reads a record's count of dead copies, 0 without a record.
@@ -56,10 +63,8 @@ func TestConformanceTx(t *testing.T) {
 	t.Parallel()
 	deduptest.RunTxStore(t, deduptest.TxHarness{
 		New: func(t *testing.T) deduptest.TxBundle {
-			store, direct, schema, cut := conformanceStore(t)
+			store, direct, schema, role, cut := conformanceStore(t)
 			effects := pgx.Identifier{schema, "effects"}.Sanitize()
-			_, err := direct.Exec(t.Context(), `CREATE TABLE `+effects+` (key text NOT NULL)`)
-			require.NoError(t, err)
 			return deduptest.TxBundle{
 				Store: store,
 				Effect: func(ctx context.Context, tx dedup.InboxTx, key string) error {
@@ -72,10 +77,18 @@ func TestConformanceTx(t *testing.T) {
 				},
 				DeadCopies: deadCopies(direct, schema),
 				Cut:        cut,
+				Refused: func(ctx context.Context, tx dedup.InboxTx) error {
+					_, err := postgres.Tx(tx.WithTx(ctx)).Exec(ctx, `SELECT 1 / 0`)
+					return err
+				},
 				Misconfigure: map[string]func(*testing.T) func(*testing.T){
 					"MissingTable": func(t *testing.T) func(*testing.T) {
 						renameInbox(t, direct, schema, "inbox", "inbox_away")
 						return func(t *testing.T) { renameInbox(t, direct, schema, "inbox_away", "inbox") }
+					},
+					"ReadOnly": func(t *testing.T) func(*testing.T) {
+						role.ReadOnly(t, "inbox", "inbox_starts")
+						return func(t *testing.T) { role.Writable(t, "inbox", "inbox_starts") }
 					},
 				},
 			}
@@ -87,7 +100,7 @@ func TestConformanceLease(t *testing.T) {
 	t.Parallel()
 	deduptest.RunLeaseStore(t, deduptest.LeaseHarness{
 		New: func(t *testing.T) deduptest.LeaseBundle {
-			store, direct, schema, cut := conformanceStore(t)
+			store, direct, schema, _, cut := conformanceStore(t)
 			return deduptest.LeaseBundle{Store: store, DeadCopies: deadCopies(direct, schema), Cut: cut}
 		},
 	})

@@ -9,11 +9,15 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/deduptest"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
+	"github.com/oncemill/oncemill/internal/mysqltest"
+	"github.com/oncemill/oncemill/internal/pgtest"
 )
 
 // TestConformance runs the public TxStore suite on every dialect and
 // driver, each subtest on its own schema or database, the store dialing
-// its server through a proxy that the Cut subtest breaks.
+// its server through a proxy that the Cut subtest breaks, as a database
+// user of its own that the ReadOnly misconfiguration takes the writes on
+// the inbox tables from.
 func TestConformance(t *testing.T) {
 	t.Parallel()
 	for _, name := range []string{"pgx", "pq", "mysql"} {
@@ -23,7 +27,8 @@ func TestConformance(t *testing.T) {
 				New: func(t *testing.T) deduptest.TxBundle {
 					b := open(t, name, 4)
 					proxy := deduptest.NewProxy(t, b.upstream(t))
-					store, err := sqlstore.New(b.openVia(t, proxy.Addr()), sqlstore.Config{Dialect: b.dialect, Schema: b.schema})
+					user, readOnly, writable := b.storeUser(t)
+					store, err := sqlstore.New(b.openVia(t, proxy.Addr(), user), sqlstore.Config{Dialect: b.dialect, Schema: b.schema})
 					require.NoError(t, err)
 					return deduptest.TxBundle{
 						Store: store,
@@ -44,12 +49,34 @@ func TestConformance(t *testing.T) {
 								b.renameInbox(t, "inbox", "inbox_away")
 								return func(t *testing.T) { b.renameInbox(t, "inbox_away", "inbox") }
 							},
+							"ReadOnly": func(t *testing.T) func(*testing.T) {
+								readOnly(t)
+								return writable
+							},
 						},
 					}
 				},
 			})
 		})
 	}
+}
+
+// storeUser creates the store's database user for the test, granted what
+// an application's user is (read and write every table of the backend's
+// schema or database): a PostgreSQL role that the store's sessions run as
+// ([pgtest.Role]), a MySQL user that it logs in as ([mysqltest.User]),
+// because the test server's own user skips every permission check. It
+// returns the user's name for [backend.openVia], and what takes its writes
+// on the inbox tables away and gives them back.
+func (b backend) storeUser(t *testing.T) (name string, readOnly, writable func(*testing.T)) {
+	t.Helper()
+	inbox := []string{b.names.InboxName, b.names.InboxName + "_starts"}
+	if b.dialect == sqlstore.MySQL {
+		u := mysqltest.NewUser(t, b.db, b.schema.Schema)
+		return u.Name, func(t *testing.T) { u.ReadOnly(t, inbox...) }, func(t *testing.T) { u.Writable(t, inbox...) }
+	}
+	r := pgtest.NewRole(t, pgtest.Pool(t, 1), b.schema.Schema)
+	return r.Name, func(t *testing.T) { r.ReadOnly(t, inbox...) }, func(t *testing.T) { r.Writable(t, inbox...) }
 }
 
 // renameInbox renames the inbox table and its starts table from to.

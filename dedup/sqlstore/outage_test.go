@@ -145,10 +145,10 @@ func (b backend) viaCommitCutter(t *testing.T) (*sql.DB, <-chan struct{}) {
 	t.Helper()
 	if b.name == "mysql" {
 		proxy := mysqltest.CutAtCommit(t, b.upstream(t))
-		return b.openVia(t, proxy.Addr()), proxy.Cut()
+		return b.openVia(t, proxy.Addr(), ""), proxy.Cut()
 	}
 	proxy := netfault.CutAtCommit(t, b.upstream(t))
-	return b.openVia(t, proxy.Addr()), proxy.Cut()
+	return b.openVia(t, proxy.Addr(), ""), proxy.Cut()
 }
 
 // upstream is the host:port of the backend's server.
@@ -163,12 +163,16 @@ func (b backend) upstream(t *testing.T) string {
 }
 
 // openVia opens the backend's database with its driver, dialing addr
-// instead of the server.
-func (b backend) openVia(t *testing.T, addr string) *sql.DB {
+// instead of the server, as user (see [backend.storeUser]; "" is the test
+// server's own).
+func (b backend) openVia(t *testing.T, addr, user string) *sql.DB {
 	t.Helper()
 	switch b.name {
 	case "mysql":
 		cfg := mysqltest.Config(t, b.schema.Schema)
+		if user != "" {
+			cfg.User, cfg.Passwd = user, ""
+		}
 		cfg.Addr = addr
 		return mysqltest.Open(t, cfg, 4)
 	case "pgx":
@@ -178,6 +182,9 @@ func (b backend) openVia(t *testing.T, addr string) *sql.DB {
 			var d net.Dialer
 			return d.DialContext(ctx, network, addr)
 		}
+		if user != "" {
+			cfg.RuntimeParams["role"] = user
+		}
 		db := stdlib.OpenDB(*cfg)
 		t.Cleanup(func() { require.NoError(t, db.Close()) })
 		return db
@@ -185,6 +192,11 @@ func (b backend) openVia(t *testing.T, addr string) *sql.DB {
 		u, err := url.Parse(pgtest.URL())
 		require.NoError(t, err)
 		u.Host = addr
+		if user != "" {
+			q := u.Query()
+			q.Set("role", user) // lib/pq sends a parameter it does not know in the startup message
+			u.RawQuery = q.Encode()
+		}
 		db, err := sql.Open("postgres", u.String())
 		require.NoError(t, err)
 		t.Cleanup(func() { require.NoError(t, db.Close()) })

@@ -26,7 +26,8 @@ import (
 
 // TestConformance runs the transactional store's conformance suite on a
 // Redis lock in front of a PostgreSQL record, each subtest with a prefix
-// and a schema of its own. Both reach their servers through proxies, and
+// and a schema of its own, the record's sessions running as a role granted
+// what an application's user is, whose writes ReadOnly takes away. Both reach their servers through proxies, and
 // Cut breaks both: with the lock alone cut the store goes on, on the
 // record, by design. The lock's lease is short so that a key the lock
 // learnt done is forgotten soon after the record's window passes (the
@@ -48,12 +49,18 @@ func TestConformance(t *testing.T) {
 
 			pool := pgtest.Pool(t, 2)
 			schema := pgtest.Schema(t, pool)
+			effects := pgx.Identifier{schema, "effects"}.Sanitize()
+			_, err = pool.Exec(t.Context(), `CREATE TABLE `+effects+` (key text NOT NULL)`)
+			require.NoError(t, err)
+			role := pgtest.NewRole(t, pool, schema)
 			pgCfg, err := pgx.ParseConfig(pgtest.URL())
 			require.NoError(t, err)
 			pgProxy := deduptest.NewProxy(t, net.JoinHostPort(pgCfg.Host, strconv.Itoa(int(pgCfg.Port))))
 			cfg, err := pgxpool.ParseConfig(pgtest.URL())
 			require.NoError(t, err)
 			cfg.MaxConns = 8
+			k, v := role.Param()
+			cfg.ConnConfig.RuntimeParams[k] = v
 			cfg.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
 				var d net.Dialer
 				return d.DialContext(ctx, network, pgProxy.Addr())
@@ -65,9 +72,6 @@ func TestConformance(t *testing.T) {
 			require.NoError(t, err)
 
 			store, err := twotier.New(twotier.Config{Lock: lock, Record: record, Lease: 2 * time.Second})
-			require.NoError(t, err)
-			effects := pgx.Identifier{schema, "effects"}.Sanitize()
-			_, err = pool.Exec(t.Context(), `CREATE TABLE `+effects+` (key text NOT NULL)`)
 			require.NoError(t, err)
 			return deduptest.TxBundle{
 				Store: store,
@@ -95,6 +99,10 @@ func TestConformance(t *testing.T) {
 					"MissingTable": func(t *testing.T) func(*testing.T) {
 						renameRecord(t, pool, schema, "inbox", "inbox_away")
 						return func(t *testing.T) { renameRecord(t, pool, schema, "inbox_away", "inbox") }
+					},
+					"ReadOnly": func(t *testing.T) func(*testing.T) {
+						role.ReadOnly(t, "inbox", "inbox_starts")
+						return func(t *testing.T) { role.Writable(t, "inbox", "inbox_starts") }
 					},
 				},
 			}
