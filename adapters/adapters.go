@@ -87,7 +87,8 @@ type Options struct {
 // else Open started for them (an embedded broker, a connection pool), which
 // Close stops.
 type PubSub struct {
-	// Publisher publishes to the broker.
+	// Publisher publishes to the broker. For kafka:// or nats:// with no
+	// host, [CheckDurable] refuses it: the broker lives in this process.
 	Publisher message.Publisher
 	// Subscriber subscribes to the broker with manual acknowledgement.
 	Subscriber message.Subscriber
@@ -162,7 +163,11 @@ func Open(ctx context.Context, rawURL string, opts Options) (*PubSub, error) {
 	if err != nil {
 		return nil, fmt.Errorf("adapters: open %s: %w", safe, scrub(err, rawURL, u))
 	}
-	return &PubSub{Publisher: o.Publisher, Subscriber: o.Subscriber, Scheme: u.Scheme, closers: o.Closers}, nil
+	pub := o.Publisher
+	if o.InProcess != "" {
+		pub = &inProcessPublisher{Publisher: pub, reason: o.InProcess}
+	}
+	return &PubSub{Publisher: pub, Subscriber: o.Subscriber, Scheme: u.Scheme, closers: o.Closers}, nil
 }
 
 // scrub removes the URL's user info from an error a driver returned, in

@@ -157,7 +157,7 @@ func (in *inbox) seqs(key string) []int {
 // subscriber acked, so that what the subscriber sees is the publish order.
 func orderedGoChannel(t *testing.T) *adapters.GoChannel {
 	t.Helper()
-	gc := adapters.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, nil)
+	gc := adapters.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true, Persistent: true}, nil)
 	t.Cleanup(func() { require.NoError(t, gc.Close()) })
 	return gc
 }
