@@ -261,8 +261,8 @@ func TestReplayRefusesGoChannel(t *testing.T) {
 		args = append(args, "--database", pgtest.URL(), "--schema", f.schema)
 		r := oncemill(t, tc.env, args...)
 		require.Equal(t, exitUsage, r.code, "%v: %s", tc.args, r.stderr)
-		require.Contains(t, r.stderr, "oncemill dlq replay: --broker: gochannel:// has no durable subscribers")
-		require.Contains(t, r.stderr, "gochannel:// has no durable subscribers")
+		require.Contains(t, r.stderr, "oncemill dlq replay: --broker: adapters: not a durable destination: gochannel:// lives inside this process")
+		require.Contains(t, r.stderr, "gochannel:// lives inside this process")
 		require.Contains(t, r.stderr, "nothing replayed")
 		requireOneLine(t, r.stderr)
 		require.Empty(t, r.stdout)
@@ -273,5 +273,5 @@ func TestReplayRefusesGoChannel(t *testing.T) {
 	// even tried.
 	r := oncemill(t, nil, "dlq", "replay", "--all", "--broker", "gochannel://", "--database", "postgres://postgres@127.0.0.1:1/never")
 	require.Equal(t, exitUsage, r.code, r.stderr)
-	require.Contains(t, r.stderr, "gochannel:// has no durable subscribers")
+	require.Contains(t, r.stderr, "gochannel:// lives inside this process")
 }

@@ -206,7 +206,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"dlq", "replay", "3", "x1", "--database", db, "--broker", "gochannel://"}, `ID "x1" is not a positive integer`},
 		{[]string{"dlq", "replay", "3", "--database", db}, "--broker is required (or set BROKER_URL)"},
 		{[]string{"dlq", "replay", "--all", "--broker", "amqp://guest:guest@127.0.0.1:1/"}, "--database is required"},
-		{[]string{"dlq", "replay", "--all", "--broker", "gochannel://", "--database", db}, "--broker: gochannel:// has no durable subscribers"},
+		{[]string{"dlq", "replay", "--all", "--broker", "gochannel://", "--database", db}, "--broker: adapters: not a durable destination: gochannel:// lives inside this process"},
 		{[]string{"dlq", "purge", "--database", db}, "oncemill dlq purge: nothing selected"},
 		{[]string{"dlq", "purge", "-5", "--database", db}, "flag provided but not defined: -5"},
 		{[]string{"dlq", "purge", "0", "--database", db}, `ID "0" is not a positive integer`},
