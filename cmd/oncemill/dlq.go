@@ -15,6 +15,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/redact"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -103,7 +104,7 @@ func (c *cmd) target() (dbTarget, sqlschema.Config, error) {
 	pcfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		// pgx leaves the password out of its parse errors.
-		return dbTarget{}, sqlschema.Config{}, usagef("--database: %v", err)
+		return dbTarget{}, sqlschema.Config{}, usagef("--database: %v", redact.Error(err, url))
 	}
 	pcfg.MaxConns = 4
 	if pcfg.ConnConfig.ConnectTimeout == 0 {

@@ -22,6 +22,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/redact"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/observe/prom"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -403,7 +404,7 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	}
 
 	outbox := o.schema.WithDefaults()
-	fmt.Fprintf(c.stdout, "oncemill relay running: %s.%s to %s\n", outbox.Schema, outbox.OutboxTable, redactBroker(o.broker))
+	fmt.Fprintf(c.stdout, "oncemill relay running: %s.%s to %s\n", outbox.Schema, outbox.OutboxTable, redact.URL(o.broker))
 	running.Store(true)
 	runErr := relay.Run(ctx)
 	running.Store(false)
@@ -451,13 +452,4 @@ func relayHealth(w http.ResponseWriter, r *http.Request, running bool, db relayD
 		return
 	}
 	fmt.Fprintln(w, "ok")
-}
-
-// redactBroker is broker without its password, for the logs.
-func redactBroker(broker string) string {
-	u, err := url.Parse(broker)
-	if err != nil {
-		return redactRaw(broker)
-	}
-	return u.Redacted()
 }
