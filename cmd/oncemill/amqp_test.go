@@ -138,7 +138,7 @@ func TestAMQPDeclareUnreachable(t *testing.T) {
 	t.Parallel()
 	r := oncemill(t, nil, "amqp", "declare", "--topic", "t", "--url", "amqp://guest:s3cret@127.0.0.1:1/")
 	require.Equal(t, exitFailure, r.code, r.stderr)
-	require.Contains(t, r.stderr, "oncemill amqp declare: amqp: cannot connect to broker at amqp://guest:xxxxx@127.0.0.1:1/")
+	require.Contains(t, r.stderr, "oncemill amqp declare: cannot connect to broker at amqp://guest:xxxxx@127.0.0.1:1/")
 	require.NotContains(t, r.stderr, "s3cret")
 	requireOneLine(t, r.stderr)
 }
