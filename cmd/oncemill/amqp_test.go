@@ -210,7 +210,7 @@ func TestAMQPDeclareFromBrokerURL(t *testing.T) {
 	require.NoError(t, ps.Close())
 	r = oncemill(t, map[string]string{"BROKER_URL": rb.url + "?group=ship"}, "amqp", "declare", "--topic", one, "--delivery-limit", "6")
 	require.Equal(t, exitFailure, r.code, r.stderr)
-	require.Contains(t, r.stderr, "amqp: cannot declare topology: topic "+strconv.Quote(one))
+	require.Contains(t, r.stderr, "oncemill amqp declare: cannot declare topology: topic "+strconv.Quote(one))
 	require.Contains(t, r.stderr, "PRECONDITION_FAILED")
 	requireOneLine(t, r.stderr)
 }

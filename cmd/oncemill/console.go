@@ -120,7 +120,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 		if o.readOnly {
 			return o, usagef("--read-only replays nothing: drop --broker")
 		}
-		if err := checkDurableBroker("--broker", o.broker); err != nil {
+		if err := checkDurableBroker("--broker", o.broker, "the console did not start"); err != nil {
 			return o, err
 		}
 	}

@@ -319,7 +319,7 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	if broker == "" {
 		return usagef("--broker is required (or set BROKER_URL)")
 	}
-	if err := checkDurableBroker("--broker", broker); err != nil {
+	if err := checkDurableBroker("--broker", broker, "nothing replayed"); err != nil {
 		return err
 	}
 	store, closeDB, total, err := c.openReplay(ctx, f, "replayed")

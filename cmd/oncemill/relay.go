@@ -158,7 +158,7 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	case o.retention < time.Minute:
 		return o, usagef("%s must be at least 1m, got %s", o.field("ledger-retention"), o.retention)
 	}
-	if err := checkDurableBroker(o.field("broker"), o.broker); err != nil {
+	if err := checkDurableBroker(o.field("broker"), o.broker, "nothing relayed"); err != nil {
 		return o, err
 	}
 	if o.listen != "" {
@@ -203,9 +203,10 @@ func (c *cmd) relayFromEnv(fs *flag.FlagSet) (fromEnv map[string]bool, err error
 // subscribes to it, and what it holds is gone when the command exits, so
 // the rows or entries it deletes once published would be lost. A URL that
 // does not parse is left to adapters.Open to report.
-func checkDurableBroker(field, broker string) error {
+// The error ends with nothing, what was not done ("nothing relayed").
+func checkDurableBroker(field, broker, nothing string) error {
 	if err := adapters.CheckDurableURL(broker); err != nil {
-		return usagef("%s: %v; nothing done", field, err)
+		return usagef("%s: %v; %s", field, err, nothing)
 	}
 	return nil
 }
