@@ -31,19 +31,21 @@
 //
 // Every adapter acknowledges to the broker only when the handler acks, and
 // sets the [delivery] metadata. Credentials in a URL never appear in errors
-// or logs.
+// or logs: not the password nor a user-only token (nats://TOKEN@host), nor
+// the value of a query parameter not known to be harmless (password=…,
+// an unknown one), nor those of a URL in a parameter (endpoint=…).
 package adapters
 
 import (
 	"context"
 	"fmt"
 	"net/url"
-	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
+	"github.com/oncemill/oncemill/internal/redact"
 )
 
 // DefaultConnectTimeout bounds each connection attempt of Open (the TCP
@@ -87,7 +89,8 @@ type Options struct {
 // else Open started for them (an embedded broker, a connection pool), which
 // Close stops.
 type PubSub struct {
-	// Publisher publishes to the broker.
+	// Publisher publishes to the broker. For kafka:// or nats:// with no
+	// host, [CheckDurable] refuses it: the broker lives in this process.
 	Publisher message.Publisher
 	// Subscriber subscribes to the broker with manual acknowledgement.
 	Subscriber message.Subscriber
@@ -143,9 +146,9 @@ func Open(ctx context.Context, rawURL string, opts Options) (*PubSub, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		// url.Parse's error repeats the URL, password included.
-		return nil, fmt.Errorf("%w: cannot parse %q", ErrBadURL, redactRaw(rawURL))
+		return nil, fmt.Errorf("%w: cannot parse %q", ErrBadURL, redact.URL(rawURL))
 	}
-	safe := u.Redacted()
+	safe := redact.URL(rawURL)
 	const schemes = "kafka://, amqp://, sqs://, nats://, postgres:// or gochannel://"
 	if u.Scheme == "" {
 		return nil, fmt.Errorf("%w: %q has no scheme; use %s", ErrUnknownScheme, safe, schemes)
@@ -160,83 +163,11 @@ func Open(ctx context.Context, rawURL string, opts Options) (*PubSub, error) {
 	}
 	o, err := open(ctx, u, brokerurl.Options{Logger: opts.Logger, ConsumerGroup: opts.ConsumerGroup, ConnectTimeout: opts.ConnectTimeout})
 	if err != nil {
-		return nil, fmt.Errorf("adapters: open %s: %w", safe, scrub(err, rawURL, u))
+		return nil, fmt.Errorf("adapters: open %s: %w", safe, redact.Error(err, rawURL))
 	}
-	return &PubSub{Publisher: o.Publisher, Subscriber: o.Subscriber, Scheme: u.Scheme, closers: o.Closers}, nil
-}
-
-// scrub removes the URL's user info from an error a driver returned, in
-// case the driver quoted the URL. Only the user info is replaced, in the
-// spellings a driver may quote it (as written in rawURL, re-escaped, and
-// decoded), not every occurrence of the password's text, which may be a
-// common word or a single letter.
-func scrub(err error, rawURL string, u *url.URL) error {
-	msg := redactUserinfo(err.Error(), rawURL, u)
-	if msg == err.Error() {
-		return err
+	pub := o.Publisher
+	if o.InProcess != "" {
+		pub = &inProcessPublisher{Publisher: pub, reason: o.InProcess}
 	}
-	return redactedError{msg: msg, err: err}
-}
-
-// redactUserinfo replaces the user info of u, parsed from rawURL, with
-// "user:xxxxx" wherever s quotes it followed by its '@'.
-func redactUserinfo(s, rawURL string, u *url.URL) string {
-	if u.User == nil {
-		return s
-	}
-	pass, ok := u.User.Password()
-	if !ok {
-		return s
-	}
-	safe := url.UserPassword(u.User.Username(), "xxxxx").String() + "@"
-	forms := []string{u.User.String() + "@", u.User.Username() + ":" + pass + "@"}
-	if raw := rawUserinfo(rawURL); raw != "" {
-		forms = append(forms, raw+"@")
-	}
-	for _, f := range forms {
-		s = strings.ReplaceAll(s, f, safe)
-	}
-	return s
-}
-
-// rawUserinfo returns the user info of rawURL as written, or "".
-func rawUserinfo(rawURL string) string {
-	_, rest, ok := strings.Cut(rawURL, "://")
-	if !ok {
-		return ""
-	}
-	if end := strings.IndexAny(rest, "/?#"); end >= 0 {
-		rest = rest[:end]
-	}
-	if at := strings.LastIndex(rest, "@"); at >= 0 {
-		return rest[:at]
-	}
-	return ""
-}
-
-// redactedError shows a scrubbed message but still unwraps to the
-// driver's error for errors.Is and errors.As.
-type redactedError struct {
-	msg string
-	err error
-}
-
-func (e redactedError) Error() string { return e.msg }
-func (e redactedError) Unwrap() error { return e.err }
-
-// redactRaw hides what looks like a password in a URL that did not parse.
-func redactRaw(raw string) string {
-	scheme, rest, ok := strings.Cut(raw, "://")
-	if !ok {
-		return raw
-	}
-	userinfo, host, ok := strings.Cut(rest, "@")
-	if !ok {
-		return raw
-	}
-	user, _, hasPass := strings.Cut(userinfo, ":")
-	if !hasPass {
-		return raw
-	}
-	return scheme + "://" + user + ":xxxxx@" + host
+	return &PubSub{Publisher: pub, Subscriber: o.Subscriber, Scheme: u.Scheme, closers: o.Closers}, nil
 }

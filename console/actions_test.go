@@ -137,7 +137,7 @@ func (p *recordingPublisher) Close() error { return nil }
 func TestReplayToTopic(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t)
-	broker := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+	broker := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	defer broker.Close()
 	received, err := broker.Subscribe(context.Background(), "orders")
 	require.NoError(t, err)
@@ -256,7 +256,7 @@ func TestReadOnly(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t)
 	ids := f.seedErrors("order 1 not found", "timeout")
-	broker := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	defer broker.Close()
 	cl := bearer(t, f.console(func(c *console.Config) { c.ReadOnly = true; c.Publisher = broker }))
 

@@ -19,6 +19,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -89,7 +90,8 @@ type Config struct {
 	// Publisher, when set, lets an operator also replay entries to their
 	// original topic (every consumer group of it receives them), as
 	// `oncemill dlq replay --broker` does; give it a durable broker, the
-	// one the consumers read from. Without it, replay is only to the
+	// one the consumers read from: one that lives inside this process is
+	// refused (adapters.CheckDurable). Without it, replay is only to the
 	// entry's consumer (dlq.Store.RequestReplay), which that consumer's
 	// dlq.ReplaySubscriber delivers.
 	Publisher message.Publisher
@@ -135,6 +137,11 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: PageSize must be 0 (default %d) to %d, got %d", ErrInvalidConfig, defaultPageSize, maxPageSize, c.PageSize)
 	case c.MaxPayload < 0 || c.MaxPayload > maxMaxPayload:
 		return fmt.Errorf("%w: MaxPayload must be 0 (default %d) to %d bytes, got %d", ErrInvalidConfig, defaultMaxPayload, maxMaxPayload, c.MaxPayload)
+	}
+	if c.Publisher != nil {
+		if err := adapters.CheckDurable(c.Publisher); err != nil {
+			return fmt.Errorf("%w: Publisher would lose the entries it replays, which are deleted once published: %w", ErrInvalidConfig, err)
+		}
 	}
 	if err := c.Schema.WithDefaults().Validate(); err != nil {
 		return fmt.Errorf("%w: Schema: %w", ErrInvalidConfig, err)

@@ -445,7 +445,7 @@ func TestReplayToGoChannel(t *testing.T) {
 	entries, err := e.store.List(ctx, dlq.Filter{})
 	require.NoError(t, err)
 
-	gc := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+	gc := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	defer func() { require.NoError(t, gc.Close()) }()
 	subCtx, cancel := context.WithCancel(ctx)
 	defer cancel()

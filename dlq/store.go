@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -314,10 +315,19 @@ WHERE NOT EXISTS (SELECT 1 FROM `+s.table+` d WHERE d.id = u.id) ORDER BY u.id`,
 // and after each entry with the number of entries handled so far, skipped
 // ones included; total is how many entries f selected at the start.
 //
+// A pub that lives inside this process (adapters.CheckDurable: the
+// publisher adapters.Open returns for kafka:// or nats:// with no host, a
+// non-persistent GoChannel) is refused with an error wrapping
+// adapters.ErrInProcess before anything is read: the entries are deleted
+// once published. A persistent GoChannel is accepted, for tests and demos.
+//
 // An empty f is refused with [ErrNoSelection] unless f.All is set.
 func (s *Store) Replay(ctx context.Context, pub message.Publisher, f Filter, progress func(done, total int)) (int, error) {
 	if pub == nil {
 		return 0, errors.New("dlq: replay: publisher is nil")
+	}
+	if err := adapters.CheckDurable(pub); err != nil {
+		return 0, fmt.Errorf("dlq: replay: the publisher would lose the entries, which are deleted once published: %w; nothing replayed", err)
 	}
 	if err := f.selection(); err != nil {
 		return 0, err

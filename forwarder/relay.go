@@ -6,17 +6,16 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
-	"reflect"
 	"sort"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/observe"
@@ -24,11 +23,11 @@ import (
 )
 
 // ErrLossyPublisher is wrapped by the error NewRelay returns for a
-// RelayConfig.Publisher that reports success for messages it drops: a
-// non-persistent Watermill GoChannel (*gochannel.GoChannel) drops what it
-// publishes to a topic that nothing subscribes to, and the relay would
-// delete the rows.
-var ErrLossyPublisher = errors.New("forwarder: RelayConfig.Publisher drops the messages that nothing subscribes to")
+// RelayConfig.Publisher that would lose the rows the relay deletes: one
+// that lives inside this process (an embedded broker, a non-persistent
+// GoChannel), as adapters.CheckDurable decides; the error wraps
+// adapters.ErrInProcess too.
+var ErrLossyPublisher = errors.New("forwarder: RelayConfig.Publisher would lose the rows the relay deletes")
 
 // lanes is the number of ordering lanes in the outbox table (the lane
 // column is hashtext(partition_key) & 63).
@@ -51,12 +50,12 @@ type RelayConfig struct {
 	Dialect sqlschema.Dialect
 	// Publisher receives the rows as messages: any Watermill publisher
 	// whose Publish fails when the broker did not take the messages, since
-	// the relay deletes the rows it published. A non-persistent
-	// *gochannel.GoChannel is refused with [ErrLossyPublisher]: it drops
-	// the messages of a topic that nothing subscribes to and returns nil.
-	// Use adapters.NewGoChannel (what adapters.Open returns for
-	// gochannel://), whose Publish fails then, or a persistent GoChannel.
-	// A decorator around a raw GoChannel cannot be seen through. Required.
+	// the relay deletes the rows it published. A publisher that lives
+	// inside this process is refused with [ErrLossyPublisher]
+	// (adapters.CheckDurable): the one adapters.Open returns for kafka://
+	// or nats:// with no host, and a non-persistent GoChannel. A
+	// persistent GoChannel is accepted, for tests and demos. A decorator
+	// around a refused publisher cannot be seen through. Required.
 	Publisher message.Publisher
 	// Schema names the outbox table, as given to sqlschema.Migrate.
 	Schema sqlschema.Config
@@ -217,9 +216,6 @@ func (c RelayConfig) Validate() error {
 		return errors.New("forwarder: RelayConfig.Publisher is required")
 	case typednil.Is(c.Publisher):
 		return fmt.Errorf("forwarder: RelayConfig.Publisher holds a nil %T: pass a publisher made by its constructor", c.Publisher)
-	case dropsUnsubscribed(c.Publisher):
-		return fmt.Errorf("%w: it is a non-persistent *gochannel.GoChannel, which returns nil for a topic nobody subscribes to; "+
-			"use adapters.NewGoChannel, whose Publish fails then, or set gochannel.Config.Persistent", ErrLossyPublisher)
 	case c.BatchSize < 1 || c.BatchSize > 10000:
 		return fmt.Errorf("forwarder: RelayConfig.BatchSize must be 1 to 10000, got %d", c.BatchSize)
 	case c.LanesPerBatch < 1 || c.LanesPerBatch > lanes:
@@ -239,27 +235,13 @@ func (c RelayConfig) Validate() error {
 	case c.LagInterval < 0:
 		return fmt.Errorf("forwarder: RelayConfig.LagInterval must not be negative, got %s", c.LagInterval)
 	}
+	if err := adapters.CheckDurable(c.Publisher); err != nil {
+		return fmt.Errorf("%w: %w", ErrLossyPublisher, err)
+	}
 	if err := c.validateLedger(); err != nil {
 		return err
 	}
 	return c.Schema.Validate()
-}
-
-// dropsUnsubscribed reports whether p is a Watermill GoChannel that is not
-// persistent. GoChannel does not export its config; its Persistent flag is
-// read by reflection, and a GoChannel whose flag cannot be found counts as
-// not persistent.
-func dropsUnsubscribed(p message.Publisher) bool {
-	gc, ok := p.(*gochannel.GoChannel)
-	if !ok || gc == nil {
-		return false
-	}
-	cfg := reflect.ValueOf(gc).Elem().FieldByName("config")
-	if cfg.Kind() != reflect.Struct {
-		return true
-	}
-	persistent := cfg.FieldByName("Persistent")
-	return persistent.Kind() != reflect.Bool || !persistent.Bool()
 }
 
 // Relay publishes outbox rows to a broker and deletes them. Several relays

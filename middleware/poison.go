@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/typednil"
@@ -30,6 +31,11 @@ type PoisonConfig struct {
 	Inbox *Inbox
 	// Publisher receives dead-lettered messages: any Watermill publisher
 	// (a broker topic, a queue, or dlq.NewPublisher's PostgreSQL table).
+	// The original is acked once the publish returned, so a publisher that
+	// lives inside this process is refused with an error wrapping
+	// adapters.ErrInProcess (adapters.CheckDurable): the one adapters.Open
+	// returns for kafka:// or nats:// with no host, and a non-persistent
+	// GoChannel. A persistent GoChannel is accepted, for tests and demos.
 	// Required. The middleware does not close it.
 	Publisher message.Publisher
 	// Topic is the topic dead-lettered messages are published to.
@@ -134,6 +140,8 @@ func (c PoisonConfig) Validate() error {
 		return errors.New("middleware: PoisonConfig.Publisher is required: it receives the dead-lettered messages")
 	case typednil.Is(c.Publisher):
 		return fmt.Errorf("middleware: PoisonConfig.Publisher holds a nil %T: pass a publisher made by its constructor", c.Publisher)
+	case adapters.CheckDurable(c.Publisher) != nil:
+		return fmt.Errorf("middleware: PoisonConfig.Publisher would lose the dead letters, since the originals are acked: %w", adapters.CheckDurable(c.Publisher))
 	case c.Topic == "":
 		return errors.New("middleware: PoisonConfig.Topic is required: the dead-letter topic")
 	case c.MaxAttempts < 1:

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
+	"github.com/oncemill/oncemill/adapters"
 	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/msgtest"
@@ -404,9 +405,28 @@ func TestPoisonInProcessRetries(t *testing.T) {
 	})
 }
 
+// TestPoisonRefusesInProcessPublisher: Poison acks the original once the
+// dead letter is published, so a non-persistent GoChannel, which keeps
+// nothing (and reports success for a topic nobody subscribes to), is
+// refused; a persistent one, for tests, is accepted.
+func TestPoisonRefusesInProcessPublisher(t *testing.T) {
+	t.Parallel()
+	lossy := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { require.NoError(t, lossy.Close()) })
+	_, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: lossy, Topic: "dlq"})
+	require.ErrorIs(t, err, adapters.ErrInProcess)
+	require.ErrorContains(t, err, "PoisonConfig.Publisher would lose the dead letters")
+	require.ErrorContains(t, err, "set gochannel.Config.Persistent")
+
+	kept := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	t.Cleanup(func() { require.NoError(t, kept.Close()) })
+	_, err = middleware.NewPoison(middleware.PoisonConfig{Publisher: kept, Topic: "dlq"})
+	require.NoError(t, err)
+}
+
 func TestPoisonConfigValidate(t *testing.T) {
 	t.Parallel()
-	pub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	pub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { require.NoError(t, pub.Close()) })
 	for _, tc := range []struct {
 		cfg  middleware.PoisonConfig

@@ -10,6 +10,8 @@ import (
 
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/oncemill/oncemill/internal/redact"
 )
 
 // Defaults applied by [Config.Validate], [Config.WatermillConfig],
@@ -314,16 +316,9 @@ func (c Config) uriWithTimeout() string {
 	return uri
 }
 
-// redactURL returns rawURL with its password replaced by "xxxxx", or a
-// placeholder when rawURL cannot be parsed (the raw text might hold a
-// password in a place the parser did not find).
-func redactURL(rawURL string) string {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return "<unparsable URL>"
-	}
-	return u.Redacted()
-}
+// redactURL returns rawURL with every credential hidden (see
+// redact.URL).
+func redactURL(rawURL string) string { return redact.URL(rawURL) }
 
 // uriReason returns why amqp091.ParseURI rejected rawURL, without the URL:
 // a *url.Error quotes the whole URL, password included.

@@ -212,7 +212,7 @@ func (e *env) newWriterBench(ctx context.Context) (*writerBench, func(), error) 
 		closeFn()
 		return nil, nil, err
 	}
-	wb.pub = pub
+	wb.pub = measuredSink{pub}
 	closers = append(closers, func() {
 		if err := closeDrain(); err != nil {
 			e.logger.Error("close GoChannel", err, nil)

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/oncemill/oncemill/adapters/amqp"
+	"github.com/oncemill/oncemill/internal/redact"
 )
 
 // URL parameters that adapters.Open reads from an amqp:// URL and removes
@@ -123,7 +124,7 @@ func amqpConfig(rawURL string) (amqp.Config, error) {
 		return amqp.Config{}, usagef("--url: cannot parse the URL")
 	}
 	if u.Scheme != "amqp" && u.Scheme != "amqps" {
-		return amqp.Config{}, usagef("--url %s: want an amqp:// or amqps:// URL", u.Redacted())
+		return amqp.Config{}, usagef("--url %s: want an amqp:// or amqps:// URL", redact.URL(rawURL))
 	}
 	q, err := url.ParseQuery(u.RawQuery)
 	if err != nil {

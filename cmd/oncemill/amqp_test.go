@@ -138,7 +138,7 @@ func TestAMQPDeclareUnreachable(t *testing.T) {
 	t.Parallel()
 	r := oncemill(t, nil, "amqp", "declare", "--topic", "t", "--url", "amqp://guest:s3cret@127.0.0.1:1/")
 	require.Equal(t, exitFailure, r.code, r.stderr)
-	require.Contains(t, r.stderr, "oncemill amqp declare: amqp: cannot connect to broker at amqp://guest:xxxxx@127.0.0.1:1/")
+	require.Contains(t, r.stderr, "oncemill amqp declare: cannot connect to broker at amqp://guest:xxxxx@127.0.0.1:1/")
 	require.NotContains(t, r.stderr, "s3cret")
 	requireOneLine(t, r.stderr)
 }
@@ -210,7 +210,7 @@ func TestAMQPDeclareFromBrokerURL(t *testing.T) {
 	require.NoError(t, ps.Close())
 	r = oncemill(t, map[string]string{"BROKER_URL": rb.url + "?group=ship"}, "amqp", "declare", "--topic", one, "--delivery-limit", "6")
 	require.Equal(t, exitFailure, r.code, r.stderr)
-	require.Contains(t, r.stderr, "amqp: cannot declare topology: topic "+strconv.Quote(one))
+	require.Contains(t, r.stderr, "oncemill amqp declare: cannot declare topology: topic "+strconv.Quote(one))
 	require.Contains(t, r.stderr, "PRECONDITION_FAILED")
 	requireOneLine(t, r.stderr)
 }
@@ -261,8 +261,8 @@ func TestReplayRefusesGoChannel(t *testing.T) {
 		args = append(args, "--database", pgtest.URL(), "--schema", f.schema)
 		r := oncemill(t, tc.env, args...)
 		require.Equal(t, exitUsage, r.code, "%v: %s", tc.args, r.stderr)
-		require.Contains(t, r.stderr, "oncemill dlq replay: --broker: gochannel:// has no durable subscribers")
-		require.Contains(t, r.stderr, "gochannel:// has no durable subscribers")
+		require.Contains(t, r.stderr, "oncemill dlq replay: --broker: adapters: not a durable destination: gochannel:// lives inside this process")
+		require.Contains(t, r.stderr, "gochannel:// lives inside this process")
 		require.Contains(t, r.stderr, "nothing replayed")
 		requireOneLine(t, r.stderr)
 		require.Empty(t, r.stdout)
@@ -273,5 +273,5 @@ func TestReplayRefusesGoChannel(t *testing.T) {
 	// even tried.
 	r := oncemill(t, nil, "dlq", "replay", "--all", "--broker", "gochannel://", "--database", "postgres://postgres@127.0.0.1:1/never")
 	require.Equal(t, exitUsage, r.code, r.stderr)
-	require.Contains(t, r.stderr, "gochannel:// has no durable subscribers")
+	require.Contains(t, r.stderr, "gochannel:// lives inside this process")
 }

@@ -67,7 +67,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "`HOST:PORT` to listen on")
 	fs.StringVar(&o.token, "token", "", "access `TOKEN`, at least 16 characters (default $"+consoleTokenEnv+", which stays out of the process list; without either, one is generated and printed once)")
 	fs.BoolVar(&o.readOnly, "read-only", false, "hide and refuse replays and purges")
-	fs.StringVar(&o.broker, "broker", "", "`URL` of a broker through which to offer replays to the original topic too (never $BROKER_URL; gochannel:// is refused); without it a replay goes only to the entry's consumer, through the dlq.ReplaySubscriber it runs")
+	fs.StringVar(&o.broker, "broker", "", "`URL` of a broker through which to offer replays to the original topic too (never $BROKER_URL; gochannel:// and kafka:// or nats:// with no host are refused); without it a replay goes only to the entry's consumer, through the dlq.ReplaySubscriber it runs")
 	fs.StringVar(&inboxURL, "inbox", "", "`URL` of the consumers' inbox store, where replays to the topic write their grants, as for dlq replay (needs --broker)")
 	fs.StringVar(&c.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding oncemill's tables: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
 	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the schema of oncemill's tables (on MySQL: their database)")
@@ -120,7 +120,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 		if o.readOnly {
 			return o, usagef("--read-only replays nothing: drop --broker")
 		}
-		if err := checkDurable(o.broker); err != nil {
+		if err := checkDurableBroker("--broker", o.broker, "the console did not start"); err != nil {
 			return o, err
 		}
 	}

@@ -174,7 +174,7 @@ func TestConsoleUsageErrors(t *testing.T) {
 		{map[string]string{"ONCEMILL_CONSOLE_TOKEN": "short"}, []string{"--database", db}, "must be at least 16 characters, got 5"},
 		{nil, []string{"--token", "sixteen chars or more", "--database", db}, "must be printable ASCII without spaces"},
 		{nil, []string{"--read-only", "--broker", "kafka://127.0.0.1:1", "--database", db}, "--read-only replays nothing: drop --broker"},
-		{nil, []string{"--broker", "gochannel://", "--database", db}, "--broker: gochannel:// has no durable subscribers"},
+		{nil, []string{"--broker", "gochannel://", "--database", db}, "--broker: adapters: not a durable destination: gochannel:// lives inside this process"},
 		{nil, []string{"--schema", "Billing", "--database", db}, `--schema "Billing" is not a valid identifier`},
 		{nil, []string{"--table", "dead-letters", "--database", db}, `--table "dead-letters" is not a valid identifier`},
 		{nil, []string{"--inbox-table", "in box", "--database", db}, `--inbox-table "in box" is not a valid identifier`},

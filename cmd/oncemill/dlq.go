@@ -15,6 +15,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/redact"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -103,7 +104,7 @@ func (c *cmd) target() (dbTarget, sqlschema.Config, error) {
 	pcfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		// pgx leaves the password out of its parse errors.
-		return dbTarget{}, sqlschema.Config{}, usagef("--database: %v", err)
+		return dbTarget{}, sqlschema.Config{}, usagef("--database: %v", redact.Error(err, url))
 	}
 	pcfg.MaxConns = 4
 	if pcfg.ConnConfig.ConnectTimeout == 0 {
@@ -289,7 +290,7 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 		force      bool
 	)
 	fs := c.flags()
-	fs.StringVar(&broker, "broker", "", "`URL` of the broker to publish to (default $BROKER_URL): kafka://, amqp://, sqs://, nats:// or postgres://, as adapters.Open takes them; gochannel:// is refused")
+	fs.StringVar(&broker, "broker", "", "`URL` of the broker to publish to (default $BROKER_URL): kafka://, amqp://, sqs://, nats:// or postgres://, as adapters.Open takes them; gochannel:// and kafka:// or nats:// with no host, brokers inside this process, are refused")
 	fs.BoolVar(&toConsumer, "to-consumer", false, "deliver each entry to its own consumer only, through the dlq.ReplaySubscriber it runs, instead of publishing it to the topic")
 	fs.StringVar(&inboxURL, "inbox", "", "`URL` of the consumers' inbox store, where the replay grants are written, when it is not beside the dead-letter table: redis://[:PASSWORD@]HOST:PORT[/DB][?prefix=P], sqlite:PATH[?table=T], postgres://…[?schema=S&table=T] or mysql://…[?schema=DB&table=T]")
 	fs.BoolVar(&force, "force", false, "replay an entry whose key has no record in the inbox as a new key (its record expired)")
@@ -318,7 +319,7 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	if broker == "" {
 		return usagef("--broker is required (or set BROKER_URL)")
 	}
-	if err := checkDurable(broker); err != nil {
+	if err := checkDurableBroker("--broker", broker, "nothing replayed"); err != nil {
 		return err
 	}
 	store, closeDB, total, err := c.openReplay(ctx, f, "replayed")
@@ -419,19 +420,6 @@ func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter) error {
 	fmt.Fprintf(c.stdout, "requested a replay of %d %s to %s; each is delivered by its consumer's replay subscriber and deleted once handled\n",
 		n, plural(n, "entry", "entries"), plural(n, "its consumer", "their consumers"))
 	return nil
-}
-
-// checkDurable refuses, as a usage error, a broker whose subscribers are
-// not durable: an in-process gochannel:// broker lives only as long as this
-// command, so a replay through it would delete the entries and deliver them
-// to nobody. A URL that does not parse is left to adapters.Open to report.
-func checkDurable(broker string) error {
-	u, err := url.Parse(broker)
-	if err != nil || u.Scheme != "gochannel" {
-		return nil
-	}
-	return usagef("--broker: gochannel:// has no durable subscribers: the replayed messages would be lost " +
-		"when this command exits; give the broker the consumers read from; nothing replayed")
 }
 
 // openSelected connects to the table and checks that every ID f names

@@ -50,9 +50,10 @@
 // the entry once the broker has it. It stops at the first entry the broker
 // refuses (on RabbitMQ also one whose topic has no queue bound:
 // unroutable; on NATS one whose topic has no stream, unless the URL says
-// create=true); that entry and the rest stay. gochannel:// is refused as a usage error before
-// any entry is read: its subscribers live in this process only, so the
-// replayed messages would be lost. With more than 20 entries and a terminal
+// create=true); that entry and the rest stay. A broker inside this process
+// (gochannel://, kafka:// or nats:// with no host, which start an embedded
+// broker) is refused as a usage error before any entry is read: nothing
+// else subscribes to it, so the replayed messages would be lost. With more than 20 entries and a terminal
 // on stderr it draws a progress bar there. Before publishing an entry it
 // writes a replay grant on the key's dead record (see dlq.Granter), in the
 // inbox table beside the dead-letter table or in the store --inbox names
@@ -68,7 +69,8 @@
 // (default $ONCEMILL_CONSOLE_TOKEN; without either one is generated and
 // printed once), as an Authorization: Bearer header or through the login
 // form. --read-only refuses replays and purges. --broker URL also enables
-// replay to the original topic (gochannel:// is refused); otherwise a
+// replay to the original topic (a broker inside this process is refused,
+// as for dlq replay); otherwise a
 // replay goes only to the entry's consumer, through its
 // dlq.ReplaySubscriber. It takes --database, --schema, --table,
 // --inbox-table and --outbox-table.
@@ -98,6 +100,7 @@
 // matched"); 1 when the work failed (database or broker unreachable, an ID
 // that does not exist, the broker refusing a message); 2 for a usage error
 // (unknown command or flag, a bad ID, time or URL, a missing --database,
-// --broker, --url or --topic, a gochannel:// broker for replay, no
+// --broker, --url or --topic, a broker inside this process for a relay
+// or a replay, no
 // selection), reported in one line that names the flag or argument.
 package main

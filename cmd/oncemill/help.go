@@ -69,9 +69,10 @@ has it: Kafka partition and offset, JetStream stream and sequence.
 		about: `Publishes each selected entry to its original topic, with its original
 UUID, payload and metadata (without the oncemill_* facts of the failed
 delivery), through --broker, then deletes it. It stops at the first entry
-the broker refuses; that entry and the rest stay. gochannel:// is refused:
-it has no durable subscribers, so the replayed messages would be lost when
-the command exits. Give IDs, a filter flag or --all; named IDs must all
+the broker refuses; that entry and the rest stay. A broker inside this
+process is refused (gochannel://, and kafka:// or nats:// with no host,
+which start an embedded broker): nothing else subscribes to it, so the
+replayed messages would be lost when the command exits. Give IDs, a filter flag or --all; named IDs must all
 exist, or nothing is done.
 
 Before publishing an entry, replay writes a replay grant on its key's dead

@@ -18,6 +18,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/redact"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -46,9 +47,9 @@ type inboxTarget struct {
 func parseInbox(raw string) (*inboxTarget, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
-		return nil, usagef("--inbox: cannot parse %q", redactRaw(raw))
+		return nil, usagef("--inbox: cannot parse %q", redact.URL(raw))
 	}
-	t := &inboxTarget{safe: u.Redacted()}
+	t := &inboxTarget{safe: redact.URL(raw)}
 	q, err := url.ParseQuery(u.RawQuery)
 	if err != nil {
 		return nil, usagef("--inbox %s: query: %v", t.safe, err)
@@ -198,14 +199,4 @@ func (t *inboxTarget) open(ctx context.Context) (dlq.Granter, func(), error) {
 		}
 		return store, pool.Close, nil
 	}
-}
-
-// redactRaw hides the password of a URL that url.Parse refused.
-func redactRaw(raw string) string {
-	if at := strings.LastIndex(raw, "@"); at >= 0 {
-		if colon := strings.Index(raw, "://"); colon >= 0 && colon+3 < at {
-			return raw[:colon+3] + "xxxxx" + raw[at:]
-		}
-	}
-	return raw
 }

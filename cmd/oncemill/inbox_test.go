@@ -128,7 +128,7 @@ func TestInboxFlag(t *testing.T) {
 		{[]string{"--inbox", "cassandra://h/db"}, `--inbox: unknown scheme "cassandra"`},
 		{[]string{"--inbox", "mysql://h/db?schema=a-b"}, "--inbox parameter schema"},
 		{[]string{"--inbox", "mysql://h/db?timeout=never"}, "--inbox mysql://h/db?timeout=never:"},
-		{[]string{"--inbox", "redis://127.0.0.1:6379/0?pool=9"}, "--inbox redis://127.0.0.1:6379/0?pool=9:"},
+		{[]string{"--inbox", "redis://127.0.0.1:6379/0?pool=9"}, "--inbox redis://127.0.0.1:6379/0?pool=xxxxx: redis: unexpected option: pool"},
 		{[]string{"--inbox", "redis://127.0.0.1:6379/0?prefix={a}"}, "prefix must not contain"},
 		{[]string{"--inbox", "sqlite:" + filepath.Join(t.TempDir(), "missing.db")}, "is not the consumer's database file"},
 		{[]string{"--inbox", "sqlite:" + file + "?mode=ro"}, "unknown parameters for sqlite"},

@@ -98,15 +98,33 @@ func exit(name string, err error, stderr io.Writer) int {
 	case err == nil:
 		return exitOK
 	case errors.As(err, &coded):
-		fmt.Fprintf(stderr, "%s: %s\n", name, oneLine(err.Error()))
+		fmt.Fprintf(stderr, "%s: %s\n", name, errorText(name, err.Error()))
 		return coded.code
 	case errors.As(err, &uerr):
-		fmt.Fprintf(stderr, "%s: %s; run '%s --help' for usage\n", name, oneLine(uerr.msg), name)
+		fmt.Fprintf(stderr, "%s: %s; run '%s --help' for usage\n", name, errorText(name, uerr.msg), name)
 		return exitUsage
 	default:
-		fmt.Fprintf(stderr, "%s: %s\n", name, oneLine(err.Error()))
+		fmt.Fprintf(stderr, "%s: %s\n", name, errorText(name, err.Error()))
 		return exitFailure
 	}
+}
+
+// errorText is msg on one line, without the prefixes that repeat the
+// command's name: a library's error starts with its package
+// ("reconcile: read the ledger …", "dlq: no such entry"), which the
+// command's own prefix ("oncemill reconcile: ") already says.
+func errorText(name, msg string) string {
+	msg = oneLine(msg)
+	words := strings.Fields(name)
+	for trimmed := true; trimmed; {
+		trimmed = false
+		for _, w := range words[min(1, len(words)):] {
+			if rest, ok := strings.CutPrefix(msg, w+": "); ok {
+				msg, trimmed = rest, true
+			}
+		}
+	}
+	return msg
 }
 
 // oneLine keeps an error message on one line.

@@ -206,7 +206,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"dlq", "replay", "3", "x1", "--database", db, "--broker", "gochannel://"}, `ID "x1" is not a positive integer`},
 		{[]string{"dlq", "replay", "3", "--database", db}, "--broker is required (or set BROKER_URL)"},
 		{[]string{"dlq", "replay", "--all", "--broker", "amqp://guest:guest@127.0.0.1:1/"}, "--database is required"},
-		{[]string{"dlq", "replay", "--all", "--broker", "gochannel://", "--database", db}, "--broker: gochannel:// has no durable subscribers"},
+		{[]string{"dlq", "replay", "--all", "--broker", "gochannel://", "--database", db}, "--broker: adapters: not a durable destination: gochannel:// lives inside this process"},
 		{[]string{"dlq", "purge", "--database", db}, "oncemill dlq purge: nothing selected"},
 		{[]string{"dlq", "purge", "-5", "--database", db}, "flag provided but not defined: -5"},
 		{[]string{"dlq", "purge", "0", "--database", db}, `ID "0" is not a positive integer`},
@@ -440,7 +440,7 @@ func TestShow(t *testing.T) {
 	unknown := strconv.FormatInt(ids[1]+1000, 10)
 	r = f.dlq(t, "show", unknown)
 	require.Equal(t, exitFailure, r.code)
-	require.Equal(t, "oncemill dlq show: dlq: no such entry: "+unknown+"\n", r.stderr)
+	require.Equal(t, "oncemill dlq show: no such entry: "+unknown+"\n", r.stderr)
 	require.Empty(t, r.stdout)
 }
 
@@ -747,4 +747,34 @@ func TestReplayToConsumer(t *testing.T) {
 	r = f.dlq(t, "replay", strconv.FormatInt(ids[1], 10), "--to-consumer", "--broker", "kafka://127.0.0.1:1")
 	require.Equal(t, exitUsage, r.code)
 	require.Contains(t, r.stderr, "--to-consumer publishes nothing")
+}
+
+// TestErrorPrefixNotDoubled: a library's error starts with its package,
+// which the command's own prefix already names; the command prints it
+// once ("oncemill reconcile: no ledger table …", not "oncemill reconcile:
+// reconcile: no ledger table …").
+func TestErrorPrefixNotDoubled(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ids := f.seed(t, dead("orders", "c", "e"))
+	unknown := strconv.FormatInt(ids[0]+1000, 10)
+	none := pgtest.Name(t) // a schema with no tables
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"reconcile", "--database", pgtest.URL(), "--schema", none, "--consumer", "c"},
+			`oncemill reconcile: no ledger table "` + none + `"."outbox_ledger"`},
+		{[]string{"dlq", "show", unknown, "--database", pgtest.URL(), "--schema", f.schema},
+			"oncemill dlq show: no such entry: " + unknown + "\n"},
+	} {
+		r := oncemill(t, nil, tc.args...)
+		require.NotEqual(t, exitOK, r.code, r.stderr)
+		require.True(t, strings.HasPrefix(r.stderr, tc.want), "%v: %q", tc.args, r.stderr)
+		requireOneLine(t, r.stderr)
+	}
+	require.Equal(t, "no such entry: 7", errorText("oncemill dlq show", "dlq: no such entry: 7"))
+	require.Equal(t, "replay: x", errorText("oncemill dlq show", "dlq: replay: x"), "only the command's own words")
+	require.Equal(t, "x", errorText("oncemill dlq replay", "dlq: replay: x"))
+	require.Equal(t, "oncemill: x", errorText("oncemill reconcile", "oncemill: x"))
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/redact"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -49,12 +50,12 @@ func isMySQLURL(raw string) bool {
 func parseMySQLURL(flagName, raw string) (*mysql.Config, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
-		return nil, usagef("%s: cannot parse %q", flagName, redactRaw(raw))
+		return nil, usagef("%s: cannot parse %q", flagName, redact.URL(raw))
 	}
 	if u.Opaque != "" || u.Host == "" {
 		return nil, usagef("%s: want mysql://user:password@host:3306/database", flagName)
 	}
-	safe := u.Redacted()
+	safe := redact.URL(raw)
 	// The parameters, checked by the driver as it checks a DSN's.
 	cfg, err := mysql.ParseDSN("/?" + u.RawQuery)
 	if err != nil {

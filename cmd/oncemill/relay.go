@@ -22,6 +22,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/redact"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/observe/prom"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -121,7 +122,7 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	fs.SetOutput(io.Discard)
 	fs.Usage = func() {}
 	fs.StringVar(&c.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding the outbox table: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
-	fs.StringVar(&o.broker, "broker", "", "`URL` of the broker to publish to, as adapters.Open reads it: kafka://…, amqp://…, sqs://…, nats://… (default $BROKER_URL; gochannel:// is refused)")
+	fs.StringVar(&o.broker, "broker", "", "`URL` of the broker to publish to, as adapters.Open reads it: kafka://…, amqp://…, sqs://…, nats://… (default $BROKER_URL; gochannel:// and kafka:// or nats:// with no host, brokers inside this process, are refused)")
 	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the outbox table's schema (on MySQL: its database) ($"+relayEnv("schema")+")")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table ($"+relayEnv("table")+")")
 	fs.IntVar(&o.batchSize, "batch-size", 500, "most `N` rows one batch (one transaction) publishes, 1 to 10000 ($"+relayEnv("batch-size")+")")
@@ -157,7 +158,7 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	case o.retention < time.Minute:
 		return o, usagef("%s must be at least 1m, got %s", o.field("ledger-retention"), o.retention)
 	}
-	if err := checkRelayBroker(o.field("broker"), o.broker); err != nil {
+	if err := checkDurableBroker(o.field("broker"), o.broker, "nothing relayed"); err != nil {
 		return o, err
 	}
 	if o.listen != "" {
@@ -196,15 +197,18 @@ func (c *cmd) relayFromEnv(fs *flag.FlagSet) (fromEnv map[string]bool, err error
 	return fromEnv, err
 }
 
-// checkRelayBroker refuses, as a usage error, a broker that would lose
-// the rows: an in-process gochannel:// broker has no subscriber outside
-// this command, and the relay deletes what it publishes.
-func checkRelayBroker(field, broker string) error {
-	u, err := url.Parse(broker)
-	if err != nil || u.Scheme != "gochannel" {
-		return nil
+// checkDurableBroker refuses, as a usage error, a broker that lives inside
+// this process (adapters.CheckDurableURL): gochannel://, and kafka:// or
+// nats:// with no host, which start an embedded broker. Nothing else
+// subscribes to it, and what it holds is gone when the command exits, so
+// the rows or entries it deletes once published would be lost. A URL that
+// does not parse is left to adapters.Open to report.
+// The error ends with nothing, what was not done ("nothing relayed").
+func checkDurableBroker(field, broker, nothing string) error {
+	if err := adapters.CheckDurableURL(broker); err != nil {
+		return usagef("%s: %v; %s", field, err, nothing)
 	}
-	return usagef("%s: gochannel:// lives inside this process, which nothing else subscribes to: the relayed rows would be deleted and lost; give the broker the consumers read from", field)
+	return nil
 }
 
 // relayDB is the database the relay reads, open: a pool for PostgreSQL or
@@ -401,7 +405,7 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	}
 
 	outbox := o.schema.WithDefaults()
-	fmt.Fprintf(c.stdout, "oncemill relay running: %s.%s to %s\n", outbox.Schema, outbox.OutboxTable, redactBroker(o.broker))
+	fmt.Fprintf(c.stdout, "oncemill relay running: %s.%s to %s\n", outbox.Schema, outbox.OutboxTable, redact.URL(o.broker))
 	running.Store(true)
 	runErr := relay.Run(ctx)
 	running.Store(false)
@@ -449,13 +453,4 @@ func relayHealth(w http.ResponseWriter, r *http.Request, running bool, db relayD
 		return
 	}
 	fmt.Fprintln(w, "ok")
-}
-
-// redactBroker is broker without its password, for the logs.
-func redactBroker(broker string) string {
-	u, err := url.Parse(broker)
-	if err != nil {
-		return redactRaw(broker)
-	}
-	return u.Redacted()
 }

@@ -427,7 +427,7 @@ func TestRelayUsageErrors(t *testing.T) {
 		{[]string{"--drain-timeout", "0s"}, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_DRAIN_TIMEOUT": "bad"},
 			"--drain-timeout must be positive, got 0s"},
 		{[]string{"--listen", "nowhere"}, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/"}, `--listen "nowhere" is not host:port`},
-		{[]string{"--broker", "gochannel://"}, nil, "--broker: gochannel:// lives inside this process"},
+		{[]string{"--broker", "gochannel://"}, nil, "--broker: adapters: not a durable destination: gochannel:// lives inside this process"},
 		{[]string{"--schema", "bad name", "--broker", "amqp://127.0.0.1:1/", "--database", pgtest.URL()}, nil, "--schema"},
 		{[]string{"extra"}, nil, `unexpected argument "extra"`},
 	} {

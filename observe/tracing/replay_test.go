@@ -150,7 +150,7 @@ func startReplayRig(t *testing.T) *replayRig {
 	require.NoError(t, err)
 	replays, err := dlq.NewReplaySubscriber(rig.pool, schema, dlq.ReplaySubscriberConfig{Consumer: "billing", PollInterval: 10 * time.Millisecond})
 	require.NoError(t, err)
-	rig.broker = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+	rig.broker = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	require.NoError(t, err)

@@ -482,7 +482,7 @@ func TestTraceFollowsEventThroughOutboxRelayAndInbox(t *testing.T) {
 
 	// The consumer: a router with the inbox, whose handler writes an
 	// event of its own through the consumer outbox.
-	broker := adapters.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+	broker := adapters.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = broker.Close() })
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{
 		TxStore:  store,

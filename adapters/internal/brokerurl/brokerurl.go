@@ -52,6 +52,10 @@ type Opened struct {
 	// Closers are called in reverse order after the subscriber and the
 	// publisher are closed.
 	Closers []func() error
+	// InProcess, when not empty, says why the broker lives inside this
+	// process (an embedded broker that a URL with no host started), for
+	// the error of a caller that needs a durable destination.
+	InProcess string
 }
 
 // Close closes the subscriber, the publisher and the closers, in that
@@ -131,7 +135,22 @@ func StartEmbedded(o *Opened, scheme string, logger watermill.LoggerAdapter) ([]
 		return nil, fmt.Errorf("start embedded %s: %w", scheme, err)
 	}
 	o.Closers = append(o.Closers, stop)
+	o.InProcess = NoHost(scheme)
 	return addrs, nil
+}
+
+// exampleHosts are the example addresses NoHost names, per scheme.
+var exampleHosts = map[string]string{"kafka": "broker:9092", "nats": "nats:4222"}
+
+// NoHost says that a scheme:// URL with no host names a broker inside
+// this process, and how to name one outside it.
+func NoHost(scheme string) string {
+	host := exampleHosts[scheme]
+	if host == "" {
+		host = "host:port"
+	}
+	return fmt.Sprintf("%s:// has no host, which starts an embedded broker that lives and dies with this process: "+
+		"name the brokers, e.g. %s://%s", scheme, scheme, host)
 }
 
 // Query parses u's query and checks it against known, the parameters of

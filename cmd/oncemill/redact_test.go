@@ -1,0 +1,33 @@
+package main
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/internal/pgtest"
+)
+
+// TestRelayStartupLineHidesCredentials runs "oncemill relay" with broker
+// URLs that carry a credential in each form the services here accept (a
+// NATS token, a password in a postgres:// query, an AMQP password): the
+// startup line names the broker, and no credential is printed anywhere.
+func TestRelayStartupLineHidesCredentials(t *testing.T) {
+	t.Parallel()
+	bin := buildOncemill(t)
+	for _, tc := range []struct{ broker, secret, want string }{
+		{"nats://TOKEN123@127.0.0.1:4222", "TOKEN123", " to nats://xxxxx@127.0.0.1:4222\n"},
+		{pgtest.URL() + "&password=hunter2", "hunter2", "&password=xxxxx\n"},
+		{"amqp://guest:guest@127.0.0.1:5672/", ":guest@", " to amqp://guest:xxxxx@127.0.0.1:5672/\n"},
+	} {
+		pool := pgtest.Pool(t, 1)
+		schema := pgtest.Schema(t, pool)
+		relay := startRelay(t, bin, nil, "--broker", tc.broker, "--database", pgtest.URL(), "--schema", schema,
+			"--migrate", "--listen", "")
+		line, _ := relay.out.Line("oncemill relay running: ")
+		relay.terminate(t)
+		out := relay.out.String()
+		require.NotContains(t, out, tc.secret, "%s: %s", tc.broker, out)
+		require.Contains(t, "oncemill relay running: "+line+"\n", tc.want, out)
+	}
+}
