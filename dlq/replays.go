@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -192,14 +193,34 @@ ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
 		// is dead, and the entry deleted; asked again at every poll, it
 		// would hold up the replays behind it. The request is withdrawn,
 		// the entry stays.
-		if _, uerr := tx.Exec(ctx, `UPDATE `+r.table+` SET replay_requested_at = NULL WHERE id = $1`, e.ID); uerr != nil {
-			return false, errors.Join(err, wrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), uerr))
+		q := withdrawSQL{
+			twin:   `SELECT b.id FROM ` + r.table + ` AS a JOIN ` + r.table + ` AS b ON ` + twinOf + ` WHERE a.id = $1 FOR UPDATE`,
+			adopt:  `UPDATE ` + r.table + ` AS a SET ` + adoptNewer("", `"`) + ` FROM ` + r.table + ` AS b WHERE a.id = $1 AND b.id = $2`,
+			remove: `DELETE FROM ` + r.table + ` WHERE id = $1`,
+			clear:  `UPDATE ` + r.table + ` SET replay_requested_at = NULL WHERE id = $1`,
+		}
+		kept, werr := withdrawRequest(ctx, q, withdrawTx{
+			exec: func(ctx context.Context, query string, args ...any) error {
+				_, err := tx.Exec(ctx, query, args...)
+				return err
+			},
+			queryID: func(ctx context.Context, query string, arg int64) (int64, bool, error) {
+				var id int64
+				err := tx.QueryRow(ctx, query, arg).Scan(&id)
+				if errors.Is(err, pgx.ErrNoRows) {
+					return 0, false, nil
+				}
+				return id, err == nil, err
+			},
+		}, e.ID)
+		if werr != nil {
+			return false, errors.Join(err, wrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), werr))
 		}
 		if cerr := tx.Commit(ctx); cerr != nil {
 			return false, errors.Join(err, wrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), cerr))
 		}
 		r.cfg.Logger.Error("Replay refused, its request withdrawn; the entry stays", err,
-			watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": e.ID, "message_uuid": e.UUID})
+			watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": kept, "message_uuid": e.UUID})
 		return true, nil
 	}
 	if err != nil {
@@ -236,6 +257,84 @@ ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
 	}
 	r.cfg.Logger.Info("Dead letter replayed to its consumer", watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": e.ID, "message_uuid": e.UUID})
 	return true, nil
+}
+
+// A withdrawn replay request leaves the message one entry. While its
+// replay is requested an entry is outside the one-entry rule, so the same
+// message dead-lettered again meanwhile (a redelivery that failed again)
+// has a second entry, its twin, and taking the request back as it is
+// would put two entries under the rule, which the unique index refuses.
+// Of the two, the older one (lower id: its id and dead_at say when the
+// message first died) stays and takes over the newer one's failure
+// (attempts, error, permanent, last failure, Kafka position, payload and
+// metadata; its first failure too, if it knew none), and the newer one
+// goes: an operator keeps the entry they asked about and the newest error,
+// and the request is withdrawn in one transaction, never refused at every
+// poll. A twin written while the steps run makes the last one fail on
+// the unique index; the transaction rolls back and the next poll
+// withdraws again, twin included.
+
+// twinOf joins entry a to b, its twin: another entry of the same
+// consumer, topic and message with no replay requested (at most one, by
+// the unique index). The statements of both dialects use it.
+const twinOf = `b.consumer = a.consumer AND b.topic = a.topic AND b.uuid = a.uuid
+AND b.replay_requested_at IS NULL AND b.id <> a.id`
+
+// adoptNewer is the SET list that gives entry a the failure of entry b:
+// target prefixes the columns set (MySQL's multi-table UPDATE names them
+// a.), quote quotes a column name in the dialect.
+func adoptNewer(target, quote string) string {
+	set := []string{target + "first_failed_at = COALESCE(a.first_failed_at, b.first_failed_at)"}
+	for _, c := range []string{"attempts", "error", "permanent", "last_failed_at", "kafka_partition", "kafka_offset", "payload", "metadata"} {
+		set = append(set, target+quote+c+quote+" = b."+quote+c+quote)
+	}
+	return strings.Join(set, ", ")
+}
+
+// withdrawSQL are a dialect's statements that take an entry's replay
+// request back.
+type withdrawSQL struct {
+	// twin locks the twin of entry $1 (twinOf) and returns its id.
+	twin string
+	// adopt gives entry $1 the failure of entry $2 (adoptNewer).
+	adopt string
+	// remove deletes entry $1.
+	remove string
+	// clear takes entry $1's request back.
+	clear string
+}
+
+// withdrawTx runs withdrawSQL's statements in the transaction that holds
+// the entry: queryID returns the one id a query selects, ok false when it
+// selects none.
+type withdrawTx struct {
+	exec    func(ctx context.Context, query string, args ...any) error
+	queryID func(ctx context.Context, query string, arg int64) (id int64, ok bool, err error)
+}
+
+// withdrawRequest takes the replay request of entry id back in tx, and
+// returns the id of the entry the message is left with: id, or its older
+// twin. The caller commits.
+func withdrawRequest(ctx context.Context, q withdrawSQL, tx withdrawTx, id int64) (kept int64, err error) {
+	twin, ok, err := tx.queryID(ctx, q.twin, id)
+	if err != nil {
+		return 0, fmt.Errorf("find the entry of the same message dead-lettered again: %w", err)
+	}
+	kept = id
+	if ok {
+		older, newer := min(id, twin), max(id, twin)
+		if err := tx.exec(ctx, q.adopt, older, newer); err != nil {
+			return 0, fmt.Errorf("give entry %d the newer failure of entry %d: %w", older, newer, err)
+		}
+		if err := tx.exec(ctx, q.remove, newer); err != nil {
+			return 0, fmt.Errorf("delete entry %d, merged into entry %d: %w", newer, older, err)
+		}
+		kept = older
+	}
+	if err := tx.exec(ctx, q.clear, kept); err != nil {
+		return 0, err
+	}
+	return kept, nil
 }
 
 // Close stops every subscription and waits for them; the messages out are

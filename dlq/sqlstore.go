@@ -115,8 +115,8 @@ type mysqlDLQSQL struct {
 	lockOne string
 	// nextReplay locks the first requested entry of a consumer and topic.
 	nextReplay string
-	// withdraw takes an entry's replay request back.
-	withdraw string
+	// withdraw takes an entry's replay request back (withdrawRequest).
+	withdraw withdrawSQL
 	// copies reads a dead key's copies on the inbox table.
 	copies string
 }
@@ -153,8 +153,13 @@ func newMySQLDLQ(db *sql.DB, d sqlschema.Dialect, cfg sqlschema.Config) (*mysqlD
 		removeOne:  r.Replace("DELETE FROM {T} WHERE id = ?"),
 		lockOne:    "SELECT " + columns + r.Replace(" FROM {T} WHERE id = ? FOR UPDATE SKIP LOCKED"),
 		nextReplay: "SELECT " + columns + r.Replace(" FROM {T}\nWHERE consumer = ? AND topic = ? AND replay_requested_at IS NOT NULL\nORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED"),
-		withdraw:   r.Replace("UPDATE {T} SET replay_requested_at = NULL WHERE id = ?"),
-		copies:     r.Replace("SELECT dead_copies FROM {I} WHERE consumer = ? AND `key` = ? AND status = 'dead'"),
+		withdraw: withdrawSQL{
+			twin:   r.Replace("SELECT b.id FROM {T} AS a STRAIGHT_JOIN {T} AS b ON " + twinOf + "\nWHERE a.id = ? FOR UPDATE"),
+			adopt:  r.Replace("UPDATE {T} AS a, {T} AS b\nSET " + adoptNewer("a.", "`") + "\nWHERE a.id = ? AND b.id = ?"),
+			remove: r.Replace("DELETE FROM {T} WHERE id = ?"),
+			clear:  r.Replace("UPDATE {T} SET replay_requested_at = NULL WHERE id = ?"),
+		},
+		copies: r.Replace("SELECT dead_copies FROM {I} WHERE consumer = ? AND `key` = ? AND status = 'dead'"),
 	}}, nil
 }
 
@@ -623,23 +628,30 @@ func (m *mysqlDLQ) nextReplay(ctx context.Context, consumer, topic string) (tx *
 	return tx, release, e, true, nil
 }
 
-// withdrawReplay takes back e's replay request in tx and commits. An
-// entry that another one of the same message, consumer and topic has
-// joined meanwhile (dead-lettered again while this one was on its way
-// back) cannot stand beside it: it is deleted, the other stays.
-func (m *mysqlDLQ) withdrawReplay(ctx context.Context, tx *sql.Tx, e Entry) error {
-	_, err := tx.ExecContext(ctx, m.q.withdraw, e.ID)
-	var me *mysql.MySQLError
-	if errors.As(err, &me) && me.Number == 1062 { // ER_DUP_ENTRY
-		_, err = tx.ExecContext(ctx, m.q.removeOne, e.ID)
-	}
+// withdrawReplay takes back e's replay request in tx and commits, and
+// returns the id of the entry the message is left with (withdrawRequest).
+func (m *mysqlDLQ) withdrawReplay(ctx context.Context, tx *sql.Tx, e Entry) (kept int64, err error) {
+	kept, err = withdrawRequest(ctx, m.q.withdraw, withdrawTx{
+		exec: func(ctx context.Context, query string, args ...any) error {
+			_, err := tx.ExecContext(ctx, query, args...)
+			return err
+		},
+		queryID: func(ctx context.Context, query string, arg int64) (int64, bool, error) {
+			var id int64
+			err := tx.QueryRowContext(ctx, query, arg).Scan(&id)
+			if errors.Is(err, sql.ErrNoRows) {
+				return 0, false, nil
+			}
+			return id, err == nil, err
+		},
+	}, e.ID)
 	if err == nil {
 		err = tx.Commit()
 	}
 	if err != nil {
-		return mysqlWrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), err)
+		return 0, mysqlWrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), err)
 	}
-	return nil
+	return kept, nil
 }
 
 // mysqlPublisher writes dead letters into the MySQL table.
@@ -808,11 +820,12 @@ func (r *ReplaySubscriber) deliverOneMySQL(ctx context.Context, topic string, ou
 		// is dead, and the entry deleted; asked again at every poll, it
 		// would hold up the replays behind it. The request is withdrawn,
 		// the entry stays.
-		if werr := r.my.withdrawReplay(ctx, tx, e); werr != nil {
+		kept, werr := r.my.withdrawReplay(ctx, tx, e)
+		if werr != nil {
 			return false, errors.Join(err, werr)
 		}
 		r.cfg.Logger.Error("Replay refused, its request withdrawn; the entry stays", err,
-			watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": e.ID, "message_uuid": e.UUID})
+			watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": kept, "message_uuid": e.UUID})
 		return true, nil
 	}
 	if err != nil {
