@@ -20,6 +20,13 @@ import (
 // no other setting bounds.
 const requestTimeout = 10 * time.Second
 
+// noRespondersRetryMin and noRespondersRetryMax bound the pause before a
+// request answered "no responders" is sent again (see client.request).
+const (
+	noRespondersRetryMin = 50 * time.Millisecond
+	noRespondersRetryMax = time.Second
+)
+
 // client is one connection to NATS and the streams of the topics it has
 // used.
 type client struct {
@@ -153,7 +160,18 @@ func (c *client) link(ctx context.Context) (context.Context, error) {
 // within ctx, on the current connection or the next one: a request whose
 // connection drops before the answer came is sent again, so body must be
 // one that the receiver can take twice.
+//
+// A request answered "no responders" is sent again too, after a pause
+// that doubles from noRespondersRetryMin to noRespondersRetryMax, or at
+// once on the next connection if this one drops meanwhile. The subjects
+// request serves are a JetStream consumer's reply subjects, which have no
+// responder only for a while: a server shutting down stops JetStream
+// before it closes the connections, and a clustered consumer may have
+// none while it changes leader. An ack given up on would have its message
+// delivered again after the ack wait. When ctx ends first, request
+// returns [natsgo.ErrNoResponders].
 func (c *client) request(ctx context.Context, subject string, body []byte) error {
+	pause := noRespondersRetryMin
 	for {
 		lost, err := c.link(ctx)
 		if err != nil {
@@ -164,7 +182,22 @@ func (c *client) request(ctx context.Context, subject string, body []byte) error
 		_, err = c.nc.RequestWithContext(rctx, subject, body)
 		stop()
 		cancel()
-		if err != nil && ctx.Err() == nil && lost.Err() != nil {
+		switch {
+		case err == nil || ctx.Err() != nil:
+			return err
+		case lost.Err() != nil:
+			continue
+		case errors.Is(err, natsgo.ErrNoResponders):
+			t := time.NewTimer(pause)
+			select {
+			case <-t.C:
+			case <-lost.Done():
+			case <-ctx.Done():
+				t.Stop()
+				return err
+			}
+			t.Stop()
+			pause = min(2*pause, noRespondersRetryMax)
 			continue
 		}
 		return err

@@ -82,9 +82,12 @@
 //     the message's context is cancelled with cause [ErrHeartbeat] before
 //     the ack wait runs out: JetStream will deliver the message again, and
 //     the inbox rolls the handler's transaction back.
-//   - An ack waits for JetStream's confirmation. When it does not come,
-//     JetStream delivers the message again after its ack wait, and the
-//     inbox absorbs the duplicate.
+//   - An ack waits for JetStream's confirmation. One answered "no
+//     responders", as while a server shutting down has stopped JetStream
+//     and not yet closed the connections, is sent again after a short
+//     pause, or at once on the next connection, for up to 10s. When no
+//     confirmation comes, JetStream delivers the message again after its
+//     ack wait, and the inbox absorbs the duplicate.
 //   - A nack asks JetStream to deliver the message again after
 //     [SubscriberConfig.NackBackoff] of its attempt (NakWithDelay; by
 //     default 1s, doubling per attempt, at most 5 minutes). A message the

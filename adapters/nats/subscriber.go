@@ -108,8 +108,10 @@ func NewSubscriber(ctx context.Context, cfg SubscriberConfig) (*Subscriber, erro
 // little of the ack wait for a third, the message's context is cancelled
 // with cause [ErrHeartbeat]: JetStream will deliver it again, and the
 // handler should stop. An ack is sent as a request that JetStream
-// confirms; a nack asks JetStream to deliver the message again after
-// [SubscriberConfig.NackBackoff] of its attempt.
+// confirms, sent again (for up to 10s) when the connection drops before
+// the answer or JetStream answers "no responders", as it does while the
+// server shuts down; a nack asks JetStream to deliver the message again
+// after [SubscriberConfig.NackBackoff] of its attempt.
 //
 // When the subscription ends (ctx is done or the subscriber closes) it
 // drains: it fetches and hands out nothing more, nacks at once the
@@ -584,8 +586,14 @@ func (sub *subscription) nak(h *held) {
 
 // reply sends body to h's reply subject as a request and waits up to
 // timeout for JetStream's answer, sending it again when the connection
-// drops before the answer came (an ack, a nack or a heartbeat is
-// idempotent).
+// drops before the answer came or JetStream answered "no responders"
+// (see client.request). An ack, a nack or a heartbeat can be taken twice,
+// and one for a message no longer pending changes nothing. JetStream
+// applies each to the message's stream sequence, not to the delivery: one
+// sent again after JetStream delivered the message anew acts on the newer
+// delivery. An ack then settles a message whose handler has finished; a
+// nack or a heartbeat only moves the time of its next delivery, which the
+// inbox absorbs.
 func (sub *subscription) reply(h *held, body []byte, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
