@@ -259,6 +259,7 @@ type Inbox struct {
 
 	debts   debts
 	running running
+	turns   turns
 	batcher *batcher // nil unless batching
 }
 

@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -26,6 +27,17 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	// the message's: database/sql rolls a transaction back when the
 	// context it was begun with ends, and the router cancels the
 	// message's the moment it closes.
+	if !in.cfg.SkipAttemptRecord && !reopened {
+		// A reopened key is handled inside the turn of the copy that
+		// found it dead.
+		give, err := in.turns.take(base, key)
+		if err != nil {
+			in.abandonedN.Add(1)
+			o.outcome = observe.Abandoned
+			return nil, fmt.Errorf("%w: waiting for another copy of the key: %w", ErrShutdown, err)
+		}
+		defer give()
+	}
 	d := newDrain(base, in.cfg.DrainTimeout)
 	defer d.end()
 	if !in.cfg.SkipAttemptRecord {

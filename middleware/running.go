@@ -72,3 +72,51 @@ func (f *running) wait(ctx context.Context, key dedup.Key) error {
 		}
 	}
 }
+
+// turns lets one delivery of a key at a time through this inbox's
+// transactional attempt, from the start that counts it to its end. The
+// start numbers an attempt: without turns, copies of a key that arrive
+// together are all counted first and then take the claim in any order, so
+// that the copy numbered MaxAttempts may run second and be dead-lettered
+// after two runs, counting the attempt of a copy that still waits and
+// never runs (issue 31). A copy that waits here is not counted and holds
+// no pool connection; copies in other processes still meet at the claim.
+type turns struct {
+	mu   sync.Mutex
+	keys map[dedup.Key]*turn
+}
+
+type turn struct {
+	held  chan struct{} // holds a value while a delivery has the turn
+	users int           // deliveries that have or wait for the turn
+}
+
+// take returns when key's turn is this delivery's, with what gives it up,
+// or ctx's error when ctx ends first.
+func (t *turns) take(ctx context.Context, key dedup.Key) (func(), error) {
+	t.mu.Lock()
+	if t.keys == nil {
+		t.keys = map[dedup.Key]*turn{}
+	}
+	k := t.keys[key]
+	if k == nil {
+		k = &turn{held: make(chan struct{}, 1)}
+		t.keys[key] = k
+	}
+	k.users++
+	t.mu.Unlock()
+	leave := func() {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		if k.users--; k.users == 0 {
+			delete(t.keys, key)
+		}
+	}
+	select {
+	case k.held <- struct{}{}:
+		return func() { <-k.held; leave() }, nil
+	case <-ctx.Done():
+		leave()
+		return nil, ctx.Err()
+	}
+}
