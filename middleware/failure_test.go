@@ -305,10 +305,16 @@ func (s slowLease) LeaseExtend(context.Context, dedup.Key, int64, time.Duration)
 // TestLeaseRenewedWhileHandlerRuns: a handler 2.5 times slower than its
 // lease keeps the key: a duplicate delivered after the lease's first end is
 // in flight, not a takeover, and the effect runs once.
+//
+// The lease is long enough for a renewal to get through on a loaded
+// machine under the race detector: it has about 0.47 of a lease to finish
+// (Lease/3 in, cut 0.8 of a lease in), which a 400 ms lease left at
+// 190 ms, less than a loaded CI runner sometimes takes.
 func TestLeaseRenewedWhileHandlerRuns(t *testing.T) {
 	t.Parallel()
 	leaseStores(t, func(t *testing.T, store dedup.LeaseStore) {
-		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", Lease: 400 * time.Millisecond, InFlightDelay: time.Millisecond})
+		const lease = 1500 * time.Millisecond
+		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", Lease: lease, InFlightDelay: time.Millisecond})
 		var runs atomic.Int32
 		release := make(chan struct{})
 		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -326,7 +332,7 @@ func TestLeaseRenewedWhileHandlerRuns(t *testing.T) {
 			first <- err
 		}()
 		require.Eventually(t, func() bool { return runs.Load() == 1 }, 10*time.Second, time.Millisecond)
-		deadline := time.Now().Add(1000 * time.Millisecond) // two and a half leases
+		deadline := time.Now().Add(lease * 5 / 2) // two and a half leases
 		for time.Now().Before(deadline) {
 			_, err := h(delivery("pay-1", "charge"))
 			require.ErrorIs(t, err, middleware.ErrInFlight, "the renewed lease is not taken over")
