@@ -166,8 +166,14 @@ func TestStartClaimConcurrentClaimers(t *testing.T) {
 		s, tx, c, err := b.store.InboxStartClaim(ctx, key, time.Hour)
 		done <- answer{s, c, tx, err}
 	}()
-	// Its start waits on the start row the first one's claim deleted.
-	time.Sleep(100 * time.Millisecond)
+	// Its start waits on the start row the first one's claim deleted:
+	// the first commits only once the server shows it waiting on a lock.
+	require.Eventually(t, func() bool {
+		var waiting int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND position($1 IN query) > 0`, `"`+b.schema+`"`).Scan(&waiting))
+		return waiting > 0
+	}, 30*time.Second, 5*time.Millisecond, "the second start waits on the first claim")
 	require.NoError(t, tx1.InboxComplete(ctx, key, []byte("first")))
 	require.NoError(t, tx1.Commit(ctx))
 
