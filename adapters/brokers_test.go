@@ -22,8 +22,8 @@ import (
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/adapters/nats"
 	natsembedded "github.com/oncemill/oncemill/adapters/nats/embedded"
-	"github.com/oncemill/oncemill/internal/brokertest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/brokertest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // brokers lists the conformance table: every broker this machine offers,

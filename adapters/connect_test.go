@@ -14,8 +14,8 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
-	"github.com/oncemill/oncemill/internal/netfault"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/netfault"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // openBound is the generous upper bound on an Open against a server that

@@ -14,9 +14,9 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/dedup/postgres"
-	"github.com/oncemill/oncemill/internal/brokertest"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/internal/testing/brokertest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

@@ -15,8 +15,8 @@ import (
 	"github.com/oncemill/oncemill/adapters"
 	_ "github.com/oncemill/oncemill/adapters/postgres"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // TestRepublishCarriesNoDeliveryFacts: a message consumed from one broker

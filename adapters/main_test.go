@@ -5,7 +5,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 )
 
 func TestMain(m *testing.M) {

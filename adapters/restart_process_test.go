@@ -20,9 +20,9 @@ import (
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/brokertest"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/internal/testing/brokertest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

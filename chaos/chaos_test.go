@@ -23,11 +23,11 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/amqptest"
-	"github.com/oncemill/oncemill/internal/brokertest"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/proctest"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/amqptest"
+	"github.com/oncemill/oncemill/internal/testing/brokertest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

@@ -20,7 +20,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/twotier"
-	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

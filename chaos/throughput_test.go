@@ -20,7 +20,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/twotier"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

@@ -19,7 +19,7 @@ import (
 	"github.com/oncemill/oncemill/console"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

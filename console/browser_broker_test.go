@@ -24,9 +24,9 @@ import (
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/console"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/brokertest"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/brokertest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

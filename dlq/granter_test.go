@@ -21,7 +21,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

@@ -13,7 +13,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/dlq"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // rabbitURL returns the RabbitMQ the tests use, or skips the test (fails it

@@ -16,7 +16,7 @@ import (
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // TestRelayRelaysRowsWrittenBySQL: rows inserted by plain SQL, as

@@ -12,9 +12,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/mysqltest"
-	"github.com/oncemill/oncemill/internal/netfault"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/netfault"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

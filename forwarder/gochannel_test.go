@@ -12,7 +12,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // decorated is a publisher decorator, as a metrics or health wrapper is.

@@ -10,7 +10,7 @@ import (
 
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // ledgerRow is one row of the ledger table.

@@ -14,7 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

@@ -27,9 +27,9 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/mysqltest"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )

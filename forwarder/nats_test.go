@@ -15,7 +15,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/nats"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/natstest"
+	"github.com/oncemill/oncemill/internal/testing/natstest"
 	"github.com/oncemill/oncemill/observe"
 )
 

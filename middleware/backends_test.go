@@ -14,7 +14,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/sqlite"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // txBackend is a transactional store plus the handler-side effect written

@@ -19,8 +19,8 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	dlv "github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/netfault"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/netfault"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

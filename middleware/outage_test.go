@@ -18,9 +18,9 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dlq"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/netfault"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/netfault"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )

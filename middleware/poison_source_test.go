@@ -12,7 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	dlv "github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

@@ -17,8 +17,8 @@ import (
 	"github.com/oncemill/oncemill/adapters"
 	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )

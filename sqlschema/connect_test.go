@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/oncemill/oncemill/internal/netfault"
+	"github.com/oncemill/oncemill/internal/testing/netfault"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/oncemill/oncemill/internal/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

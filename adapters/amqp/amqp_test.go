@@ -17,7 +17,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 const wait = 10 * time.Second

@@ -13,7 +13,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 // TestManualAck: offsets are committed only for acked messages, so a new

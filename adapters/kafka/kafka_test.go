@@ -14,7 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 // TestPartitionKey: messages with one partition key land in one

@@ -17,7 +17,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/kafka"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 // parallelSubscriber is newSubscriber in the key-parallel mode, with

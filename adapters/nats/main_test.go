@@ -16,7 +16,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/oncemill/oncemill/adapters/nats"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 func TestMain(m *testing.M) {

@@ -17,7 +17,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/nats"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 // TestRoundTrip publishes a message with metadata and receives it with

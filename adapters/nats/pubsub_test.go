@@ -12,7 +12,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/nats"
 	"github.com/oncemill/oncemill/adapters/nats/embedded"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 // unsafeName matches what a consumer group of a suite test should not

@@ -14,7 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters/nats"
-	"github.com/oncemill/oncemill/internal/natstest"
+	"github.com/oncemill/oncemill/internal/testing/natstest"
 )
 
 // TestServerRestart: eight publishers publish without pause, and a

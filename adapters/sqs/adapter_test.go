@@ -18,7 +18,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/sqs"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 // expectedMetadata returns what a subscriber of topic should see for a

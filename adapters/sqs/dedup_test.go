@@ -11,7 +11,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/sqs"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 // TestFIFODeduplicatesRetriesNotReplays publishes, to one FIFO queue and

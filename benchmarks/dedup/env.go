@@ -23,7 +23,7 @@ import (
 	redisstore "github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

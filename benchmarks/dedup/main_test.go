@@ -14,9 +14,9 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/oncemill/oncemill/internal/mysqltest"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 )
 
 // watermillCleanup is the goroutine Watermill v1.5.1's

@@ -16,7 +16,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/redis"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 )
 
 // RedisBenchResult is redis-benchmark's rate for EVALSHA of the claim

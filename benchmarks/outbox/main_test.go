@@ -11,7 +11,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/oncemill/oncemill/benchmarks/internal/benchutil"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // TestSmoke runs a tiny benchmark, GoChannel only, against the PostgreSQL

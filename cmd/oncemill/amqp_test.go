@@ -19,8 +19,8 @@ import (
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // rabbit is a plain amqp091 connection to the test broker, which deletes

@@ -27,10 +27,10 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/netfault"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/netfault"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

@@ -20,9 +20,9 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/mysqltest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 

@@ -5,7 +5,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // TestRelayStartupLineHidesCredentials runs "oncemill relay" with broker

@@ -22,9 +22,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
-	"github.com/oncemill/oncemill/internal/nodetest"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/proctest"
+	"github.com/oncemill/oncemill/internal/testing/nodetest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

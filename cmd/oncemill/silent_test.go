@@ -9,7 +9,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 
-	"github.com/oncemill/oncemill/internal/netfault"
+	"github.com/oncemill/oncemill/internal/testing/netfault"
 )
 
 // TestMySQLServerThatNeverAnswers: against a mysql:// server that accepts

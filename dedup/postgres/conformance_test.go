@@ -13,7 +13,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/deduptest"
 	"github.com/oncemill/oncemill/dedup/postgres"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // conformanceStore is a store in a schema of its own, beside an effects

@@ -21,8 +21,8 @@ import (
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/nodetest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/nodetest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

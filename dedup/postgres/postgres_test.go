@@ -13,7 +13,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

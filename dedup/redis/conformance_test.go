@@ -11,7 +11,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/deduptest"
 	"github.com/oncemill/oncemill/dedup/redis"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 )
 
 // TestConformance runs the lease store's conformance suite, each subtest

@@ -9,8 +9,8 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/deduptest"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
-	"github.com/oncemill/oncemill/internal/mysqltest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // TestConformance runs the public TxStore suite on every dialect and

@@ -15,7 +15,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

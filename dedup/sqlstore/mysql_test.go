@@ -9,7 +9,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
-	"github.com/oncemill/oncemill/internal/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
 )
 
 // TestMySQLDSNSettings: the store's answers do not depend on the DSN's

@@ -19,9 +19,9 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/dedupdriver"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
-	"github.com/oncemill/oncemill/internal/mysqltest"
-	"github.com/oncemill/oncemill/internal/netfault"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/netfault"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // sessionOf returns the server's id of the session the inbox's

@@ -15,8 +15,8 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/twotier"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

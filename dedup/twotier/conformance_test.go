@@ -20,8 +20,8 @@ import (
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/dedup/twotier"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 )
 
 // TestConformance runs the transactional store's conformance suite on a

@@ -14,7 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/dedup"
 	dlv "github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

@@ -19,9 +19,9 @@ import (
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/twotier"
 	dlv "github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/msgtest"
-	"github.com/oncemill/oncemill/internal/pgtest"
-	"github.com/oncemill/oncemill/internal/redistest"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/redistest"
 	"github.com/oncemill/oncemill/middleware"
 )
 

@@ -27,7 +27,7 @@ import (
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // TestServiceTracesRabbitMQ runs the service on PostgreSQL and RabbitMQ

@@ -7,8 +7,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/internal/missingtable"
-	"github.com/oncemill/oncemill/internal/mysqltest"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // TestIs: a missing table, or a missing schema (database), on PostgreSQL

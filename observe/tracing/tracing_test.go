@@ -23,7 +23,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/observe/tracing"

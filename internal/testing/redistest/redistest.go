@@ -22,7 +22,7 @@ import (
 
 	goredis "github.com/redis/go-redis/v9"
 
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // DefaultURL is the shared test server when no environment variable names

@@ -16,7 +16,7 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // DefaultDSN is the test server when no environment variable names one.

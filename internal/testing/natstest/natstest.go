@@ -20,7 +20,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/oncemill/oncemill/internal/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
 
 // stopTimeout bounds how long Stop waits for the server to exit after
