@@ -2,6 +2,7 @@ package middleware_test
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -43,46 +44,10 @@ func TestEmptyIdempotencyKeyIsDeadLetteredAtOnce(t *testing.T) {
 	require.NoError(t, err)
 	inbox := newInbox(t, middleware.InboxConfig{TxStore: b.store})
 
-	// Publish returns once the router acked the message: the one behind
-	// is sent only after the one before was settled.
-	logger := watermill.NopLogger{}
-	pubSub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, logger)
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	require.NoError(t, err)
-	var (
-		mu         sync.Mutex
-		deliveries = map[string]int{} // by message UUID
-		calls      atomic.Int32
-	)
-	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			mu.Lock()
-			deliveries[msg.UUID]++
-			mu.Unlock()
-			return h(msg)
-		}
-	}, poison.Middleware, inbox.Middleware)
-	router.AddConsumerHandler("charge", "payments", pubSub, func(msg *message.Message) error {
-		calls.Add(1)
-		return b.effect(msg.Context(), middleware.IdempotencyKey(msg.Context()))
-	})
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- router.Run(runCtx) }()
-	<-router.Running()
-	t.Cleanup(func() {
-		stop()
-		require.NoError(t, <-done)
-		require.NoError(t, pubSub.Close())
-	})
+	r := runChargeRouter(t, ctx, b, poison.Middleware, inbox.Middleware)
 	publish := func(msg *message.Message) {
 		t.Helper()
-		published := make(chan error, 1)
-		go func() { published <- pubSub.Publish("payments", msg) }()
-		select {
-		case err := <-published:
-			require.NoError(t, err)
-		case <-time.After(time.Minute):
+		if !r.publish(t, msg, time.Minute) {
 			t.Fatalf("message %s was never acked", msg.UUID)
 		}
 	}
@@ -93,10 +58,8 @@ func TestEmptyIdempotencyKeyIsDeadLetteredAtOnce(t *testing.T) {
 	publish(empty)
 	publish(good)
 
-	mu.Lock()
-	require.Equal(t, map[string]int{empty.UUID: 1, good.UUID: 1}, deliveries,
+	require.Equal(t, map[string]int{empty.UUID: 1, good.UUID: 1}, r.deliveries(),
 		"the empty-key message was settled on its first delivery, before the good one came")
-	mu.Unlock()
 	entries, err := dead.List(ctx, dlq.Filter{})
 	require.NoError(t, err)
 	require.Len(t, entries, 1, "exactly one dead letter")
@@ -114,7 +77,7 @@ func TestEmptyIdempotencyKeyIsDeadLetteredAtOnce(t *testing.T) {
 	require.True(t, ok, "the copy keeps the empty field, for the operator to see")
 	require.Empty(t, k)
 
-	require.Equal(t, int32(1), calls.Load(), "the handler ran for the good message only")
+	require.Equal(t, int32(1), r.calls.Load(), "the handler ran for the good message only")
 	require.Equal(t, 1, b.effects(t), "one effect: the good message's")
 	require.Equal(t, "done", b.status(t, "charge", "order-good"))
 	require.Equal(t, -1, b.attempts(t, "charge", empty.UUID), "no record under the UUID")
@@ -123,4 +86,72 @@ func TestEmptyIdempotencyKeyIsDeadLetteredAtOnce(t *testing.T) {
 	require.Equal(t, 1, records, "the good key's record only")
 	require.Equal(t, middleware.PoisonStats{DeadLettered: 1}, poison.Stats())
 	require.Equal(t, middleware.InboxStats{Applied: 1}, inbox.Stats())
+}
+
+// chargeRouter is a router on a GoChannel whose Publish returns once the
+// router acked the message, so that the message behind is sent only after
+// the one before was settled; its handler "charge" writes the key's effect
+// behind the given middlewares, and it counts deliveries by UUID.
+type chargeRouter struct {
+	pubSub *gochannel.GoChannel
+	calls  atomic.Int32 // handler runs
+
+	mu    sync.Mutex
+	count map[string]int // deliveries by message UUID
+}
+
+// runChargeRouter runs a chargeRouter until the test ends.
+func runChargeRouter(t *testing.T, ctx context.Context, b txBackend, mw ...message.HandlerMiddleware) *chargeRouter {
+	t.Helper()
+	logger := watermill.NopLogger{}
+	r := &chargeRouter{
+		pubSub: gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, logger),
+		count:  map[string]int{},
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	require.NoError(t, err)
+	router.AddMiddleware(append([]message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			r.mu.Lock()
+			r.count[msg.UUID]++
+			r.mu.Unlock()
+			return h(msg)
+		}
+	}}, mw...)...)
+	router.AddConsumerHandler("charge", "payments", r.pubSub, func(msg *message.Message) error {
+		r.calls.Add(1)
+		return b.effect(msg.Context(), middleware.IdempotencyKey(msg.Context()))
+	})
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(runCtx) }()
+	<-router.Running()
+	t.Cleanup(func() {
+		stop()
+		require.NoError(t, <-done)
+		require.NoError(t, r.pubSub.Close())
+	})
+	return r
+}
+
+// publish publishes msg to "payments" and reports whether the router
+// acked it within timeout.
+func (r *chargeRouter) publish(t *testing.T, msg *message.Message, timeout time.Duration) bool {
+	t.Helper()
+	published := make(chan error, 1)
+	go func() { published <- r.pubSub.Publish("payments", msg) }()
+	select {
+	case err := <-published:
+		require.NoError(t, err)
+		return true
+	case <-time.After(timeout):
+		return false
+	}
+}
+
+// deliveries returns the deliveries so far, by message UUID.
+func (r *chargeRouter) deliveries() map[string]int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.count)
 }

@@ -4,14 +4,12 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
 	dlv "github.com/oncemill/oncemill/delivery"
@@ -86,58 +84,18 @@ func TestUnkeyableMessageIsDeadLetteredOnce(t *testing.T) {
 			})
 			require.NoError(t, err)
 
-			logger := watermill.NopLogger{}
-			pubSub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, logger)
-			router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-			require.NoError(t, err)
-			var (
-				mu         sync.Mutex
-				deliveries = map[string]int{} // by message UUID
-				calls      atomic.Int32
-			)
-			router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
-				return func(msg *message.Message) ([]*message.Message, error) {
-					mu.Lock()
-					deliveries[msg.UUID]++
-					mu.Unlock()
-					return h(msg)
-				}
-			}, poison.Middleware, inbox.Middleware)
-			router.AddConsumerHandler("charge", "payments", pubSub, func(msg *message.Message) error {
-				calls.Add(1)
-				return b.effect(msg.Context(), middleware.IdempotencyKey(msg.Context()))
-			})
-			runCtx, stop := context.WithCancel(ctx)
-			done := make(chan error, 1)
-			go func() { done <- router.Run(runCtx) }()
-			<-router.Running()
-			t.Cleanup(func() {
-				stop()
-				require.NoError(t, <-done)
-				require.NoError(t, pubSub.Close())
-			})
+			r := runChargeRouter(t, ctx, b, poison.Middleware, inbox.Middleware)
 			publish := func(msg *message.Message) {
 				t.Helper()
-				published := make(chan error, 1)
-				go func() { published <- pubSub.Publish("payments", msg) }()
-				select {
-				case err := <-published:
-					require.NoError(t, err)
-				case <-time.After(10 * time.Second):
-					mu.Lock()
-					n := deliveries[msg.UUID]
-					mu.Unlock()
-					t.Fatalf("message not acked in 10 s: %d deliveries, %d key calls, %+v", n, keyCalls.Load(), poison.Stats())
+				if !r.publish(t, msg, 10*time.Second) {
+					t.Fatalf("message not acked in 10 s: %d deliveries, %d key calls, %+v", r.deliveries()[msg.UUID], keyCalls.Load(), poison.Stats())
 				}
 			}
-
 			good := delivery("order-good", "charge good")
 			publish(tc.msg)
 			publish(good)
 
-			mu.Lock()
-			require.Equal(t, 1, deliveries[tc.msg.UUID], "the unkeyable message was settled on its first delivery")
-			mu.Unlock()
+			require.Equal(t, 1, r.deliveries()[tc.msg.UUID], "the unkeyable message was settled on its first delivery")
 			require.Equal(t, int32(2), keyCalls.Load(), "the key function ran once per delivery (one each)")
 			entries, err := dead.List(ctx, dlq.Filter{})
 			require.NoError(t, err)
@@ -150,7 +108,7 @@ func TestUnkeyableMessageIsDeadLetteredOnce(t *testing.T) {
 			require.Equal(t, tc.msg.UUID, e.Message("").UUID, "a replay gets the whole UUID back")
 			require.Equal(t, dlv.Bound(tc.msg.UUID), e.UUID)
 
-			require.Equal(t, int32(1), calls.Load(), "the handler ran for the good message only")
+			require.Equal(t, int32(1), r.calls.Load(), "the handler ran for the good message only")
 			require.Equal(t, 1, b.effects(t))
 			require.Equal(t, middleware.PoisonStats{DeadLettered: 1}, poison.Stats(), "no failed dead-lettering, no panic")
 			require.Equal(t, middleware.InboxStats{Applied: 1}, inbox.Stats())
