@@ -140,8 +140,11 @@ func (c PoisonConfig) Validate() error {
 		return errors.New("middleware: PoisonConfig.Publisher is required: it receives the dead-lettered messages")
 	case typednil.Is(c.Publisher):
 		return fmt.Errorf("middleware: PoisonConfig.Publisher holds a nil %T: pass a publisher made by its constructor", c.Publisher)
-	case adapters.CheckDurable(c.Publisher) != nil:
-		return fmt.Errorf("middleware: PoisonConfig.Publisher would lose the dead letters, since the originals are acked: %w", adapters.CheckDurable(c.Publisher))
+	}
+	if err := adapters.CheckDurable(c.Publisher); err != nil {
+		return fmt.Errorf("middleware: PoisonConfig.Publisher would lose the dead letters, since the originals are acked: %w", err)
+	}
+	switch {
 	case c.Topic == "":
 		return errors.New("middleware: PoisonConfig.Topic is required: the dead-letter topic")
 	case c.MaxAttempts < 1:
