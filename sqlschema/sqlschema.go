@@ -57,16 +57,13 @@ type Config struct {
 	Schema string
 	// InboxTable is the name of the inbox table. Defaults to "inbox".
 	InboxTable string
-	// OutboxTable is the name of the outbox table (PostgreSQL and MySQL;
-	// SQLite has none). Defaults to "outbox".
+	// OutboxTable is the name of the outbox table. Defaults to "outbox".
 	OutboxTable string
-	// DLQTable is the name of the dead-letter table (PostgreSQL and MySQL;
-	// SQLite has none), the one package dlq writes and reads. Defaults to
-	// "dlq".
+	// DLQTable is the name of the dead-letter table, the one package dlq
+	// writes and reads. Defaults to "dlq".
 	DLQTable string
 	// LedgerTable is the name of the table where the relay records what
-	// it published when forwarder.RelayConfig.Ledger is set (PostgreSQL
-	// and MySQL), and that `oncemill reconcile` reads. Defaults to
+	// it published when forwarder.RelayConfig.Ledger is set, and that `oncemill reconcile` reads. Defaults to
 	// "outbox_ledger".
 	LedgerTable string
 }
@@ -112,8 +109,7 @@ func (c Config) Validate() error {
 
 // distinctTables reports two tables of c that share a name: they would be
 // one table, and the second CREATE TABLE IF NOT EXISTS would silently keep
-// the first one's columns. SQLite has only the inbox, so only PostgreSQL
-// and MySQL (whose outbox and dead-letter tables are to come) are checked.
+// the first one's columns.
 func (c Config) distinctTables() error {
 	tables := []struct{ field, name string }{
 		{"InboxTable", c.InboxTable},
@@ -154,21 +150,18 @@ type Names struct {
 	// attempts of an inbox key that started and have not completed
 	// ("<inbox>_starts"); in PostgreSQL it is UNLOGGED.
 	InboxStarts string
-	// Outbox is the quoted, schema-qualified outbox table (PostgreSQL and
-	// MySQL).
+	// Outbox is the quoted, schema-qualified outbox table.
 	Outbox string
 	// OutboxName is the bare outbox table name.
 	OutboxName string
 	// OutboxChannel is the LISTEN/NOTIFY channel the outbox notifies on
 	// commit: "<schema>.<outbox table>" (PostgreSQL only).
 	OutboxChannel string
-	// DLQ is the quoted, schema-qualified dead-letter table (PostgreSQL
-	// and MySQL).
+	// DLQ is the quoted, schema-qualified dead-letter table.
 	DLQ string
 	// DLQName is the bare dead-letter table name.
 	DLQName string
-	// Ledger is the quoted, schema-qualified ledger table (PostgreSQL
-	// and MySQL).
+	// Ledger is the quoted, schema-qualified ledger table.
 	Ledger string
 	// LedgerName is the bare ledger table name.
 	LedgerName string
@@ -179,7 +172,18 @@ type Names struct {
 func NamesFor(d Dialect, cfg Config) Names {
 	switch d {
 	case SQLite:
-		return Names{Inbox: `"` + cfg.InboxTable + `"`, InboxName: cfg.InboxTable, InboxStarts: `"` + cfg.InboxTable + `_starts"`}
+		q := func(name string) string { return `"` + name + `"` }
+		return Names{
+			Inbox:       q(cfg.InboxTable),
+			InboxName:   cfg.InboxTable,
+			InboxStarts: q(cfg.InboxTable + "_starts"),
+			Outbox:      q(cfg.OutboxTable),
+			OutboxName:  cfg.OutboxTable,
+			DLQ:         q(cfg.DLQTable),
+			DLQName:     cfg.DLQTable,
+			Ledger:      q(cfg.LedgerTable),
+			LedgerName:  cfg.LedgerTable,
+		}
 	case MySQL:
 		// Backticks: MySQL quotes identifiers with them unless the
 		// session's sql_mode has ANSI_QUOTES.
@@ -241,10 +245,8 @@ func Migrations(d Dialect, cfg Config) ([]Migration, error) {
 	if d != Postgres && d != SQLite && d != MySQL {
 		return nil, fmt.Errorf("sqlschema: unknown dialect %q", d)
 	}
-	if d != SQLite {
-		if err := cfg.distinctTables(); err != nil {
-			return nil, err
-		}
+	if err := cfg.distinctTables(); err != nil {
+		return nil, err
 	}
 	names := NamesFor(d, cfg)
 	entries, err := fs.ReadDir(files, string(d))

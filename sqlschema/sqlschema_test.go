@@ -105,11 +105,16 @@ func TestMigrationsRenderDLQ(t *testing.T) {
 	require.Equal(t, "dead", names.DLQName)
 	require.Equal(t, "dlq", sqlschema.Config{}.WithDefaults().DLQTable)
 
-	lite, err := sqlschema.Migrations(sqlschema.SQLite, sqlschema.Config{})
+	lite, err := sqlschema.Migrations(sqlschema.SQLite, sqlschema.Config{DLQTable: "dead"})
 	require.NoError(t, err)
+	var liteDLQ []string
 	for _, m := range lite {
-		require.NotContains(t, m.Up, "dead_at_idx", "the dead-letter table is PostgreSQL only")
+		if strings.Contains(m.Up, `CREATE TABLE IF NOT EXISTS "dead"`) {
+			liteDLQ = append(liteDLQ, m.Name)
+			require.Contains(t, m.Up, `"dead_once_idx" ON "dead" (consumer, topic, uuid)`)
+		}
 	}
+	require.Equal(t, []string{"dlq"}, liteDLQ, "SQLite has the dead-letter table, created once")
 }
 
 func TestMigrationsRejectSharedTableNames(t *testing.T) {
@@ -122,13 +127,11 @@ func TestMigrationsRejectSharedTableNames(t *testing.T) {
 		{sqlschema.Config{DLQTable: "outbox"}, `OutboxTable and DLQTable are both "outbox"`},
 		{sqlschema.Config{InboxTable: "events", OutboxTable: "events"}, `InboxTable and OutboxTable are both "events"`},
 	} {
-		_, err := sqlschema.Migrations(sqlschema.Postgres, tc.cfg)
-		require.ErrorContains(t, err, tc.want)
+		for _, d := range []sqlschema.Dialect{sqlschema.Postgres, sqlschema.MySQL, sqlschema.SQLite} {
+			_, err := sqlschema.Migrations(d, tc.cfg)
+			require.ErrorContains(t, err, tc.want, d)
+		}
 	}
-	// SQLite has only the inbox: a name the PostgreSQL tables would share
-	// is no conflict there.
-	_, err := sqlschema.Migrations(sqlschema.SQLite, sqlschema.Config{InboxTable: "dlq"})
-	require.NoError(t, err)
 }
 
 // TestMigrateUpgradesToDLQ starts from a schema migrated before the
