@@ -245,6 +245,11 @@ func (c *Console) execute(w http.ResponseWriter, r *http.Request, action string,
 		c.fail(w, r, http.StatusBadRequest, "Nothing confirmed: no entry ids.")
 		return
 	}
+	store, err := c.dlqStore()
+	if err != nil {
+		c.internal(w, r, "open the dead-letter table", err)
+		return
+	}
 	ctx := r.Context()
 	f := dlq.Filter{IDs: ids}
 	var (
@@ -254,13 +259,13 @@ func (c *Console) execute(w http.ResponseWriter, r *http.Request, action string,
 	switch action {
 	case actPurge:
 		verb = "Purged"
-		n, err = c.store.Purge(ctx, f)
+		n, err = store.Purge(ctx, f)
 	case actReplayConsumer:
 		verb, rest = "Requested a replay of", " to their consumer: each is delivered by its consumer's replay subscriber and deleted once handled"
-		n, err = c.store.RequestReplay(ctx, f)
+		n, err = store.RequestReplay(ctx, f)
 	case actReplayTopic:
 		verb, rest = "Replayed", " to their topic"
-		n, err = c.store.Replay(ctx, c.cfg.Publisher, f, nil)
+		n, err = store.Replay(ctx, c.cfg.Publisher, f, nil)
 	}
 	fields := watermill.LogFields{"action": action, "entries": n, "confirmed": len(ids), "ids": formatRanges(ids), "remote": r.RemoteAddr}
 	fl := flash{OK: err == nil, Text: outcome(verb, n, len(ids), rest)}

@@ -13,6 +13,7 @@ import (
 	"io/fs"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -21,6 +22,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -64,13 +66,14 @@ type Config struct {
 	// either Pool or DB. It stays the caller's.
 	Pool *pgxpool.Pool
 	// DB is the database of the tables through database/sql, with
-	// Dialect naming its family: for MySQL 8.0 or newer and MariaDB 10.6
-	// or newer (go-sql-driver/mysql), on the tables sqlschema.MigrateSQL
-	// creates for sqlschema.MySQL. Set either Pool or DB. It stays the
-	// caller's.
+	// Dialect naming its family, on the tables sqlschema.MigrateSQL
+	// creates for it: PostgreSQL (pgx's stdlib or lib/pq), MySQL 8.0 or
+	// newer and MariaDB 10.6 or newer (go-sql-driver/mysql), or SQLite
+	// (modernc.org/sqlite). Set either Pool or DB. It stays the caller's.
 	DB *sql.DB
-	// Dialect is the database family of DB: sqlschema.MySQL. Required
-	// with DB, ignored with Pool.
+	// Dialect is the database family of DB: sqlschema.Postgres,
+	// sqlschema.MySQL or sqlschema.SQLite. Required with DB, ignored with
+	// Pool.
 	Dialect sqlschema.Dialect
 	// Schema names the tables to read (defaults as sqlschema's): the
 	// inbox, the outbox and the dead-letter table.
@@ -129,8 +132,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: Pool (pgx, PostgreSQL) or DB (database/sql, with Dialect) is required", ErrInvalidConfig)
 	case c.Pool != nil && c.DB != nil:
 		return fmt.Errorf("%w: Pool and DB are both set: set the one that holds the tables", ErrInvalidConfig)
-	case c.DB != nil && c.Dialect != sqlschema.MySQL:
-		return fmt.Errorf("%w: Dialect must be sqlschema.MySQL with DB, got %q (read PostgreSQL through Pool)", ErrInvalidConfig, c.Dialect)
+	case c.DB != nil && !known(c.Dialect):
+		return fmt.Errorf("%w: Dialect must be sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite with DB, got %q", ErrInvalidConfig, c.Dialect)
 	case c.Token == "" && !c.DisableAuth:
 		return fmt.Errorf("%w: Token is required (or set DisableAuth to serve behind your own authentication)", ErrInvalidConfig)
 	case c.PageSize < 0 || c.PageSize > maxPageSize:
@@ -159,14 +162,18 @@ func (c Config) Validate() error {
 // concurrent use and starts no goroutines; it keeps no state between
 // requests but its keys.
 type Console struct {
-	cfg   Config
-	store *dlq.Store
+	cfg Config
+	// db is the database of the tables, names their names in its dialect.
+	db    sqldb.DB
 	names sqlschema.Names
-	// my reads the tables on MySQL (Config.DB); nil on PostgreSQL.
-	my     *mysqlData
-	pages  map[string]*template.Template
-	static http.Handler
-	cross  *http.CrossOriginProtection
+	// store is the dead-letter table the actions write through, opened
+	// by the first action (dlqStore).
+	storeOnce sync.Once
+	store     *dlq.Store
+	storeErr  error
+	pages     map[string]*template.Template
+	static    http.Handler
+	cross     *http.CrossOriginProtection
 
 	// tokenHash is the SHA-256 of the token, compared in constant time.
 	tokenHash [sha256.Size]byte
@@ -211,30 +218,15 @@ func New(cfg Config) (*Console, error) {
 		checks[i] = cfg.reconcileCheck(rc)
 	}
 	cfg.Reconcile = checks
-	var (
-		store *dlq.Store
-		my    *mysqlData
-		err   error
-	)
+	db := sqldb.Pgx(cfg.Pool)
 	if cfg.DB != nil {
-		store, err = dlq.NewSQLStore(cfg.DB, cfg.Dialect, cfg.Schema)
-		my = newMySQLData(cfg.DB, cfg.Schema)
-	} else {
-		store, err = dlq.NewStore(cfg.Pool, cfg.Schema)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("console: %w", err)
-	}
-	if cfg.Granter != nil {
-		if store, err = store.WithGranter(cfg.Granter); err != nil {
-			return nil, fmt.Errorf("console: %w", err)
-		}
+		d, _ := sqldb.For(cfg.Dialect) // Validate checked it
+		db = sqldb.SQL(cfg.DB, d)
 	}
 	c := &Console{
 		cfg:   cfg,
-		store: store,
-		names: sqlschema.NamesFor(sqlschema.Postgres, cfg.Schema),
-		my:    my,
+		db:    db,
+		names: db.Dialect().Names(cfg.Schema),
 		pages: map[string]*template.Template{},
 		cross: http.NewCrossOriginProtection(),
 	}
@@ -262,6 +254,31 @@ func New(cfg Config) (*Console, error) {
 	}
 	c.static = http.StripPrefix("/static/", http.FileServerFS(static))
 	return c, nil
+}
+
+// known reports whether d is a dialect the console reads.
+func known(d sqlschema.Dialect) bool {
+	_, err := sqldb.For(d)
+	return err == nil
+}
+
+// dlqStore returns the dead-letter store the actions write through,
+// opened once, by the first action: the pages read the tables themselves.
+func (c *Console) dlqStore() (*dlq.Store, error) {
+	c.storeOnce.Do(func() {
+		if c.cfg.DB != nil {
+			c.store, c.storeErr = dlq.NewSQLStore(c.cfg.DB, c.cfg.Dialect, c.cfg.Schema)
+		} else {
+			c.store, c.storeErr = dlq.NewStore(c.cfg.Pool, c.cfg.Schema)
+		}
+		if c.storeErr == nil && c.cfg.Granter != nil {
+			c.store, c.storeErr = c.store.WithGranter(c.cfg.Granter)
+		}
+		if c.storeErr != nil {
+			c.storeErr = fmt.Errorf("console: open the dead-letter table: %w", c.storeErr)
+		}
+	})
+	return c.store, c.storeErr
 }
 
 // ServeHTTP serves the console. Every request but /login and /static/

@@ -8,17 +8,22 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/sqldb"
 )
 
 // The console reads the tables with queries of its own, which select only
 // what a page shows: a list row takes the start of the error and no
 // payload, an entry's page the first MaxPayload bytes of its payload and
 // its length. Every value from a request is a parameter; the only names
-// in the SQL are sqlschema's, validated.
+// in the SQL are sqlschema's, validated. Each query is written once, with
+// '?' and the dialect's builders: times leave the database as
+// microseconds since the epoch and enter the same way, so that neither a
+// session's time zone nor a driver's parsing matters.
 
 // criteria select dead letters, as the filter form and a group give them;
 // they mean what dlq.Filter's fields mean, plus the group.
@@ -37,45 +42,53 @@ func (cr criteria) isEmpty() bool {
 		cr.Since.IsZero() && cr.Until.IsZero()
 }
 
-// args numbers a query's parameters.
-type args []any
-
-// add appends v and returns its placeholder.
-func (a *args) add(v any) string {
-	*a = append(*a, v)
-	return "$" + strconv.Itoa(len(*a))
+// stmt is q, written with '?' and {DLQ}, {INBOX}, {key} and {error}, in
+// the database's dialect.
+func (c *Console) stmt(q string) string {
+	d := c.db.Dialect()
+	return d.Rebind(strings.NewReplacer("{DLQ}", c.names.DLQ, "{INBOX}", c.names.Inbox,
+		"{key}", d.Quote("key"), "{error}", d.Quote("error")).Replace(q))
 }
 
-// where renders cr as a WHERE clause (empty when cr selects everything),
-// its parameters appended to a.
-func (cr criteria) where(a *args) string {
-	var conds []string
+// where renders cr as a WHERE clause (empty when cr selects everything)
+// and its arguments.
+func (c *Console) where(cr criteria) (string, []any) {
+	d := c.db.Dialect()
+	var (
+		conds []string
+		args  []any
+	)
+	add := func(cond string, vs ...any) { conds, args = append(conds, cond), append(args, vs...) }
 	if len(cr.IDs) > 0 {
-		conds = append(conds, "id = ANY("+a.add(cr.IDs)+")")
+		ids := make([]any, len(cr.IDs))
+		for i, id := range cr.IDs {
+			ids[i] = id
+		}
+		add("id IN ("+strings.TrimSuffix(strings.Repeat("?, ", len(ids)), ", ")+")", ids...)
 	}
 	// Strings are cleaned as dlq's publisher cleans what it stores.
 	if cr.Topic != "" {
-		conds = append(conds, "topic = "+a.add(clean(cr.Topic)))
+		add("topic = ?", d.Text(clean(cr.Topic)))
 	}
 	if cr.Consumer != "" {
-		conds = append(conds, "consumer = "+a.add(clean(cr.Consumer)))
+		add("consumer = ?", d.Text(clean(cr.Consumer)))
 	}
 	if cr.Error != "" {
-		conds = append(conds, "strpos(lower(error), lower("+a.add(clean(cr.Error))+")) > 0")
+		add(d.Position("lower(?)", "lower({error})")+" > 0", clean(cr.Error))
 	}
 	if cr.Group != "" {
-		conds = append(conds, normalizeSQL("error")+" = "+a.add(clean(cr.Group)))
+		add(normalizeSQL(d, "{error}")+" = ?", clean(cr.Group))
 	}
 	if !cr.Since.IsZero() {
-		conds = append(conds, "dead_at >= "+a.add(cr.Since))
+		add("dead_at >= "+d.FromMicros("?"), cr.Since.UnixMicro())
 	}
 	if !cr.Until.IsZero() {
-		conds = append(conds, "dead_at <= "+a.add(cr.Until))
+		add("dead_at <= "+d.FromMicros("?"), cr.Until.UnixMicro())
 	}
 	if len(conds) == 0 {
-		return ""
+		return "", nil
 	}
-	return " WHERE " + strings.Join(conds, " AND ")
+	return " WHERE " + strings.Join(conds, " AND "), args
 }
 
 // clean makes s comparable with stored text: invalid UTF-8 and NUL become
@@ -83,6 +96,27 @@ func (cr criteria) where(a *args) string {
 func clean(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")
 	return strings.ReplaceAll(s, "\x00", "\uFFFD")
+}
+
+// cut returns s, read as its first n+1 characters, cut at n, and whether
+// it was cut.
+func cut(s string, n int) (string, bool) {
+	if utf8.RuneCountInString(s) <= n {
+		return s, false
+	}
+	return truncateRunes(s, n), true
+}
+
+// at is a time read as microseconds since the epoch.
+func at(us int64) time.Time { return time.UnixMicro(us).UTC() }
+
+// atOrNil is at of a column that may be NULL.
+func atOrNil(us *int64) *time.Time {
+	if us == nil {
+		return nil
+	}
+	t := at(*us)
+	return &t
 }
 
 // listRow is a dead letter as the list shows it.
@@ -103,25 +137,22 @@ type listRow struct {
 
 // counted says what a listed entry's attempts count, from the source and
 // the JetStream stream its metadata records.
-func counted(attempts int, source, stream string) dlq.Counted {
+func counted(attempts int, source, stream *string) dlq.Counted {
 	md := map[string]string{}
-	if source != "" {
-		md[delivery.DeadAttemptsSource] = source
+	if source != nil && *source != "" {
+		md[delivery.DeadAttemptsSource] = *source
 	}
-	if stream != "" {
-		md[delivery.DeadStream] = stream
+	if stream != nil && *stream != "" {
+		md[delivery.DeadStream] = *stream
 	}
 	return dlq.Entry{Attempts: attempts, Metadata: md}.AttemptsCounted()
 }
 
 // countDead counts the entries cr selects.
 func (c *Console) countDead(ctx context.Context, cr criteria) (int, error) {
-	if c.my != nil {
-		return c.my.countDead(ctx, cr)
-	}
-	var a args
+	where, args := c.where(cr)
 	var n int
-	if err := c.cfg.Pool.QueryRow(ctx, `SELECT count(*) FROM `+c.names.DLQ+cr.where(&a), a...).Scan(&n); err != nil {
+	if err := c.db.QueryRow(ctx, c.stmt(`SELECT count(*) FROM {DLQ}`+where), args...).Scan(&n); err != nil {
 		return 0, fmt.Errorf("console: count dead letters: %w", err)
 	}
 	return n, nil
@@ -130,27 +161,23 @@ func (c *Console) countDead(ctx context.Context, cr criteria) (int, error) {
 // listDead returns one page of the entries cr selects, newest (highest id)
 // first.
 func (c *Console) listDead(ctx context.Context, cr criteria, limit, offset int) ([]listRow, error) {
-	if c.my != nil {
-		return c.my.listDead(ctx, cr, limit, offset)
-	}
-	var a args
-	where := cr.where(&a)
-	q := `SELECT id, uuid, topic, consumer, key, attempts, left(error, ` + strconv.Itoa(maxErrorListed) + `),
-	length(error) > ` + strconv.Itoa(maxErrorListed) + `, permanent, dead_at, replay_requested_at IS NOT NULL, length(payload),
-	COALESCE(metadata->>'` + delivery.DeadAttemptsSource + `', ''), COALESCE(metadata->>'` + delivery.DeadStream + `', '')
-FROM ` + c.names.DLQ + where + ` ORDER BY id DESC LIMIT ` + a.add(limit) + ` OFFSET ` + a.add(offset)
-	rows, err := c.cfg.Pool.Query(ctx, q, a...)
-	if err != nil {
-		return nil, fmt.Errorf("console: list dead letters: %w", err)
-	}
-	list, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (listRow, error) {
+	d := c.db.Dialect()
+	where, args := c.where(cr)
+	q := `SELECT id, uuid, topic, consumer, {key}, attempts, substr({error}, 1, ` + strconv.Itoa(maxErrorListed+1) + `), permanent,
+	` + d.Micros("dead_at") + `, replay_requested_at IS NOT NULL, length(payload),
+	` + d.JSONText("metadata", delivery.DeadAttemptsSource) + `, ` + d.JSONText("metadata", delivery.DeadStream) + `
+FROM {DLQ}` + where + ` ORDER BY id DESC LIMIT ? OFFSET ?`
+	rows, err := c.db.Query(ctx, c.stmt(q), append(args, limit, offset)...)
+	list, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (listRow, error) {
 		var (
 			l              listRow
-			source, stream string
+			dead           int64
+			source, stream *string
 		)
-		err := row.Scan(&l.ID, &l.UUID, &l.Topic, &l.Consumer, &l.Key, &l.Attempts, &l.Error, &l.ErrorTruncated,
-			&l.Permanent, &l.DeadAt, &l.ReplayRequested, &l.PayloadSize, &source, &stream)
-		l.Counted = counted(l.Attempts, source, stream)
+		err := row.Scan(&l.ID, &l.UUID, &l.Topic, &l.Consumer, &l.Key, &l.Attempts, &l.Error, &l.Permanent,
+			&dead, &l.ReplayRequested, &l.PayloadSize, &source, &stream)
+		l.Error, l.ErrorTruncated = cut(l.Error, maxErrorListed)
+		l.DeadAt, l.Counted = at(dead), counted(l.Attempts, source, stream)
 		return l, err
 	})
 	if err != nil {
@@ -174,28 +201,46 @@ type group struct {
 // groups counts the entries cr selects by normalised error, in SQL: only
 // the groups come out of the database, largest first.
 func (c *Console) groups(ctx context.Context, cr criteria, limit int) ([]group, error) {
-	if c.my != nil {
-		return c.my.groups(ctx, cr, limit)
-	}
-	var a args
-	where := cr.where(&a)
-	q := `SELECT g, count(*), min(dead_at), max(dead_at), count(DISTINCT consumer), min(consumer),
+	d := c.db.Dialect()
+	where, args := c.where(cr)
+	q := `SELECT g, count(*), ` + d.Micros("min(dead_at)") + `, ` + d.Micros("max(dead_at)") + `, count(DISTINCT consumer), min(consumer),
 	count(DISTINCT topic), min(topic), count(*) OVER ()
-FROM (SELECT ` + normalizeSQL("error") + ` AS g, dead_at, consumer, topic FROM ` + c.names.DLQ + where + `) s
-GROUP BY g ORDER BY count(*) DESC, g LIMIT ` + a.add(limit)
-	rows, err := c.cfg.Pool.Query(ctx, q, a...)
-	if err != nil {
-		return nil, fmt.Errorf("console: group dead letters: %w", err)
-	}
-	groups, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (group, error) {
-		var g group
-		err := row.Scan(&g.Text, &g.Entries, &g.First, &g.Last, &g.Consumers, &g.Consumer, &g.Topics, &g.Topic, &g.GroupsInTotal)
+FROM (SELECT ` + normalizeSQL(d, "{error}") + ` AS g, dead_at, consumer, topic FROM {DLQ}` + where + `) s
+GROUP BY g ORDER BY count(*) DESC, g LIMIT ?`
+	rows, err := c.db.Query(ctx, c.stmt(q), append(args, limit)...)
+	groups, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (group, error) {
+		var (
+			g           group
+			first, last int64
+		)
+		err := row.Scan(&g.Text, &g.Entries, &first, &last, &g.Consumers, &g.Consumer, &g.Topics, &g.Topic, &g.GroupsInTotal)
+		g.First, g.Last = at(first), at(last)
 		return g, err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("console: group dead letters: %w", err)
 	}
 	return groups, nil
+}
+
+// deadCounts counts the entries per consumer and original topic, as
+// dlq.Store.Counts does.
+func (c *Console) deadCounts(ctx context.Context) ([]dlq.Count, error) {
+	rows, err := c.db.Query(ctx, c.stmt(`SELECT consumer, topic, count(*), `+c.db.Dialect().Micros("min(dead_at)")+` FROM {DLQ}
+GROUP BY consumer, topic ORDER BY consumer, topic`))
+	counts, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (dlq.Count, error) {
+		var (
+			n      dlq.Count
+			oldest int64
+		)
+		err := row.Scan(&n.Consumer, &n.Topic, &n.Entries, &oldest)
+		n.Oldest = at(oldest)
+		return n, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("console: count dead letters by consumer and topic: %w", err)
+	}
+	return counts, nil
 }
 
 // entryRow is one dead letter as its page shows it: the payload cut at
@@ -222,30 +267,44 @@ type entryRow struct {
 // errNoEntry is returned by getEntry for an id with no entry.
 var errNoEntry = errors.New("console: no such dead letter")
 
-// getEntry reads the entry id.
+// getEntry reads the entry id, and the copies of its key the inbox
+// refused since.
 func (c *Console) getEntry(ctx context.Context, id int64) (entryRow, error) {
-	if c.my != nil {
-		return c.my.getEntry(ctx, id, c.cfg.MaxPayload)
-	}
+	d := c.db.Dialect()
 	var (
-		e  entryRow
-		md []byte
+		e                      entryRow
+		md                     []byte
+		first, last, requested *int64
+		dead                   int64
 	)
-	err := c.cfg.Pool.QueryRow(ctx, `SELECT id, uuid, topic, dlq_topic, consumer, key, attempts,
-	left(error, `+strconv.Itoa(maxErrorShown)+`), length(error) > `+strconv.Itoa(maxErrorShown)+`, permanent,
-	first_failed_at, last_failed_at, kafka_partition, kafka_offset,
-	substring(payload FROM 1 FOR $2), length(payload), metadata, dead_at, replay_requested_at
-FROM `+c.names.DLQ+` WHERE id = $1`, id, c.cfg.MaxPayload).Scan(
-		&e.ID, &e.UUID, &e.Topic, &e.DLQTopic, &e.Consumer, &e.Key, &e.Attempts, &e.Error, &e.ErrorIsTruncated, &e.Permanent,
-		&e.FirstFailedAt, &e.LastFailedAt, &e.Partition, &e.Offset, &e.Payload, &e.PayloadSize, &md, &e.DeadAt, &e.ReplayRequestedAt)
-	if errors.Is(err, pgx.ErrNoRows) {
+	err := c.db.QueryRow(ctx, c.stmt(`SELECT id, uuid, topic, dlq_topic, consumer, {key}, attempts,
+	substr({error}, 1, `+strconv.Itoa(maxErrorShown+1)+`), permanent, `+d.Micros("first_failed_at")+`, `+d.Micros("last_failed_at")+`,
+	kafka_partition, kafka_offset, substr(payload, 1, ?), length(payload), metadata, `+d.Micros("dead_at")+`, `+d.Micros("replay_requested_at")+`
+FROM {DLQ} WHERE id = ?`), c.cfg.MaxPayload, id).Scan(
+		&e.ID, &e.UUID, &e.Topic, &e.DLQTopic, &e.Consumer, &e.Key, &e.Attempts, &e.Error, &e.Permanent,
+		&first, &last, &e.Partition, &e.Offset, &e.Payload, &e.PayloadSize, &md, &dead, &requested)
+	if errors.Is(err, sqldb.ErrNoRows) {
 		return entryRow{}, errNoEntry
 	}
 	if err != nil {
 		return entryRow{}, fmt.Errorf("console: read dead letter %d: %w", id, err)
 	}
+	e.Error, e.ErrorIsTruncated = cut(e.Error, maxErrorShown)
+	e.FirstFailedAt, e.LastFailedAt, e.DeadAt, e.ReplayRequestedAt = atOrNil(first), atOrNil(last), at(dead), atOrNil(requested)
 	if err := json.Unmarshal(md, &e.Metadata); err != nil {
 		return entryRow{}, fmt.Errorf("console: dead letter %d: metadata: %w", id, err)
+	}
+	// The copies of the dead key the inbox refused since, as
+	// dlq.Store.CopiesSince counts them: unknown without the key's dead
+	// row.
+	consumer, key := d.InboxKey(e.Consumer, e.Key)
+	err = c.db.QueryRow(ctx, c.stmt(`SELECT dead_copies FROM {INBOX} WHERE consumer = ? AND {key} = ? AND status = 'dead'`),
+		d.Text(consumer), d.Text(key)).Scan(&e.CopiesSince)
+	switch {
+	case err == nil:
+		e.CopiesKnown = true
+	case !errors.Is(err, sqldb.ErrNoRows) && !d.UndefinedTable(err):
+		return entryRow{}, fmt.Errorf("console: dead letter %d: copies since: %w", id, err)
 	}
 	return e, nil
 }
@@ -259,17 +318,10 @@ type target struct {
 
 // targets returns, in id order, at most limit of the entries cr selects.
 func (c *Console) targets(ctx context.Context, cr criteria, limit int) ([]target, error) {
-	if c.my != nil {
-		return c.my.targets(ctx, cr, limit)
-	}
-	var a args
-	where := cr.where(&a)
-	rows, err := c.cfg.Pool.Query(ctx, `SELECT id, consumer, topic, replay_requested_at IS NOT NULL FROM `+c.names.DLQ+where+
-		` ORDER BY id LIMIT `+a.add(limit), a...)
-	if err != nil {
-		return nil, fmt.Errorf("console: select dead letters: %w", err)
-	}
-	ts, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (target, error) {
+	where, args := c.where(cr)
+	rows, err := c.db.Query(ctx, c.stmt(`SELECT id, consumer, topic, replay_requested_at IS NOT NULL FROM {DLQ}`+where+
+		` ORDER BY id LIMIT ?`), append(args, limit)...)
+	ts, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (target, error) {
 		var t target
 		err := row.Scan(&t.ID, &t.Consumer, &t.Topic, &t.ReplayRequested)
 		return t, err
@@ -290,21 +342,16 @@ type inboxStat struct {
 
 // inboxStats aggregates the inbox table per consumer, in one scan.
 func (c *Console) inboxStats(ctx context.Context, now time.Time) ([]inboxStat, error) {
-	if c.my != nil {
-		return c.my.inboxStats(ctx, now)
-	}
-	rows, err := c.cfg.Pool.Query(ctx, `SELECT consumer,
-	count(*) FILTER (WHERE status = 'done' AND done_at >= $1),
-	count(*) FILTER (WHERE status = 'done' AND done_at >= $2),
-	count(*) FILTER (WHERE status = 'processing'),
-	count(*) FILTER (WHERE status = 'failed'),
-	count(*) FILTER (WHERE status = 'dead'),
-	COALESCE(sum(dead_copies), 0)::bigint
-FROM `+c.names.Inbox+` GROUP BY consumer ORDER BY consumer`, now.Add(-time.Hour), now.Add(-24*time.Hour))
-	if err != nil {
-		return nil, fmt.Errorf("console: inbox by consumer: %w", err)
-	}
-	stats, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (inboxStat, error) {
+	from := c.db.Dialect().FromMicros("?")
+	rows, err := c.db.Query(ctx, c.stmt(`SELECT consumer,
+	count(CASE WHEN status = 'done' AND done_at >= `+from+` THEN 1 END),
+	count(CASE WHEN status = 'done' AND done_at >= `+from+` THEN 1 END),
+	count(CASE WHEN status = 'processing' THEN 1 END),
+	count(CASE WHEN status = 'failed' THEN 1 END),
+	count(CASE WHEN status = 'dead' THEN 1 END),
+	COALESCE(sum(dead_copies), 0)
+FROM {INBOX} GROUP BY consumer ORDER BY consumer`), now.Add(-time.Hour).UnixMicro(), now.Add(-24*time.Hour).UnixMicro())
+	stats, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (inboxStat, error) {
 		var s inboxStat
 		err := row.Scan(&s.Consumer, &s.LastHour, &s.LastDay, &s.Processing, &s.Failing, &s.Dead, &s.DeadCopies)
 		return s, err
@@ -319,20 +366,16 @@ FROM `+c.names.Inbox+` GROUP BY consumer ORDER BY consumer`, now.Add(-time.Hour)
 // maxConsumers; it walks the primary key (a loose index scan), one lookup
 // per consumer, rather than the table.
 func (c *Console) consumers(ctx context.Context) ([]string, error) {
-	if c.my != nil {
-		return c.my.consumers(ctx)
-	}
-	t := c.names.Inbox
-	rows, err := c.cfg.Pool.Query(ctx, `WITH RECURSIVE c(consumer) AS (
-	(SELECT consumer FROM `+t+` ORDER BY consumer LIMIT 1)
+	rows, err := c.db.Query(ctx, c.stmt(`WITH RECURSIVE c(consumer) AS (
+	(SELECT consumer FROM {INBOX} ORDER BY consumer LIMIT 1)
 	UNION ALL
-	SELECT (SELECT i.consumer FROM `+t+` i WHERE i.consumer > c.consumer ORDER BY i.consumer LIMIT 1)
+	SELECT (SELECT i.consumer FROM {INBOX} i WHERE i.consumer > c.consumer ORDER BY i.consumer LIMIT 1)
 	FROM c WHERE c.consumer IS NOT NULL)
-SELECT consumer FROM c WHERE consumer IS NOT NULL LIMIT $1`, maxConsumers)
-	if err != nil {
-		return nil, fmt.Errorf("console: inbox consumers: %w", err)
-	}
-	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+SELECT consumer FROM c WHERE consumer IS NOT NULL LIMIT ?`), maxConsumers)
+	names, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (string, error) {
+		var s string
+		return s, row.Scan(&s)
+	})
 	if err != nil {
 		return nil, fmt.Errorf("console: inbox consumers: %w", err)
 	}
@@ -358,21 +401,70 @@ var errNoKey = errors.New("console: no inbox record")
 
 // lookupKey reads the inbox record of consumer's key.
 func (c *Console) lookupKey(ctx context.Context, consumer, key string) (inboxRow, error) {
-	if c.my != nil {
-		return c.my.lookupKey(ctx, consumer, key, c.cfg.MaxPayload)
+	d := c.db.Dialect()
+	var (
+		k                              inboxRow
+		first, last, done, dead, lease *int64
+		created, updated, expires      int64
+	)
+	consumer, key = d.InboxKey(clean(consumer), clean(key))
+	us := func(cols ...string) string {
+		for i, col := range cols {
+			cols[i] = d.Micros(col)
+		}
+		return strings.Join(cols, ", ")
 	}
-	var k inboxRow
-	err := c.cfg.Pool.QueryRow(ctx, `SELECT status, attempts,
-	left(COALESCE(first_error, ''), $3), left(COALESCE(last_error, ''), $3), first_failed_at, last_failed_at,
-	substring(result FROM 1 FOR $4), length(result), created_at, updated_at, done_at, dead_at, lease_until, expires_at, dead_copies
-FROM `+c.names.Inbox+` WHERE consumer = $1 AND key = $2`, clean(consumer), clean(key), maxErrorShown, c.cfg.MaxPayload).Scan(
-		&k.Status, &k.Attempts, &k.FirstError, &k.LastError, &k.FirstFailedAt, &k.LastFailedAt,
-		&k.Result, &k.ResultSize, &k.CreatedAt, &k.UpdatedAt, &k.DoneAt, &k.DeadAt, &k.LeaseUntil, &k.ExpiresAt, &k.DeadCopies)
-	if errors.Is(err, pgx.ErrNoRows) {
+	err := c.db.QueryRow(ctx, c.stmt(`SELECT status, attempts, substr(COALESCE(first_error, ''), 1, ?), substr(COALESCE(last_error, ''), 1, ?),
+	`+us("first_failed_at", "last_failed_at")+`, substr(result, 1, ?), length(result),
+	`+us("created_at", "updated_at", "done_at", "dead_at", "lease_until", "expires_at")+`, dead_copies
+FROM {INBOX} WHERE consumer = ? AND {key} = ?`), maxErrorShown, maxErrorShown, c.cfg.MaxPayload, d.Text(consumer), d.Text(key)).Scan(
+		&k.Status, &k.Attempts, &k.FirstError, &k.LastError, &first, &last, &k.Result, &k.ResultSize,
+		&created, &updated, &done, &dead, &lease, &expires, &k.DeadCopies)
+	if errors.Is(err, sqldb.ErrNoRows) {
 		return inboxRow{}, errNoKey
 	}
 	if err != nil {
 		return inboxRow{}, fmt.Errorf("console: look up key: %w", err)
 	}
+	k.FirstFailedAt, k.LastFailedAt = atOrNil(first), atOrNil(last)
+	k.DoneAt, k.DeadAt, k.LeaseUntil = atOrNil(done), atOrNil(dead), atOrNil(lease)
+	k.CreatedAt, k.UpdatedAt, k.ExpiresAt = at(created), at(updated), at(expires)
 	return k, nil
 }
+
+// outboxLag measures the outbox's backlog, as a relay would.
+func (c *Console) outboxLag(ctx context.Context) (forwarder.Lag, error) {
+	if c.cfg.Pool != nil {
+		return forwarder.OutboxLag(ctx, c.cfg.Pool, c.cfg.Schema)
+	}
+	lag, err := forwarder.SQLOutboxLag(ctx, c.cfg.DB, c.cfg.Dialect, c.cfg.Schema)
+	if err != nil && strings.Contains(err.Error(), "dialect must be") {
+		return c.countOutbox(ctx)
+	}
+	return lag, err
+}
+
+// countOutbox is the outbox's pending rows and the age of the oldest, for
+// the dialects forwarder.SQLOutboxLag of this version refuses; it cannot
+// tell which rows wait (Waiting, HeldBy), which with one writer (SQLite)
+// none do.
+func (c *Console) countOutbox(ctx context.Context) (forwarder.Lag, error) {
+	d := c.db.Dialect()
+	var (
+		lag    forwarder.Lag
+		oldest *int64
+		now    int64
+	)
+	err := c.db.QueryRow(ctx, `SELECT count(*), `+d.Micros("min(created_at)")+`, `+d.Micros(d.Now())+` FROM `+c.names.Outbox).Scan(&lag.Pending, &oldest, &now)
+	if err != nil {
+		return forwarder.Lag{}, fmt.Errorf("console: outbox lag: %w", err)
+	}
+	if oldest != nil {
+		lag.OldestAge = time.Duration(now-*oldest) * time.Microsecond
+	}
+	return lag, nil
+}
+
+// undefined reports whether err says that a table is missing: the
+// migrations did not run there.
+func (c *Console) undefined(err error) bool { return c.db.Dialect().UndefinedTable(err) }

@@ -1,7 +1,6 @@
 package console
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -13,7 +12,6 @@ import (
 
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
-	"github.com/oncemill/oncemill/internal/missingtable"
 )
 
 // overviewData is the overview's.
@@ -92,7 +90,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 
 	stats, err := c.inboxStats(ctx, c.cfg.Now())
 	switch {
-	case missingtable.Is(err):
+	case c.undefined(err):
 		d.InboxMissing = true
 	case err != nil:
 		d.InboxErr = err.Error()
@@ -109,12 +107,12 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 
-	counts, err := c.store.Counts(ctx)
+	counts, err := c.deadCounts(ctx)
 	if err == nil {
 		d.Groups, err = c.groups(ctx, criteria{}, topGroups)
 	}
 	switch {
-	case errors.Is(err, dlq.ErrNotMigrated) || missingtable.Is(err):
+	case c.undefined(err):
 		d.DLQMissing = true
 	case err != nil:
 		d.DLQErr = err.Error()
@@ -133,7 +131,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 
 	lag, err := c.outboxLag(ctx)
 	switch {
-	case missingtable.Is(err):
+	case c.undefined(err):
 		d.OutboxMissing = true
 	case err != nil:
 		d.OutboxErr = err.Error()
@@ -271,7 +269,7 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	p := c.newPage(r, "Dead letters", "dlq", &d)
 	p.Flash = c.flashOf(r)
 
-	if counts, err := c.store.Counts(ctx); err == nil {
+	if counts, err := c.deadCounts(ctx); err == nil {
 		seenT, seenC := map[string]bool{}, map[string]bool{}
 		for _, n := range counts {
 			if n.Topic != "" && !seenT[n.Topic] {
@@ -283,7 +281,7 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 				d.Consumers = append(d.Consumers, n.Consumer)
 			}
 		}
-	} else if errors.Is(err, dlq.ErrNotMigrated) {
+	} else if c.undefined(err) {
 		c.fail(w, r, http.StatusNotFound, "There is no dead-letter table "+c.cfg.Schema.Schema+"."+c.cfg.Schema.DLQTable+": run sqlschema.Migrate with this Schema.")
 		return
 	} else {
@@ -402,12 +400,6 @@ func (c *Console) entry(w http.ResponseWriter, r *http.Request, idText string) {
 		c.internal(w, r, "read the dead letter", err)
 		return
 	}
-	if n, ok, err := c.store.CopiesSince(ctx, dlq.Entry{ID: e.ID, Consumer: e.Consumer, Key: e.Key}); err != nil {
-		c.internal(w, r, "count the copies since", err)
-		return
-	} else if ok {
-		e.CopiesSince, e.CopiesKnown = n, true
-	}
 	p := c.newPage(r, fmt.Sprintf("Dead letter %d", id), "dlq", nil)
 	d := entryData{
 		E:                 e,
@@ -446,7 +438,7 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 	p := c.newPage(r, "Inbox", "inbox", &d)
 	consumers, err := c.consumers(ctx)
 	switch {
-	case missingtable.Is(err):
+	case c.undefined(err):
 		d.Missing = true
 		c.render(w, r, http.StatusNotFound, "inbox", p)
 		return
@@ -489,12 +481,4 @@ func contains(list []string, s string) bool {
 		}
 	}
 	return false
-}
-
-// outboxLag measures the outbox's backlog, as a relay would.
-func (c *Console) outboxLag(ctx context.Context) (forwarder.Lag, error) {
-	if c.my != nil {
-		return c.my.outboxLag(ctx)
-	}
-	return forwarder.OutboxLag(ctx, c.cfg.Pool, c.cfg.Schema)
 }

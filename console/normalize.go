@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/oncemill/oncemill/internal/sqldb"
 )
 
 // Grouping dead letters by error.
@@ -17,9 +19,9 @@ import (
 // leftmost-first and PostgreSQL's leftmost-longest matching give the same
 // matches; a test runs a corpus through both.
 //
-// The SQL form is what the console uses (normalizeMySQL on MySQL and
-// MariaDB, whose engines match leftmost-first as RE2 does): the groups are
-// counted by PostgreSQL (GROUP BY over the expression, with the list's filters), and a
+// The SQL form is what the console uses (MySQL's and MariaDB's engines, and
+// SQLite's function, match leftmost-first as RE2 does): the groups are
+// counted by the database (GROUP BY over the expression, with the list's filters), and a
 // group filters the list in the WHERE clause, with LIMIT and OFFSET, so that
 // neither a page nor the group table ever brings more than its own rows out
 // of the database, and never a payload.
@@ -103,13 +105,13 @@ func NormalizeError(s string) string {
 }
 
 // normalizeSQL returns the SQL expression of NormalizeError over the text
-// expression col.
-func normalizeSQL(col string) string {
-	expr := `left(` + col + `, ` + strconv.Itoa(groupInput) + `)`
+// expression col, in dialect d.
+func normalizeSQL(d *sqldb.Dialect, col string) string {
+	expr := `substr(` + col + `, 1, ` + strconv.Itoa(groupInput) + `)`
 	for _, n := range normalizers {
-		expr = `regexp_replace(` + expr + `, '` + n.pattern + `', '` + n.repl + `', 'g')`
+		expr = d.ReplaceAll(expr, n.pattern, n.repl)
 	}
-	return `COALESCE(NULLIF(left(btrim(` + expr + `, ' '), ` + strconv.Itoa(groupMax) + `), ''), '` + emptyGroup + `')`
+	return `COALESCE(NULLIF(substr(trim(` + expr + `), 1, ` + strconv.Itoa(groupMax) + `), ''), '` + emptyGroup + `')`
 }
 
 // truncateRunes cuts s to at most n characters.

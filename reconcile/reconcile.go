@@ -9,7 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/oncemill/oncemill/internal/missingtable"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -22,14 +22,6 @@ var ErrInvalidConfig = errors.New("reconcile: invalid config")
 // not exist: the relay keeps none unless forwarder.RelayConfig.Ledger is
 // set, and sqlschema's migrations create it.
 var ErrNoLedger = errors.New("reconcile: no ledger table")
-
-// ledgerError is err of reading the ledger table name.
-func ledgerError(name string, err error) error {
-	if missingtable.Is(err) {
-		return fmt.Errorf("%w %s: %w", ErrNoLedger, name, err)
-	}
-	return fmt.Errorf("reconcile: read the ledger %s: %w", name, err)
-}
 
 const (
 	// DefaultGrace is Config.Grace's default.
@@ -50,12 +42,14 @@ type Tables struct {
 	// Pool is a PostgreSQL database through pgx. Set Pool or DB. It stays
 	// the caller's.
 	Pool *pgxpool.Pool
-	// DB is a MySQL 8.0+ or MariaDB 10.6+ database through database/sql
-	// (go-sql-driver/mysql), with Dialect sqlschema.MySQL. Set Pool or
-	// DB. It stays the caller's.
+	// DB is a database through database/sql, with Dialect naming its
+	// family: PostgreSQL (pgx's stdlib or lib/pq), MySQL 8.0+ or MariaDB
+	// 10.6+ (go-sql-driver/mysql), or SQLite (modernc.org/sqlite). Set
+	// Pool or DB. It stays the caller's.
 	DB *sql.DB
-	// Dialect is DB's database family: sqlschema.MySQL. Required with DB,
-	// ignored with Pool.
+	// Dialect is DB's database family: sqlschema.Postgres,
+	// sqlschema.MySQL or sqlschema.SQLite. Required with DB, ignored with
+	// Pool.
 	Dialect sqlschema.Dialect
 	// Schema names the tables: the ledger's (Schema, LedgerTable), or the
 	// inbox's and the dead-letter table's (Schema, InboxTable, DLQTable).
@@ -71,8 +65,9 @@ func (t Tables) validate(field string) error {
 		return fmt.Errorf("%w: %s.Pool (pgx, PostgreSQL) or %s.DB (database/sql, with Dialect) is required", ErrInvalidConfig, field, field)
 	case t.Pool != nil && t.DB != nil:
 		return fmt.Errorf("%w: %s.Pool and %s.DB are both set: set the one that holds the tables", ErrInvalidConfig, field, field)
-	case t.DB != nil && t.Dialect != sqlschema.MySQL:
-		return fmt.Errorf("%w: %s.Dialect must be sqlschema.MySQL with DB, got %q (read PostgreSQL through Pool)", ErrInvalidConfig, field, t.Dialect)
+	}
+	if _, err := sqldb.For(t.Dialect); t.DB != nil && err != nil {
+		return fmt.Errorf("%w: %s.Dialect must be sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite with DB, got %q", ErrInvalidConfig, field, t.Dialect)
 	}
 	if err := t.Schema.WithDefaults().Validate(); err != nil {
 		return fmt.Errorf("%w: %s.Schema: %w", ErrInvalidConfig, field, err)
@@ -205,26 +200,6 @@ type Key struct {
 	DoneAt time.Time
 }
 
-// ledger reads the relay's ledger.
-type ledger interface {
-	// window returns now-since and now-grace on the ledger's clock.
-	window(ctx context.Context, since, grace time.Duration) (from, to time.Time, err error)
-	// events returns up to n events published in [from, to) after
-	// (at, uuid), by (published_at, uuid), of topics (all when empty).
-	events(ctx context.Context, from, to, at time.Time, uuid string, topics []string, n int) ([]Event, error)
-	// known returns those of keys some ledger row has.
-	known(ctx context.Context, keys []string) (map[string]bool, error)
-}
-
-// inbox reads a consumer's inbox and dead-letter table.
-type inbox interface {
-	// statuses returns the inbox status of each of keys that has a row,
-	// and the keys and uuids the dead-letter table has entries of.
-	statuses(ctx context.Context, consumer string, keys, uuids []string) (status map[string]string, deadKeys, deadUUIDs map[string]bool, err error)
-	// done returns up to n keys done in [from, to) after key, by key.
-	done(ctx context.Context, consumer string, from, to time.Time, after string, n int) ([]Key, error)
-}
-
 // Check compares the ledger's events in the window with the consumer's
 // inbox and dead-letter entries, and reports what is missing. An error
 // means the check could not run (a database unreachable, a table
@@ -251,24 +226,10 @@ func Check(ctx context.Context, cfg Config) (Report, error) {
 	return rep, nil
 }
 
-// tables reads either side of the check.
-type tables interface {
-	ledger
-	inbox
-}
-
-// open returns the reader of t's tables.
-func open(t Tables) tables {
-	if t.DB != nil {
-		return mysqlTables{db: t.DB, names: sqlschema.NamesFor(sqlschema.MySQL, t.Schema)}
-	}
-	return pgTables{pool: t.Pool, names: sqlschema.NamesFor(sqlschema.Postgres, t.Schema)}
-}
-
 // checkLedger walks the ledger's window by (published_at, uuid), a page
 // at a time, and looks each page's keys up in the inbox and the
 // dead-letter table.
-func checkLedger(ctx context.Context, cfg Config, l ledger, in inbox, rep *Report) error {
+func checkLedger(ctx context.Context, cfg Config, l, in tables, rep *Report) error {
 	at, uuid := rep.From.Add(-time.Microsecond), ""
 	for {
 		events, err := l.events(ctx, rep.From, rep.To, at, uuid, cfg.Topics, page)
@@ -314,7 +275,7 @@ func checkLedger(ctx context.Context, cfg Config, l ledger, in inbox, rep *Repor
 // page at a time, and reports those no ledger row has (within its
 // retention, which may reach further back than the window: an event
 // published before the window and applied in it is explained).
-func checkInbox(ctx context.Context, cfg Config, l ledger, in inbox, rep *Report) error {
+func checkInbox(ctx context.Context, cfg Config, l, in tables, rep *Report) error {
 	after := ""
 	for {
 		done, err := in.done(ctx, cfg.Consumer, rep.From, rep.To, after, page)

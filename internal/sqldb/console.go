@@ -1,0 +1,120 @@
+package sqldb
+
+import (
+	"crypto/sha256"
+	"database/sql/driver"
+	"encoding/hex"
+	"fmt"
+	"regexp"
+	"sync"
+
+	sqlitedriver "modernc.org/sqlite"
+
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// Builders for what reads the tables for a person: substring search,
+// regular expressions, a field of a JSON object, and the form an inbox
+// key is stored in.
+
+// Position is the 1-based position of the text sub in the text s, 0 when
+// s does not hold it.
+func (d *Dialect) Position(sub, s string) string {
+	if d.Name == sqlschema.SQLite {
+		return "instr(" + s + ", " + sub + ")"
+	}
+	return "POSITION(" + sub + " IN " + s + ")"
+}
+
+// JSONText is the value of the field key of the JSON object in column
+// col, as text; NULL when the object has no such field. key must be an
+// identifier: letters, digits and '_'.
+func (d *Dialect) JSONText(col, key string) string {
+	switch d.Name {
+	case sqlschema.Postgres:
+		return "(" + col + " ->> '" + key + "')"
+	case sqlschema.MySQL:
+		return "JSON_UNQUOTE(JSON_EXTRACT(" + col + ", '$." + key + "'))"
+	}
+	return "json_extract(" + col + ", '$." + key + "')"
+}
+
+// ReplaceAll is expr with every match of the regular expression pattern
+// replaced by repl, taken literally. pattern and repl are written into
+// the statement: they must hold no quote and no backslash. Matches are
+// leftmost-first on MySQL, MariaDB and SQLite (RE2, Go's regexp, through
+// the function sqliteReplaceAll registers), leftmost-longest on
+// PostgreSQL: a pattern must be one on which the two agree.
+func (d *Dialect) ReplaceAll(expr, pattern, repl string) string {
+	switch d.Name {
+	case sqlschema.Postgres:
+		return "regexp_replace(" + expr + ", '" + pattern + "', '" + repl + "', 'g')"
+	case sqlschema.MySQL:
+		return "REGEXP_REPLACE(" + expr + ", '" + pattern + "', '" + repl + "')"
+	}
+	return sqliteReplaceAll + "(" + expr + ", '" + pattern + "', '" + repl + "')"
+}
+
+// sqliteReplaceAll is the SQL function, registered with modernc.org/sqlite
+// for every connection it opens, that ReplaceAll calls on SQLite.
+const sqliteReplaceAll = "oncemill_regexp_replace_all"
+
+var patterns sync.Map // pattern → *regexp.Regexp
+
+func init() {
+	sqlitedriver.MustRegisterDeterministicScalarFunction(sqliteReplaceAll, 3, func(_ *sqlitedriver.FunctionContext, args []driver.Value) (driver.Value, error) {
+		if args[0] == nil {
+			return nil, nil
+		}
+		s, ok1 := text(args[0])
+		pattern, ok2 := text(args[1])
+		repl, ok3 := text(args[2])
+		if !ok1 || !ok2 || !ok3 {
+			return nil, fmt.Errorf("%s: the arguments must be text", sqliteReplaceAll)
+		}
+		re, ok := patterns.Load(pattern)
+		if !ok {
+			compiled, err := regexp.Compile(pattern)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", sqliteReplaceAll, err)
+			}
+			re, _ = patterns.LoadOrStore(pattern, compiled)
+		}
+		return re.(*regexp.Regexp).ReplaceAllLiteralString(s, repl), nil
+	})
+}
+
+func text(v driver.Value) (string, bool) {
+	switch v := v.(type) {
+	case string:
+		return v, true
+	case []byte:
+		return string(v), true
+	}
+	return "", false
+}
+
+// The sizes of MySQL's inbox key columns (sqlschema/mysql/001_inbox).
+const (
+	inboxConsumerBytes = 255
+	inboxKeyBytes      = 1024
+)
+
+// InboxKey returns consumer and key as the inbox table holds them: where
+// its columns have a size (MySQL: 255 and 1024 bytes), a longer value is
+// held as "sha256:" and its hex digest, as dedup/sqlstore writes it;
+// elsewhere as it is.
+func (d *Dialect) InboxKey(consumer, key string) (string, string) {
+	if d.Name != sqlschema.MySQL {
+		return consumer, key
+	}
+	return digestOver(consumer, inboxConsumerBytes), digestOver(key, inboxKeyBytes)
+}
+
+func digestOver(s string, max int) string {
+	if len(s) <= max {
+		return s
+	}
+	sum := sha256.Sum256([]byte(s))
+	return "sha256:" + hex.EncodeToString(sum[:])
+}
