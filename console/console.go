@@ -127,12 +127,13 @@ type Config struct {
 // Validate reports the first field of c that is missing or out of range;
 // the error wraps [ErrInvalidConfig] and names the field.
 func (c Config) Validate() error {
+	_, dialectErr := sqldb.For(c.Dialect)
 	switch {
 	case c.Pool == nil && c.DB == nil:
 		return fmt.Errorf("%w: Pool (pgx, PostgreSQL) or DB (database/sql, with Dialect) is required", ErrInvalidConfig)
 	case c.Pool != nil && c.DB != nil:
 		return fmt.Errorf("%w: Pool and DB are both set: set the one that holds the tables", ErrInvalidConfig)
-	case c.DB != nil && !known(c.Dialect):
+	case c.DB != nil && dialectErr != nil:
 		return fmt.Errorf("%w: Dialect must be sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite with DB, got %q", ErrInvalidConfig, c.Dialect)
 	case c.Token == "" && !c.DisableAuth:
 		return fmt.Errorf("%w: Token is required (or set DisableAuth to serve behind your own authentication)", ErrInvalidConfig)
@@ -254,12 +255,6 @@ func New(cfg Config) (*Console, error) {
 	}
 	c.static = http.StripPrefix("/static/", http.FileServerFS(static))
 	return c, nil
-}
-
-// known reports whether d is a dialect the console reads.
-func known(d sqlschema.Dialect) bool {
-	_, err := sqldb.For(d)
-	return err == nil
 }
 
 // dlqStore returns the dead-letter store the actions write through,

@@ -8,7 +8,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
@@ -36,12 +35,6 @@ type criteria struct {
 	Since, Until time.Time
 }
 
-// isEmpty reports whether cr selects every entry.
-func (cr criteria) isEmpty() bool {
-	return len(cr.IDs) == 0 && cr.Topic == "" && cr.Consumer == "" && cr.Error == "" && cr.Group == "" &&
-		cr.Since.IsZero() && cr.Until.IsZero()
-}
-
 // stmt is q, written with '?' and {DLQ}, {INBOX}, {key} and {error}, in
 // the database's dialect.
 func (c *Console) stmt(q string) string {
@@ -64,7 +57,7 @@ func (c *Console) where(cr criteria) (string, []any) {
 		for i, id := range cr.IDs {
 			ids[i] = id
 		}
-		add("id IN ("+strings.TrimSuffix(strings.Repeat("?, ", len(ids)), ", ")+")", ids...)
+		add("id IN "+sqldb.List(len(ids)), ids...)
 	}
 	// Strings are cleaned as dlq's publisher cleans what it stores.
 	if cr.Topic != "" {
@@ -96,27 +89,6 @@ func (c *Console) where(cr criteria) (string, []any) {
 func clean(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")
 	return strings.ReplaceAll(s, "\x00", "\uFFFD")
-}
-
-// cut returns s, read as its first n+1 characters, cut at n, and whether
-// it was cut.
-func cut(s string, n int) (string, bool) {
-	if utf8.RuneCountInString(s) <= n {
-		return s, false
-	}
-	return truncateRunes(s, n), true
-}
-
-// at is a time read as microseconds since the epoch.
-func at(us int64) time.Time { return time.UnixMicro(us).UTC() }
-
-// atOrNil is at of a column that may be NULL.
-func atOrNil(us *int64) *time.Time {
-	if us == nil {
-		return nil
-	}
-	t := at(*us)
-	return &t
 }
 
 // listRow is a dead letter as the list shows it.
@@ -163,21 +135,19 @@ func (c *Console) countDead(ctx context.Context, cr criteria) (int, error) {
 func (c *Console) listDead(ctx context.Context, cr criteria, limit, offset int) ([]listRow, error) {
 	d := c.db.Dialect()
 	where, args := c.where(cr)
-	q := `SELECT id, uuid, topic, consumer, {key}, attempts, substr({error}, 1, ` + strconv.Itoa(maxErrorListed+1) + `), permanent,
-	` + d.Micros("dead_at") + `, replay_requested_at IS NOT NULL, length(payload),
+	q := `SELECT id, uuid, topic, consumer, {key}, attempts, substr({error}, 1, ` + strconv.Itoa(maxErrorListed) + `),
+	` + d.CharLength("{error}") + ` > ` + strconv.Itoa(maxErrorListed) + `, permanent, ` + d.Micros("dead_at") + `, replay_requested_at IS NOT NULL, length(payload),
 	` + d.JSONText("metadata", delivery.DeadAttemptsSource) + `, ` + d.JSONText("metadata", delivery.DeadStream) + `
 FROM {DLQ}` + where + ` ORDER BY id DESC LIMIT ? OFFSET ?`
 	rows, err := c.db.Query(ctx, c.stmt(q), append(args, limit, offset)...)
 	list, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (listRow, error) {
 		var (
 			l              listRow
-			dead           int64
 			source, stream *string
 		)
-		err := row.Scan(&l.ID, &l.UUID, &l.Topic, &l.Consumer, &l.Key, &l.Attempts, &l.Error, &l.Permanent,
-			&dead, &l.ReplayRequested, &l.PayloadSize, &source, &stream)
-		l.Error, l.ErrorTruncated = cut(l.Error, maxErrorListed)
-		l.DeadAt, l.Counted = at(dead), counted(l.Attempts, source, stream)
+		err := row.Scan(&l.ID, &l.UUID, &l.Topic, &l.Consumer, &l.Key, &l.Attempts, &l.Error, &l.ErrorTruncated, &l.Permanent,
+			sqldb.Time(&l.DeadAt), &l.ReplayRequested, &l.PayloadSize, &source, &stream)
+		l.Counted = counted(l.Attempts, source, stream)
 		return l, err
 	})
 	if err != nil {
@@ -209,12 +179,8 @@ FROM (SELECT ` + normalizeSQL(d, "{error}") + ` AS g, dead_at, consumer, topic F
 GROUP BY g ORDER BY count(*) DESC, g LIMIT ?`
 	rows, err := c.db.Query(ctx, c.stmt(q), append(args, limit)...)
 	groups, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (group, error) {
-		var (
-			g           group
-			first, last int64
-		)
-		err := row.Scan(&g.Text, &g.Entries, &first, &last, &g.Consumers, &g.Consumer, &g.Topics, &g.Topic, &g.GroupsInTotal)
-		g.First, g.Last = at(first), at(last)
+		var g group
+		err := row.Scan(&g.Text, &g.Entries, sqldb.Time(&g.First), sqldb.Time(&g.Last), &g.Consumers, &g.Consumer, &g.Topics, &g.Topic, &g.GroupsInTotal)
 		return g, err
 	})
 	if err != nil {
@@ -229,12 +195,8 @@ func (c *Console) deadCounts(ctx context.Context) ([]dlq.Count, error) {
 	rows, err := c.db.Query(ctx, c.stmt(`SELECT consumer, topic, count(*), `+c.db.Dialect().Micros("min(dead_at)")+` FROM {DLQ}
 GROUP BY consumer, topic ORDER BY consumer, topic`))
 	counts, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (dlq.Count, error) {
-		var (
-			n      dlq.Count
-			oldest int64
-		)
-		err := row.Scan(&n.Consumer, &n.Topic, &n.Entries, &oldest)
-		n.Oldest = at(oldest)
+		var n dlq.Count
+		err := row.Scan(&n.Consumer, &n.Topic, &n.Entries, sqldb.Time(&n.Oldest))
 		return n, err
 	})
 	if err != nil {
@@ -272,25 +234,22 @@ var errNoEntry = errors.New("console: no such dead letter")
 func (c *Console) getEntry(ctx context.Context, id int64) (entryRow, error) {
 	d := c.db.Dialect()
 	var (
-		e                      entryRow
-		md                     []byte
-		first, last, requested *int64
-		dead                   int64
+		e  entryRow
+		md []byte
 	)
-	err := c.db.QueryRow(ctx, c.stmt(`SELECT id, uuid, topic, dlq_topic, consumer, {key}, attempts,
-	substr({error}, 1, `+strconv.Itoa(maxErrorShown+1)+`), permanent, `+d.Micros("first_failed_at")+`, `+d.Micros("last_failed_at")+`,
-	kafka_partition, kafka_offset, substr(payload, 1, ?), length(payload), metadata, `+d.Micros("dead_at")+`, `+d.Micros("replay_requested_at")+`
+	err := c.db.QueryRow(ctx, c.stmt(`SELECT id, uuid, topic, dlq_topic, consumer, {key}, attempts, substr({error}, 1, `+strconv.Itoa(maxErrorShown)+`),
+	`+d.CharLength("{error}")+` > `+strconv.Itoa(maxErrorShown)+`, permanent, `+d.MicrosEach("first_failed_at", "last_failed_at")+`,
+	kafka_partition, kafka_offset, substr(payload, 1, ?), length(payload), metadata, `+d.MicrosEach("dead_at", "replay_requested_at")+`
 FROM {DLQ} WHERE id = ?`), c.cfg.MaxPayload, id).Scan(
-		&e.ID, &e.UUID, &e.Topic, &e.DLQTopic, &e.Consumer, &e.Key, &e.Attempts, &e.Error, &e.Permanent,
-		&first, &last, &e.Partition, &e.Offset, &e.Payload, &e.PayloadSize, &md, &dead, &requested)
+		&e.ID, &e.UUID, &e.Topic, &e.DLQTopic, &e.Consumer, &e.Key, &e.Attempts, &e.Error, &e.ErrorIsTruncated, &e.Permanent,
+		sqldb.TimeOrNil(&e.FirstFailedAt), sqldb.TimeOrNil(&e.LastFailedAt), &e.Partition, &e.Offset, &e.Payload, &e.PayloadSize, &md,
+		sqldb.Time(&e.DeadAt), sqldb.TimeOrNil(&e.ReplayRequestedAt))
 	if errors.Is(err, sqldb.ErrNoRows) {
 		return entryRow{}, errNoEntry
 	}
 	if err != nil {
 		return entryRow{}, fmt.Errorf("console: read dead letter %d: %w", id, err)
 	}
-	e.Error, e.ErrorIsTruncated = cut(e.Error, maxErrorShown)
-	e.FirstFailedAt, e.LastFailedAt, e.DeadAt, e.ReplayRequestedAt = atOrNil(first), atOrNil(last), at(dead), atOrNil(requested)
 	if err := json.Unmarshal(md, &e.Metadata); err != nil {
 		return entryRow{}, fmt.Errorf("console: dead letter %d: metadata: %w", id, err)
 	}
@@ -374,7 +333,8 @@ func (c *Console) consumers(ctx context.Context) ([]string, error) {
 SELECT consumer FROM c WHERE consumer IS NOT NULL LIMIT ?`), maxConsumers)
 	names, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (string, error) {
 		var s string
-		return s, row.Scan(&s)
+		err := row.Scan(&s)
+		return s, err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("console: inbox consumers: %w", err)
@@ -402,33 +362,21 @@ var errNoKey = errors.New("console: no inbox record")
 // lookupKey reads the inbox record of consumer's key.
 func (c *Console) lookupKey(ctx context.Context, consumer, key string) (inboxRow, error) {
 	d := c.db.Dialect()
-	var (
-		k                              inboxRow
-		first, last, done, dead, lease *int64
-		created, updated, expires      int64
-	)
+	var k inboxRow
 	consumer, key = d.InboxKey(clean(consumer), clean(key))
-	us := func(cols ...string) string {
-		for i, col := range cols {
-			cols[i] = d.Micros(col)
-		}
-		return strings.Join(cols, ", ")
-	}
 	err := c.db.QueryRow(ctx, c.stmt(`SELECT status, attempts, substr(COALESCE(first_error, ''), 1, ?), substr(COALESCE(last_error, ''), 1, ?),
-	`+us("first_failed_at", "last_failed_at")+`, substr(result, 1, ?), length(result),
-	`+us("created_at", "updated_at", "done_at", "dead_at", "lease_until", "expires_at")+`, dead_copies
+	`+d.MicrosEach("first_failed_at", "last_failed_at")+`, substr(result, 1, ?), length(result),
+	`+d.MicrosEach("created_at", "updated_at", "done_at", "dead_at", "lease_until", "expires_at")+`, dead_copies
 FROM {INBOX} WHERE consumer = ? AND {key} = ?`), maxErrorShown, maxErrorShown, c.cfg.MaxPayload, d.Text(consumer), d.Text(key)).Scan(
-		&k.Status, &k.Attempts, &k.FirstError, &k.LastError, &first, &last, &k.Result, &k.ResultSize,
-		&created, &updated, &done, &dead, &lease, &expires, &k.DeadCopies)
+		&k.Status, &k.Attempts, &k.FirstError, &k.LastError, sqldb.TimeOrNil(&k.FirstFailedAt), sqldb.TimeOrNil(&k.LastFailedAt),
+		&k.Result, &k.ResultSize, sqldb.Time(&k.CreatedAt), sqldb.Time(&k.UpdatedAt), sqldb.TimeOrNil(&k.DoneAt),
+		sqldb.TimeOrNil(&k.DeadAt), sqldb.TimeOrNil(&k.LeaseUntil), sqldb.Time(&k.ExpiresAt), &k.DeadCopies)
 	if errors.Is(err, sqldb.ErrNoRows) {
 		return inboxRow{}, errNoKey
 	}
 	if err != nil {
 		return inboxRow{}, fmt.Errorf("console: look up key: %w", err)
 	}
-	k.FirstFailedAt, k.LastFailedAt = atOrNil(first), atOrNil(last)
-	k.DoneAt, k.DeadAt, k.LeaseUntil = atOrNil(done), atOrNil(dead), atOrNil(lease)
-	k.CreatedAt, k.UpdatedAt, k.ExpiresAt = at(created), at(updated), at(expires)
 	return k, nil
 }
 
@@ -451,17 +399,14 @@ func (c *Console) outboxLag(ctx context.Context) (forwarder.Lag, error) {
 func (c *Console) countOutbox(ctx context.Context) (forwarder.Lag, error) {
 	d := c.db.Dialect()
 	var (
-		lag    forwarder.Lag
-		oldest *int64
-		now    int64
+		lag forwarder.Lag
+		age int64
 	)
-	err := c.db.QueryRow(ctx, `SELECT count(*), `+d.Micros("min(created_at)")+`, `+d.Micros(d.Now())+` FROM `+c.names.Outbox).Scan(&lag.Pending, &oldest, &now)
+	err := c.db.QueryRow(ctx, `SELECT count(*), COALESCE(`+d.Micros(d.Now())+` - `+d.Micros("min(created_at)")+`, 0) FROM `+c.names.Outbox).Scan(&lag.Pending, &age)
 	if err != nil {
 		return forwarder.Lag{}, fmt.Errorf("console: outbox lag: %w", err)
 	}
-	if oldest != nil {
-		lag.OldestAge = time.Duration(now-*oldest) * time.Microsecond
-	}
+	lag.OldestAge = time.Duration(age) * time.Microsecond
 	return lag, nil
 }
 

@@ -36,18 +36,6 @@ func (t tables) stmt(q string) string {
 	return t.d.Rebind(strings.ReplaceAll(q, "{key}", t.d.Quote("key")))
 }
 
-// list is "(?, ?, …)", n placeholders.
-func list(n int) string { return "(" + strings.TrimSuffix(strings.Repeat("?, ", n), ", ") + ")" }
-
-// texts are values as arguments of byte-exact string columns.
-func (t tables) texts(values []string) []any {
-	args := make([]any, len(values))
-	for i, v := range values {
-		args[i] = t.d.Text(v)
-	}
-	return args
-}
-
 // ledgerError is err of reading the ledger.
 func (t tables) ledgerError(err error) error {
 	if t.d.UndefinedTable(err) {
@@ -75,17 +63,13 @@ WHERE published_at >= ` + ts + ` AND published_at < ` + ts + `
 	AND (published_at > ` + ts + ` OR (published_at = ` + ts + ` AND uuid > ?))`
 	args := []any{from.UnixMicro(), to.UnixMicro(), at.UnixMicro(), at.UnixMicro(), t.d.Text(uuid)}
 	if len(topics) > 0 {
-		q += ` AND topic IN ` + list(len(topics))
-		args = append(args, t.texts(topics)...)
+		q += ` AND topic IN ` + sqldb.List(len(topics))
+		args = append(args, t.d.Texts(topics)...)
 	}
 	rows, err := t.db.Query(ctx, t.stmt(q+` ORDER BY published_at, uuid LIMIT ?`), append(args, n)...)
 	events, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (Event, error) {
-		var (
-			e  Event
-			us int64
-		)
-		err := row.Scan(&e.UUID, &e.Topic, &e.Key, &us)
-		e.PublishedAt = time.UnixMicro(us).UTC()
+		var e Event
+		err := row.Scan(&e.UUID, &e.Topic, &e.Key, sqldb.Time(&e.PublishedAt))
 		return e, err
 	})
 	if err != nil {
@@ -96,7 +80,7 @@ WHERE published_at >= ` + ts + ` AND published_at < ` + ts + `
 
 // known returns those of keys some ledger row has.
 func (t tables) known(ctx context.Context, keys []string) (map[string]bool, error) {
-	rows, err := t.db.Query(ctx, t.stmt(`SELECT DISTINCT idempotency_key FROM `+t.names.Ledger+` WHERE idempotency_key IN `+list(len(keys))), t.texts(keys)...)
+	rows, err := t.db.Query(ctx, t.stmt(`SELECT DISTINCT idempotency_key FROM `+t.names.Ledger+` WHERE idempotency_key IN `+sqldb.List(len(keys))), t.d.Texts(keys)...)
 	known := map[string]bool{}
 	_, err = sqldb.Collect(rows, err, func(row sqldb.Rows) (string, error) {
 		var k string
@@ -123,8 +107,8 @@ func (t tables) statuses(ctx context.Context, consumer string, keys, uuids []str
 		byStored[stored[i]] = append(byStored[stored[i]], k)
 	}
 	status = map[string]string{}
-	rows, err := t.db.Query(ctx, t.stmt(`SELECT {key}, status FROM `+t.names.Inbox+` WHERE consumer = ? AND {key} IN `+list(len(keys))),
-		append([]any{t.d.Text(inboxConsumer)}, t.texts(stored)...)...)
+	rows, err := t.db.Query(ctx, t.stmt(`SELECT {key}, status FROM `+t.names.Inbox+` WHERE consumer = ? AND {key} IN `+sqldb.List(len(keys))),
+		append([]any{t.d.Text(inboxConsumer)}, t.d.Texts(stored)...)...)
 	_, err = sqldb.Collect(rows, err, func(row sqldb.Rows) (string, error) {
 		var k, s string
 		err := row.Scan(&k, &s)
@@ -137,8 +121,8 @@ func (t tables) statuses(ctx context.Context, consumer string, keys, uuids []str
 		return nil, nil, nil, fmt.Errorf("reconcile: read the inbox %s: %w", t.names.Inbox, err)
 	}
 	deadKeys, deadUUIDs = map[string]bool{}, map[string]bool{}
-	rows, err = t.db.Query(ctx, t.stmt(`SELECT {key}, uuid FROM `+t.names.DLQ+` WHERE consumer = ? AND ({key} IN `+list(len(keys))+` OR uuid IN `+list(len(uuids))+`)`),
-		append(append([]any{t.d.Text(consumer)}, t.texts(keys)...), t.texts(uuids)...)...)
+	rows, err = t.db.Query(ctx, t.stmt(`SELECT {key}, uuid FROM `+t.names.DLQ+` WHERE consumer = ? AND ({key} IN `+sqldb.List(len(keys))+` OR uuid IN `+sqldb.List(len(uuids))+`)`),
+		append(append([]any{t.d.Text(consumer)}, t.d.Texts(keys)...), t.d.Texts(uuids)...)...)
 	_, err = sqldb.Collect(rows, err, func(row sqldb.Rows) (string, error) {
 		var k, u string
 		err := row.Scan(&k, &u)
@@ -159,12 +143,8 @@ func (t tables) done(ctx context.Context, consumer string, from, to time.Time, a
 WHERE consumer = ? AND status = 'done' AND done_at >= `+ts+` AND done_at < `+ts+` AND {key} > ?
 ORDER BY {key} LIMIT ?`), t.d.Text(consumer), from.UnixMicro(), to.UnixMicro(), t.d.Text(after), n)
 	keys, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (Key, error) {
-		var (
-			k  Key
-			us int64
-		)
-		err := row.Scan(&k.Key, &us)
-		k.DoneAt = time.UnixMicro(us).UTC()
+		var k Key
+		err := row.Scan(&k.Key, sqldb.Time(&k.DoneAt))
 		return k, err
 	})
 	if err != nil {

@@ -2,11 +2,15 @@ package sqldb
 
 import (
 	"crypto/sha256"
+	"database/sql"
 	"database/sql/driver"
 	"encoding/hex"
 	"fmt"
 	"regexp"
+	"strconv"
+	"strings"
 	"sync"
+	"time"
 
 	sqlitedriver "modernc.org/sqlite"
 
@@ -117,4 +121,81 @@ func digestOver(s string, max int) string {
 	}
 	sum := sha256.Sum256([]byte(s))
 	return "sha256:" + hex.EncodeToString(sum[:])
+}
+
+// CharLength is the length of the text expr in characters.
+func (d *Dialect) CharLength(expr string) string {
+	if d.Name == sqlschema.SQLite {
+		return "length(" + expr + ")"
+	}
+	return "char_length(" + expr + ")"
+}
+
+// List is "(?, ?, …)": n placeholders, for IN.
+func List(n int) string {
+	if n == 0 {
+		return "(NULL)"
+	}
+	return "(" + strings.Repeat("?, ", n-1) + "?)"
+}
+
+// Texts returns values as the arguments of byte-exact string columns
+// ([Dialect.Text]).
+func (d *Dialect) Texts(values []string) []any {
+	args := make([]any, len(values))
+	for i, v := range values {
+		args[i] = d.Text(v)
+	}
+	return args
+}
+
+// Time returns the destination that scans a column read as Micros(col)
+// into *t; NULL leaves *t zero.
+func Time(t *time.Time) sql.Scanner { return microsDest{t: t} }
+
+// TimeOrNil returns the destination that scans a column read as
+// Micros(col) into *p, nil when NULL.
+func TimeOrNil(p **time.Time) sql.Scanner { return microsDest{p: p} }
+
+type microsDest struct {
+	t *time.Time
+	p **time.Time
+}
+
+func (m microsDest) Scan(src any) error {
+	var us int64
+	switch v := src.(type) {
+	case nil:
+		if m.p != nil {
+			*m.p = nil
+		}
+		return nil
+	case int64:
+		us = v
+	case []byte, string: // MySQL's text protocol
+		s, _ := text(v)
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return fmt.Errorf("sqldb: a time in microseconds, got %q", s)
+		}
+		us = n
+	default:
+		return fmt.Errorf("sqldb: a time in microseconds, got %T", src)
+	}
+	t := time.UnixMicro(us).UTC()
+	if m.p != nil {
+		*m.p = &t
+	} else {
+		*m.t = t
+	}
+	return nil
+}
+
+// MicrosEach is Micros of each of cols, separated by commas.
+func (d *Dialect) MicrosEach(cols ...string) string {
+	out := make([]string, len(cols))
+	for i, col := range cols {
+		out[i] = d.Micros(col)
+	}
+	return strings.Join(out, ", ")
 }
