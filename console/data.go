@@ -326,7 +326,7 @@ FROM {INBOX} GROUP BY consumer ORDER BY consumer`), now.Add(-time.Hour).UnixMicr
 // per consumer, rather than the table.
 func (c *Console) consumers(ctx context.Context) ([]string, error) {
 	rows, err := c.db.Query(ctx, c.stmt(`WITH RECURSIVE c(consumer) AS (
-	(SELECT consumer FROM {INBOX} ORDER BY consumer LIMIT 1)
+	SELECT min(consumer) FROM {INBOX}
 	UNION ALL
 	SELECT (SELECT i.consumer FROM {INBOX} i WHERE i.consumer > c.consumer ORDER BY i.consumer LIMIT 1)
 	FROM c WHERE c.consumer IS NOT NULL)
