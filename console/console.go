@@ -13,7 +13,6 @@ import (
 	"io/fs"
 	"net/http"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -127,14 +126,10 @@ type Config struct {
 // Validate reports the first field of c that is missing or out of range;
 // the error wraps [ErrInvalidConfig] and names the field.
 func (c Config) Validate() error {
-	_, dialectErr := sqldb.For(c.Dialect)
+	if _, err := sqldb.FromConfig("", c.Pool, c.DB, c.Dialect); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
 	switch {
-	case c.Pool == nil && c.DB == nil:
-		return fmt.Errorf("%w: Pool (pgx, PostgreSQL) or DB (database/sql, with Dialect) is required", ErrInvalidConfig)
-	case c.Pool != nil && c.DB != nil:
-		return fmt.Errorf("%w: Pool and DB are both set: set the one that holds the tables", ErrInvalidConfig)
-	case c.DB != nil && dialectErr != nil:
-		return fmt.Errorf("%w: Dialect must be sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite with DB, got %q", ErrInvalidConfig, c.Dialect)
 	case c.Token == "" && !c.DisableAuth:
 		return fmt.Errorf("%w: Token is required (or set DisableAuth to serve behind your own authentication)", ErrInvalidConfig)
 	case c.PageSize < 0 || c.PageSize > maxPageSize:
@@ -165,16 +160,11 @@ func (c Config) Validate() error {
 type Console struct {
 	cfg Config
 	// db is the database of the tables, names their names in its dialect.
-	db    sqldb.DB
-	names sqlschema.Names
-	// store is the dead-letter table the actions write through, opened
-	// by the first action (dlqStore).
-	storeOnce sync.Once
-	store     *dlq.Store
-	storeErr  error
-	pages     map[string]*template.Template
-	static    http.Handler
-	cross     *http.CrossOriginProtection
+	db     sqldb.DB
+	names  sqlschema.Names
+	pages  map[string]*template.Template
+	static http.Handler
+	cross  *http.CrossOriginProtection
 
 	// tokenHash is the SHA-256 of the token, compared in constant time.
 	tokenHash [sha256.Size]byte
@@ -219,11 +209,7 @@ func New(cfg Config) (*Console, error) {
 		checks[i] = cfg.reconcileCheck(rc)
 	}
 	cfg.Reconcile = checks
-	db := sqldb.Pgx(cfg.Pool)
-	if cfg.DB != nil {
-		d, _ := sqldb.For(cfg.Dialect) // Validate checked it
-		db = sqldb.SQL(cfg.DB, d)
-	}
+	db, _ := sqldb.FromConfig("", cfg.Pool, cfg.DB, cfg.Dialect) // Validate checked it
 	c := &Console{
 		cfg:   cfg,
 		db:    db,
@@ -257,23 +243,18 @@ func New(cfg Config) (*Console, error) {
 	return c, nil
 }
 
-// dlqStore returns the dead-letter store the actions write through,
-// opened once, by the first action: the pages read the tables themselves.
-func (c *Console) dlqStore() (*dlq.Store, error) {
-	c.storeOnce.Do(func() {
-		if c.cfg.DB != nil {
-			c.store, c.storeErr = dlq.NewSQLStore(c.cfg.DB, c.cfg.Dialect, c.cfg.Schema)
-		} else {
-			c.store, c.storeErr = dlq.NewStore(c.cfg.Pool, c.cfg.Schema)
-		}
-		if c.storeErr == nil && c.cfg.Granter != nil {
-			c.store, c.storeErr = c.store.WithGranter(c.cfg.Granter)
-		}
-		if c.storeErr != nil {
-			c.storeErr = fmt.Errorf("console: open the dead-letter table: %w", c.storeErr)
-		}
-	})
-	return c.store, c.storeErr
+// dlqStore returns the dead-letter store an action writes through (the
+// pages read the tables themselves).
+func (c *Console) dlqStore() (store *dlq.Store, err error) {
+	if c.cfg.DB != nil {
+		store, err = dlq.NewSQLStore(c.cfg.DB, c.cfg.Dialect, c.cfg.Schema)
+	} else {
+		store, err = dlq.NewStore(c.cfg.Pool, c.cfg.Schema)
+	}
+	if err == nil && c.cfg.Granter != nil {
+		store, err = store.WithGranter(c.cfg.Granter)
+	}
+	return store, err
 }
 
 // ServeHTTP serves the console. Every request but /login and /static/

@@ -5,15 +5,15 @@
 //	c, err := console.New(console.Config{Pool: pool, Token: os.Getenv("CONSOLE_TOKEN")})
 //	mux.Handle("/ops/", http.StripPrefix("/ops", c))
 //
-// On MySQL or MariaDB the tables are read through database/sql:
-// console.Config{DB: db, Dialect: sqlschema.MySQL, …}.
+// Through database/sql, the tables are read on PostgreSQL, MySQL or
+// MariaDB, or SQLite: console.Config{DB: db, Dialect: sqlschema.SQLite, …}.
 //
 // # Pages
 //
 //   - / (Overview): per consumer, from the inbox table, the keys applied
 //     in the last hour and day, in flight, failing now and dead, and the
 //     copies of dead keys acked; the dead letters per consumer and topic
-//     ([dlq.Store.Counts]) and their largest error groups; the outbox's
+//     (what [dlq.Store.Counts] counts) and their largest error groups; the outbox's
 //     pending and waiting rows, the age of the oldest, and the transaction
 //     that holds the relay back ([forwarder.OutboxLag]). Duplicates are not
 //     there: the inbox writes nothing for a duplicate, and the Prometheus

@@ -60,14 +60,8 @@ type Tables struct {
 func (t Tables) isZero() bool { return t.Pool == nil && t.DB == nil }
 
 func (t Tables) validate(field string) error {
-	switch {
-	case t.Pool == nil && t.DB == nil:
-		return fmt.Errorf("%w: %s.Pool (pgx, PostgreSQL) or %s.DB (database/sql, with Dialect) is required", ErrInvalidConfig, field, field)
-	case t.Pool != nil && t.DB != nil:
-		return fmt.Errorf("%w: %s.Pool and %s.DB are both set: set the one that holds the tables", ErrInvalidConfig, field, field)
-	}
-	if _, err := sqldb.For(t.Dialect); t.DB != nil && err != nil {
-		return fmt.Errorf("%w: %s.Dialect must be sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite with DB, got %q", ErrInvalidConfig, field, t.Dialect)
+	if _, err := sqldb.FromConfig(field+".", t.Pool, t.DB, t.Dialect); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	if err := t.Schema.WithDefaults().Validate(); err != nil {
 		return fmt.Errorf("%w: %s.Schema: %w", ErrInvalidConfig, field, err)

@@ -22,11 +22,7 @@ type tables struct {
 
 // open returns the reader of t's tables; t was validated.
 func open(t Tables) tables {
-	db := sqldb.Pgx(t.Pool)
-	if t.DB != nil {
-		d, _ := sqldb.For(t.Dialect)
-		db = sqldb.SQL(t.DB, d)
-	}
+	db, _ := sqldb.FromConfig("", t.Pool, t.DB, t.Dialect)
 	return tables{db: db, d: db.Dialect(), names: db.Dialect().Names(t.Schema)}
 }
 

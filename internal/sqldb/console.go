@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	sqlitedriver "modernc.org/sqlite"
 
 	"github.com/oncemill/oncemill/sqlschema"
@@ -199,3 +200,24 @@ func (d *Dialect) MicrosEach(cols ...string) string {
 	}
 	return strings.Join(out, ", ")
 }
+
+// FromConfig returns the database a Config gives as pool (PostgreSQL
+// through pgx) or as db and dialect (database/sql), exactly one of them.
+// The error names the Config's fields, each prefixed with field ("Ledger."
+// say; "" for none), and the fix.
+func FromConfig(field string, pool *pgxpool.Pool, db *sql.DB, dialect sqlschema.Dialect) (DB, error) {
+	switch {
+	case pool == nil && db == nil:
+		return nil, fmt.Errorf("%sPool (pgx, PostgreSQL) or %sDB (database/sql, with Dialect) is required", field, field)
+	case pool != nil && db != nil:
+		return nil, fmt.Errorf("%sPool and %sDB are both set: set the one that holds the tables", field, field)
+	case pool != nil:
+		return Pgx(pool), nil
+	}
+	d, err := For(dialect)
+	if err != nil {
+		return nil, fmt.Errorf("%sDialect must be sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite with DB, got %q", field, dialect)
+	}
+	return SQL(db, d), nil
+}
+
