@@ -220,4 +220,3 @@ func FromConfig(field string, pool *pgxpool.Pool, db *sql.DB, dialect sqlschema.
 	}
 	return SQL(db, d), nil
 }
-
