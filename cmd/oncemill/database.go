@@ -157,7 +157,10 @@ func parseDatabase(flag, raw string, create bool) (*dbURL, error) {
 		}
 		u.open = func() (*sql.DB, error) { return sql.Open("sqlite", fileDSN(path)) }
 	default:
-		return nil, usagef("%s %s: unknown database; want %s", flag, u.safe, databaseURLs)
+		if p, err := url.Parse(raw); err == nil && p.Scheme != "" {
+			return nil, usagef("%s: unknown scheme %q; want %s", flag, p.Scheme, databaseURLs)
+		}
+		return nil, usagef("%s: not a database URL; want %s", flag, databaseURLs)
 	}
 	return u, nil
 }

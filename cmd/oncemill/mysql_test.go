@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"net"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -94,17 +93,7 @@ func setupMySQL(t *testing.T) mysqlFixture {
 	require.NoError(t, err)
 	// The test server as a mysql:// URL; the tables are in the database
 	// that --schema names, not in the URL's.
-	mc := mysqltest.Config(t, "")
-	u := url.URL{Scheme: "mysql", Host: mc.Addr, Path: "/" + mc.DBName}
-	if _, _, err := net.SplitHostPort(mc.Addr); err != nil {
-		u.Host = net.JoinHostPort(mc.Addr, "3306")
-	}
-	if mc.Passwd != "" {
-		u.User = url.UserPassword(mc.User, mc.Passwd)
-	} else {
-		u.User = url.User(mc.User)
-	}
-	return mysqlFixture{db: db, name: name, url: u.String(), pub: pub, store: store, inbox: inbox}
+	return mysqlFixture{db: db, name: name, url: mysqlURL(t), pub: pub, store: store, inbox: inbox}
 }
 
 func (f mysqlFixture) dlq(t *testing.T, sub string, args ...string) result {
