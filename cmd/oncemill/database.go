@@ -61,18 +61,6 @@ func (d database) Ping(ctx context.Context) error {
 	return d.DB.PingContext(ctx)
 }
 
-// sqldb is the database as the SQL layer runs statements on it.
-func (d database) sqldb() (sqldb.DB, error) {
-	if d.Pool != nil {
-		return sqldb.Pgx(d.Pool), nil
-	}
-	dialect, err := sqldb.For(d.Dialect)
-	if err != nil {
-		return nil, err
-	}
-	return sqldb.SQL(d.DB, dialect), nil
-}
-
 // migrate brings oncemill's tables named by cfg up to date.
 func (d database) migrate(ctx context.Context, cfg sqlschema.Config) error {
 	if d.Pool != nil {
@@ -83,12 +71,16 @@ func (d database) migrate(ctx context.Context, cfg sqlschema.Config) error {
 
 // hasTable reports whether the quoted table name exists.
 func (d database) hasTable(ctx context.Context, name string) (bool, error) {
-	db, err := d.sqldb()
+	dialect, err := sqldb.For(d.Dialect)
 	if err != nil {
 		return false, err
 	}
+	db := sqldb.SQL(d.DB, dialect)
+	if d.Pool != nil {
+		db = sqldb.Pgx(d.Pool)
+	}
 	rows, err := db.Query(ctx, "SELECT 1 FROM "+name+" WHERE 1 = 0")
-	if db.Dialect().UndefinedTable(err) {
+	if dialect.UndefinedTable(err) {
 		return false, nil
 	}
 	if err != nil {
@@ -170,7 +162,7 @@ func parseDatabase(flag, raw string, create bool) (*dbURL, error) {
 func (u *dbURL) file(rest string, create bool) (string, error) {
 	rest, query, _ := strings.Cut(rest, "?")
 	if query != "" {
-		return "", usagef("%s %s: unknown parameters for sqlite: a sqlite URL takes none", u.flag, u.safe)
+		return "", usagef("%s %s: unknown parameters for sqlite: %s", u.flag, u.safe, redact.Query(query))
 	}
 	path, err := url.PathUnescape(strings.TrimPrefix(rest, "//"))
 	switch {

@@ -89,8 +89,13 @@ func (c *cmd) target(create bool) (*dbURL, sqlschema.Config, error) {
 	return db, sqlschema.Config{Schema: c.schema, DLQTable: c.table}, err
 }
 
-// connect opens the database and the store; closeDB releases them.
-func connect(ctx context.Context, u *dbURL, cfg sqlschema.Config) (store *dlq.Store, closeDB func(), err error) {
+// open checks the database flags, opens the database and the store on
+// the dead-letter table; closeDB releases them.
+func (c *cmd) open(ctx context.Context) (store *dlq.Store, closeDB func(), err error) {
+	u, cfg, err := c.target(false)
+	if err != nil {
+		return nil, nil, err
+	}
 	db, err := u.connect(ctx, 4)
 	if err != nil {
 		return nil, nil, err
@@ -152,11 +157,7 @@ func (c *cmd) list(ctx context.Context, args []string) error {
 	if err := checkFilter(f); err != nil {
 		return err
 	}
-	target, cfg, err := c.target(false)
-	if err != nil {
-		return err
-	}
-	store, closeDB, err := connect(ctx, target, cfg)
+	store, closeDB, err := c.open(ctx)
 	if err != nil {
 		return err
 	}
@@ -198,11 +199,7 @@ func (c *cmd) show(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	target, cfg, err := c.target(false)
-	if err != nil {
-		return err
-	}
-	store, closeDB, err := connect(ctx, target, cfg)
+	store, closeDB, err := c.open(ctx)
 	if err != nil {
 		return err
 	}
@@ -387,11 +384,7 @@ func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter) error {
 // exists, so that a typo acts on nothing; verb says what would have been
 // done, for the error.
 func (c *cmd) openSelected(ctx context.Context, f dlq.Filter, verb string) (*dlq.Store, func(), error) {
-	target, cfg, err := c.target(false)
-	if err != nil {
-		return nil, nil, err
-	}
-	store, closeDB, err := connect(ctx, target, cfg)
+	store, closeDB, err := c.open(ctx)
 	if err != nil {
 		return nil, nil, err
 	}
