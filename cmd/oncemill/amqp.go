@@ -33,9 +33,7 @@ func amqpDeclare(ctx context.Context, name string, args []string, env func(strin
 		topics             []string
 		limit              int
 	)
-	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
+	fs := newFlags(name)
 	fs.StringVar(&rawURL, "url", "", "amqp:// or amqps:// `URL` of the broker (default $BROKER_URL); its group, delivery_limit, dead_letter_exchange and connect_timeout parameters are read as adapters.Open reads them")
 	fs.Func("topic", "`TOPIC` to declare: its exchange, queue and binding (repeat for more)", func(s string) error {
 		if s == "" {

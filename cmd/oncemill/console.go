@@ -3,15 +3,11 @@ package main
 import (
 	"context"
 	"crypto/rand"
-	"database/sql"
 	"encoding/hex"
 	"errors"
-	"flag"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
-	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -19,9 +15,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/console"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/reconcile"
@@ -50,7 +44,7 @@ type consoleOptions struct {
 	readOnly bool
 	broker   string
 	inbox    *inboxTarget // nil without --inbox
-	db       dbTarget
+	db       *dbURL
 	schema   sqlschema.Config
 	// reconcile are the overview's checks, from --reconcile.
 	reconcile []reconcile.Config
@@ -61,16 +55,14 @@ type consoleOptions struct {
 func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	o := consoleOptions{}
 	var inboxTable, outboxTable, inboxURL string
-	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
+	fs := newFlags(c.name)
 	fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "`HOST:PORT` to listen on")
 	fs.StringVar(&o.token, "token", "", "access `TOKEN`, at least 16 characters (default $"+consoleTokenEnv+", which stays out of the process list; without either, one is generated and printed once)")
 	fs.BoolVar(&o.readOnly, "read-only", false, "hide and refuse replays and purges")
 	fs.StringVar(&o.broker, "broker", "", "`URL` of a broker through which to offer replays to the original topic too (never $BROKER_URL; gochannel:// and kafka:// or nats:// with no host are refused); without it a replay goes only to the entry's consumer, through the dlq.ReplaySubscriber it runs")
 	fs.StringVar(&inboxURL, "inbox", "", "`URL` of the consumers' inbox store, where replays to the topic write their grants, as for dlq replay (needs --broker)")
-	fs.StringVar(&c.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding oncemill's tables: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
-	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the schema of oncemill's tables (on MySQL: their database)")
+	fs.StringVar(&c.database, "database", "", "`URL` of the database holding oncemill's tables: "+databaseURLs+" (default $DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the schema of oncemill's tables (on MySQL: their database; SQLite has none)")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "`NAME` of the dead-letter table")
 	fs.StringVar(&inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "`NAME` of the inbox table")
 	fs.StringVar(&outboxTable, "outbox-table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table")
@@ -148,7 +140,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 			return o, usageError{msg: err.Error()}
 		}
 	}
-	if o.db, o.schema, err = c.target(); err != nil {
+	if o.db, o.schema, err = c.target(false); err != nil {
 		return o, err
 	}
 	o.schema.InboxTable = inboxTable
@@ -191,17 +183,12 @@ func newToken() (string, error) {
 }
 
 // config is the console's configuration for the options, the database
-// (pool for PostgreSQL, db for MySQL) and the publisher (nil without
-// --broker).
-func (o consoleOptions) config(pool *pgxpool.Pool, db *sql.DB, pub message.Publisher, granter dlq.Granter, logger watermill.LoggerAdapter) console.Config {
-	var dialect sqlschema.Dialect
-	if db != nil {
-		dialect = sqlschema.MySQL
-	}
+// and the publisher (nil without --broker).
+func (o consoleOptions) config(db database, pub message.Publisher, granter dlq.Granter, logger watermill.LoggerAdapter) console.Config {
 	return console.Config{
-		Pool:      pool,
-		DB:        db,
-		Dialect:   dialect,
+		Pool:      db.Pool,
+		DB:        db.DB,
+		Dialect:   db.Dialect,
 		Schema:    o.schema,
 		Token:     o.token,
 		ReadOnly:  o.readOnly,
@@ -220,29 +207,16 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 	if err != nil {
 		return err
 	}
-	var (
-		pool *pgxpool.Pool
-		db   *sql.DB
-	)
-	if o.db.my != nil {
-		if db, err = openMySQL(ctx, o.db.my, 8); err != nil {
-			return fmt.Errorf("connect to the database: %w", err)
-		}
-		defer db.Close()
-	} else {
-		if pool, err = pgxpool.NewWithConfig(ctx, o.db.pg); err != nil {
-			return fmt.Errorf("connect to the database: %w", err)
-		}
-		defer pool.Close()
-		if err := pool.Ping(ctx); err != nil {
-			return fmt.Errorf("connect to the database: %w", err)
-		}
+	db, err := o.db.connect(ctx, 8)
+	if err != nil {
+		return err
 	}
+	defer db.Close()
 	logger := watermill.NewStdLoggerWithOut(c.stderr, false, false)
 
 	var pub message.Publisher
 	if o.broker != "" {
-		ps, err := openConsoleBroker(ctx, o.broker, logger)
+		ps, err := openBroker(ctx, "--broker", o.broker, "oncemill-console", "the console did not start", logger)
 		if err != nil {
 			return err
 		}
@@ -263,7 +237,7 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 		granter = g
 	}
 
-	handler, err := console.New(o.config(pool, db, pub, granter, logger))
+	handler, err := console.New(o.config(db, pub, granter, logger))
 	if err != nil {
 		return err
 	}
@@ -298,25 +272,6 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 	<-served
 	fmt.Fprintln(c.stdout, "oncemill console stopped")
 	return nil
-}
-
-// openConsoleBroker opens the broker the console replays to the original
-// topic through. The console only publishes; the group merely satisfies
-// brokers whose URL requires one (Kafka). A group the URL names is taken as
-// it is.
-func openConsoleBroker(ctx context.Context, broker string, logger watermill.LoggerAdapter) (*adapters.PubSub, error) {
-	opts := adapters.Options{Logger: logger}
-	if u, err := url.Parse(broker); err != nil || u.Query().Get("group") == "" {
-		opts.ConsumerGroup = "oncemill-console"
-	}
-	ps, err := adapters.Open(ctx, broker, opts)
-	if errors.Is(err, adapters.ErrUnknownScheme) || errors.Is(err, adapters.ErrBadURL) {
-		return nil, usagef("--broker: %v", err)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("open broker: %w", err)
-	}
-	return ps, nil
 }
 
 // consoleURL is the address to open in a browser for the listener's

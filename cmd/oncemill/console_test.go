@@ -229,7 +229,7 @@ func TestConsoleOptions(t *testing.T) {
 	require.False(t, o.minted)
 	require.Equal(t, defaultConsoleAddr, o.addr)
 	require.False(t, o.readOnly)
-	require.False(t, o.config(nil, nil, nil, nil, nil).ReadOnly)
+	require.False(t, o.config(database{}, nil, nil, nil).ReadOnly)
 
 	o = consoleOptionsOf(t, nil, "--database", db)
 	require.True(t, o.minted, "neither flag nor environment: generated")
@@ -240,7 +240,7 @@ func TestConsoleOptions(t *testing.T) {
 		"--database", db)
 	require.True(t, o.readOnly)
 	require.Equal(t, "0.0.0.0:9999", o.addr)
-	cfg := o.config(nil, nil, nil, nil, nil)
+	cfg := o.config(database{}, nil, nil, nil)
 	require.True(t, cfg.ReadOnly, "--read-only reaches the console")
 	require.Equal(t, "token-from-the-environment", cfg.Token)
 	require.Nil(t, cfg.Publisher, "no --broker: replays go to the consumers")
@@ -253,7 +253,7 @@ func TestConsoleOptions(t *testing.T) {
 	require.Equal(t, []reconcile.Config{
 		{Consumer: "charge", Topics: []string{"orders.created", "orders.paid"}, Grace: reconcile.DefaultGrace, Since: 2 * time.Hour},
 		{Consumer: "ship", Grace: reconcile.DefaultGrace, Since: 2 * time.Hour},
-	}, o.config(nil, nil, nil, nil, nil).Reconcile)
+	}, o.config(database{}, nil, nil, nil).Reconcile)
 
 	o = consoleOptionsOf(t, map[string]string{"DATABASE_URL": db}, "--broker", "kafka://127.0.0.1:1")
 	require.Equal(t, "kafka://127.0.0.1:1", o.broker)

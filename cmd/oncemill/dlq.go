@@ -6,16 +6,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net/url"
 	"strconv"
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dlq"
-	"github.com/oncemill/oncemill/internal/redact"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -33,14 +28,11 @@ type cmd struct {
 	json     bool
 }
 
-// flags returns a flag set with the common flags. It prints nothing: run
-// reports parse errors in one line.
+// flags returns a flag set with the common flags.
 func (c *cmd) flags() *flag.FlagSet {
-	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
-	fs.StringVar(&c.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding the table: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
-	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the dead-letter table's schema (on MySQL: its database)")
+	fs := newFlags(c.name)
+	fs.StringVar(&c.database, "database", "", "`URL` of the database holding the table: "+databaseURLs+" (default $DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the dead-letter table's schema (on MySQL: its database; SQLite has none)")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "`NAME` of the dead-letter table")
 	fs.BoolVar(&c.json, "json", false, "print JSON instead of text")
 	return fs
@@ -77,63 +69,47 @@ func checkFilter(f dlq.Filter) error {
 	return nil
 }
 
-// target checks the database flags and returns the URL and the table's
-// names, before anything connects.
-func (c *cmd) target() (dbTarget, sqlschema.Config, error) {
+// target checks the database flags and returns the database and the
+// table's names, before anything connects. create allows a SQLite file
+// that does not exist yet.
+func (c *cmd) target(create bool) (*dbURL, sqlschema.Config, error) {
 	url := c.database
 	if url == "" {
 		url = c.env("DATABASE_URL")
 	}
 	if url == "" {
-		return dbTarget{}, sqlschema.Config{}, usagef("--database is required (or set DATABASE_URL)")
+		return nil, sqlschema.Config{}, usagef("--database is required (or set DATABASE_URL)")
 	}
-	if err := sqlschema.ValidateIdentifier("--schema", c.schema); err != nil {
-		return dbTarget{}, sqlschema.Config{}, usageError{msg: err.Error()}
-	}
-	if err := sqlschema.ValidateIdentifier("--table", c.table); err != nil {
-		return dbTarget{}, sqlschema.Config{}, usageError{msg: err.Error()}
-	}
-	cfg := sqlschema.Config{Schema: c.schema, DLQTable: c.table}
-	if isMySQLURL(url) {
-		mcfg, err := parseMySQLURL("--database", url)
-		if err != nil {
-			return dbTarget{}, sqlschema.Config{}, err
+	for _, id := range []struct{ flag, name string }{{"--schema", c.schema}, {"--table", c.table}} {
+		if err := sqlschema.ValidateIdentifier(id.flag, id.name); err != nil {
+			return nil, sqlschema.Config{}, usageError{msg: err.Error()}
 		}
-		return dbTarget{my: mcfg}, cfg, nil
 	}
-	pcfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		// pgx leaves the password out of its parse errors.
-		return dbTarget{}, sqlschema.Config{}, usagef("--database: %v", redact.Error(err, url))
-	}
-	pcfg.MaxConns = 4
-	if pcfg.ConnConfig.ConnectTimeout == 0 {
-		// A database that accepts the connection and never answers would
-		// otherwise hang the command: the same bound as adapters.Open.
-		pcfg.ConnConfig.ConnectTimeout = adapters.DefaultConnectTimeout
-	}
-	return dbTarget{pg: pcfg}, cfg, nil
+	db, err := parseDatabase("--database", url, create)
+	return db, sqlschema.Config{Schema: c.schema, DLQTable: c.table}, err
 }
 
-// connect opens the database and the store; closeDB releases them.
-func connect(ctx context.Context, t dbTarget, cfg sqlschema.Config) (store *dlq.Store, closeDB func(), err error) {
-	if t.my != nil {
-		return connectMySQL(ctx, t.my, cfg)
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, t.pg)
+// open checks the database flags, opens the database and the store on
+// the dead-letter table; closeDB releases them.
+func (c *cmd) open(ctx context.Context) (store *dlq.Store, closeDB func(), err error) {
+	u, cfg, err := c.target(false)
 	if err != nil {
-		return nil, nil, fmt.Errorf("connect to the database: %w", err)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		return nil, nil, fmt.Errorf("connect to the database: %w", err)
-	}
-	store, err = dlq.NewStore(pool, cfg)
-	if err != nil {
-		pool.Close()
 		return nil, nil, err
 	}
-	return store, pool.Close, nil
+	db, err := u.connect(ctx, 4)
+	if err != nil {
+		return nil, nil, err
+	}
+	if db.Pool != nil {
+		store, err = dlq.NewStore(db.Pool, cfg)
+	} else {
+		store, err = dlq.NewSQLStore(db.DB, db.Dialect, cfg)
+	}
+	if err != nil {
+		db.Close()
+		return nil, nil, err
+	}
+	return store, db.Close, nil
 }
 
 // checkIDs fails, naming them, when some of ids have no entry: an operator
@@ -181,11 +157,7 @@ func (c *cmd) list(ctx context.Context, args []string) error {
 	if err := checkFilter(f); err != nil {
 		return err
 	}
-	target, cfg, err := c.target()
-	if err != nil {
-		return err
-	}
-	store, closeDB, err := connect(ctx, target, cfg)
+	store, closeDB, err := c.open(ctx)
 	if err != nil {
 		return err
 	}
@@ -227,11 +199,7 @@ func (c *cmd) show(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	target, cfg, err := c.target()
-	if err != nil {
-		return err
-	}
-	store, closeDB, err := connect(ctx, target, cfg)
+	store, closeDB, err := c.open(ctx)
 	if err != nil {
 		return err
 	}
@@ -341,19 +309,9 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 		store = store.WithNewKeys()
 	}
 
-	// The command only publishes; the group merely satisfies brokers
-	// whose URL requires one (Kafka), it is never subscribed. A group the
-	// URL names is taken as it is.
-	var opts adapters.Options
-	if u, perr := url.Parse(broker); perr != nil || u.Query().Get("group") == "" {
-		opts.ConsumerGroup = "oncemill-dlq-replay"
-	}
-	ps, err := adapters.Open(ctx, broker, opts)
-	if errors.Is(err, adapters.ErrUnknownScheme) || errors.Is(err, adapters.ErrBadURL) {
-		return usagef("--broker: %v; nothing replayed", err)
-	}
+	ps, err := openBroker(ctx, "--broker", broker, "oncemill-dlq-replay", "nothing replayed", nil)
 	if err != nil {
-		return fmt.Errorf("nothing replayed: %w", err)
+		return err
 	}
 	var report func(done, total int)
 	bar := newProgress(c.stderr, total, isTerminal(c.stderr))
@@ -426,11 +384,7 @@ func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter) error {
 // exists, so that a typo acts on nothing; verb says what would have been
 // done, for the error.
 func (c *cmd) openSelected(ctx context.Context, f dlq.Filter, verb string) (*dlq.Store, func(), error) {
-	target, cfg, err := c.target()
-	if err != nil {
-		return nil, nil, err
-	}
-	store, closeDB, err := connect(ctx, target, cfg)
+	store, closeDB, err := c.open(ctx)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -32,9 +32,10 @@ combine with each other and with IDs. TIME is RFC 3339
 (2026-03-01T10:00:00Z) or a duration ago (90m, 2h, 7d).`
 
 // databaseHelp explains the flags that name the dead-letter table.
-const databaseHelp = `--database is PostgreSQL (postgres://…) or MySQL/MariaDB
-(mysql://user:password@host:3306/db); --schema and --table name the table
-sqlschema.Migrate created.`
+const databaseHelp = `--database is PostgreSQL (postgres://…), MySQL/MariaDB
+(mysql://user:password@host:3306/db) or a SQLite file (sqlite:///absolute/path
+or sqlite://relative/path, which must exist); --schema and --table name the
+table sqlschema.Migrate created.`
 
 // commands are oncemill's commands, in the order the global help lists
 // them.
@@ -121,7 +122,9 @@ which it filters, groups by error, replays and purges, each after a
 confirmation page. Every request needs the token, sent as
 "Authorization: Bearer T" or entered on the login page. It serves plain
 HTTP until interrupted (SIGINT, SIGTERM), then lets the requests in
-flight finish; beyond 127.0.0.1, put it behind a TLS proxy.`,
+flight finish; beyond 127.0.0.1, put it behind a TLS proxy.
+
+` + databaseHelp + ` --inbox-table and --outbox-table name the others.`,
 		run: (*cmd).serveConsole,
 	},
 	{

@@ -5,11 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
-	"os"
 	"strings"
 
-	"github.com/go-sql-driver/mysql"
-	"github.com/jackc/pgx/v5/pgxpool"
 	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/oncemill/oncemill/adapters"
@@ -30,20 +27,15 @@ type inboxTarget struct {
 	redis  *goredis.Options
 	prefix string
 
-	sqlitePath string
-
-	pg     *pgxpool.Config
-	my     *mysql.Config
-	schema string // postgres and mysql
-
-	table string // sqlite and postgres
+	db     *dbURL           // a database's inbox table
+	schema sqlschema.Config // its schema and table
 }
 
 // parseInbox checks an --inbox URL before anything connects: redis:// or
-// rediss:// (with an optional prefix parameter), sqlite:PATH (with an
-// optional table parameter), postgres:// or mysql:// (with optional schema
-// and table parameters; on MySQL the schema is the database of the
-// tables). Its errors are usage errors naming the flag.
+// rediss:// (with an optional prefix parameter), or a database as
+// --database names it, with optional schema and table parameters (on
+// MySQL the schema is the database of the tables; SQLite has none), the
+// SQLite file existing. Its errors are usage errors naming the flag.
 func parseInbox(raw string) (*inboxTarget, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
@@ -74,73 +66,28 @@ func parseInbox(raw string) (*inboxTarget, error) {
 		if t.redis, err = goredis.ParseURL(u.String()); err != nil {
 			return nil, usagef("--inbox %s: %v", t.safe, err)
 		}
-	case "sqlite":
-		if t.table, err = take("table"); err != nil {
-			return nil, err
-		}
-		if len(q) > 0 {
-			return nil, usagef("--inbox %s: unknown parameters for sqlite: (the known one is table)", t.safe)
-		}
-		t.sqlitePath = u.Opaque
-		if t.sqlitePath == "" && u.Host == "" {
-			t.sqlitePath = u.Path
-		}
-		if t.sqlitePath == "" {
-			return nil, usagef("--inbox %s: want sqlite:PATH, the consumer's database file", t.safe)
-		}
-		if fi, err := os.Stat(t.sqlitePath); err != nil || fi.IsDir() {
-			return nil, usagef("--inbox %s: %q is not the consumer's database file", t.safe, t.sqlitePath)
-		}
-	case "postgres", "postgresql":
-		if t.schema, err = take("schema"); err != nil {
-			return nil, err
-		}
-		if t.table, err = take("table"); err != nil {
-			return nil, err
-		}
-		if t.schema == "" {
-			t.schema = sqlschema.DefaultSchema
-		}
-		if err := sqlschema.ValidateIdentifier("--inbox parameter schema", t.schema); err != nil {
-			return nil, usageError{msg: err.Error()}
-		}
-		u.RawQuery = q.Encode()
-		if t.pg, err = pgxpool.ParseConfig(u.String()); err != nil {
-			// pgx leaves the password out of its parse errors.
-			return nil, usagef("--inbox: %v", err)
-		}
-		t.pg.MaxConns = 2
-		if t.pg.ConnConfig.ConnectTimeout == 0 {
-			t.pg.ConnConfig.ConnectTimeout = adapters.DefaultConnectTimeout
-		}
-	case "mysql":
-		if t.schema, err = take("schema"); err != nil {
-			return nil, err
-		}
-		if t.table, err = take("table"); err != nil {
-			return nil, err
-		}
-		if t.schema == "" {
-			t.schema = sqlschema.DefaultSchema
-		}
-		if err := sqlschema.ValidateIdentifier("--inbox parameter schema", t.schema); err != nil {
-			return nil, usageError{msg: err.Error()}
-		}
-		u.RawQuery = q.Encode()
-		if t.my, err = parseMySQLURL("--inbox", u.String()); err != nil {
-			return nil, err
-		}
+		return t, nil
 	case "":
-		return nil, usagef("--inbox %s has no scheme; use redis://, sqlite:PATH, postgres:// or mysql://", t.safe)
-	default:
-		return nil, usagef("--inbox: unknown scheme %q in %s; use redis://, sqlite:PATH, postgres:// or mysql://", u.Scheme, t.safe)
+		return nil, usagef("--inbox %s has no scheme; use redis:// or %s", t.safe, databaseURLs)
 	}
-	if t.table != "" {
-		if err := sqlschema.ValidateIdentifier("--inbox parameter table", t.table); err != nil {
+	if _, ok := schemes[strings.ToLower(u.Scheme)]; !ok {
+		return nil, usagef("--inbox: unknown scheme %q in %s; use redis:// or %s", u.Scheme, t.safe, databaseURLs)
+	}
+	if t.schema.Schema, err = take("schema"); err != nil {
+		return nil, err
+	}
+	if t.schema.InboxTable, err = take("table"); err != nil {
+		return nil, err
+	}
+	t.schema = t.schema.WithDefaults()
+	for _, id := range []struct{ param, value string }{{"schema", t.schema.Schema}, {"table", t.schema.InboxTable}} {
+		if err := sqlschema.ValidateIdentifier("--inbox parameter "+id.param, id.value); err != nil {
 			return nil, usageError{msg: err.Error()}
 		}
 	}
-	return t, nil
+	u.RawQuery = q.Encode()
+	t.db, err = parseDatabase("--inbox", u.String(), false)
+	return t, err
 }
 
 // open connects to the store and returns it with what closes it.
@@ -148,8 +95,7 @@ func (t *inboxTarget) open(ctx context.Context) (dlq.Granter, func(), error) {
 	fail := func(err error) (dlq.Granter, func(), error) {
 		return nil, nil, fmt.Errorf("--inbox %s: %w", t.safe, err)
 	}
-	switch {
-	case t.redis != nil:
+	if t.redis != nil {
 		opts := *t.redis
 		if opts.DialTimeout == 0 {
 			opts.DialTimeout = adapters.DefaultConnectTimeout
@@ -163,40 +109,28 @@ func (t *inboxTarget) open(ctx context.Context) (dlq.Granter, func(), error) {
 			return fail(errors.Join(err, client.Close()))
 		}
 		return store, func() { _ = client.Close() }, nil
-	case t.my != nil:
-		db, err := openMySQL(ctx, t.my, 2)
-		if err != nil {
-			return fail(err)
-		}
-		store, err := sqlstore.New(db, sqlstore.Config{Dialect: sqlstore.MySQL,
-			Schema: sqlschema.Config{Schema: t.schema, InboxTable: t.table}})
-		if err != nil {
-			_ = db.Close()
-			return fail(err)
-		}
-		return store, func() { _ = db.Close() }, nil
-	case t.sqlitePath != "":
-		store, err := sqlite.Open(ctx, t.sqlitePath, sqlite.Config{Table: t.table})
-		if err != nil {
-			return fail(err)
-		}
-		return store, func() { _ = store.Close() }, nil
-	default:
-		pool, err := pgxpool.NewWithConfig(ctx, t.pg)
-		if err == nil {
-			err = pool.Ping(ctx)
-		}
-		if err != nil {
-			if pool != nil {
-				pool.Close()
-			}
-			return fail(err)
-		}
-		store, err := postgres.New(pool, postgres.Config{Schema: t.schema, InboxTable: t.table})
-		if err != nil {
-			pool.Close()
-			return fail(err)
-		}
-		return store, pool.Close, nil
 	}
+	db, err := t.db.connect(ctx, 2)
+	if err != nil {
+		return fail(err)
+	}
+	store, err := inboxStore(ctx, db, t.schema)
+	if err != nil {
+		db.Close()
+		return fail(err)
+	}
+	return store, db.Close, nil
+}
+
+// inboxStore is the inbox store on db's table, as its consumers run it.
+func inboxStore(ctx context.Context, db database, schema sqlschema.Config) (dlq.Granter, error) {
+	if db.Pool != nil {
+		return postgres.New(db.Pool, schema)
+	}
+	for _, d := range []sqlstore.Dialect{sqlstore.Postgres, sqlstore.MySQL} {
+		if d.Schema() == db.Dialect {
+			return sqlstore.New(db.DB, sqlstore.Config{Dialect: d, Schema: schema})
+		}
+	}
+	return sqlite.New(ctx, db.DB, sqlite.Config{Table: schema.InboxTable})
 }

@@ -132,6 +132,15 @@ func oneLine(s string) string {
 	return strings.Join(strings.Fields(s), " ")
 }
 
+// newFlags returns the empty flag set of the command called name. It
+// prints nothing: run reports parse errors in one line.
+func newFlags(name string) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	return fs
+}
+
 // parse parses args with fs, letting flags and positional arguments
 // interleave (the flag package stops at the first positional argument),
 // and returns the positional ones. "--" ends the flags.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"net"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -31,7 +30,7 @@ import (
 // one is a usage error that never shows the password.
 func TestParseMySQLURL(t *testing.T) {
 	t.Parallel()
-	cfg, err := parseMySQLURL("--database", "mysql://app:p%40ss%3Aw%2Frd@db.internal/shop?tls=skip-verify&readTimeout=30s")
+	cfg, err := parseDSN("--database", "mysql://app:p%40ss%3Aw%2Frd@db.internal/shop?tls=skip-verify&readTimeout=30s")
 	require.NoError(t, err)
 	require.Equal(t, "tcp", cfg.Net)
 	require.Equal(t, "db.internal:3306", cfg.Addr, "the port defaults to 3306")
@@ -42,26 +41,26 @@ func TestParseMySQLURL(t *testing.T) {
 	require.Equal(t, 30*time.Second, cfg.ReadTimeout)
 	require.Equal(t, 10*time.Second, cfg.Timeout, "the connect timeout of adapters.Open")
 
-	cfg, err = parseMySQLURL("--database", "MySQL://root@127.0.0.1:3307/?timeout=2s&readTimeout=0")
+	cfg, err = parseDSN("--database", "MySQL://root@127.0.0.1:3307/?timeout=2s&readTimeout=0")
 	require.NoError(t, err)
 	require.Equal(t, "127.0.0.1:3307", cfg.Addr)
 	require.Empty(t, cfg.DBName)
 	require.Empty(t, cfg.Passwd)
 	require.Equal(t, 2*time.Second, cfg.Timeout)
 	require.Zero(t, cfg.ReadTimeout, "the URL's own value wins, 0 (no bound) too")
-	require.Equal(t, mysqlIOTimeout, cfg.WriteTimeout, "a statement's write is bounded by default")
+	require.Equal(t, ioTimeout, cfg.WriteTimeout, "a statement's write is bounded by default")
 
-	cfg, err = parseMySQLURL("--database", "mysql://root@127.0.0.1/test")
+	cfg, err = parseDSN("--database", "mysql://root@127.0.0.1/test")
 	require.NoError(t, err)
-	require.Equal(t, mysqlIOTimeout, cfg.ReadTimeout, "a statement's answer is awaited for a bounded time by default")
-	require.Equal(t, mysqlIOTimeout, cfg.WriteTimeout)
+	require.Equal(t, ioTimeout, cfg.ReadTimeout, "a statement's answer is awaited for a bounded time by default")
+	require.Equal(t, ioTimeout, cfg.WriteTimeout)
 
 	for _, raw := range []string{
 		"mysql://app:secret@host/db?nosuchparam=1&timeout=never",
 		"mysql:secret@host",
 		"mysql://app:secret@host/a/b",
 	} {
-		_, err := parseMySQLURL("--database", raw)
+		_, err := parseDSN("--database", raw)
 		require.Error(t, err, raw)
 		var u usageError
 		require.ErrorAs(t, err, &u, raw)
@@ -94,17 +93,7 @@ func setupMySQL(t *testing.T) mysqlFixture {
 	require.NoError(t, err)
 	// The test server as a mysql:// URL; the tables are in the database
 	// that --schema names, not in the URL's.
-	mc := mysqltest.Config(t, "")
-	u := url.URL{Scheme: "mysql", Host: mc.Addr, Path: "/" + mc.DBName}
-	if _, _, err := net.SplitHostPort(mc.Addr); err != nil {
-		u.Host = net.JoinHostPort(mc.Addr, "3306")
-	}
-	if mc.Passwd != "" {
-		u.User = url.UserPassword(mc.User, mc.Passwd)
-	} else {
-		u.User = url.User(mc.User)
-	}
-	return mysqlFixture{db: db, name: name, url: u.String(), pub: pub, store: store, inbox: inbox}
+	return mysqlFixture{db: db, name: name, url: mysqlURL(t), pub: pub, store: store, inbox: inbox}
 }
 
 func (f mysqlFixture) dlq(t *testing.T, sub string, args ...string) result {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"strconv"
@@ -10,9 +9,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -33,7 +29,8 @@ The key compared is the one the inbox's default KeyFunc derives: the
 idempotency_key metadata, else the message UUID. A consumer with another
 KeyFunc cannot be reconciled so. The ledger is read on --database, the
 inbox and the dead-letter table on --inbox-database; either may be
-PostgreSQL or MySQL. Keep --since within the ledger's retention and the
+PostgreSQL (postgres://…), MySQL/MariaDB (mysql://…) or a SQLite file
+(sqlite:///absolute/path). Keep --since within the ledger's retention and the
 inbox's (a done key the inbox already expired is reported lost).
 
 Exit status: 0 nothing missing ("0 missing"), 1 events missing or keys
@@ -67,12 +64,10 @@ type reconcileOptions struct {
 }
 
 func (c *cmd) reconcile(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
+	fs := newFlags(c.name)
 	o := reconcileOptions{grace: 5 * time.Minute, since: 24 * time.Hour}
-	fs.StringVar(&o.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding the relay's ledger: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
-	fs.StringVar(&o.inboxDatabase, "inbox-database", "", "`URL` of the PostgreSQL or MySQL database holding the consumer's inbox and dead-letter tables (default: --database)")
+	fs.StringVar(&o.database, "database", "", "`URL` of the database holding the relay's ledger: "+databaseURLs+" (default $DATABASE_URL)")
+	fs.StringVar(&o.inboxDatabase, "inbox-database", "", "`URL` of the database holding the consumer's inbox and dead-letter tables, as --database (default: --database)")
 	fs.StringVar(&o.consumer, "consumer", "", "`NAME` of the consumer whose inbox is checked, as its inbox's Consumer (required)")
 	fs.Func("grace", "`DURATION` an event may take from its publish to its consumer's commit: younger events are not checked (default 5m)", func(s string) (err error) {
 		o.grace, err = parseAgo(s)
@@ -93,7 +88,7 @@ func (c *cmd) reconcile(ctx context.Context, args []string) error {
 	})
 	fs.IntVar(&o.limit, "limit", reconcile.DefaultLimit, "the most events (and keys) `N` listed, oldest first; the counts count them all")
 	fs.BoolVar(&o.strict, "strict", false, "also report the keys done in the inbox within the window that no ledger row explains")
-	fs.StringVar(&o.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the ledger's schema (on MySQL: its database)")
+	fs.StringVar(&o.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the ledger's schema (on MySQL: its database; SQLite has none)")
 	fs.StringVar(&o.inboxSchema, "inbox-schema", "", "`NAME` of the inbox's and the dead-letter table's schema (default: --schema)")
 	fs.StringVar(&o.ledgerTable, "ledger-table", sqlschema.DefaultLedgerTable, "`NAME` of the ledger table")
 	fs.StringVar(&o.inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "`NAME` of the inbox table")
@@ -117,19 +112,19 @@ func (c *cmd) reconcile(ctx context.Context, args []string) error {
 		Strict:   o.strict,
 		Limit:    o.limit,
 	}
-	if cfg.Ledger, err = openReconcileDB(ctx, ledger, sqlschema.Config{Schema: o.schema, LedgerTable: o.ledgerTable}); err != nil {
-		return codedError{exitCannotCheck, fmt.Errorf("--database: %w", err)}
+	if cfg.Ledger, err = tables(ctx, ledger, sqlschema.Config{Schema: o.schema, LedgerTable: o.ledgerTable}); err != nil {
+		return err
 	}
-	defer closeReconcileDB(cfg.Ledger)
+	defer closeTables(cfg.Ledger)
 	inboxSchema := sqlschema.Config{Schema: o.inboxSchema, InboxTable: o.inboxTable, DLQTable: o.dlq}
 	if inbox == nil {
 		cfg.Inbox = cfg.Ledger
 		cfg.Inbox.Schema = inboxSchema
 	} else {
-		if cfg.Inbox, err = openReconcileDB(ctx, *inbox, inboxSchema); err != nil {
-			return codedError{exitCannotCheck, fmt.Errorf("--inbox-database: %w", err)}
+		if cfg.Inbox, err = tables(ctx, inbox, inboxSchema); err != nil {
+			return err
 		}
-		defer closeReconcileDB(cfg.Inbox)
+		defer closeTables(cfg.Inbox)
 	}
 	rep, err := reconcile.Check(ctx, cfg)
 	if err != nil {
@@ -163,19 +158,19 @@ func parseAgo(s string) (time.Duration, error) {
 
 // check validates the flags, before anything connects, and returns the
 // databases' targets; the inbox's is nil when it is the ledger's.
-func (o *reconcileOptions) check(env func(string) string) (ledger dbTarget, inbox *dbTarget, err error) {
+func (o *reconcileOptions) check(env func(string) string) (ledger, inbox *dbURL, err error) {
 	if o.database == "" {
 		o.database = env("DATABASE_URL")
 	}
 	switch {
 	case o.database == "":
-		return ledger, nil, usagef("--database is required (or set DATABASE_URL)")
+		return nil, nil, usagef("--database is required (or set DATABASE_URL)")
 	case o.consumer == "":
-		return ledger, nil, usagef("--consumer is required: the inbox's Consumer, whose keys are checked")
+		return nil, nil, usagef("--consumer is required: the inbox's Consumer, whose keys are checked")
 	case o.since <= o.grace:
-		return ledger, nil, usagef("--since (%s) must be longer than --grace (%s): nothing would be checked", o.since, o.grace)
+		return nil, nil, usagef("--since (%s) must be longer than --grace (%s): nothing would be checked", o.since, o.grace)
 	case o.limit <= 0:
-		return ledger, nil, usagef("--limit must be at least 1, got %d", o.limit)
+		return nil, nil, usagef("--limit must be at least 1, got %d", o.limit)
 	}
 	if o.inboxSchema == "" {
 		o.inboxSchema = o.schema
@@ -185,65 +180,32 @@ func (o *reconcileOptions) check(env func(string) string) (ledger dbTarget, inbo
 		{"--ledger-table", o.ledgerTable}, {"--inbox-table", o.inboxTable}, {"--dlq-table", o.dlq},
 	} {
 		if err := sqlschema.ValidateIdentifier(id.flag, id.value); err != nil {
-			return ledger, nil, usageError{msg: err.Error()}
+			return nil, nil, usageError{msg: err.Error()}
 		}
 	}
-	if ledger, err = reconcileTarget("--database", o.database); err != nil {
-		return ledger, nil, err
+	if ledger, err = parseDatabase("--database", o.database, false); err != nil {
+		return nil, nil, err
 	}
 	if o.inboxDatabase != "" && o.inboxDatabase != o.database {
-		t, err := reconcileTarget("--inbox-database", o.inboxDatabase)
-		if err != nil {
-			return ledger, nil, err
+		if inbox, err = parseDatabase("--inbox-database", o.inboxDatabase, false); err != nil {
+			return nil, nil, err
 		}
-		inbox = &t
 	}
 	return ledger, inbox, nil
 }
 
-func reconcileTarget(flagName, url string) (dbTarget, error) {
-	if isMySQLURL(url) {
-		cfg, err := parseMySQLURL(flagName, url)
-		return dbTarget{my: cfg}, err
-	}
-	cfg, err := pgxpool.ParseConfig(url)
+// tables connects to the database u names: a failure is a check that
+// could not run.
+func tables(ctx context.Context, u *dbURL, schema sqlschema.Config) (reconcile.Tables, error) {
+	db, err := u.connect(ctx, 2)
 	if err != nil {
-		// pgx leaves the password out of its parse errors.
-		return dbTarget{}, usagef("%s: %v", flagName, err)
+		return reconcile.Tables{}, codedError{exitCannotCheck, fmt.Errorf("%s: %w", u.flag, err)}
 	}
-	cfg.MaxConns = 2
-	if cfg.ConnConfig.ConnectTimeout == 0 {
-		cfg.ConnConfig.ConnectTimeout = adapters.DefaultConnectTimeout
-	}
-	return dbTarget{pg: cfg}, nil
+	return reconcile.Tables{Pool: db.Pool, DB: db.DB, Dialect: db.Dialect, Schema: schema}, nil
 }
 
-// openReconcileDB connects to t and checks that it answers.
-func openReconcileDB(ctx context.Context, t dbTarget, schema sqlschema.Config) (reconcile.Tables, error) {
-	if t.my != nil {
-		db, err := openMySQL(ctx, t.my, 2)
-		if err != nil {
-			return reconcile.Tables{}, err
-		}
-		return reconcile.Tables{DB: db, Dialect: sqlschema.MySQL, Schema: schema}, nil
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, t.pg)
-	if err != nil {
-		return reconcile.Tables{}, fmt.Errorf("connect: %w", err)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		return reconcile.Tables{}, fmt.Errorf("connect: %w", err)
-	}
-	return reconcile.Tables{Pool: pool, Schema: schema}, nil
-}
-
-func closeReconcileDB(t reconcile.Tables) {
-	if t.DB != nil {
-		_ = t.DB.Close()
-		return
-	}
-	t.Pool.Close()
+func closeTables(t reconcile.Tables) {
+	database{Pool: t.Pool, DB: t.DB}.Close()
 }
 
 // writeReport prints rep: one line per finding listed, then the counts.

@@ -2,20 +2,16 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
-	"net/url"
 	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -65,7 +61,7 @@ key's rows keep their order.
 
 The outbox table belongs to the service: the relay refuses to start when
 it does not exist, unless --migrate creates it (sqlschema.Migrate's
-tables, PostgreSQL or MySQL).
+tables, on PostgreSQL, MySQL or SQLite).
 
 On --listen it serves /healthz (200 while the relay runs and its database
 answers, 503 otherwise) and /metrics (Prometheus: oncemill_outbox_* as
@@ -74,12 +70,14 @@ observe/prom exports them, and the process's go_* and process_* series).
 Every flag can also be set by an environment variable: --database by
 $DATABASE_URL, --broker by $BROKER_URL, any other by $ONCEMILL_RELAY_
 and its name in capitals with '_' for '-' ($ONCEMILL_RELAY_BATCH_SIZE).
-A flag beats its variable. ` + `--database is PostgreSQL (postgres://…) or
-MySQL/MariaDB (mysql://user:password@host:3306/db).`
+A flag beats its variable. ` + `--database is PostgreSQL (postgres://…),
+MySQL/MariaDB (mysql://user:password@host:3306/db) or a SQLite file
+(sqlite:///absolute/path or sqlite://relative/path; without --migrate it
+must exist).`
 
 // relayOptions is "oncemill relay"'s command line, checked.
 type relayOptions struct {
-	db        dbTarget
+	db        *dbURL
 	schema    sqlschema.Config
 	broker    string
 	listen    string
@@ -118,19 +116,17 @@ func relayEnv(name string) string {
 // before anything connects.
 func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	o := relayOptions{}
-	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
-	fs.StringVar(&c.database, "database", "", "`URL` of the PostgreSQL or MySQL database holding the outbox table: postgres://… or mysql://user:password@host:3306/db (default $DATABASE_URL)")
+	fs := newFlags(c.name)
+	fs.StringVar(&c.database, "database", "", "`URL` of the database holding the outbox table: "+databaseURLs+" (default $DATABASE_URL)")
 	fs.StringVar(&o.broker, "broker", "", "`URL` of the broker to publish to, as adapters.Open reads it: kafka://…, amqp://…, sqs://…, nats://… (default $BROKER_URL; gochannel:// and kafka:// or nats:// with no host, brokers inside this process, are refused)")
-	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the outbox table's schema (on MySQL: its database) ($"+relayEnv("schema")+")")
+	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the outbox table's schema (on MySQL: its database; SQLite has none) ($"+relayEnv("schema")+")")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table ($"+relayEnv("table")+")")
 	fs.IntVar(&o.batchSize, "batch-size", 500, "most `N` rows one batch (one transaction) publishes, 1 to 10000 ($"+relayEnv("batch-size")+")")
 	fs.IntVar(&o.lanes, "lanes-per-batch", 16, "most `N` of the table's 64 lanes one batch takes: copies running at once share the lanes, 1 to 64 ($"+relayEnv("lanes-per-batch")+")")
 	fs.DurationVar(&o.poll, "poll-interval", 250*time.Millisecond, "longest wait (`DURATION`) between two looks for rows while the outbox stays empty; while rows flow the relay looks again at once ($"+relayEnv("poll-interval")+")")
 	fs.DurationVar(&o.drain, "drain-timeout", 5*time.Second, "how long (`DURATION`), once told to stop, the batch in flight may take to finish publishing and deleting its rows; past it the batch rolls back and its rows stay ($"+relayEnv("drain-timeout")+")")
 	fs.BoolVar(&o.ordered, "lock-ordered-writers", false, "the service's writers of each partition key are ordered by a lock each holds until it commits, taken before its outbox insert (the key's business row): publish every committed row at once instead of waiting until every older transaction on the server has ended, so that a transaction left open elsewhere on the server no longer stalls the outbox; see forwarder.RelayConfig.LockOrderedWriters ($"+relayEnv("lock-ordered-writers")+")")
-	fs.BoolVar(&o.ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the transaction that deletes it from the outbox (PostgreSQL or MySQL); see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
+	fs.BoolVar(&o.ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the transaction that deletes it from the outbox (PostgreSQL, MySQL or SQLite); see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
 	fs.DurationVar(&o.retention, "ledger-retention", forwarder.DefaultLedgerRetention, "how long (`DURATION`) ledger rows are kept, at least 1m; only with --ledger ($"+relayEnv("ledger-retention")+")")
 	fs.StringVar(&o.listen, "listen", defaultRelayListen, "`HOST:PORT` to serve /healthz and /metrics on; empty: no HTTP ($"+relayEnv("listen")+")")
 	fs.BoolVar(&o.migrate, "migrate", false, "create or upgrade oncemill's tables (sqlschema.Migrate) before relaying; without it the outbox table must exist ($"+relayEnv("migrate")+")")
@@ -166,7 +162,7 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 			return o, usageError{msg: strings.Replace(err.Error(), "--addr", o.field("listen"), 1)}
 		}
 	}
-	if o.db, o.schema, err = c.target(); err != nil {
+	if o.db, o.schema, err = c.target(o.migrate); err != nil {
 		return o, err
 	}
 	o.schema = sqlschema.Config{Schema: o.schema.Schema, OutboxTable: c.table}
@@ -211,108 +207,34 @@ func checkDurableBroker(field, broker, nothing string) error {
 	return nil
 }
 
-// relayDB is the database the relay reads, open: a pool for PostgreSQL or
-// a *sql.DB for MySQL.
-type relayDB struct {
-	pool *pgxpool.Pool
-	sql  *sql.DB
-}
-
-func (d relayDB) ping(ctx context.Context) error {
-	if d.sql != nil {
-		return d.sql.PingContext(ctx)
-	}
-	return d.pool.Ping(ctx)
-}
-
-func (d relayDB) close() {
-	if d.sql != nil {
-		_ = d.sql.Close()
-		return
-	}
-	d.pool.Close()
-}
-
-// openRelayDB connects to the database and checks that it answers.
-func openRelayDB(ctx context.Context, t dbTarget, conns int32) (relayDB, error) {
-	if t.my != nil {
-		db, err := openMySQL(ctx, t.my, int(conns))
-		if err != nil {
-			return relayDB{}, fmt.Errorf("connect to the database: %w", err)
-		}
-		return relayDB{sql: db}, nil
-	}
-	cfg := t.pg.Copy()
-	cfg.MaxConns = conns
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return relayDB{}, fmt.Errorf("connect to the database: %w", err)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		return relayDB{}, fmt.Errorf("connect to the database: %w", err)
-	}
-	return relayDB{pool: pool}, nil
-}
-
 // errNoOutbox is wrapped by the error of a relay started on a table that
 // does not exist.
 var errNoOutbox = errors.New("no outbox table")
 
 // prepare migrates oncemill's tables with --migrate, and otherwise checks
-// that the outbox table exists, naming it when it does not.
-func (o relayOptions) prepare(ctx context.Context, db relayDB) error {
+// that the outbox table (and with --ledger the ledger table) exists,
+// naming it when it does not.
+func (o relayOptions) prepare(ctx context.Context, db database) error {
 	cfg := o.schema.WithDefaults()
-	if db.sql != nil {
-		if o.migrate {
-			if err := sqlschema.MigrateSQL(ctx, db.sql, sqlschema.MySQL, cfg); err != nil {
-				return fmt.Errorf("migrate: %w", err)
-			}
-			return nil
-		}
-		var n int
-		err := db.sql.QueryRowContext(ctx, `SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = ?`,
-			cfg.Schema, cfg.OutboxTable).Scan(&n)
-		if err != nil {
-			return fmt.Errorf("look for the outbox table: %w", err)
-		}
-		if n == 0 {
-			return o.noOutbox("`" + cfg.Schema + "`.`" + cfg.OutboxTable + "`")
-		}
-		if o.ledger {
-			err := db.sql.QueryRowContext(ctx, `SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = ?`,
-				cfg.Schema, cfg.LedgerTable).Scan(&n)
-			if err != nil {
-				return fmt.Errorf("look for the ledger table: %w", err)
-			}
-			if n == 0 {
-				return o.noLedger(sqlschema.NamesFor(sqlschema.MySQL, cfg).Ledger)
-			}
-		}
-		return nil
-	}
 	if o.migrate {
-		if err := sqlschema.Migrate(ctx, db.pool, cfg); err != nil {
+		if err := db.migrate(ctx, cfg); err != nil {
 			return fmt.Errorf("migrate: %w", err)
 		}
 		return nil
 	}
-	name := sqlschema.NamesFor(sqlschema.Postgres, cfg).Outbox
-	var found *string
-	if err := db.pool.QueryRow(ctx, `SELECT to_regclass($1)::text`, name).Scan(&found); err != nil {
+	names := sqlschema.NamesFor(db.Dialect, cfg)
+	if ok, err := db.hasTable(ctx, names.Outbox); err != nil {
 		return fmt.Errorf("look for the outbox table: %w", err)
+	} else if !ok {
+		return o.noOutbox(names.Outbox)
 	}
-	if found == nil {
-		return o.noOutbox(name)
+	if !o.ledger {
+		return nil
 	}
-	if o.ledger {
-		ledger := sqlschema.NamesFor(sqlschema.Postgres, cfg).Ledger
-		if err := db.pool.QueryRow(ctx, `SELECT to_regclass($1)::text`, ledger).Scan(&found); err != nil {
-			return fmt.Errorf("look for the ledger table: %w", err)
-		}
-		if found == nil {
-			return o.noLedger(ledger)
-		}
+	if ok, err := db.hasTable(ctx, names.Ledger); err != nil {
+		return fmt.Errorf("look for the ledger table: %w", err)
+	} else if !ok {
+		return o.noLedger(names.Ledger)
 	}
 	return nil
 }
@@ -335,21 +257,18 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	}
 	// One connection for the batch, one for the probes and lag, one for
 	// /healthz.
-	db, err := openRelayDB(ctx, o.db, 4)
+	db, err := o.db.connect(ctx, 4)
 	if err != nil {
 		return err
 	}
-	defer db.close()
+	defer db.Close()
 	if err := o.prepare(ctx, db); err != nil {
 		return err
 	}
 	logger := watermill.NewStdLoggerWithOut(c.stderr, false, false)
-	ps, err := adapters.Open(ctx, o.broker, relayBrokerOptions(o.broker, logger))
-	if errors.Is(err, adapters.ErrUnknownScheme) || errors.Is(err, adapters.ErrBadURL) {
-		return usagef("%s: %v", o.field("broker"), err)
-	}
+	ps, err := openBroker(ctx, o.field("broker"), o.broker, relayGroup, "nothing relayed", logger)
 	if err != nil {
-		return fmt.Errorf("open broker: %w", err)
+		return err
 	}
 	defer func() {
 		if closeErr := ps.Close(); closeErr != nil {
@@ -364,6 +283,9 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 		return err
 	}
 	cfg := forwarder.RelayConfig{
+		Pool:               db.Pool,
+		DB:                 db.DB,
+		Dialect:            db.Dialect,
 		Publisher:          ps.Publisher,
 		Schema:             o.schema,
 		BatchSize:          o.batchSize,
@@ -375,11 +297,6 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 		LedgerRetention:    o.retention,
 		Hooks:              []observe.Hook{metrics},
 		Logger:             logger,
-	}
-	if db.sql != nil {
-		cfg.DB, cfg.Dialect = db.sql, sqlschema.MySQL
-	} else {
-		cfg.Pool = db.pool
 	}
 	relay, err := forwarder.NewRelay(cfg)
 	if err != nil {
@@ -427,18 +344,9 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	return nil
 }
 
-// relayBrokerOptions are the options the relay opens broker with.
-func relayBrokerOptions(broker string, logger watermill.LoggerAdapter) adapters.Options {
-	opts := adapters.Options{Logger: logger}
-	if u, err := url.Parse(broker); err != nil || u.Query().Get("group") == "" {
-		opts.ConsumerGroup = relayGroup
-	}
-	return opts
-}
-
 // relayHealth answers /healthz: 200 while the relay runs and its database
 // answers a ping, 503 with the reason otherwise.
-func relayHealth(w http.ResponseWriter, r *http.Request, running bool, db relayDB) {
+func relayHealth(w http.ResponseWriter, r *http.Request, running bool, db database) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	if !running {
 		w.WriteHeader(http.StatusServiceUnavailable)
@@ -447,7 +355,7 @@ func relayHealth(w http.ResponseWriter, r *http.Request, running bool, db relayD
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), relayHealthTimeout)
 	defer cancel()
-	if err := db.ping(ctx); err != nil {
+	if err := db.Ping(ctx); err != nil {
 		w.WriteHeader(http.StatusServiceUnavailable)
 		fmt.Fprintf(w, "database unreachable: %s\n", oneLine(err.Error()))
 		return

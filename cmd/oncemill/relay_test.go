@@ -381,17 +381,17 @@ func TestRelayHealthzAndHelp(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		running bool
-		db      func() relayDB
+		db      func() database
 		code    int
 		body    string
 	}{
-		{"running", true, func() relayDB { return relayDB{pool: pool} }, http.StatusOK, "ok"},
-		{"stopped", false, func() relayDB { return relayDB{pool: pool} }, http.StatusServiceUnavailable, "relay not running"},
-		{"database gone", true, func() relayDB {
+		{"running", true, func() database { return database{Pool: pool} }, http.StatusOK, "ok"},
+		{"stopped", false, func() database { return database{Pool: pool} }, http.StatusServiceUnavailable, "relay not running"},
+		{"database gone", true, func() database {
 			gone, err := pgxpool.New(context.Background(), pgtest.URL())
 			require.NoError(t, err)
 			gone.Close()
-			return relayDB{pool: gone}
+			return database{Pool: gone}
 		}, http.StatusServiceUnavailable, "database unreachable: "},
 	} {
 		w := httptest.NewRecorder()
