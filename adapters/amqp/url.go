@@ -103,3 +103,22 @@ func urlConnectError(u *url.URL, cfg Config, err error) error {
 	}
 	return brokerurl.NoAnswer(net.JoinHostPort(u.Hostname(), port), cfg.ConnectTimeout, err)
 }
+
+// ParseURL reads an amqp:// or amqps:// URL as adapters.Open reads it and
+// returns the Config it describes: the group, prefetch, delivery_limit,
+// dead_letter_exchange, drain_timeout and connect_timeout parameters set
+// the Config and are removed from Config.URL, amqp091's own parameters
+// stay, and any other parameter is an error that names it. Tools that
+// need the Config itself (to declare queues, say) read it here, so that a
+// URL means one thing everywhere.
+func ParseURL(rawURL string) (Config, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		// url.Parse's error quotes the URL, password included.
+		return Config{}, fmt.Errorf("%w: cannot parse the URL", brokerurl.ErrBadURL)
+	}
+	if u.Scheme != "amqp" && u.Scheme != "amqps" {
+		return Config{}, fmt.Errorf("%w: %s: want an amqp:// or amqps:// URL", brokerurl.ErrBadURL, redactURL(rawURL))
+	}
+	return urlConfig(u, brokerurl.Options{})
+}

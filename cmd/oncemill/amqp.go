@@ -6,24 +6,16 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net/url"
-	"slices"
-	"strconv"
-	"strings"
-	"time"
 
 	"github.com/oncemill/oncemill/adapters/amqp"
-	"github.com/oncemill/oncemill/internal/redact"
 )
 
 // URL parameters that adapters.Open reads from an amqp:// URL and removes
 // before the URL reaches the client.
 const (
 	paramGroup              = "group"
-	paramPrefetch           = "prefetch"
 	paramDeliveryLimit      = "delivery_limit"
 	paramDeadLetterExchange = "dead_letter_exchange"
-	paramConnectTimeout     = "connect_timeout"
 )
 
 // amqpDeclare declares the exchange, queue and binding of each --topic.
@@ -106,64 +98,11 @@ func amqpDeclare(ctx context.Context, name string, args []string, env func(strin
 	return nil
 }
 
-// amqpClientParams are amqp091's own URL parameters, which reach the client
-// unchanged.
-var amqpClientParams = [...]string{"heartbeat", "channel_max", "auth_mechanism", "certfile", "keyfile", "cacertfile", "server_name_indication"}
-
-// amqpConfig reads an amqp:// or amqps:// URL as adapters.Open does: the
-// group, delivery_limit, dead_letter_exchange and connect_timeout (a Go
-// duration or whole seconds) parameters set the Config and are removed,
-// with prefetch, which only consumers use, from the URL the client dials;
-// amqp091's own parameters stay. Any other parameter is a usage error.
+// amqpConfig reads an amqp:// or amqps:// URL as adapters.Open does.
 func amqpConfig(rawURL string) (amqp.Config, error) {
-	u, err := url.Parse(rawURL)
+	cfg, err := amqp.ParseURL(rawURL)
 	if err != nil {
-		// url.Parse's error quotes the URL, password included.
-		return amqp.Config{}, usagef("--url: cannot parse the URL")
+		return amqp.Config{}, usagef("--url: %v", err)
 	}
-	if u.Scheme != "amqp" && u.Scheme != "amqps" {
-		return amqp.Config{}, usagef("--url %s: want an amqp:// or amqps:// URL", redact.URL(rawURL))
-	}
-	q, err := url.ParseQuery(u.RawQuery)
-	if err != nil {
-		return amqp.Config{}, usagef("--url: query: %v", err)
-	}
-	ours := []string{paramGroup, paramPrefetch, paramDeliveryLimit, paramDeadLetterExchange, paramConnectTimeout}
-	for name, values := range q {
-		switch {
-		case !slices.Contains(ours, name) && !slices.Contains(amqpClientParams[:], name):
-			known := append(slices.Clone(ours), amqpClientParams[:]...)
-			slices.Sort(known)
-			return amqp.Config{}, usagef("--url: unknown parameter %q; known parameters: %s", name, strings.Join(known, ", "))
-		case len(values) > 1:
-			return amqp.Config{}, usagef("--url: parameter %s is given %d times", name, len(values))
-		}
-	}
-	cfg := amqp.Config{
-		ConsumerGroup:      q.Get(paramGroup),
-		DeadLetterExchange: q.Get(paramDeadLetterExchange),
-	}
-	if v := q.Get(paramDeliveryLimit); v != "" {
-		if cfg.DeliveryLimit, err = strconv.Atoi(v); err != nil {
-			return amqp.Config{}, usagef("--url: parameter %s=%q is not an integer", paramDeliveryLimit, v)
-		}
-	}
-	if v := q.Get(paramConnectTimeout); v != "" {
-		d, err := time.ParseDuration(v)
-		if err != nil {
-			if n, nerr := strconv.ParseInt(v, 10, 32); nerr == nil {
-				d, err = time.Duration(n)*time.Second, nil
-			}
-		}
-		if err != nil || d <= 0 {
-			return amqp.Config{}, usagef("--url: parameter %s=%q: want a positive Go duration such as 5s, or whole seconds", paramConnectTimeout, v)
-		}
-		cfg.ConnectTimeout = d
-	}
-	for _, p := range ours {
-		q.Del(p)
-	}
-	u.RawQuery = q.Encode()
-	cfg.URL = u.String()
 	return cfg, nil
 }
