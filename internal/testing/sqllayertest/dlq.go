@@ -207,8 +207,10 @@ func replayOnce(t *testing.T, e *env) {
 	n, err := store.Replay(e.ctx(), broker, dlq.Filter{IDs: []int64{en.ID}}, nil)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	e.eventually("the replay applied", func() bool { return c.effectsOf("pay-1") == 1 })
-	require.Equal(t, dedup.StateDone, e.state(c.store, c.key("pay-1")), "the grant reopened the key and the replay completed it")
+	// The grant reopened the key and the replay completed it.
+	e.eventually("the replay applied and its key done", func() bool {
+		return c.effectsOf("pay-1") == 1 && e.state(c.store, c.key("pay-1")) == dedup.StateDone
+	})
 	require.Zero(t, e.count(store, dlq.Filter{}), "the replayed entry is gone")
 
 	n, err = store.Replay(e.ctx(), broker, dlq.Filter{IDs: []int64{en.ID}}, nil)
