@@ -1,21 +1,36 @@
-// Command quickstart shows the inbox turning redeliveries into one effect.
+// Command quickstart shows the whole product on one database file, with no
+// server: the inbox turning redeliveries into one effect, the outbox
+// relaying the events those effects cause, and the dead-letter table
+// keeping the message no retry can mend.
 //
 // It publishes every order several times over an in-process Watermill
-// GoChannel, as a broker does after crashes and retries, and charges each
-// order inside the inbox's transaction. The store is SQLite in a temporary
-// directory, or PostgreSQL when DATABASE_URL is set. It prints one summary
-// line and exits non-zero unless every order was charged exactly once.
+// GoChannel, as a broker does after crashes and retries, plus one
+// malformed order. A handler charges each order inside the inbox's
+// transaction and writes an "order charged" event to the outbox in that
+// same transaction; a relay on the same database publishes the events,
+// and a second handler counts them. The malformed order is dead-lettered
+// by the poison middleware into the dead-letter table.
+//
+// The database is SQLite, one file in a temporary directory that is kept
+// so that the oncemill command can look at it afterwards (the last lines
+// say how), or PostgreSQL when DATABASE_URL is set. The run prints one
+// summary line and exits non-zero unless every order was charged exactly
+// once, every event was relayed once, and the malformed order is the one
+// dead letter.
 //
 //	go run ./examples/quickstart
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -28,8 +43,17 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// The topics and the consumer of the example.
+const (
+	ordersTopic  = "orders"
+	chargedTopic = "orders.charged"
+	consumer     = "charge-orders"
 )
 
 func main() {
@@ -42,29 +66,59 @@ func main() {
 	}
 }
 
-// ledger is where the business effect lives: the store's own database.
-type ledger struct {
-	store  dedup.TxStore
-	charge func(ctx context.Context, run, order string) error
-	count  func(ctx context.Context, run string) (int, error)
-	close  func()
+// order is the orders topic's payload.
+type order struct {
+	ID          string `json:"id"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// backend is the database: the inbox store, the outbox writer and relay,
+// the dead-letter table, and where the business effect lives.
+type backend struct {
+	store dedup.TxStore
+	// outbox writes a handler's events in the inbox's transaction.
+	outbox func(ctx context.Context, produced []*message.Message) error
+	// relay is the relay's config with its database set.
+	relay       forwarder.RelayConfig
+	deadLetters *dlq.Publisher
+	deadStore   *dlq.Store
+	charge      func(ctx context.Context, run string, o order) error
+	count       func(ctx context.Context, run string) (int, error)
+	// database is what the oncemill command's --database takes.
+	database string
+	// kept, when set, is the directory the run leaves behind.
+	kept  string
+	close func()
 }
 
 func run(ctx context.Context, orders, copies int) error {
 	if orders < 1 || copies < 1 {
 		return fmt.Errorf("-orders and -copies must be at least 1, got %d and %d", orders, copies)
 	}
-	l, err := openLedger(ctx)
+	b, err := openBackend(ctx)
 	if err != nil {
 		return err
 	}
-	defer l.close()
+	defer b.close()
 
 	logger := watermill.NopLogger{}
-	pubSub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: int64(orders * copies)}, logger)
+	// Persistent: the relay deletes the rows it published and the poison
+	// middleware acks what it dead-lettered, so both refuse a broker that
+	// drops messages nobody subscribed to yet.
+	pubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true, OutputChannelBuffer: int64(orders*copies + 1)}, logger)
 	defer pubSub.Close()
 
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: l.store})
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: consumer, Outbox: b.outbox})
+	if err != nil {
+		return err
+	}
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: b.deadLetters, MaxAttempts: 3})
+	if err != nil {
+		return err
+	}
+	b.relay.Publisher = pubSub
+	b.relay.Ledger = true // for `oncemill reconcile` and the console's overview
+	relay, err := forwarder.NewRelay(b.relay)
 	if err != nil {
 		return err
 	}
@@ -76,23 +130,54 @@ func run(ctx context.Context, orders, copies int) error {
 	// Every order gets a fresh run id, so that a second run against the
 	// same PostgreSQL counts only its own orders.
 	runID := watermill.NewShortUUID()
-	var handled atomic.Int64
-	done := make(chan struct{})
+	malformed := message.NewMessage(watermill.NewUUID(), []byte(`{"id": "order-0", "amount_cents": "twelve"`))
+	malformed.Metadata.Set(delivery.IdempotencyKey, runID+"/malformed")
+
+	var deliveries, handled, events atomic.Int64
+	var relayedMu sync.Mutex
+	relayed := map[string]int{}
+	want := int64(orders*copies + 1)
 	countHandled := func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
-			if err == nil && handled.Add(1) == int64(orders*copies) {
-				close(done)
+			if err == nil {
+				if msg.UUID != malformed.UUID {
+					deliveries.Add(1)
+				}
+				handled.Add(1)
 			}
 			return out, err
 		}
 	}
-	router.AddMiddleware(countHandled, inbox.Middleware)
-	router.AddConsumerHandler("charge-orders", "orders", pubSub, func(msg *message.Message) error {
-		// The handler is unchanged business code: it writes its effect
-		// through the transaction in which the inbox claimed the key.
-		return l.charge(msg.Context(), runID, string(msg.Payload))
+	// The handler is business code: it writes its effect through the
+	// transaction in which the inbox claimed the key, and returns the
+	// event the effect causes, which the inbox writes to the outbox in
+	// that same transaction.
+	charge := router.AddHandler(consumer, ordersTopic, pubSub, chargedTopic, pubSub, func(msg *message.Message) ([]*message.Message, error) {
+		var o order
+		if err := json.Unmarshal(msg.Payload, &o); err != nil || o.ID == "" {
+			return nil, middleware.Permanent(fmt.Errorf("malformed order %q: %v", msg.Payload, err))
+		}
+		if err := b.charge(msg.Context(), runID, o); err != nil {
+			return nil, err
+		}
+		event := message.NewMessage(watermill.NewUUID(), msg.Payload)
+		event.Metadata.Set(delivery.IdempotencyKey, runID+"/charged/"+o.ID)
+		event.Metadata.Set(delivery.PartitionKey, o.ID)
+		return []*message.Message{event}, nil
 	})
+	charge.AddMiddleware(countHandled, poison.Middleware, inbox.Middleware)
+	router.AddConsumerHandler("count-charged", chargedTopic, pubSub, func(msg *message.Message) error {
+		if key := msg.Metadata.Get(delivery.IdempotencyKey); strings.HasPrefix(key, runID+"/") {
+			relayedMu.Lock()
+			relayed[key]++
+			relayedMu.Unlock()
+			events.Add(1)
+		}
+		return nil
+	})
+	// The relay runs with the router, on the same database.
+	router.AddPlugin(relay.Plugin)
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -102,103 +187,184 @@ func run(ctx context.Context, orders, copies int) error {
 
 	for c := 0; c < copies; c++ {
 		for o := 1; o <= orders; o++ {
-			order := fmt.Sprintf("order-%d", o)
-			msg := message.NewMessage(watermill.NewUUID(), []byte(order))
-			msg.Metadata.Set(delivery.IdempotencyKey, runID+"/"+order)
-			if err := pubSub.Publish("orders", msg); err != nil {
+			id := fmt.Sprintf("order-%d", o)
+			payload, err := json.Marshal(order{ID: id, AmountCents: int64(100 * o)})
+			if err != nil {
+				return err
+			}
+			msg := message.NewMessage(watermill.NewUUID(), payload)
+			msg.Metadata.Set(delivery.IdempotencyKey, runID+"/"+id)
+			if err := pubSub.Publish(ordersTopic, msg); err != nil {
+				return err
+			}
+		}
+		if c == 0 {
+			if err := pubSub.Publish(ordersTopic, malformed); err != nil {
 				return err
 			}
 		}
 	}
 
-	select {
-	case <-done:
-	case <-time.After(2 * time.Minute):
-		return fmt.Errorf("timed out: %d of %d deliveries handled", handled.Load(), orders*copies)
+	deadline := time.After(2 * time.Minute)
+	for handled.Load() < want || events.Load() < int64(orders) {
+		select {
+		case <-deadline:
+			return fmt.Errorf("timed out: %d of %d deliveries handled, %d of %d events relayed", handled.Load(), want, events.Load(), orders)
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
+	// A moment for an event relayed twice to show.
+	time.Sleep(200 * time.Millisecond)
 	cancel()
 	if err := errors.Join(<-routerErr, router.Close()); err != nil {
 		return err
 	}
 
-	effects, err := l.count(ctx, runID)
+	effects, err := b.count(ctx, runID)
 	if err != nil {
 		return err
 	}
-	stats := inbox.Stats()
-	fmt.Printf("orders=%d deliveries=%d effects=%d duplicates_dropped=%d\n", orders, handled.Load(), effects, stats.Duplicates)
-	if effects != orders {
-		return fmt.Errorf("%d orders charged %d times", orders, effects)
+	entries, err := b.deadStore.List(ctx, dlq.Filter{Consumer: consumer})
+	if err != nil {
+		return err
 	}
-	return nil
+	deadLettered := 0
+	for _, e := range entries {
+		if strings.HasPrefix(e.Key, runID+"/") {
+			deadLettered++
+		}
+	}
+	relayedMu.Lock()
+	distinct := len(relayed)
+	relayedMu.Unlock()
+
+	stats := inbox.Stats()
+	fmt.Printf("orders=%d deliveries=%d effects=%d duplicates_dropped=%d events_relayed=%d dead_lettered=%d\n",
+		orders, deliveries.Load(), effects, stats.Duplicates, events.Load(), deadLettered)
+	if b.kept != "" {
+		fmt.Printf("The database is kept in %s (delete it when done); look at it with:\n", b.kept)
+	} else {
+		fmt.Println("Look at the database with:")
+	}
+	fmt.Printf("  oncemill console --database %s\n", b.database)
+	fmt.Printf("  oncemill dlq list --database %s\n", b.database)
+
+	var wrong []error
+	if effects != orders {
+		wrong = append(wrong, fmt.Errorf("%d orders charged %d times", orders, effects))
+	}
+	if events.Load() != int64(orders) || distinct != orders {
+		wrong = append(wrong, fmt.Errorf("%d events relayed for %d orders (%d distinct)", events.Load(), orders, distinct))
+	}
+	if deadLettered != 1 {
+		wrong = append(wrong, fmt.Errorf("%d dead letters for the one malformed order", deadLettered))
+	}
+	return errors.Join(wrong...)
 }
 
-func openLedger(ctx context.Context) (*ledger, error) {
+func openBackend(ctx context.Context) (*backend, error) {
 	if url := os.Getenv("DATABASE_URL"); url != "" {
 		return openPostgres(ctx, url)
 	}
 	return openSQLite(ctx)
 }
 
-func openSQLite(ctx context.Context) (*ledger, error) {
+// openSQLite opens quickstart.db in a new temporary directory, which the
+// run keeps: every table is in that one file.
+func openSQLite(ctx context.Context) (*backend, error) {
 	dir, err := os.MkdirTemp("", "oncemill-quickstart-")
 	if err != nil {
 		return nil, err
 	}
-	store, err := sqlite.Open(ctx, filepath.Join(dir, "quickstart.db"), sqlite.Config{})
+	path := filepath.Join(dir, "quickstart.db")
+	store, err := sqlite.Open(ctx, path, sqlite.Config{})
 	if err != nil {
 		return nil, errors.Join(err, os.RemoveAll(dir))
 	}
 	db := store.DB()
-	if _, err := db.ExecContext(ctx, `CREATE TABLE charges (run TEXT NOT NULL, order_id TEXT NOT NULL)`); err != nil {
-		return nil, errors.Join(err, store.Close(), os.RemoveAll(dir))
+	schema := sqlschema.Config{}
+	// A run that cannot start leaves nothing behind.
+	fail := func(err error) (*backend, error) { return nil, errors.Join(err, store.Close(), os.RemoveAll(dir)) }
+	// The outbox, the dead-letter table and the ledger (sqlite.Open made
+	// the inbox's); idempotent.
+	if err := sqlschema.MigrateSQLite(ctx, db, schema); err != nil {
+		return fail(err)
 	}
-	return &ledger{
-		store: store,
-		charge: func(ctx context.Context, run, order string) error {
-			_, err := sqlite.Tx(ctx).ExecContext(ctx, `INSERT INTO charges (run, order_id) VALUES (?, ?)`, run, order)
+	if _, err := db.ExecContext(ctx, `CREATE TABLE charges (run TEXT NOT NULL, order_id TEXT NOT NULL)`); err != nil {
+		return fail(err)
+	}
+	deadLetters, err := dlq.NewSQLPublisher(db, sqlschema.SQLite, schema)
+	if err != nil {
+		return fail(err)
+	}
+	deadStore, err := dlq.NewSQLStore(db, sqlschema.SQLite, schema)
+	if err != nil {
+		return fail(err)
+	}
+	return &backend{
+		store:       store,
+		outbox:      forwarder.SQLInboxOutbox(chargedTopic, sqlschema.SQLite, schema),
+		relay:       forwarder.RelayConfig{DB: db, Dialect: sqlschema.SQLite, Schema: schema},
+		deadLetters: deadLetters,
+		deadStore:   deadStore,
+		charge: func(ctx context.Context, run string, o order) error {
+			_, err := sqlite.Tx(ctx).ExecContext(ctx, `INSERT INTO charges (run, order_id) VALUES (?, ?)`, run, o.ID)
 			return err
 		},
 		count: func(ctx context.Context, run string) (n int, err error) {
 			err = db.QueryRowContext(ctx, `SELECT count(*) FROM charges WHERE run = ?`, run).Scan(&n)
 			return n, err
 		},
+		database: "sqlite://" + filepath.ToSlash(path),
+		kept:     dir,
 		close: func() {
-			if err := errors.Join(store.Close(), os.RemoveAll(dir)); err != nil {
-				fmt.Fprintln(os.Stderr, "quickstart: cleanup:", err)
+			if err := store.Close(); err != nil {
+				fmt.Fprintln(os.Stderr, "quickstart: close:", err)
 			}
 		},
 	}, nil
 }
 
-func openPostgres(ctx context.Context, url string) (*ledger, error) {
+func openPostgres(ctx context.Context, url string) (*backend, error) {
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
 		return nil, fmt.Errorf("connect to DATABASE_URL: %w", err)
 	}
-	if err := sqlschema.Migrate(ctx, pool, sqlschema.Config{}); err != nil {
-		pool.Close()
-		return nil, err
+	schema := sqlschema.Config{}
+	fail := func(err error) (*backend, error) { pool.Close(); return nil, err }
+	if err := sqlschema.Migrate(ctx, pool, schema); err != nil {
+		return fail(err)
 	}
 	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS oncemill.quickstart_charges (run text NOT NULL, order_id text NOT NULL)`); err != nil {
-		pool.Close()
-		return nil, err
+		return fail(err)
 	}
-	store, err := postgres.New(pool, postgres.Config{})
+	store, err := postgres.New(pool, schema)
 	if err != nil {
-		pool.Close()
-		return nil, err
+		return fail(err)
 	}
-	return &ledger{
-		store: store,
-		charge: func(ctx context.Context, run, order string) error {
-			_, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO oncemill.quickstart_charges (run, order_id) VALUES ($1, $2)`, run, order)
+	deadLetters, err := dlq.NewPublisher(pool, schema)
+	if err != nil {
+		return fail(err)
+	}
+	deadStore, err := dlq.NewStore(pool, schema)
+	if err != nil {
+		return fail(err)
+	}
+	return &backend{
+		store:       store,
+		outbox:      forwarder.InboxOutbox(chargedTopic, schema),
+		relay:       forwarder.RelayConfig{Pool: pool, Schema: schema},
+		deadLetters: deadLetters,
+		deadStore:   deadStore,
+		charge: func(ctx context.Context, run string, o order) error {
+			_, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO oncemill.quickstart_charges (run, order_id) VALUES ($1, $2)`, run, o.ID)
 			return err
 		},
 		count: func(ctx context.Context, run string) (n int, err error) {
 			err = pool.QueryRow(ctx, `SELECT count(*) FROM oncemill.quickstart_charges WHERE run = $1`, run).Scan(&n)
 			return n, err
 		},
-		close: pool.Close,
+		database: `"$DATABASE_URL"`,
+		close:    pool.Close,
 	}, nil
 }
