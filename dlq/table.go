@@ -31,7 +31,7 @@ type table struct {
 	cols string
 	q    struct {
 		insert, get, lockOne, nextReplay, removeOne, removeIDs, request, counts string
-		twin, adopt, clear, grant, hasRecord, copies                          string
+		twin, adopt, clear, grant, hasRecord, copies                            string
 	}
 }
 
