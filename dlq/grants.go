@@ -11,7 +11,7 @@ import (
 
 // ErrNoDeadKey is returned, wrapped, by [Store.Replay] for an entry whose
 // key has no record in the store its replay grants on: the consumer's
-// inbox is another store (Redis, SQLite, another schema), where the key
+// inbox is another store (Redis, another database or schema), where the key
 // stays dead and the copy would be acked without running, or its record
 // expired after the dedup window. The entry stays in the table, and
 // nothing is published for it. Pass the consumer's inbox store
@@ -27,7 +27,7 @@ var ErrNoDeadKey = errors.New("dlq: the key has no record in the inbox store the
 // ([dedup.Graveyard]). By default a [Store] and a
 // [ReplaySubscriber] write grants on the inbox table beside the
 // dead-letter table (the same sqlschema.Config); a consumer whose inbox
-// lives elsewhere (Redis, SQLite, another schema) passes its store instead
+// lives elsewhere (Redis, another database or schema) passes its store instead
 // ([Store.WithGranter], [ReplaySubscriberConfig.Granter]). A replay whose
 // key is not dead in the granter's store goes on only when the granter
 // is a [dedupdriver.RecordFinder], as every oncemill store is, that holds a
@@ -120,7 +120,7 @@ func grantReplay(ctx context.Context, g Granter, e Entry, newKeys bool) (string,
 		where = s.String()
 	}
 	return "", fmt.Errorf("dlq: replay entry %d (uuid %s): consumer %q key %q has no record in %s: %w; "+
-		"the entry stays: if the consumer's inbox is another store (Redis, SQLite, another schema), "+
+		"the entry stays: if the consumer's inbox is another store (Redis, another database or schema), "+
 		"pass it (Store.WithGranter or ReplaySubscriberConfig.Granter in Go, --inbox URL on the command line), or the copy is acked there without running; "+
 		"if its record expired, replay it as a new key (Store.WithNewKeys, or --force)",
 		e.ID, e.UUID, e.Consumer, e.Key, where, ErrNoDeadKey)

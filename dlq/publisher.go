@@ -258,8 +258,9 @@ func insertArgs(d *sqldb.Dialect, dlqTopic string, m *message.Message) ([]any, e
 	}, nil
 }
 
-// clean makes s storable as PostgreSQL text and jsonb: invalid UTF-8 and
-// NUL characters, which neither accepts, become U+FFFD.
+// clean makes s storable as text and JSON on every database: invalid
+// UTF-8 and NUL characters, which PostgreSQL's text and jsonb refuse,
+// become U+FFFD.
 func clean(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")
 	return strings.ReplaceAll(s, "\x00", "\uFFFD")
@@ -267,8 +268,8 @@ func clean(s string) string {
 
 // ident is the form of an identifier (uuid, topic, consumer, key) in a
 // column of the dead-letter table: clean, and bounded ([delivery.Bound])
-// so that a value of any length fits the table's indexes, on PostgreSQL
-// and MySQL alike. The metadata keeps the whole value (the topic,
+// so that a value of any length fits the table's indexes, on PostgreSQL,
+// MySQL and SQLite alike. The metadata keeps the whole value (the topic,
 // consumer and key in their delivery.Dead* fields, the UUID in
 // delivery.DeadUUID).
 func ident(s string) string { return delivery.Bound(clean(s)) }

@@ -148,7 +148,7 @@ func NewSQLStore(db *sql.DB, d sqlschema.Dialect, cfg sqlschema.Config) (*Store,
 // WithGranter returns a copy of s whose replays write their grants
 // through g, the inbox store of the consumers whose dead letters it
 // replays, instead of on the inbox table beside the dead-letter table: for
-// consumers whose inbox is not that table (Redis, SQLite, another schema).
+// consumers whose inbox is not that table (Redis, another database or schema).
 // A nil g is refused with an error naming it.
 func (s *Store) WithGranter(g Granter) (*Store, error) {
 	if g == nil {
