@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
@@ -123,6 +124,14 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	ctx := msgs[0].Context()
 	op := fmt.Sprintf("publish %d messages to %q", len(msgs), topic)
 	write := func(tx sqldb.Executor) error {
+		if ptx, ok := sqldb.PgxTx(tx); ok && p.t.d.Pipeline && len(args) > 1 {
+			// One round trip for all the rows.
+			batch := &pgx.Batch{}
+			for _, a := range args {
+				batch.Queue(p.t.q.insert, a...)
+			}
+			return ptx.SendBatch(ctx, batch).Close()
+		}
 		for _, a := range args {
 			if _, err := tx.Exec(ctx, p.t.q.insert, a...); err != nil {
 				return err
