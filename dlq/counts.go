@@ -4,7 +4,7 @@ import (
 	"context"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/oncemill/oncemill/internal/sqldb"
 )
 
 // Count is how many entries the dead-letter table holds for one consumer
@@ -28,21 +28,15 @@ type Count struct {
 // replayed), which is what a metrics collector scrapes: bound it with
 // ctx.
 func (s *Store) Counts(ctx context.Context) ([]Count, error) {
-	if s.my != nil {
-		return s.my.counts(ctx)
-	}
-	rows, err := s.pool.Query(ctx, `SELECT consumer, topic, count(*), min(dead_at) FROM `+s.table+`
-GROUP BY consumer, topic ORDER BY consumer, topic`)
-	if err != nil {
-		return nil, wrap("count by consumer and topic", err)
-	}
-	counts, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Count, error) {
-		var c Count
-		err := row.Scan(&c.Consumer, &c.Topic, &c.Entries, &c.Oldest)
+	rows, err := s.t.db.Query(ctx, s.t.q.counts)
+	counts, err := sqldb.Collect(rows, err, func(r sqldb.Rows) (c Count, err error) {
+		var oldest int64
+		err = r.Scan(&c.Consumer, &c.Topic, &c.Entries, &oldest)
+		c.Oldest = fromMicros(oldest)
 		return c, err
 	})
 	if err != nil {
-		return nil, wrap("count by consumer and topic", err)
+		return nil, s.t.wrap("count by consumer and topic", err)
 	}
 	return counts, nil
 }

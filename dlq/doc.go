@@ -1,6 +1,6 @@
-// Package dlq keeps dead-lettered messages in a PostgreSQL table, or a
-// MySQL 8.0+ or MariaDB 10.6+ one, and lets an operator list, inspect,
-// replay and purge them.
+// Package dlq keeps dead-lettered messages in a table of PostgreSQL,
+// MySQL 8.0+ or MariaDB 10.6+, or SQLite, and lets an operator list,
+// inspect, replay and purge them.
 //
 // [Publisher] is a Watermill publisher that writes each message it is given
 // as one row of the table that [sqlschema.Migrate] creates
@@ -20,13 +20,19 @@
 // the commit leaves the entry to be published again, under the same UUID,
 // which the consumer's inbox absorbs.
 //
-// On MySQL or MariaDB, through database/sql (go-sql-driver/mysql), on the
-// table sqlschema.MigrateSQL creates for sqlschema.MySQL,
-// [NewSQLPublisher], [NewSQLStore] and [NewSQLReplaySubscriber] return the
-// same Publisher, Store and ReplaySubscriber, with the same guarantees: one
-// entry per message, consumer and original topic (a unique index decides),
-// and a dead letter written under a dedup/sqlstore inbox transaction on the
-// same server commits with the key's dead mark.
+// [NewPublisher], [NewStore] and [NewReplaySubscriber] take a pgx pool
+// on PostgreSQL; [NewSQLPublisher], [NewSQLStore] and
+// [NewSQLReplaySubscriber] take a database/sql database of
+// sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite, on the table
+// sqlschema.MigrateSQL creates, and return the same Publisher, Store and
+// ReplaySubscriber, with the same guarantees: one entry per message,
+// consumer and original topic (a unique index decides), and a dead letter
+// written under an inbox transaction of dedup/postgres, dedup/sqlstore or
+// dedup/sqlite on the same database commits with the key's dead mark. One
+// difference follows from SQLite's one writer, which must not wait on a
+// broker or a handler: there a replay locks no entry while it is out, so
+// replays running at once may both publish one entry, under its UUID,
+// which the consumer's inbox absorbs.
 //
 // The oncemill command (cmd/oncemill) is the operator's front end to Store.
 package dlq

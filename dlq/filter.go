@@ -3,7 +3,6 @@ package dlq
 import (
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 )
@@ -82,51 +81,48 @@ func (f Filter) selection() error {
 	return nil
 }
 
-// where renders f as a WHERE clause (empty when f selects everything) and
-// its arguments, numbered from $1.
-func (f Filter) where() (string, []any) {
+// query renders a query of what (columns of t) for the entries f
+// selects, in id order with the limit applied, in t's placeholders, and
+// its arguments. Strings are cleaned as the publisher cleans what it
+// stores, so that they match what was stored and never fail as text; the
+// identifiers are compared byte for byte.
+func (f Filter) query(t *table, what string) (string, []any) {
 	var (
 		conds []string
 		args  []any
 	)
 	add := func(cond string, arg any) {
-		args = append(args, arg)
-		conds = append(conds, strings.ReplaceAll(cond, "?", "$"+strconv.Itoa(len(args))))
+		conds, args = append(conds, cond), append(args, arg)
 	}
 	if len(f.IDs) > 0 {
-		add("id = ANY(?)", f.IDs)
+		add("id IN ("+t.d.JSONInts("?")+")", idsJSON(f.IDs))
 	}
-	// Strings are cleaned as the publisher cleans what it stores, so that
-	// they match what was stored and never fail as text.
 	if f.Topic != "" {
-		add("topic = ?", ident(f.Topic))
+		add("topic = ?", t.d.Text(ident(f.Topic)))
 	}
 	if f.Consumer != "" {
-		add("consumer = ?", ident(f.Consumer))
+		add("consumer = ?", t.d.Text(ident(f.Consumer)))
 	}
 	if f.ErrorContains != "" {
-		add("strpos(lower(error), lower(?)) > 0", clean(f.ErrorContains))
+		add("LOWER("+t.d.Quote("error")+") LIKE LOWER(?) ESCAPE '!'", "%"+likeEscape.Replace(clean(f.ErrorContains))+"%")
 	}
 	if !f.Since.IsZero() {
-		add("dead_at >= ?", f.Since)
+		add("dead_at >= "+t.d.FromMicros("?"), f.Since.UnixMicro())
 	}
 	if !f.Until.IsZero() {
-		add("dead_at <= ?", f.Until)
+		add("dead_at <= "+t.d.FromMicros("?"), f.Until.UnixMicro())
 	}
-	if len(conds) == 0 {
-		return "", nil
+	q := "SELECT " + what + " FROM " + t.names.DLQ
+	if len(conds) > 0 {
+		q += " WHERE " + strings.Join(conds, " AND ")
 	}
-	return " WHERE " + strings.Join(conds, " AND "), args
+	q += " ORDER BY id"
+	if f.Limit > 0 {
+		q += " LIMIT ?"
+		args = append(args, f.Limit)
+	}
+	return t.d.Rebind(q), args
 }
 
-// selectIDs renders a query of the ids f selects, in id order, with the
-// limit applied.
-func (f Filter) selectIDs(table string) (string, []any) {
-	where, args := f.where()
-	q := `SELECT id FROM ` + table + where + ` ORDER BY id`
-	if f.Limit > 0 {
-		args = append(args, f.Limit)
-		q += ` LIMIT $` + strconv.Itoa(len(args))
-	}
-	return q, args
-}
+// likeEscape makes a text match itself in a LIKE pattern with ESCAPE '!'.
+var likeEscape = strings.NewReplacer("!", "!!", "%", "!%", "_", "!_")

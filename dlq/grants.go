@@ -5,16 +5,13 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
 // ErrNoDeadKey is returned, wrapped, by [Store.Replay] for an entry whose
 // key has no record in the store its replay grants on: the consumer's
-// inbox is another store (Redis, SQLite, another schema), where the key
+// inbox is another store (Redis, another database or schema), where the key
 // stays dead and the copy would be acked without running, or its record
 // expired after the dedup window. The entry stays in the table, and
 // nothing is published for it. Pass the consumer's inbox store
@@ -28,9 +25,9 @@ var ErrNoDeadKey = errors.New("dlq: the key has no record in the inbox store the
 // carries the grant written on the key's record, never for a copy that
 // merely says it is a replay. Every oncemill store implements it
 // ([dedup.Graveyard]). By default a [Store] and a
-// [ReplaySubscriber] write grants on the PostgreSQL inbox table beside the
+// [ReplaySubscriber] write grants on the inbox table beside the
 // dead-letter table (the same sqlschema.Config); a consumer whose inbox
-// lives elsewhere (Redis, SQLite, another schema) passes its store instead
+// lives elsewhere (Redis, another database or schema) passes its store instead
 // ([Store.WithGranter], [ReplaySubscriberConfig.Granter]). A replay whose
 // key is not dead in the granter's store goes on only when the granter
 // is a [dedupdriver.RecordFinder], as every oncemill store is, that holds a
@@ -45,45 +42,44 @@ type Granter interface {
 
 var _ dedupdriver.RecordFinder = tableGranter{}
 
-// tableGranter writes grants on a PostgreSQL inbox table.
-type tableGranter struct {
-	pool  *pgxpool.Pool
-	inbox string
-}
+// tableGranter writes grants on the inbox table beside the dead-letter
+// table (the same sqlschema.Config), whose keys are as the family's inbox
+// store holds them (Dialect.InboxKey).
+type tableGranter struct{ t *table }
 
 // InboxGrantReplay writes grant on key's row if the key is dead. A missing
 // inbox table is no error: the consumer's records are elsewhere, and it
 // reports false.
 func (g tableGranter) InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error) {
-	tag, err := g.pool.Exec(ctx, `UPDATE `+g.inbox+` SET replay_grant = $3, updated_at = now()
-WHERE consumer = $1 AND key = $2 AND status = 'dead'`, key.Consumer, key.Key, grant)
-	var pgErr *pgconn.PgError
+	consumer, k := g.t.d.InboxKey(key.Consumer, key.Key)
+	n, err := g.t.db.Exec(ctx, g.t.q.grant, grant, consumer, k)
 	switch {
-	case errors.As(err, &pgErr) && pgErr.Code == "42P01": // undefined_table
+	case g.t.d.UndefinedTable(err):
 		return false, nil
-	case errors.As(err, &pgErr) && pgErr.Code == "42703": // undefined_column
+	case g.t.d.UndefinedColumn(err):
 		return false, fmt.Errorf("%w (the inbox table has no replay_grant column): %w", ErrNotMigrated, err)
 	case err != nil:
 		return false, err
 	}
-	return tag.RowsAffected() == 1, nil
+	return n == 1, nil
 }
 
 // InboxHasRecord reports whether key has a row in the inbox table; a
 // missing table holds none.
 func (g tableGranter) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
-	var ok bool
-	err := g.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+g.inbox+` WHERE consumer = $1 AND key = $2)`,
-		key.Consumer, key.Key).Scan(&ok)
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+	consumer, k := g.t.d.InboxKey(key.Consumer, key.Key)
+	var n int
+	err := g.t.db.QueryRow(ctx, g.t.q.hasRecord, consumer, k).Scan(&n)
+	if g.t.d.UndefinedTable(err) {
 		return false, nil
 	}
-	return ok, err
+	return n > 0, err
 }
 
 // String names the table, for errors.
-func (g tableGranter) String() string { return "the PostgreSQL inbox table " + g.inbox }
+func (g tableGranter) String() string {
+	return "the inbox table " + g.t.names.Inbox + " beside the dead-letter table (" + g.t.d.String() + ")"
+}
 
 // grantReplay writes a new replay grant for e's key through g, before e's
 // replay is published, and returns it for the replayed copy to carry
@@ -124,7 +120,7 @@ func grantReplay(ctx context.Context, g Granter, e Entry, newKeys bool) (string,
 		where = s.String()
 	}
 	return "", fmt.Errorf("dlq: replay entry %d (uuid %s): consumer %q key %q has no record in %s: %w; "+
-		"the entry stays: if the consumer's inbox is another store (Redis, SQLite, another schema), "+
+		"the entry stays: if the consumer's inbox is another store (Redis, another database or schema), "+
 		"pass it (Store.WithGranter or ReplaySubscriberConfig.Granter in Go, --inbox URL on the command line), or the copy is acked there without running; "+
 		"if its record expired, replay it as a new key (Store.WithNewKeys, or --force)",
 		e.ID, e.UUID, e.Consumer, e.Key, where, ErrNoDeadKey)

@@ -223,8 +223,8 @@ func TestMySQLStoreFilters(t *testing.T) {
 	_, err = bare.List(ctx, dlq.Filter{})
 	require.ErrorIs(t, err, dlq.ErrNotMigrated)
 
-	_, err = dlq.NewSQLStore(empty, sqlschema.Postgres, sqlschema.Config{})
-	require.ErrorContains(t, err, "dialect must be sqlschema.MySQL")
+	_, err = dlq.NewSQLStore(empty, sqlschema.Dialect("oracle"), sqlschema.Config{})
+	require.ErrorContains(t, err, `unknown dialect "oracle"`)
 	_, err = dlq.NewSQLStore(nil, sqlschema.MySQL, sqlschema.Config{})
 	require.ErrorContains(t, err, "db is nil")
 }

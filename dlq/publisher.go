@@ -2,8 +2,8 @@ package dlq
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -12,11 +12,13 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -24,15 +26,13 @@ import (
 // It implements message.Publisher, is safe for concurrent use and starts no
 // goroutines.
 type Publisher struct {
-	pool   *pgxpool.Pool
-	insert string
-	// my is the table on MySQL ([NewSQLPublisher]), pool nil then.
-	my *mysqlPublisher
+	t *table
 
-	// mu guards the identities, learnt once per pool and per backend.
+	// mu guards the identities, learnt once for the table's database and
+	// once per pgx backend.
 	mu       sync.Mutex
-	poolID   *serverID
-	backends map[string]serverID
+	own      *sqldb.Identity
+	backends map[string]sqldb.Identity
 }
 
 // maxBackends bounds the identities a Publisher keeps of the inbox
@@ -42,41 +42,29 @@ const maxBackends = 1024
 
 var _ message.Publisher = (*Publisher)(nil)
 
-// NewPublisher returns a publisher into the dead-letter table that cfg
-// names (cfg.Schema and cfg.DLQTable, as given to [sqlschema.Migrate]). It
-// does not create the table. The pool stays the caller's: Close does not
-// close it.
+// NewPublisher returns a publisher into the PostgreSQL dead-letter table
+// that cfg names (cfg.Schema and cfg.DLQTable, as given to
+// [sqlschema.Migrate]), through a pgx pool. It does not create the table.
+// The pool stays the caller's: Close does not close it.
 func NewPublisher(pool *pgxpool.Pool, cfg sqlschema.Config) (*Publisher, error) {
-	table, err := tableFor(pool, cfg)
+	t, err := openPool(pool, cfg)
 	if err != nil {
 		return nil, err
 	}
-	return &Publisher{
-		pool: pool,
-		// One entry per message and consumer: a copy dead-lettered again
-		// (its ack was lost to a crash or a rebalance) is not written
-		// twice, unless the first is on its way back (replay requested).
-		// The unique index of migration 009 decides, so that concurrent
-		// writers cannot both insert: the later waits for the earlier's
-		// commit and then writes nothing.
-		insert: `INSERT INTO ` + table + ` (uuid, topic, dlq_topic, consumer, key, attempts, error, permanent,
-	first_failed_at, last_failed_at, kafka_partition, kafka_offset, payload, metadata)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
-ON CONFLICT (consumer, topic, uuid) WHERE replay_requested_at IS NULL DO NOTHING`,
-	}, nil
+	return &Publisher{t: t}, nil
 }
 
-// tableFor validates what NewPublisher and NewStore are given and returns
-// the quoted dead-letter table.
-func tableFor(pool *pgxpool.Pool, cfg sqlschema.Config) (string, error) {
-	if pool == nil {
-		return "", errors.New("dlq: pool is nil")
+// NewSQLPublisher returns a publisher into the dead-letter table that cfg
+// names on db, a database of dialect d through database/sql
+// (sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite), as
+// [NewSQLStore] does. It is the [Publisher] of [NewPublisher] otherwise.
+// It does not create the table; Close does not close db.
+func NewSQLPublisher(db *sql.DB, d sqlschema.Dialect, cfg sqlschema.Config) (*Publisher, error) {
+	t, err := openSQL(db, d, cfg)
+	if err != nil {
+		return nil, err
 	}
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
-		return "", fmt.Errorf("dlq: %w", err)
-	}
-	return sqlschema.NamesFor(sqlschema.Postgres, cfg).DLQ, nil
+	return &Publisher{t: t}, nil
 }
 
 // DefaultTopic is the dead-letter topic a [Publisher] files entries under
@@ -95,174 +83,153 @@ func (p *Publisher) DefaultTopic() string { return DefaultTopic }
 // was dead-lettered comes back and is dead-lettered again, and the table
 // keeps one entry for it, so that a replay sends it once; a unique index
 // keeps it so for writers at the same instant too (two consumers of one
-// group dead-lettering the same copy), without an inbox. When the first message's context carries an inbox
-// transaction on the same database (postgres.Tx), as the poison
-// middleware's dead-lettering under a key's claim does, the rows are
-// written in that transaction, so that the dead letter and the key's dead
-// mark commit together. The same database is what the two sessions'
-// server reports, whatever host name each connected to: its
-// pg_control_system() system identifier (where the role may call it,
-// as by default), its start time and the database's name; the first
-// dead letter on each connection asks, in the transaction. topic, the topic the publisher was called with, is kept
-// as the entry's DLQTopic; the original topic and the other columns come
-// from the delivery.Dead* metadata. The statements run with the first
-// message's context, as Watermill's SQL publisher does.
+// group dead-lettering the same copy), without an inbox.
+//
+// When the first message's context carries an inbox transaction on the
+// same database (postgres.Tx, sqlstore.Tx or sqlite.Tx of package dedup),
+// as the poison middleware's dead-lettering under a key's claim does, the
+// rows are written in that transaction, so that the dead letter and the
+// key's dead mark commit together (and on SQLite, whose one writer is the
+// inbox's transaction, the dead letter does not wait for it). The same
+// database is what the two sessions' server reports, whatever host name
+// each connected to (sqldb.Identify): on PostgreSQL its
+// pg_control_system() system identifier (where the role may call it, as
+// by default), its start time and the database's name; on MySQL the
+// server (@@server_uuid, MariaDB's @@server_uid), whose transactions span
+// its databases; on SQLite the database file. The dead letter asks, in
+// the transaction (through pgx once per connection). topic, the topic the
+// publisher was called with, is kept as the entry's DLQTopic; the
+// original topic and the other columns come from the delivery.Dead*
+// metadata. The statements run with the first message's context, as
+// Watermill's SQL publisher does.
 //
 // Text that PostgreSQL cannot store (invalid UTF-8, NUL characters) is
-// stored with U+FFFD in its place; the payload is stored as it is.
+// stored with U+FFFD in its place, on every database; the payload is
+// stored as it is.
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
+	args := make([][]any, len(msgs))
 	for i, m := range msgs {
 		if m == nil {
 			return fmt.Errorf("dlq: publish to %q: message %d is nil", topic, i)
 		}
-	}
-	if p.my != nil {
-		return p.my.publish(topic, msgs)
-	}
-	batch := &pgx.Batch{}
-	for _, m := range msgs {
-		args, err := insertArgs(topic, m)
+		a, err := insertArgs(p.t.d, topic, m)
 		if err != nil {
 			return fmt.Errorf("dlq: publish %s to %q: %w", m.UUID, topic, err)
 		}
-		batch.Queue(p.insert, args...)
+		args[i] = a
 	}
 	ctx := msgs[0].Context()
-	same := false
-	if tx := postgres.Tx(ctx); tx != nil {
-		var err error
-		if same, err = p.sameDatabase(ctx, tx); err != nil {
-			return wrap(fmt.Sprintf("publish %d messages to %q", len(msgs), topic), err)
+	op := fmt.Sprintf("publish %d messages to %q", len(msgs), topic)
+	write := func(tx sqldb.Executor) error {
+		if ptx, ok := sqldb.PgxTx(tx); ok && p.t.d.Pipeline && len(args) > 1 {
+			// One round trip for all the rows.
+			batch := &pgx.Batch{}
+			for _, a := range args {
+				batch.Queue(p.t.q.insert, a...)
+			}
+			return ptx.SendBatch(ctx, batch).Close()
 		}
-	}
-	if same {
-		tx := postgres.Tx(ctx)
-		// Dead-lettered under an inbox claim in this database (the poison
-		// middleware puts the claim's transaction in the context): the row
-		// commits or rolls back with the key's dead mark.
-		if err := tx.SendBatch(ctx, batch).Close(); err != nil {
-			return wrap(fmt.Sprintf("publish %d messages to %q in the inbox's transaction", len(msgs), topic), err)
+		for _, a := range args {
+			if _, err := tx.Exec(ctx, p.t.q.insert, a...); err != nil {
+				return err
+			}
 		}
 		return nil
 	}
-	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		return tx.SendBatch(ctx, batch).Close()
-	})
-	if err != nil {
-		return wrap(fmt.Sprintf("publish %d messages to %q", len(msgs), topic), err)
+	if tx := inboxTx(ctx); tx != nil {
+		same, err := p.sameDatabase(ctx, tx)
+		if err != nil {
+			return p.t.wrap(op, err)
+		}
+		if same {
+			// Dead-lettered under an inbox claim in this database (the
+			// poison middleware puts the claim's transaction in the
+			// context): the row commits or rolls back with the key's
+			// dead mark.
+			if err := write(tx); err != nil {
+				return p.t.wrap(op+" in the inbox's transaction", err)
+			}
+			return nil
+		}
+	}
+	if err := sqldb.InTx(ctx, p.t.db, readCommitted, func(tx sqldb.Tx) error { return write(tx) }); err != nil {
+		return p.t.wrap(op, err)
 	}
 	return nil
 }
 
-// serverID tells apart where sessions are connected: the server (its
-// system identifier, and when it started) and the database.
-type serverID struct {
-	// system is pg_control_system()'s system_identifier, or 0 where the
-	// role may not call pg_control_system().
-	system   int64
-	started  time.Time
-	database string
-}
-
-// same reports whether a and b are the same database of the same server.
-// Without a system identifier on either side, the server's start time (to
-// the microsecond) and the database name decide.
-func (a serverID) same(b serverID) bool {
-	if a.database != b.database || !a.started.Equal(b.started) {
-		return false
+// inboxTx is the inbox transaction ctx carries, of any of the SQL inbox
+// stores, or nil.
+func inboxTx(ctx context.Context) sqldb.Executor {
+	if tx := postgres.Tx(ctx); tx != nil {
+		return sqldb.PgxTxOf(tx)
 	}
-	return a.system == 0 || b.system == 0 || a.system == b.system
-}
-
-// queryRower is a pool or a transaction.
-type queryRower interface {
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
-
-// identify reads db's serverID. Each statement is one that cannot fail
-// for lack of a privilege, so that a transaction it runs in stays usable.
-func identify(ctx context.Context, db queryRower) (serverID, error) {
-	var (
-		id      serverID
-		control bool
-	)
-	err := db.QueryRow(ctx, `SELECT has_function_privilege('pg_catalog.pg_control_system()', 'EXECUTE'),
-	pg_postmaster_start_time(), current_database()`).Scan(&control, &id.started, &id.database)
-	if err != nil {
-		return serverID{}, fmt.Errorf("identify the server: %w", err)
+	if tx := sqlstore.Tx(ctx); tx != nil {
+		return sqldb.SQLTxOf(tx)
 	}
-	if control {
-		if err := db.QueryRow(ctx, `SELECT system_identifier FROM pg_catalog.pg_control_system()`).Scan(&id.system); err != nil {
-			return serverID{}, fmt.Errorf("identify the server: %w", err)
+	if tx := sqlite.Tx(ctx); tx != nil {
+		return sqldb.SQLTxOf(tx)
+	}
+	return nil
+}
+
+// sameDatabase reports whether tx runs on the database of the dead-letter
+// table. It compares what the servers say of themselves
+// (sqldb.Identify), not the host names (localhost and 127.0.0.1 are one
+// server; one host may serve several databases). The table's identity is
+// learnt once; a pgx connection's once per backend (its process id and
+// cancel key); a database/sql transaction's every time.
+func (p *Publisher) sameDatabase(ctx context.Context, tx sqldb.Executor) (bool, error) {
+	p.mu.Lock()
+	own := p.own
+	p.mu.Unlock()
+	if own == nil {
+		id, err := sqldb.Identify(ctx, p.t.db)
+		if err != nil {
+			return false, err
+		}
+		own = &id
+		p.mu.Lock()
+		p.own = own
+		p.mu.Unlock()
+	}
+	backend := ""
+	if ptx, ok := sqldb.PgxTx(tx); ok {
+		if conn := ptx.Conn(); conn != nil && conn.PgConn() != nil {
+			pc := conn.PgConn()
+			backend = strconv.FormatUint(uint64(pc.PID()), 10) + ":" + string(pc.SecretKey())
 		}
 	}
-	return id, nil
-}
-
-// sameDatabase reports whether tx runs on the server and database of the
-// pool, where the dead-letter table is. It compares what the servers say
-// of themselves, not the host names (localhost and 127.0.0.1 are one
-// server; one host may serve several databases): the system identifier
-// of pg_control_system(), where the role may call it, the server's start
-// time and the database's name. The pool's identity is learnt once, each
-// connection's once per backend (its process id and cancel key): at most
-// two statements in tx the first time a backend dead-letters, none after.
-func (p *Publisher) sameDatabase(ctx context.Context, tx pgx.Tx) (bool, error) {
-	conn := tx.Conn()
-	if conn == nil || conn.PgConn() == nil {
-		return false, nil
-	}
-	pool, err := p.poolIdentity(ctx)
-	if err != nil {
-		return false, err
-	}
-	pc := conn.PgConn()
-	backend := strconv.FormatUint(uint64(pc.PID()), 10) + ":" + string(pc.SecretKey())
 	p.mu.Lock()
 	id, ok := p.backends[backend]
 	p.mu.Unlock()
-	if !ok {
-		if id, err = identify(ctx, tx); err != nil {
+	if !ok || backend == "" {
+		var err error
+		if id, err = sqldb.Identify(ctx, tx); err != nil {
 			return false, err
 		}
-		p.mu.Lock()
-		if p.backends == nil || len(p.backends) >= maxBackends {
-			p.backends = map[string]serverID{}
+		if backend != "" {
+			p.mu.Lock()
+			if p.backends == nil || len(p.backends) >= maxBackends {
+				p.backends = map[string]sqldb.Identity{}
+			}
+			p.backends[backend] = id
+			p.mu.Unlock()
 		}
-		p.backends[backend] = id
-		p.mu.Unlock()
 	}
-	return pool.same(id), nil
-}
-
-// poolIdentity returns the pool's serverID, learnt on first use.
-func (p *Publisher) poolIdentity(ctx context.Context) (serverID, error) {
-	p.mu.Lock()
-	id := p.poolID
-	p.mu.Unlock()
-	if id != nil {
-		return *id, nil
-	}
-	learnt, err := identify(ctx, p.pool)
-	if err != nil {
-		return serverID{}, err
-	}
-	p.mu.Lock()
-	p.poolID = &learnt
-	p.mu.Unlock()
-	return learnt, nil
+	return own.Same(id), nil
 }
 
 // Close does nothing: the pool belongs to the caller. It returns nil.
 func (p *Publisher) Close() error { return nil }
 
-// insertArgs parses m's dead-letter metadata into the INSERT's arguments.
-// Encoding the cleaned metadata as JSON cannot fail in practice; the error
-// is returned all the same.
-func insertArgs(dlqTopic string, m *message.Message) ([]any, error) {
+// insertArgs parses m's dead-letter metadata into the INSERT's arguments,
+// in d's types. Encoding the cleaned metadata as JSON cannot fail in
+// practice; the error is returned all the same.
+func insertArgs(d *sqldb.Dialect, dlqTopic string, m *message.Message) ([]any, error) {
 	md := make(map[string]string, len(m.Metadata)+1)
 	for k, v := range m.Metadata {
 		md[clean(k)] = clean(v)
@@ -283,25 +250,26 @@ func insertArgs(dlqTopic string, m *message.Message) ([]any, error) {
 	}
 	get := func(key string) string { return md[key] }
 	return []any{
-		uuid,
-		ident(get(delivery.DeadTopic)),
-		ident(dlqTopic),
-		ident(get(delivery.DeadConsumer)),
-		ident(get(delivery.DeadKey)),
+		d.Text(uuid),
+		d.Text(ident(get(delivery.DeadTopic))),
+		d.Text(ident(dlqTopic)),
+		d.Text(ident(get(delivery.DeadConsumer))),
+		d.Text(ident(get(delivery.DeadKey))),
 		parseAttempts(get(delivery.DeadAttempts)),
 		get(delivery.DeadError),
 		parsePermanent(get(delivery.DeadPermanent)),
 		parseTime(get(delivery.DeadFirstFailedAt)),
 		parseTime(get(delivery.DeadLastFailedAt)),
-		parsePartition(get(delivery.DeadPartition)),
-		parseOffset(get(delivery.DeadOffset)),
+		parseInt(get(delivery.DeadPartition), 32),
+		parseInt(get(delivery.DeadOffset), 64),
 		payload,
-		mdJSON,
+		string(mdJSON),
 	}, nil
 }
 
-// clean makes s storable as PostgreSQL text and jsonb: invalid UTF-8 and
-// NUL characters, which neither accepts, become U+FFFD.
+// clean makes s storable as text and JSON on every database: invalid
+// UTF-8 and NUL characters, which PostgreSQL's text and jsonb refuse,
+// become U+FFFD.
 func clean(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")
 	return strings.ReplaceAll(s, "\x00", "\uFFFD")
@@ -309,8 +277,8 @@ func clean(s string) string {
 
 // ident is the form of an identifier (uuid, topic, consumer, key) in a
 // column of the dead-letter table: clean, and bounded ([delivery.Bound])
-// so that a value of any length fits the table's indexes, on PostgreSQL
-// and MySQL alike. The metadata keeps the whole value (the topic,
+// so that a value of any length fits the table's indexes, on PostgreSQL,
+// MySQL and SQLite alike. The metadata keeps the whole value (the topic,
 // consumer and key in their delivery.Dead* fields, the UUID in
 // delivery.DeadUUID).
 func ident(s string) string { return delivery.Bound(clean(s)) }
@@ -330,41 +298,22 @@ func parsePermanent(s string) bool {
 	return err == nil && b
 }
 
-// parseTime reads an RFC 3339 time; garbage is NULL.
-func parseTime(s string) *time.Time {
+// parseTime reads an RFC 3339 time as microseconds since the epoch;
+// garbage is NULL.
+func parseTime(s string) any {
 	t, err := time.Parse(time.RFC3339Nano, strings.TrimSpace(s))
 	if err != nil {
 		return nil
 	}
-	return &t
+	return t.UnixMicro()
 }
 
-// parsePartition reads a Kafka partition; garbage or a negative number is
-// NULL.
-func parsePartition(s string) *int32 {
-	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 32)
+// parseInt reads a Kafka partition (bits 32) or offset (64); garbage or a
+// negative number is NULL.
+func parseInt(s string, bits int) any {
+	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, bits)
 	if err != nil || n < 0 {
 		return nil
 	}
-	p := int32(n)
-	return &p
-}
-
-// parseOffset reads a Kafka offset; garbage or a negative number is NULL.
-func parseOffset(s string) *int64 {
-	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 64)
-	if err != nil || n < 0 {
-		return nil
-	}
-	return &n
-}
-
-// wrap prefixes a database error with the operation, and marks a missing
-// table with ErrNotMigrated.
-func wrap(op string, err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
-		return fmt.Errorf("dlq: %s: %w: %w", op, ErrNotMigrated, err)
-	}
-	return fmt.Errorf("dlq: %s: %w", op, err)
+	return n
 }

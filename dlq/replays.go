@@ -2,17 +2,17 @@ package dlq
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -28,16 +28,15 @@ func (s *Store) RequestReplay(ctx context.Context, f Filter) (int, error) {
 	if err := f.selection(); err != nil {
 		return 0, err
 	}
-	if s.my != nil {
-		return s.my.requestReplay(ctx, f)
+	ids, err := s.selectIDs(ctx, f, "request replay")
+	if err != nil || len(ids) == 0 {
+		return 0, err
 	}
-	q, args := f.selectIDs(s.table)
-	tag, err := s.pool.Exec(ctx, `UPDATE `+s.table+` SET replay_requested_at = now()
-WHERE id IN (`+q+`) AND replay_requested_at IS NULL`, args...)
+	n, err := s.t.exec(ctx, s.t.q.request, idsJSON(ids))
 	if err != nil {
-		return 0, wrap("request replay", err)
+		return 0, s.t.wrap("request replay", err)
 	}
-	return int(tag.RowsAffected()), nil
+	return int(n), nil
 }
 
 // ReplaySubscriberConfig configures a [ReplaySubscriber].
@@ -53,8 +52,8 @@ type ReplaySubscriberConfig struct {
 	// that failed. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 	// Granter writes the replay grant of each entry on its dead key before
-	// the entry is delivered (see [Granter]). Defaults to the PostgreSQL
-	// inbox table beside the dead-letter table; set it to the consumer's
+	// the entry is delivered (see [Granter]). Defaults to the inbox table
+	// beside the dead-letter table; set it to the consumer's
 	// inbox store when that is elsewhere. An entry whose key has no record
 	// there is not delivered: its request is withdrawn and an error
 	// wrapping [ErrNoDeadKey] is logged, and the entry stays.
@@ -91,12 +90,12 @@ func (c ReplaySubscriberConfig) Validate() error {
 // [WithReplays], so that the replay runs through the same handler and
 // inbox. Each subscription starts a goroutine that ends with its context
 // or Close, and holds one connection of the pool while a message is out.
+// On SQLite, whose one writer must not wait on a handler, nothing is
+// locked while the message is out: instances running at once may both
+// deliver an entry, under its UUID, which the consumer's inbox absorbs.
 type ReplaySubscriber struct {
-	pool *pgxpool.Pool
-	// my is the table on MySQL ([NewSQLReplaySubscriber]), pool nil then.
-	my    *mysqlDLQ
-	table string
-	cfg   ReplaySubscriberConfig
+	t   *table
+	cfg ReplaySubscriberConfig
 
 	closing   chan struct{}
 	closeOnce sync.Once
@@ -105,21 +104,39 @@ type ReplaySubscriber struct {
 
 var _ message.Subscriber = (*ReplaySubscriber)(nil)
 
-// NewReplaySubscriber returns a subscriber on the dead-letter table that
-// schema names; cfg is copied, defaulted and validated.
+// NewReplaySubscriber returns a subscriber on the PostgreSQL dead-letter
+// table that schema names, through a pgx pool; cfg is copied, defaulted
+// and validated.
 func NewReplaySubscriber(pool *pgxpool.Pool, schema sqlschema.Config, cfg ReplaySubscriberConfig) (*ReplaySubscriber, error) {
-	table, err := tableFor(pool, schema)
+	t, err := openPool(pool, schema)
 	if err != nil {
 		return nil, err
 	}
+	return newReplaySubscriber(t, cfg)
+}
+
+// NewSQLReplaySubscriber returns a [ReplaySubscriber] on the dead-letter
+// table that schema names on db, a database of dialect d through
+// database/sql (sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite),
+// as [NewReplaySubscriber] does for a pgx pool; cfg is copied, defaulted
+// and validated.
+func NewSQLReplaySubscriber(db *sql.DB, d sqlschema.Dialect, schema sqlschema.Config, cfg ReplaySubscriberConfig) (*ReplaySubscriber, error) {
+	t, err := openSQL(db, d, schema)
+	if err != nil {
+		return nil, err
+	}
+	return newReplaySubscriber(t, cfg)
+}
+
+func newReplaySubscriber(t *table, cfg ReplaySubscriberConfig) (*ReplaySubscriber, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	if cfg.Granter == nil {
-		cfg.Granter = tableGranter{pool: pool, inbox: sqlschema.NamesFor(sqlschema.Postgres, schema.WithDefaults()).Inbox}
+		cfg.Granter = tableGranter{t}
 	}
-	return &ReplaySubscriber{pool: pool, table: table, cfg: cfg, closing: make(chan struct{})}, nil
+	return &ReplaySubscriber{t: t, cfg: cfg, closing: make(chan struct{})}, nil
 }
 
 // Subscribe delivers the requested replays of topic for the consumer until
@@ -158,32 +175,20 @@ func (r *ReplaySubscriber) Subscribe(ctx context.Context, topic string) (<-chan 
 // deliverOne hands out the first requested entry, if any, and ends its
 // transaction with the message's ack (delete) or nack (keep).
 func (r *ReplaySubscriber) deliverOne(ctx context.Context, topic string, out chan<- *message.Message) (delivered bool, err error) {
-	if r.my != nil {
-		return r.deliverOneMySQL(ctx, topic, out)
-	}
-	tx, err := r.pool.Begin(ctx)
-	if err != nil {
-		return false, wrap("replay: begin", err)
+	h, err := r.t.take(ctx, r.t.q.nextReplay, r.t.d.Text(r.cfg.Consumer), r.t.d.Text(topic))
+	if err != nil || h == nil {
+		if err != nil {
+			err = r.t.wrap("replay: read", err)
+		}
+		return false, err
 	}
 	defer func() {
-		// A no-op after Commit; otherwise the entry stays, unlocked.
-		if rbErr := tx.Rollback(context.WithoutCancel(ctx)); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
-			err = errors.Join(err, wrap("replay: rollback", rbErr))
+		// A no-op after the delete; otherwise the entry stays, unlocked.
+		if rbErr := h.release(context.WithoutCancel(ctx)); rbErr != nil {
+			err = errors.Join(err, r.t.wrap("replay: rollback", rbErr))
 		}
 	}()
-	rows, err := tx.Query(ctx, `SELECT `+columns+` FROM `+r.table+`
-WHERE consumer = $1 AND topic = $2 AND replay_requested_at IS NOT NULL
-ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
-	if err != nil {
-		return false, wrap("replay: read", err)
-	}
-	e, err := pgx.CollectExactlyOneRow(rows, scanEntry)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
-	}
-	if err != nil {
-		return false, wrap("replay: read", err)
-	}
+	e := h.Entry
 	// A fresh grant for every delivery, committed before the consumer can
 	// see the message: a copy handed out before and nacked no longer
 	// reopens the key.
@@ -193,31 +198,13 @@ ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
 		// is dead, and the entry deleted; asked again at every poll, it
 		// would hold up the replays behind it. The request is withdrawn,
 		// the entry stays.
-		q := withdrawSQL{
-			twin:   `SELECT b.id FROM ` + r.table + ` AS a JOIN ` + r.table + ` AS b ON ` + twinOf + ` WHERE a.id = $1 FOR UPDATE`,
-			adopt:  `UPDATE ` + r.table + ` AS a SET ` + adoptNewer("", `"`) + ` FROM ` + r.table + ` AS b WHERE a.id = $1 AND b.id = $2`,
-			remove: `DELETE FROM ` + r.table + ` WHERE id = $1`,
-			clear:  `UPDATE ` + r.table + ` SET replay_requested_at = NULL WHERE id = $1`,
-		}
-		kept, werr := withdrawRequest(ctx, q, withdrawTx{
-			exec: func(ctx context.Context, query string, args ...any) error {
-				_, err := tx.Exec(ctx, query, args...)
-				return err
-			},
-			queryID: func(ctx context.Context, query string, arg int64) (int64, bool, error) {
-				var id int64
-				err := tx.QueryRow(ctx, query, arg).Scan(&id)
-				if errors.Is(err, pgx.ErrNoRows) {
-					return 0, false, nil
-				}
-				return id, err == nil, err
-			},
-		}, e.ID)
+		var kept int64
+		werr := h.done(ctx, func(tx sqldb.Executor) (err error) {
+			kept, err = r.t.withdrawRequest(ctx, tx, e.ID)
+			return err
+		})
 		if werr != nil {
-			return false, errors.Join(err, wrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), werr))
-		}
-		if cerr := tx.Commit(ctx); cerr != nil {
-			return false, errors.Join(err, wrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), cerr))
+			return false, errors.Join(err, r.t.wrap(fmt.Sprintf("replay entry %d: withdraw the request", e.ID), werr))
 		}
 		r.cfg.Logger.Error("Replay refused, its request withdrawn; the entry stays", err,
 			watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": kept, "message_uuid": e.UUID})
@@ -249,11 +236,11 @@ ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
 	// The consumer took it durably: the entry goes, even if ctx ends now.
 	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer wcancel()
-	if _, err := tx.Exec(wctx, `DELETE FROM `+r.table+` WHERE id = $1`, e.ID); err != nil {
-		return true, wrap(fmt.Sprintf("replay entry %d: delete after ack (it is delivered again, a duplicate to the inbox)", e.ID), err)
-	}
-	if err := tx.Commit(wctx); err != nil {
-		return true, wrap(fmt.Sprintf("replay entry %d: commit after ack (it is delivered again, a duplicate to the inbox)", e.ID), err)
+	if err := h.done(wctx, func(tx sqldb.Executor) error {
+		_, err := tx.Exec(wctx, r.t.q.removeOne, e.ID)
+		return err
+	}); err != nil {
+		return true, r.t.wrap(fmt.Sprintf("replay entry %d: delete after ack (it is delivered again, a duplicate to the inbox)", e.ID), err)
 	}
 	r.cfg.Logger.Info("Dead letter replayed to its consumer", watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic, "entry": e.ID, "message_uuid": e.UUID})
 	return true, nil
@@ -276,62 +263,40 @@ ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`, r.cfg.Consumer, topic)
 
 // twinOf joins entry a to b, its twin: another entry of the same
 // consumer, topic and message with no replay requested (at most one, by
-// the unique index). The statements of both dialects use it.
+// the unique index).
 const twinOf = `b.consumer = a.consumer AND b.topic = a.topic AND b.uuid = a.uuid
 AND b.replay_requested_at IS NULL AND b.id <> a.id`
 
-// adoptNewer is the SET list that gives entry a the failure of entry b:
-// target prefixes the columns set (MySQL's multi-table UPDATE names them
-// a.), quote quotes a column name in the dialect.
-func adoptNewer(target, quote string) string {
-	set := []string{target + "first_failed_at = COALESCE(a.first_failed_at, b.first_failed_at)"}
+// adoptNewer is the SET list that gives entry a the failure of entry b.
+func adoptNewer(d *sqldb.Dialect) []string {
+	set := []string{"first_failed_at = COALESCE(a.first_failed_at, b.first_failed_at)"}
 	for _, c := range []string{"attempts", "error", "permanent", "last_failed_at", "kafka_partition", "kafka_offset", "payload", "metadata"} {
-		set = append(set, target+quote+c+quote+" = b."+quote+c+quote)
+		set = append(set, d.Quote(c)+" = b."+d.Quote(c))
 	}
-	return strings.Join(set, ", ")
-}
-
-// withdrawSQL are a dialect's statements that take an entry's replay
-// request back.
-type withdrawSQL struct {
-	// twin locks the twin of entry $1 (twinOf) and returns its id.
-	twin string
-	// adopt gives entry $1 the failure of entry $2 (adoptNewer).
-	adopt string
-	// remove deletes entry $1.
-	remove string
-	// clear takes entry $1's request back.
-	clear string
-}
-
-// withdrawTx runs withdrawSQL's statements in the transaction that holds
-// the entry: queryID returns the one id a query selects, ok false when it
-// selects none.
-type withdrawTx struct {
-	exec    func(ctx context.Context, query string, args ...any) error
-	queryID func(ctx context.Context, query string, arg int64) (id int64, ok bool, err error)
+	return set
 }
 
 // withdrawRequest takes the replay request of entry id back in tx, and
 // returns the id of the entry the message is left with: id, or its older
 // twin. The caller commits.
-func withdrawRequest(ctx context.Context, q withdrawSQL, tx withdrawTx, id int64) (kept int64, err error) {
-	twin, ok, err := tx.queryID(ctx, q.twin, id)
-	if err != nil {
+func (t *table) withdrawRequest(ctx context.Context, tx sqldb.Executor, id int64) (kept int64, err error) {
+	var twin int64
+	err = tx.QueryRow(ctx, t.q.twin, id).Scan(&twin)
+	if err != nil && !errors.Is(err, sqldb.ErrNoRows) {
 		return 0, fmt.Errorf("find the entry of the same message dead-lettered again: %w", err)
 	}
 	kept = id
-	if ok {
+	if err == nil {
 		older, newer := min(id, twin), max(id, twin)
-		if err := tx.exec(ctx, q.adopt, older, newer); err != nil {
+		if _, err := tx.Exec(ctx, t.q.adopt, older, newer); err != nil {
 			return 0, fmt.Errorf("give entry %d the newer failure of entry %d: %w", older, newer, err)
 		}
-		if err := tx.exec(ctx, q.remove, newer); err != nil {
+		if _, err := tx.Exec(ctx, t.q.removeOne, newer); err != nil {
 			return 0, fmt.Errorf("delete entry %d, merged into entry %d: %w", newer, older, err)
 		}
 		kept = older
 	}
-	if err := tx.exec(ctx, q.clear, kept); err != nil {
+	if _, err := tx.Exec(ctx, t.q.clear, kept); err != nil {
 		return 0, err
 	}
 	return kept, nil

@@ -2,18 +2,18 @@ package dlq
 
 import (
 	"context"
-	"encoding/json"
+	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -108,64 +108,47 @@ func (e Entry) Message(grant string) *message.Message {
 	return msg
 }
 
-// columns are the columns of an Entry, in scan order.
-const columns = `id, uuid, topic, dlq_topic, consumer, key, attempts, error, permanent,
-	first_failed_at, last_failed_at, kafka_partition, kafka_offset, payload, metadata, dead_at`
-
-func scanEntry(row pgx.CollectableRow) (Entry, error) {
-	var (
-		e           Entry
-		first, last *time.Time
-		md          []byte
-	)
-	if err := row.Scan(&e.ID, &e.UUID, &e.Topic, &e.DLQTopic, &e.Consumer, &e.Key, &e.Attempts, &e.Error,
-		&e.Permanent, &first, &last, &e.Partition, &e.Offset, &e.Payload, &md, &e.DeadAt); err != nil {
-		return Entry{}, err
-	}
-	if first != nil {
-		e.FirstFailedAt = *first
-	}
-	if last != nil {
-		e.LastFailedAt = *last
-	}
-	if err := json.Unmarshal(md, &e.Metadata); err != nil {
-		return Entry{}, fmt.Errorf("entry %d: metadata: %w", e.ID, err)
-	}
-	if e.Metadata == nil {
-		e.Metadata = map[string]string{}
-	}
-	return e, nil
-}
-
 // Store reads and changes the dead-letter table. It is safe for concurrent
 // use, by one process or several, and starts no goroutines.
 type Store struct {
-	pool *pgxpool.Pool
-	// my is the table on MySQL ([NewSQLStore]), pool nil then.
-	my     *mysqlDLQ
-	table  string
-	inbox  string
+	t      *table
 	grants Granter
 	// newKeys replays an entry whose key has no record as a new key.
 	newKeys bool
 }
 
-// NewStore returns a store on the dead-letter table that cfg names
-// (cfg.Schema and cfg.DLQTable, as given to [sqlschema.Migrate]). It does
-// not create the table. The pool stays the caller's.
+// NewStore returns a store on the PostgreSQL dead-letter table that cfg
+// names (cfg.Schema and cfg.DLQTable, as given to [sqlschema.Migrate]),
+// through a pgx pool. It does not create the table. The pool stays the
+// caller's.
 func NewStore(pool *pgxpool.Pool, cfg sqlschema.Config) (*Store, error) {
-	table, err := tableFor(pool, cfg)
+	t, err := openPool(pool, cfg)
 	if err != nil {
 		return nil, err
 	}
-	inbox := sqlschema.NamesFor(sqlschema.Postgres, cfg.WithDefaults()).Inbox
-	return &Store{pool: pool, table: table, inbox: inbox, grants: tableGranter{pool: pool, inbox: inbox}}, nil
+	return &Store{t: t, grants: tableGranter{t}}, nil
+}
+
+// NewSQLStore returns a store on the dead-letter table that cfg names
+// (cfg.Schema, the PostgreSQL schema or MySQL database, and cfg.DLQTable,
+// as given to sqlschema.MigrateSQL) on db, a database of dialect d
+// through database/sql: sqlschema.Postgres (pgx's stdlib or lib/pq),
+// sqlschema.MySQL (MySQL 8.0+ or MariaDB 10.6+ through
+// go-sql-driver/mysql) or sqlschema.SQLite (modernc.org/sqlite). It is the
+// [Store] of [NewStore] otherwise. It does not create the table. The db
+// stays the caller's.
+func NewSQLStore(db *sql.DB, d sqlschema.Dialect, cfg sqlschema.Config) (*Store, error) {
+	t, err := openSQL(db, d, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Store{t: t, grants: tableGranter{t}}, nil
 }
 
 // WithGranter returns a copy of s whose replays write their grants
 // through g, the inbox store of the consumers whose dead letters it
 // replays, instead of on the inbox table beside the dead-letter table: for
-// consumers whose inbox is not that table (Redis, SQLite, another schema).
+// consumers whose inbox is not that table (Redis, another database or schema).
 // A nil g is refused with an error naming it.
 func (s *Store) WithGranter(g Granter) (*Store, error) {
 	if g == nil {
@@ -195,17 +178,13 @@ func (s *Store) WithNewKeys() *Store {
 // inbox table is elsewhere, or the key is no longer dead (replayed, or
 // expired after its window).
 func (s *Store) CopiesSince(ctx context.Context, e Entry) (n int, ok bool, err error) {
-	if s.my != nil {
-		return s.my.copiesSince(ctx, e)
-	}
-	err = s.pool.QueryRow(ctx, `SELECT dead_copies FROM `+s.inbox+` WHERE consumer = $1 AND key = $2 AND status = 'dead'`,
-		e.Consumer, e.Key).Scan(&n)
-	var pgErr *pgconn.PgError
+	consumer, key := s.t.d.InboxKey(e.Consumer, e.Key)
+	err = s.t.db.QueryRow(ctx, s.t.q.copies, consumer, key).Scan(&n)
 	switch {
-	case errors.Is(err, pgx.ErrNoRows), errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42703"):
+	case errors.Is(err, sqldb.ErrNoRows), s.t.d.UndefinedTable(err), s.t.d.UndefinedColumn(err):
 		return 0, false, nil // no such key, table or column here
 	case err != nil:
-		return 0, false, wrap(fmt.Sprintf("copies of entry %d", e.ID), err)
+		return 0, false, s.t.wrap(fmt.Sprintf("copies of entry %d", e.ID), err)
 	}
 	return n, true, nil
 }
@@ -215,17 +194,11 @@ func (s *Store) List(ctx context.Context, f Filter) ([]Entry, error) {
 	if err := f.Validate(); err != nil {
 		return nil, err
 	}
-	if s.my != nil {
-		return s.my.list(ctx, f)
-	}
-	ids, args := f.selectIDs(s.table)
-	rows, err := s.pool.Query(ctx, `SELECT `+columns+` FROM `+s.table+` WHERE id IN (`+ids+`) ORDER BY id`, args...)
+	q, args := f.query(s.t, s.t.cols)
+	rows, err := s.t.db.Query(ctx, q, args...)
+	entries, err := sqldb.Collect(rows, err, func(r sqldb.Rows) (Entry, error) { return scanEntry(r) })
 	if err != nil {
-		return nil, wrap("list", err)
-	}
-	entries, err := pgx.CollectRows(rows, scanEntry)
-	if err != nil {
-		return nil, wrap("list", err)
+		return nil, s.t.wrap("list", err)
 	}
 	return entries, nil
 }
@@ -233,19 +206,12 @@ func (s *Store) List(ctx context.Context, f Filter) ([]Entry, error) {
 // Get returns the entry with the given id; the error wraps [ErrNotFound]
 // when there is none.
 func (s *Store) Get(ctx context.Context, id int64) (Entry, error) {
-	if s.my != nil {
-		return s.my.get(ctx, id)
-	}
-	rows, err := s.pool.Query(ctx, `SELECT `+columns+` FROM `+s.table+` WHERE id = $1`, id)
-	if err != nil {
-		return Entry{}, wrap(fmt.Sprintf("get entry %d", id), err)
-	}
-	e, err := pgx.CollectExactlyOneRow(rows, scanEntry)
-	if errors.Is(err, pgx.ErrNoRows) {
+	e, err := scanEntry(s.t.db.QueryRow(ctx, s.t.q.get, id))
+	if errors.Is(err, sqldb.ErrNoRows) {
 		return Entry{}, fmt.Errorf("%w: %d", ErrNotFound, id)
 	}
 	if err != nil {
-		return Entry{}, wrap(fmt.Sprintf("get entry %d", id), err)
+		return Entry{}, s.t.wrap(fmt.Sprintf("get entry %d", id), err)
 	}
 	return e, nil
 }
@@ -256,13 +222,10 @@ func (s *Store) Count(ctx context.Context, f Filter) (int, error) {
 	if err := f.Validate(); err != nil {
 		return 0, err
 	}
-	if s.my != nil {
-		return s.my.count(ctx, f)
-	}
-	ids, args := f.selectIDs(s.table)
+	q, args := f.query(s.t, "id")
 	var n int
-	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM (`+ids+`) s`, args...).Scan(&n); err != nil {
-		return 0, wrap("count", err)
+	if err := s.t.db.QueryRow(ctx, `SELECT COUNT(*) FROM (`+q+`) s`, args...).Scan(&n); err != nil {
+		return 0, s.t.wrap("count", err)
 	}
 	return n, nil
 }
@@ -273,18 +236,22 @@ func (s *Store) Missing(ctx context.Context, ids []int64) ([]int64, error) {
 	if len(ids) == 0 {
 		return nil, nil
 	}
-	if s.my != nil {
-		return s.my.missing(ctx, ids)
-	}
-	rows, err := s.pool.Query(ctx, `SELECT DISTINCT u.id FROM unnest($1::bigint[]) AS u(id)
-WHERE NOT EXISTS (SELECT 1 FROM `+s.table+` d WHERE d.id = u.id) ORDER BY u.id`, ids)
+	found, err := s.selectIDs(ctx, Filter{IDs: ids}, "look up ids")
 	if err != nil {
-		return nil, wrap("look up ids", err)
+		return nil, err
 	}
-	missing, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
-		return nil, wrap("look up ids", err)
+	have := make(map[int64]bool, len(found))
+	for _, id := range found {
+		have[id] = true
 	}
+	var missing []int64
+	for _, id := range ids {
+		if !have[id] {
+			missing = append(missing, id)
+			have[id] = true // once
+		}
+	}
+	slices.Sort(missing)
 	return missing, nil
 }
 
@@ -298,7 +265,10 @@ WHERE NOT EXISTS (SELECT 1 FROM `+s.table+` d WHERE d.id = u.id) ORDER BY u.id`,
 // of the entry published no longer reopens the key once a later one is
 // granted. An entry that another replay or purge holds or has
 // already removed is skipped, so replays running at once never publish an
-// entry twice.
+// entry twice. On SQLite, whose one writer must not wait on a broker,
+// nothing is locked while the entry is published and deleted: replays
+// running at once may both publish it, under its UUID, which the
+// consumer's inbox absorbs.
 //
 // Replay stops at the first entry it cannot replay — pub fails, the
 // entry has no topic ([ErrNoTopic]), or its key is not dead in the
@@ -332,7 +302,7 @@ func (s *Store) Replay(ctx context.Context, pub message.Publisher, f Filter, pro
 	if err := f.selection(); err != nil {
 		return 0, err
 	}
-	ids, err := s.selectIDs(ctx, f)
+	ids, err := s.selectIDs(ctx, f, "replay: select entries")
 	if err != nil {
 		return 0, err
 	}
@@ -359,18 +329,14 @@ func (s *Store) Replay(ctx context.Context, pub message.Publisher, f Filter, pro
 }
 
 // selectIDs returns the ids f selects, in id order.
-func (s *Store) selectIDs(ctx context.Context, f Filter) ([]int64, error) {
-	if s.my != nil {
-		return s.my.selectIDs(ctx, f, "replay: select entries")
-	}
-	q, args := f.selectIDs(s.table)
-	rows, err := s.pool.Query(ctx, q, args...)
+func (s *Store) selectIDs(ctx context.Context, f Filter, op string) ([]int64, error) {
+	q, args := f.query(s.t, "id")
+	rows, err := s.t.db.Query(ctx, q, args...)
+	ids, err := sqldb.Collect(rows, err, func(r sqldb.Rows) (id int64, err error) {
+		return id, r.Scan(&id)
+	})
 	if err != nil {
-		return nil, wrap("replay: select entries", err)
-	}
-	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
-		return nil, wrap("replay: select entries", err)
+		return nil, s.t.wrap(op, err)
 	}
 	return ids, nil
 }
@@ -378,31 +344,21 @@ func (s *Store) selectIDs(ctx context.Context, f Filter) ([]int64, error) {
 // replayOne replays the entry id in its own transaction. It reports false
 // when the entry is gone or locked by another replay.
 func (s *Store) replayOne(ctx context.Context, pub message.Publisher, id int64) (replayed bool, err error) {
-	if s.my != nil {
-		return s.my.replayOne(ctx, s, pub, id)
-	}
-	tx, err := s.pool.Begin(ctx)
+	h, err := s.t.take(ctx, s.t.q.lockOne, id)
 	if err != nil {
-		return false, wrap(fmt.Sprintf("replay entry %d: begin", id), err)
+		return false, s.t.wrap(fmt.Sprintf("replay entry %d: lock", id), err)
 	}
-	defer func() {
-		// A no-op after Commit; otherwise the row stays, unlocked.
-		if rbErr := tx.Rollback(context.WithoutCancel(ctx)); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
-			err = errors.Join(err, fmt.Errorf("dlq: replay entry %d: rollback: %w", id, rbErr))
-		}
-	}()
-	rows, err := tx.Query(ctx, `SELECT `+columns+` FROM `+s.table+` WHERE id = $1 FOR UPDATE SKIP LOCKED`, id)
-	if err != nil {
-		return false, wrap(fmt.Sprintf("replay entry %d: lock", id), err)
-	}
-	e, err := pgx.CollectExactlyOneRow(rows, scanEntry)
-	if errors.Is(err, pgx.ErrNoRows) {
+	if h == nil {
 		// Replayed or purged meanwhile, or being replayed right now.
 		return false, nil
 	}
-	if err != nil {
-		return false, wrap(fmt.Sprintf("replay entry %d: lock", id), err)
-	}
+	defer func() {
+		// A no-op after the delete; otherwise the row stays, unlocked.
+		if rbErr := h.release(context.WithoutCancel(ctx)); rbErr != nil {
+			err = errors.Join(err, fmt.Errorf("dlq: replay entry %d: rollback: %w", id, rbErr))
+		}
+	}()
+	e := h.Entry
 	if e.Topic == "" {
 		return false, fmt.Errorf("dlq: replay entry %d (uuid %s): %w", id, e.UUID, ErrNoTopic)
 	}
@@ -418,11 +374,11 @@ func (s *Store) replayOne(ctx context.Context, pub message.Publisher, id int64) 
 	// The broker has the message: delete the entry even if ctx ends now,
 	// or the next replay publishes it again.
 	wctx := context.WithoutCancel(ctx)
-	if _, err := tx.Exec(wctx, `DELETE FROM `+s.table+` WHERE id = $1`, id); err != nil {
-		return false, wrap(fmt.Sprintf("replay entry %d: published to %q, but delete failed (a later replay publishes it again)", id, e.Topic), err)
-	}
-	if err := tx.Commit(wctx); err != nil {
-		return false, wrap(fmt.Sprintf("replay entry %d: published to %q, but commit failed (a later replay publishes it again)", id, e.Topic), err)
+	if err := h.done(wctx, func(tx sqldb.Executor) error {
+		_, err := tx.Exec(wctx, s.t.q.removeOne, id)
+		return err
+	}); err != nil {
+		return false, s.t.wrap(fmt.Sprintf("replay entry %d: published to %q, but delete failed (a later replay publishes it again)", id, e.Topic), err)
 	}
 	return true, nil
 }
@@ -433,13 +389,13 @@ func (s *Store) Purge(ctx context.Context, f Filter) (int, error) {
 	if err := f.selection(); err != nil {
 		return 0, err
 	}
-	if s.my != nil {
-		return s.my.purge(ctx, f)
+	ids, err := s.selectIDs(ctx, f, "purge")
+	if err != nil || len(ids) == 0 {
+		return 0, err
 	}
-	ids, args := f.selectIDs(s.table)
-	tag, err := s.pool.Exec(ctx, `DELETE FROM `+s.table+` WHERE id IN (`+ids+`)`, args...)
+	n, err := s.t.exec(ctx, s.t.q.removeIDs, idsJSON(ids))
 	if err != nil {
-		return 0, wrap("purge", err)
+		return 0, s.t.wrap("purge", err)
 	}
-	return int(tag.RowsAffected()), nil
+	return int(n), nil
 }

@@ -1,0 +1,544 @@
+package dlq_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/require"
+
+	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// inboxStore is what the tests ask of a backend's inbox store.
+type inboxStore interface {
+	dedup.TxStore
+	dedupdriver.Peeker
+}
+
+// backend is a dead-letter table, with the inbox table beside it, on one
+// of the databases the package speaks, and its inbox store.
+type backend struct {
+	store *dlq.Store
+	pub   *dlq.Publisher
+	inbox inboxStore
+	// replays opens a replay subscriber on the table.
+	replays func(cfg dlq.ReplaySubscriberConfig) (*dlq.ReplaySubscriber, error)
+	// bare opens a store and a publisher on a database where nothing was
+	// migrated.
+	bare func(t *testing.T) (*dlq.Store, *dlq.Publisher)
+}
+
+// backends are the four ways to the table: PostgreSQL through pgx and
+// through database/sql, MariaDB, SQLite.
+var backends = []struct {
+	name string
+	open func(t *testing.T) backend
+}{
+	{"postgres-pgx", func(t *testing.T) backend {
+		pool := pgtest.Pool(t, 12)
+		cfg := sqlschema.Config{Schema: pgtest.Schema(t, pool)}
+		store, err := dlq.NewStore(pool, cfg)
+		require.NoError(t, err)
+		pub, err := dlq.NewPublisher(pool, cfg)
+		require.NoError(t, err)
+		inbox, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
+		require.NoError(t, err)
+		return backend{store: store, pub: pub, inbox: inbox,
+			replays: func(c dlq.ReplaySubscriberConfig) (*dlq.ReplaySubscriber, error) {
+				return dlq.NewReplaySubscriber(pool, cfg, c)
+			},
+			bare: func(t *testing.T) (*dlq.Store, *dlq.Publisher) {
+				cfg := sqlschema.Config{Schema: pgtest.Name(t)}
+				store, err := dlq.NewStore(pool, cfg)
+				require.NoError(t, err)
+				pub, err := dlq.NewPublisher(pool, cfg)
+				require.NoError(t, err)
+				return store, pub
+			}}
+	}},
+	{"postgres-database-sql", func(t *testing.T) backend {
+		pool := pgtest.Pool(t, 12)
+		cfg := sqlschema.Config{Schema: pgtest.Schema(t, pool)}
+		db := stdlib.OpenDBFromPool(pool)
+		t.Cleanup(func() { require.NoError(t, db.Close()) })
+		inbox, err := sqlstore.New(db, sqlstore.Config{Dialect: sqlstore.Postgres, Schema: cfg})
+		require.NoError(t, err)
+		return sqlBackend(t, db, sqlschema.Postgres, cfg, inbox, func(t *testing.T) (*sql.DB, sqlschema.Config) {
+			return db, sqlschema.Config{Schema: pgtest.Name(t)}
+		})
+	}},
+	{"mariadb", func(t *testing.T) backend {
+		db, name := mysqltest.DB(t, 12)
+		cfg := sqlschema.Config{Schema: name}
+		require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.MySQL, cfg))
+		inbox, err := sqlstore.New(db, sqlstore.Config{Dialect: sqlstore.MySQL, Schema: cfg})
+		require.NoError(t, err)
+		return sqlBackend(t, db, sqlschema.MySQL, cfg, inbox, func(t *testing.T) (*sql.DB, sqlschema.Config) {
+			db, name := mysqltest.DB(t, 2)
+			return db, sqlschema.Config{Schema: name}
+		})
+	}},
+	{"sqlite", func(t *testing.T) backend {
+		db := openSQLite(t)
+		cfg := sqlschema.Config{}
+		require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.SQLite, cfg))
+		inbox, err := sqlite.New(context.Background(), db, sqlite.Config{})
+		require.NoError(t, err)
+		return sqlBackend(t, db, sqlschema.SQLite, cfg, inbox, func(t *testing.T) (*sql.DB, sqlschema.Config) {
+			return openSQLite(t), cfg
+		})
+	}},
+}
+
+// openSQLite opens a SQLite database in a file of its own, as
+// dedup/sqlite.Open does, and closes it when the test ends.
+func openSQLite(t *testing.T) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("sqlite", "file:"+t.TempDir()+"/oncemill.db?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)&_txlock=immediate")
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, db.Close()) })
+	return db
+}
+
+// sqlBackend is a backend through database/sql.
+func sqlBackend(t *testing.T, db *sql.DB, d sqlschema.Dialect, cfg sqlschema.Config, inbox inboxStore,
+	bare func(t *testing.T) (*sql.DB, sqlschema.Config)) backend {
+	t.Helper()
+	store, err := dlq.NewSQLStore(db, d, cfg)
+	require.NoError(t, err)
+	pub, err := dlq.NewSQLPublisher(db, d, cfg)
+	require.NoError(t, err)
+	return backend{store: store, pub: pub, inbox: inbox,
+		replays: func(c dlq.ReplaySubscriberConfig) (*dlq.ReplaySubscriber, error) {
+			return dlq.NewSQLReplaySubscriber(db, d, cfg, c)
+		},
+		bare: func(t *testing.T) (*dlq.Store, *dlq.Publisher) {
+			db, cfg := bare(t)
+			store, err := dlq.NewSQLStore(db, d, cfg)
+			require.NoError(t, err)
+			pub, err := dlq.NewSQLPublisher(db, d, cfg)
+			require.NoError(t, err)
+			return store, pub
+		}}
+}
+
+// list returns the ids of the entries f selects.
+func (b backend) list(t *testing.T, f dlq.Filter) []int64 {
+	t.Helper()
+	entries, err := b.store.List(context.Background(), f)
+	require.NoError(t, err)
+	return entryIDs(entries)
+}
+
+// bury marks key dead for consumer in the inbox table, as the inbox does
+// when it gives up on a message.
+func (b backend) bury(t *testing.T, consumer, key string) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.inbox.InboxBegin(ctx)
+	require.NoError(t, err)
+	k := dedup.Key{Consumer: consumer, Key: key}
+	c, err := tx.InboxClaim(ctx, k, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateNew, c.State)
+	require.NoError(t, tx.InboxBury(ctx, k, dedup.Failure{Err: "seeded", At: time.Now()}))
+	require.NoError(t, tx.Commit(ctx))
+}
+
+// seed dead-letters msgs as a consumer's inbox and poison middleware do,
+// and returns their entries' ids.
+func (b backend) seed(t *testing.T, msgs ...*message.Message) []int64 {
+	t.Helper()
+	before := len(b.list(t, dlq.Filter{}))
+	for _, m := range msgs {
+		b.bury(t, m.Metadata.Get(delivery.DeadConsumer), m.Metadata.Get(delivery.DeadKey))
+	}
+	require.NoError(t, b.pub.Publish("orders.dlq", msgs...))
+	ids := b.list(t, dlq.Filter{})
+	require.Len(t, ids, before+len(msgs))
+	return ids[before:]
+}
+
+// TestOnEveryBackend: what an operator and a consumer see of the
+// dead-letter table is the same on PostgreSQL (through pgx and through
+// database/sql), MariaDB and SQLite.
+func TestOnEveryBackend(t *testing.T) {
+	t.Parallel()
+	checks := []struct {
+		name string
+		run  func(t *testing.T, b backend)
+	}{
+		{"written once", checkWrittenOnce},
+		{"list, filter, count, show", checkList},
+		{"replay to the topic", checkReplay},
+		{"replay to the consumer", checkReplayToConsumer},
+		{"purge", checkPurge},
+		{"not migrated", checkNotMigrated},
+		{"poison middleware", checkPoison},
+	}
+	for _, be := range backends {
+		t.Run(be.name, func(t *testing.T) {
+			t.Parallel()
+			for _, c := range checks {
+				t.Run(c.name, func(t *testing.T) {
+					t.Parallel()
+					c.run(t, be.open(t))
+				})
+			}
+		})
+	}
+}
+
+// checkWrittenOnce: a dead letter's fields survive the table; the same
+// message dead-lettered again, or by writers at the same instant, is one
+// entry; another consumer's dead letter of it is its own.
+func checkWrittenOnce(t *testing.T, b backend) {
+	ctx := context.Background()
+	m := dead("orders", "charge", "card declined \xff")
+	m.Payload = []byte{0, 0xfe, 'x'}
+	m.Metadata.Set(delivery.DeadPermanent, "true")
+	m.Metadata.Set(delivery.DeadPartition, "3")
+	m.Metadata.Set(delivery.DeadOffset, "9000000000")
+	require.NoError(t, b.pub.Publish("orders.dlq", m))
+	require.NoError(t, b.pub.Publish("orders.dlq", m.Copy()))
+	ids := b.list(t, dlq.Filter{})
+	require.Len(t, ids, 1, "dead-lettered twice: one entry")
+
+	got, err := b.store.Get(ctx, ids[0])
+	require.NoError(t, err)
+	require.Equal(t, m.UUID, got.UUID)
+	require.Equal(t, "orders", got.Topic)
+	require.Equal(t, "orders.dlq", got.DLQTopic)
+	require.Equal(t, "charge", got.Consumer)
+	require.Equal(t, "key-"+m.UUID, got.Key)
+	require.Equal(t, 5, got.Attempts)
+	require.Equal(t, "card declined \uFFFD", got.Error, "invalid UTF-8 stored as U+FFFD")
+	require.True(t, got.Permanent)
+	require.True(t, got.FirstFailedAt.Equal(time.Date(2026, 3, 1, 10, 0, 0, 123456000, time.UTC)), "%s", got.FirstFailedAt)
+	require.True(t, got.LastFailedAt.Equal(time.Date(2026, 3, 1, 10, 5, 0, 0, time.UTC)), "%s", got.LastFailedAt)
+	require.Equal(t, int32(3), *got.Partition)
+	require.Equal(t, int64(9000000000), *got.Offset)
+	require.Equal(t, []byte{0, 0xfe, 'x'}, got.Payload)
+	require.Equal(t, "tr-1", got.Metadata["trace_id"])
+	require.WithinDuration(t, time.Now(), got.DeadAt, time.Hour)
+
+	// Writers at the same instant, each retrying what the database
+	// refused (a deadlock between the inserts of one key is the
+	// infrastructure's: the poison middleware nacks and retries).
+	again := dead("orders", "charge", "timeout")
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Go(func() {
+			var err error
+			for range 20 {
+				if err = b.pub.Publish("orders.dlq", again.Copy()); err == nil {
+					break
+				}
+			}
+			errs <- err
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	require.Len(t, b.list(t, dlq.Filter{}), 2, "concurrent writers of one message: one entry")
+
+	other := m.Copy()
+	other.Metadata.Set(delivery.DeadConsumer, "audit")
+	require.NoError(t, b.pub.Publish("orders.dlq", other))
+	require.Len(t, b.list(t, dlq.Filter{}), 3, "another consumer's dead letter of the message is its own")
+	empty := dead("", "", "")
+	empty.Payload = nil
+	require.NoError(t, b.pub.Publish("", empty))
+	require.Len(t, b.list(t, dlq.Filter{}), 4, "a message without dead-letter fields is kept too")
+}
+
+// checkList: list, count, show, missing and counts select what the filter
+// says.
+func checkList(t *testing.T, b backend) {
+	ctx := context.Background()
+	ids := b.seed(t,
+		dead("orders", "charge", "Card DECLINED"),
+		dead("orders", "ship", "timeout"),
+		dead("payments", "charge", "card declined again: 100% sure"))
+	list := func(f dlq.Filter) []int64 { return b.list(t, f) }
+	require.Equal(t, ids, list(dlq.Filter{}))
+	require.Equal(t, ids[:2], list(dlq.Filter{Topic: "orders"}))
+	require.Equal(t, []int64{ids[0], ids[2]}, list(dlq.Filter{Consumer: "charge"}))
+	require.Equal(t, []int64{ids[0], ids[2]}, list(dlq.Filter{ErrorContains: "card declined"}), "ignoring case")
+	require.Equal(t, []int64{ids[2]}, list(dlq.Filter{ErrorContains: "100%"}), "% is a character")
+	require.Empty(t, list(dlq.Filter{ErrorContains: "c_rd"}), "_ is a character")
+	require.Equal(t, []int64{ids[2]}, list(dlq.Filter{Topic: "payments", Consumer: "charge"}))
+	require.Empty(t, list(dlq.Filter{Topic: "ORDERS"}), "topics compared byte for byte")
+	require.Equal(t, ids[:1], list(dlq.Filter{Limit: 1}))
+	require.Equal(t, []int64{ids[1]}, list(dlq.Filter{IDs: []int64{ids[1]}}))
+	require.Equal(t, []int64{ids[2]}, list(dlq.Filter{IDs: []int64{ids[2], ids[0]}, Topic: "payments"}))
+
+	first, err := b.store.Get(ctx, ids[0])
+	require.NoError(t, err)
+	last, err := b.store.Get(ctx, ids[2])
+	require.NoError(t, err)
+	require.Equal(t, "card declined again: 100% sure", last.Error)
+	require.Equal(t, ids, list(dlq.Filter{Since: first.DeadAt, Until: last.DeadAt}), "to the microsecond, bounds included")
+	require.Empty(t, list(dlq.Filter{Until: first.DeadAt.Add(-time.Microsecond)}))
+	require.Empty(t, list(dlq.Filter{Since: last.DeadAt.Add(time.Microsecond)}))
+	_, err = b.store.Get(ctx, ids[2]+100)
+	require.ErrorIs(t, err, dlq.ErrNotFound)
+
+	n, err := b.store.Count(ctx, dlq.Filter{Consumer: "charge"})
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+	n, err = b.store.Count(ctx, dlq.Filter{Limit: 1})
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	missing, err := b.store.Missing(ctx, []int64{ids[2] + 10, ids[0], ids[2] + 5, ids[2] + 10})
+	require.NoError(t, err)
+	require.Equal(t, []int64{ids[2] + 5, ids[2] + 10}, missing)
+
+	counts, err := b.store.Counts(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []dlq.Count{
+		{Consumer: "charge", Topic: "orders", Entries: 1, Oldest: first.DeadAt},
+		{Consumer: "charge", Topic: "payments", Entries: 1, Oldest: last.DeadAt},
+		{Consumer: "ship", Topic: "orders", Entries: 1, Oldest: counts[2].Oldest},
+	}, counts)
+
+	copies, ok, err := b.store.CopiesSince(ctx, first)
+	require.NoError(t, err)
+	require.True(t, ok, "the key is dead in the inbox table beside")
+	require.Zero(t, copies)
+	require.NoError(t, b.inbox.InboxDeadCopy(ctx, dedup.Key{Consumer: first.Consumer, Key: first.Key}))
+	copies, ok, err = b.store.CopiesSince(ctx, first)
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Equal(t, 1, copies)
+	_, ok, err = b.store.CopiesSince(ctx, dlq.Entry{Consumer: "charge", Key: "nope"})
+	require.NoError(t, err)
+	require.False(t, ok)
+}
+
+// checkReplay: a replay publishes the original message once to its topic,
+// with a grant that reopens the dead key, and removes the entry; an entry
+// whose key has no record stays, and nothing is published for it.
+func checkReplay(t *testing.T, b backend) {
+	ctx := context.Background()
+	m := dead("orders", "charge", "declined")
+	ids := b.seed(t, m, dead("orders", "ship", "timeout"))
+	broker := adapters.NewGoChannel(gochannel.Config{Persistent: true, OutputChannelBuffer: 16}, nil)
+	t.Cleanup(func() { require.NoError(t, broker.Close()) })
+	msgs, err := broker.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+
+	n, err := b.store.Replay(ctx, broker, dlq.Filter{IDs: ids[:1]}, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	got := msgtest.Receive(t, msgs, 10*time.Second)
+	got.Ack()
+	require.Equal(t, m.UUID, got.UUID)
+	require.Equal(t, []byte(m.Payload), []byte(got.Payload))
+	require.Equal(t, "tr-1", got.Metadata.Get("trace_id"))
+	require.Equal(t, "charge", got.Metadata.Get(delivery.ReplayConsumer))
+	require.Empty(t, got.Metadata.Get(delivery.DeadError), "the failed delivery's facts are left behind")
+	msgtest.Nothing(t, msgs, 100*time.Millisecond)
+	require.Equal(t, ids[1:], b.list(t, dlq.Filter{}), "the replayed entry is gone")
+
+	key := dedup.Key{Consumer: "charge", Key: m.Metadata.Get(delivery.DeadKey)}
+	grant := got.Metadata.Get(delivery.Replay)
+	require.NotEmpty(t, grant)
+	reopened, err := b.inbox.InboxReopen(ctx, key, grant)
+	require.NoError(t, err)
+	require.True(t, reopened, "the grant written on the inbox reopens the dead key")
+	c, err := b.inbox.InboxPeek(ctx, key)
+	require.NoError(t, err)
+	require.NotEqual(t, dedup.StateDead, c.State)
+
+	orphan := dead("orders", "charge", "no record")
+	require.NoError(t, b.pub.Publish("orders.dlq", orphan))
+	n, err = b.store.Replay(ctx, broker, dlq.Filter{Consumer: "charge"}, nil)
+	require.ErrorIs(t, err, dlq.ErrNoDeadKey)
+	require.Zero(t, n)
+	msgtest.Nothing(t, msgs, 100*time.Millisecond)
+	require.Len(t, b.list(t, dlq.Filter{}), 2, "the entry without a record stays")
+}
+
+// checkReplayToConsumer: a requested replay goes to its consumer's replay
+// subscriber, once, with a fresh grant on every delivery; an acked one is
+// deleted; one whose key has no record is withdrawn and stays.
+func checkReplayToConsumer(t *testing.T, b backend) {
+	ctx := context.Background()
+	m := dead("orders", "charge", "declined")
+	ids := b.seed(t, m, dead("orders", "ship", "timeout"))
+	orphan := dead("orders", "charge", "no record")
+	require.NoError(t, b.pub.Publish("orders.dlq", orphan))
+	all := b.list(t, dlq.Filter{})
+	require.Len(t, all, 3)
+
+	n, err := b.store.RequestReplay(ctx, dlq.Filter{Consumer: "charge"})
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+	n, err = b.store.RequestReplay(ctx, dlq.Filter{IDs: ids[:1]})
+	require.NoError(t, err)
+	require.Zero(t, n, "already requested")
+
+	sub, err := b.replays(dlq.ReplaySubscriberConfig{Consumer: "charge", PollInterval: 10 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, sub.Close()) })
+	msgs, err := sub.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+
+	got := msgtest.Receive(t, msgs, 10*time.Second)
+	require.Equal(t, m.UUID, got.UUID)
+	got.Nack()
+	again := msgtest.Receive(t, msgs, 10*time.Second)
+	require.Equal(t, m.UUID, again.UUID, "a nacked replay comes back")
+	require.NotEqual(t, got.Metadata.Get(delivery.Replay), again.Metadata.Get(delivery.Replay), "with a fresh grant")
+	granted, err := b.inbox.InboxReplayGranted(ctx, dedup.Key{Consumer: "charge", Key: m.Metadata.Get(delivery.DeadKey)}, again.Metadata.Get(delivery.Replay))
+	require.NoError(t, err)
+	require.True(t, granted, "the grant is on the dead key")
+	again.Ack()
+	msgtest.Nothing(t, msgs, 200*time.Millisecond)
+	msgtest.WaitFor(t, "the acked entry deleted", func() bool { return len(b.list(t, dlq.Filter{})) == 2 })
+	require.Equal(t, []int64{ids[1], all[2]}, b.list(t, dlq.Filter{}), "the other consumer's entry and the orphan stay")
+	msgtest.WaitFor(t, "the orphan's request withdrawn", func() bool {
+		n, err := b.store.RequestReplay(ctx, dlq.Filter{IDs: all[2:]})
+		require.NoError(t, err)
+		return n == 1
+	})
+}
+
+// checkPurge: purge deletes what the filter selects, and only with a
+// selection.
+func checkPurge(t *testing.T, b backend) {
+	ctx := context.Background()
+	ids := b.seed(t, dead("orders", "charge", "a"), dead("payments", "charge", "b"), dead("orders", "ship", "c"))
+	_, err := b.store.Purge(ctx, dlq.Filter{})
+	require.ErrorIs(t, err, dlq.ErrNoSelection)
+	n, err := b.store.Purge(ctx, dlq.Filter{Topic: "orders"})
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+	require.Equal(t, []int64{ids[1]}, b.list(t, dlq.Filter{}))
+	n, err = b.store.Purge(ctx, dlq.Filter{All: true})
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.Empty(t, b.list(t, dlq.Filter{}))
+}
+
+// checkNotMigrated: on a database without the table, every operation
+// says so.
+func checkNotMigrated(t *testing.T, b backend) {
+	ctx := context.Background()
+	store, pub := b.bare(t)
+	require.ErrorIs(t, pub.Publish("orders.dlq", dead("orders", "charge", "e")), dlq.ErrNotMigrated)
+	_, err := store.List(ctx, dlq.Filter{})
+	require.ErrorIs(t, err, dlq.ErrNotMigrated)
+	_, err = store.Count(ctx, dlq.Filter{})
+	require.ErrorIs(t, err, dlq.ErrNotMigrated)
+	_, err = store.Counts(ctx)
+	require.ErrorIs(t, err, dlq.ErrNotMigrated)
+	_, err = store.Get(ctx, 1)
+	require.ErrorIs(t, err, dlq.ErrNotMigrated)
+	_, err = store.RequestReplay(ctx, dlq.Filter{All: true})
+	require.ErrorIs(t, err, dlq.ErrNotMigrated)
+}
+
+// checkPoison: a consumer whose inbox is on the backend gives up on a
+// message; the poison middleware's dead letter is written in the inbox's
+// transaction, once, with the key dead, and a later copy of the message is
+// acked without running and counted. The operator's replay publishes it
+// to its topic with a grant; the consumer runs it once; the entry is gone.
+func checkPoison(t *testing.T, b backend) {
+	ctx := context.Background()
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.inbox, Consumer: "charge"})
+	require.NoError(t, err)
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{
+		Publisher: b.pub, Topic: "orders.dlq", MaxAttempts: 2, Consumer: "charge",
+		InitialBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond,
+	})
+	require.NoError(t, err)
+	broker := adapters.NewGoChannel(gochannel.Config{Persistent: true, OutputChannelBuffer: 16}, nil)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	var (
+		broken atomic.Bool
+		calls  atomic.Int32
+	)
+	broken.Store(true)
+	router.AddMiddleware(poison.Middleware, inbox.Middleware)
+	router.AddConsumerHandler("charge", "orders", broker, func(*message.Message) error {
+		calls.Add(1)
+		if broken.Load() {
+			return errors.New("ledger refuses the order")
+		}
+		return nil
+	})
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(runCtx) }()
+	<-router.Running()
+	t.Cleanup(func() {
+		stop()
+		require.NoError(t, <-done)
+		require.NoError(t, broker.Close())
+	})
+	key := dedup.Key{Consumer: "charge", Key: "pay-1"}
+	state := func() dedup.State {
+		c, err := b.inbox.InboxPeek(ctx, key)
+		require.NoError(t, err)
+		return c.State
+	}
+
+	msg := message.NewMessage(watermill.NewUUID(), []byte("charge pay-1"))
+	msg.Metadata.Set(delivery.IdempotencyKey, "pay-1")
+	require.NoError(t, broker.Publish("orders", msg))
+	msgtest.WaitFor(t, "dead-lettered, the key dead", func() bool {
+		return len(b.list(t, dlq.Filter{})) == 1 && state() == dedup.StateDead
+	})
+	require.Equal(t, int32(2), calls.Load(), "two attempts")
+
+	require.NoError(t, broker.Publish("orders", msg.Copy()))
+	entries, err := b.store.List(ctx, dlq.Filter{})
+	require.NoError(t, err)
+	require.Len(t, entries, 1)
+	msgtest.WaitFor(t, "the copy counted on the dead key", func() bool {
+		n, ok, err := b.store.CopiesSince(ctx, entries[0])
+		require.NoError(t, err)
+		return ok && n == 1
+	})
+	require.Equal(t, int32(2), calls.Load(), "the copy did not run")
+	require.Len(t, b.list(t, dlq.Filter{}), 1, "one entry")
+	require.Equal(t, msg.UUID, entries[0].UUID)
+	require.Equal(t, "pay-1", entries[0].Key)
+	require.Contains(t, entries[0].Error, "ledger refuses the order")
+
+	broken.Store(false)
+	n, err := b.store.Replay(ctx, broker, dlq.Filter{IDs: []int64{entries[0].ID}}, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	msgtest.WaitFor(t, "the replay applied", func() bool { return state() == dedup.StateDone })
+	require.Empty(t, b.list(t, dlq.Filter{}), "the entry is gone")
+	require.Equal(t, int32(3), calls.Load(), "the replay ran once")
+}
