@@ -178,7 +178,7 @@ func (s *Store) WithNewKeys() *Store {
 // inbox table is elsewhere, or the key is no longer dead (replayed, or
 // expired after its window).
 func (s *Store) CopiesSince(ctx context.Context, e Entry) (n int, ok bool, err error) {
-	consumer, key := s.t.d.InboxKey(e.Consumer, e.Key)
+	consumer, key := s.t.d.InboxArgs(e.Consumer, e.Key)
 	err = s.t.db.QueryRow(ctx, s.t.q.copies, consumer, key).Scan(&n)
 	switch {
 	case errors.Is(err, sqldb.ErrNoRows), s.t.d.UndefinedTable(err), s.t.d.UndefinedColumn(err):

@@ -116,6 +116,13 @@ func (d *Dialect) InboxKey(consumer, key string) (string, string) {
 	return digestOver(consumer, inboxConsumerBytes), digestOver(key, inboxKeyBytes)
 }
 
+// InboxArgs is [Dialect.InboxKey] as arguments of byte-exact columns
+// (see [Dialect.Text]).
+func (d *Dialect) InboxArgs(consumer, key string) (any, any) {
+	c, k := d.InboxKey(consumer, key)
+	return d.Text(c), d.Text(k)
+}
+
 func digestOver(s string, max int) string {
 	if len(s) <= max {
 		return s

@@ -2,8 +2,6 @@ package sqldb
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
@@ -96,31 +94,6 @@ func (d *Dialect) UpdateFrom(table string, set []string, where string) string {
 		return "UPDATE " + table + " AS a, " + table + " AS b SET " + strings.Join(qualified, ", ") + " WHERE " + where
 	}
 	return "UPDATE " + table + " AS a SET " + strings.Join(set, ", ") + " FROM " + table + " AS b WHERE " + where
-}
-
-// The sizes of the MySQL inbox table's key columns (sqlschema/mysql/
-// 001_inbox.up.sql).
-const (
-	inboxMaxConsumer = 255
-	inboxMaxKey      = 1024
-)
-
-// InboxKey returns consumer and key as the family's inbox table holds
-// them: on MySQL, whose key columns are bounded, a longer value is its
-// SHA-256 digest ("sha256:" and 64 hex digits), as dedup/sqlstore stores
-// it; elsewhere the values themselves.
-func (d *Dialect) InboxKey(consumer, key string) (any, any) {
-	if d != MySQL {
-		return consumer, key
-	}
-	stored := func(s string, max int) any {
-		if len(s) <= max {
-			return []byte(s)
-		}
-		sum := sha256.Sum256([]byte(s))
-		return []byte("sha256:" + hex.EncodeToString(sum[:]))
-	}
-	return stored(consumer, inboxMaxConsumer), stored(key, inboxMaxKey)
 }
 
 // UndefinedColumn reports whether err is the server's answer that a
