@@ -245,11 +245,7 @@ func (c *Console) execute(w http.ResponseWriter, r *http.Request, action string,
 		c.fail(w, r, http.StatusBadRequest, "Nothing confirmed: no entry ids.")
 		return
 	}
-	store, err := c.dlqStore()
-	if err != nil {
-		c.internal(w, r, "open the dead-letter table", err)
-		return
-	}
+	store := c.dlq
 	ctx := r.Context()
 	f := dlq.Filter{IDs: ids}
 	var (

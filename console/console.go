@@ -160,8 +160,10 @@ func (c Config) Validate() error {
 type Console struct {
 	cfg Config
 	// db is the database of the tables, names their names in its dialect.
-	db     sqldb.DB
-	names  sqlschema.Names
+	db    sqldb.DB
+	names sqlschema.Names
+	// dlq is the dead-letter table: its counts, copies and every action.
+	dlq    *dlq.Store
 	pages  map[string]*template.Template
 	static http.Handler
 	cross  *http.CrossOriginProtection
@@ -240,21 +242,18 @@ func New(cfg Config) (*Console, error) {
 		return nil, fmt.Errorf("console: static files: %w", err)
 	}
 	c.static = http.StripPrefix("/static/", http.FileServerFS(static))
-	return c, nil
-}
-
-// dlqStore returns the dead-letter store an action writes through (the
-// pages read the tables themselves).
-func (c *Console) dlqStore() (store *dlq.Store, err error) {
-	if c.cfg.DB != nil {
-		store, err = dlq.NewSQLStore(c.cfg.DB, c.cfg.Dialect, c.cfg.Schema)
+	if cfg.DB != nil {
+		c.dlq, err = dlq.NewSQLStore(cfg.DB, cfg.Dialect, cfg.Schema)
 	} else {
-		store, err = dlq.NewStore(c.cfg.Pool, c.cfg.Schema)
+		c.dlq, err = dlq.NewStore(cfg.Pool, cfg.Schema)
 	}
-	if err == nil && c.cfg.Granter != nil {
-		store, err = store.WithGranter(c.cfg.Granter)
+	if err == nil && cfg.Granter != nil {
+		c.dlq, err = c.dlq.WithGranter(cfg.Granter)
 	}
-	return store, err
+	if err != nil {
+		return nil, fmt.Errorf("console: %w", err)
+	}
+	return c, nil
 }
 
 // ServeHTTP serves the console. Every request but /login and /static/

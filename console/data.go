@@ -189,22 +189,6 @@ GROUP BY g ORDER BY count(*) DESC, g LIMIT ?`
 	return groups, nil
 }
 
-// deadCounts counts the entries per consumer and original topic, as
-// dlq.Store.Counts does.
-func (c *Console) deadCounts(ctx context.Context) ([]dlq.Count, error) {
-	rows, err := c.db.Query(ctx, c.stmt(`SELECT consumer, topic, count(*), `+c.db.Dialect().Micros("min(dead_at)")+` FROM {DLQ}
-GROUP BY consumer, topic ORDER BY consumer, topic`))
-	counts, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (dlq.Count, error) {
-		var n dlq.Count
-		err := row.Scan(&n.Consumer, &n.Topic, &n.Entries, sqldb.Time(&n.Oldest))
-		return n, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("console: count dead letters by consumer and topic: %w", err)
-	}
-	return counts, nil
-}
-
 // entryRow is one dead letter as its page shows it: the payload cut at
 // MaxPayload, and its full size.
 type entryRow struct {
@@ -253,16 +237,10 @@ FROM {DLQ} WHERE id = ?`), c.cfg.MaxPayload, id).Scan(
 	if err := json.Unmarshal(md, &e.Metadata); err != nil {
 		return entryRow{}, fmt.Errorf("console: dead letter %d: metadata: %w", id, err)
 	}
-	// The copies of the dead key the inbox refused since, as
-	// dlq.Store.CopiesSince counts them: unknown without the key's dead
-	// row.
-	consumer, key := d.InboxKey(e.Consumer, e.Key)
-	err = c.db.QueryRow(ctx, c.stmt(`SELECT dead_copies FROM {INBOX} WHERE consumer = ? AND {key} = ? AND status = 'dead'`),
-		d.Text(consumer), d.Text(key)).Scan(&e.CopiesSince)
-	switch {
-	case err == nil:
-		e.CopiesKnown = true
-	case !errors.Is(err, sqldb.ErrNoRows) && !d.UndefinedTable(err):
+	// The copies of the dead key the inbox refused since: unknown
+	// without the key's dead row.
+	e.CopiesSince, e.CopiesKnown, err = c.dlq.CopiesSince(ctx, dlq.Entry{Consumer: e.Consumer, Key: e.Key})
+	if err != nil {
 		return entryRow{}, fmt.Errorf("console: dead letter %d: copies since: %w", id, err)
 	}
 	return e, nil

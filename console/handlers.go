@@ -107,7 +107,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 
-	counts, err := c.deadCounts(ctx)
+	counts, err := c.dlq.Counts(ctx)
 	if err == nil {
 		d.Groups, err = c.groups(ctx, criteria{}, topGroups)
 	}
@@ -269,7 +269,7 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	p := c.newPage(r, "Dead letters", "dlq", &d)
 	p.Flash = c.flashOf(r)
 
-	if counts, err := c.deadCounts(ctx); err == nil {
+	if counts, err := c.dlq.Counts(ctx); err == nil {
 		seenT, seenC := map[string]bool{}, map[string]bool{}
 		for _, n := range counts {
 			if n.Topic != "" && !seenT[n.Topic] {
