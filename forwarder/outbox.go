@@ -94,7 +94,6 @@ VALUES (?, ?, '', ?, ?, ?, TRUE, ` + d.Now() + `, ` + d.Now() + `, ?, ` + d.JSON
 		o.take = w.take
 		o.remove = d.Rebind(`DELETE FROM ` + t + ` WHERE id IN (SELECT value FROM json_each(?))`)
 	}
-	o.probe = d.Rebind(o.probe)
 	return o
 }
 

@@ -28,7 +28,7 @@ import (
 var ErrLossyPublisher = errors.New("forwarder: RelayConfig.Publisher would lose the rows the relay deletes")
 
 // lanes is the number of ordering lanes in the outbox table (the lane
-// column is hashtext(partition_key) & 63).
+// column is a hash of partition_key & 63).
 const lanes = 64
 
 // RelayConfig configures a [Relay].
@@ -109,8 +109,9 @@ type RelayConfig struct {
 	// DatabaseTimeout bounds the relay's waits on its database: a batch's
 	// statements up to the publish (begin, take, dead-lettering refused
 	// rows), each look for rows, and, once the publisher has the rows,
-	// each of the statements that delete them (on MySQL the delete, the
-	// ledger's insert), the commit and a rollback. Those last run even
+	// each of the statements that delete them (the delete, the ledger's
+	// insert, and on SQLite the dead letters: its write transaction comes
+	// after the publish), the commit and a rollback. Those last run even
 	// after Run was stopped, so that what was published is deleted; with
 	// the bound a database that stops answering fails the batch (its
 	// rows stay and go out again, which the consumers' inboxes absorb)
@@ -147,7 +148,8 @@ type RelayConfig struct {
 	// gets no record. `oncemill reconcile` compares the ledger with a
 	// consumer's inbox. On PostgreSQL it costs no extra statement per
 	// batch (the statement that deletes the rows records them), on MySQL
-	// one INSERT per batch; either way the ledger rows' inserts.
+	// and SQLite one INSERT per batch; either way the ledger rows'
+	// inserts.
 	// Defaults to false: no ledger.
 	Ledger bool
 	// LedgerRetention is how long ledger rows are kept: the relay deletes

@@ -264,7 +264,7 @@ func (l *laneTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sqldb.
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: take rows: %w", err)
 	}
-	if !l.lockOrdered {
+	if !l.lockOrdered && len(taken) > 0 {
 		if taken, err = l.cutBeforeInFlight(ctx, tx, taken); err != nil {
 			return nil, err
 		}
@@ -311,44 +311,25 @@ type laneRow struct {
 // included, and cuts each lane before its first row that is not in taken:
 // one that was in flight when taken was read.
 func (l *laneTake) cutBeforeInFlight(ctx context.Context, tx sqldb.Tx, taken []laneRow) ([]laneRow, error) {
-	highest := map[int16]int64{}
+	highest, isTaken := map[int16]int64{}, map[int64]bool{}
 	for _, x := range taken {
-		highest[x.lane] = max(highest[x.lane], x.id)
+		highest[x.lane], isTaken[x.id] = max(highest[x.lane], x.id), true
 	}
-	if len(highest) == 0 {
-		return taken, nil
-	}
-	parts := make([]string, 0, len(highest))
-	args := make([]any, 0, 2*len(highest))
+	parts, args := make([]string, 0, len(highest)), make([]any, 0, 2*len(highest))
 	for lane, id := range highest {
-		parts = append(parts, l.inFlightPart)
-		args = append(args, lane, id)
+		parts, args = append(parts, l.inFlightPart), append(args, lane, id)
 	}
 	seen, err := queryLaneRows(ctx, tx, strings.Join(parts, " UNION ALL "), args)
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: look for rows in flight: %w", err)
 	}
-	isTaken := make(map[int64]bool, len(taken))
-	for _, x := range taken {
-		isTaken[x.id] = true
-	}
-	// cut[lane] is the lowest id in flight in the lane.
-	cut := map[int16]int64{}
+	cut := map[int16]int64{} // the lowest id in flight of each lane
 	for _, x := range seen {
 		if c, ok := cut[x.lane]; !isTaken[x.id] && (!ok || x.id < c) {
 			cut[x.lane] = x.id
 		}
 	}
-	if len(cut) == 0 {
-		return taken, nil
-	}
-	kept := taken[:0:0]
-	for _, x := range taken {
-		if c, ok := cut[x.lane]; !ok || x.id < c {
-			kept = append(kept, x)
-		}
-	}
-	return kept, nil
+	return slices.DeleteFunc(taken, func(x laneRow) bool { c, ok := cut[x.lane]; return ok && x.id > c }), nil
 }
 
 func queryLaneRows(ctx context.Context, tx sqldb.Tx, q string, args []any) ([]laneRow, error) {
