@@ -59,7 +59,7 @@ func NewTxPublisher(ctx context.Context, tx pgx.Tx, cfg sqlschema.Config, opts .
 	if tx == nil {
 		return nil, errors.New("forwarder: NewTxPublisher: tx is nil")
 	}
-	return newTxPublisher(ctx, wsql.TxFromPgx(tx), sqldb.Postgres, cfg, opts)
+	return newTxPublisher(ctx, wsql.TxFromPgx(tx), outboxSchema{d: sqldb.Postgres}, cfg, opts)
 }
 
 // NewSQLTxPublisher returns a publisher that writes into tx, a
@@ -80,15 +80,15 @@ func NewSQLTxPublisher(ctx context.Context, tx *sql.Tx, d sqlschema.Dialect, cfg
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: NewSQLTxPublisher: %w", err)
 	}
-	return newTxPublisher(ctx, wsql.TxFromStdSQL(tx), dialect, cfg, opts)
+	return newTxPublisher(ctx, wsql.TxFromStdSQL(tx), outboxSchema{d: dialect, metadataText: true}, cfg, opts)
 }
 
-func newTxPublisher(ctx context.Context, tx wsql.ContextExecutor, d *sqldb.Dialect, cfg sqlschema.Config, opts []TxOption) (*TxPublisher, error) {
+func newTxPublisher(ctx context.Context, tx wsql.ContextExecutor, schema outboxSchema, cfg sqlschema.Config, opts []TxOption) (*TxPublisher, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: newOutboxSchema(d, d.Names(cfg).Outbox)}, watermill.NopLogger{})
+	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: schema.on(schema.d.Names(cfg).Outbox)}, watermill.NopLogger{})
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
@@ -124,22 +124,30 @@ func (p *TxPublisher) Close() error { return p.pub.Close() }
 // the outbox table: one table for every topic.
 type outboxSchema struct {
 	d *sqldb.Dialect
+	// metadataText sends the metadata as text rather than bytes, for
+	// database/sql drivers (lib/pq sends bytes as bytea, SQLite stores
+	// them as a BLOB).
+	metadataText bool
 	// insert starts the INSERT; row is one row's values.
 	insert, row string
 }
 
-func newOutboxSchema(d *sqldb.Dialect, table string) outboxSchema {
-	cols, row := "topic, uuid, partition_key, payload, metadata, created_at", "?, ?, ?, ?, "+d.JSON("?")+", "+d.Now()
-	if d.WriterHashes() {
+// on returns s writing into table.
+func (s outboxSchema) on(table string) outboxSchema {
+	cols, row := "topic, uuid, partition_key, payload, metadata", "?, ?, ?, ?, ?"
+	if s.d.WriterHashes() {
 		// The lane, which the database does not generate.
 		cols, row = cols+", lane", row+", ?"
 	}
-	if d.ReadUncommitted && !d.Snapshots {
-		// The writing session, which the relay's Lag names while the row
-		// is in flight and holds back the rows behind it.
-		cols, row = cols+", writer", row+", "+d.SessionID()
+	if s.d.ReadUncommitted && !s.d.Snapshots {
+		// The outbox of a database whose relay reads rows in flight
+		// records their writing session, which the relay's Lag names
+		// while the row holds back the rows behind it; its created_at
+		// has no default.
+		cols, row = cols+", created_at, writer", row+", "+s.d.Now()+", "+s.d.SessionID()
 	}
-	return outboxSchema{d: d, insert: `INSERT INTO ` + table + ` (` + cols + `) VALUES `, row: "(" + row + ")"}
+	s.insert, s.row = `INSERT INTO `+table+` (`+cols+`) VALUES `, "("+row+")"
+	return s
 }
 
 func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, error) {
@@ -161,8 +169,12 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 			b.WriteString(", ")
 		}
 		b.WriteString(s.row)
+		var metadata any = md
+		if s.metadataText {
+			metadata = s.d.Text(string(md))
+		}
 		// Text: MySQL's binary columns take bytes, kept byte for byte.
-		args = append(args, s.d.Text(params.Topic), s.d.Text(m.UUID), s.d.Text(key), []byte(m.Payload), s.d.Text(string(md)))
+		args = append(args, s.d.Text(params.Topic), s.d.Text(m.UUID), s.d.Text(key), []byte(m.Payload), metadata)
 		if s.d.WriterHashes() {
 			args = append(args, int64(crc32.ChecksumIEEE([]byte(key))%lanes))
 		}
