@@ -59,12 +59,13 @@ due AS (
 // transaction (it commits with the delete, after the publish, or rolls
 // back with it) and costs no round trip of its own.
 func takeDue(d *sqldb.Dialect, names sqlschema.Names, ledger bool) string {
-	at := ", " + d.Micros(d.Now())
 	if !ledger {
+		// No time taken: nothing records it.
 		return `
 DELETE FROM ` + names.Outbox + ` WHERE id IN (SELECT id FROM due)
-RETURNING ` + rowColumns + at
+RETURNING ` + rowColumns + `, 0::bigint`
 	}
+	at := ", " + d.Micros(d.Now())
 	return `,
 taken AS (
 	DELETE FROM ` + names.Outbox + ` WHERE id IN (SELECT id FROM due)
