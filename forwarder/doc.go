@@ -1,9 +1,9 @@
-// Package forwarder is the transactional outbox on PostgreSQL, and on MySQL
-// 8.0+ and MariaDB 10.6+.
+// Package forwarder is the transactional outbox on PostgreSQL, MySQL 8.0+
+// and MariaDB 10.6+, and SQLite.
 //
 // Updating the database and publishing an event are two writes that cannot
 // be atomic across systems. The outbox makes them one: [TxPublisher] writes
-// the event as a row in the same pgx transaction as the business change
+// the event as a row in the same transaction as the business change
 // (through watermill-sql v4's publisher), and a [Relay] publishes the rows to
 // any Watermill publisher afterwards and deletes them.
 //
@@ -16,8 +16,8 @@
 //	relay, _ := forwarder.NewRelay(forwarder.RelayConfig{Pool: pool, Publisher: kafkaPublisher})
 //	router.AddPlugin(relay.Plugin) // or go relay.Run(ctx); relay.Close()
 //
-// On MySQL or MariaDB, through database/sql (go-sql-driver/mysql), on the
-// tables sqlschema.MigrateSQL creates for sqlschema.MySQL, the same two
+// Through database/sql, on the tables sqlschema.MigrateSQL creates for
+// sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite, the same two
 // steps are [NewSQLTxPublisher] on a *sql.Tx and a Relay with
 // RelayConfig.DB and RelayConfig.Dialect:
 //
@@ -29,9 +29,10 @@
 // A row is published at least once, with its message's UUID, metadata and
 // partition key; a relay that dies between publish and delete publishes it
 // again, and the consumer's inbox absorbs the copy. On a broker error the
-// rows stay and the relay backs off. Several relays may run on one table:
-// each batch locks a set of lanes (a hash of the partition key), so no row
-// goes out twice in normal operation. A row that cannot become a message
+// rows stay and the relay backs off. Several relays may run on one
+// PostgreSQL or MySQL table: each batch locks a set of lanes (a hash of
+// the partition key), so no row goes out twice in normal operation; on
+// SQLite, one relay per database file. A row that cannot become a message
 // (metadata that is not a JSON object of strings, an empty topic or uuid:
 // a writer in another language got the contract wrong) is dead-lettered
 // to the dead-letter table and logged, never published and never kept to
@@ -41,30 +42,27 @@
 // rows go out in the order it inserted them, and a row inserted after
 // another writer committed goes out after that writer's rows, so writers
 // of one key that insert their outbox row after locking the key's business
-// row (held until they commit) publish in their commit order. Writers that
-// nothing orders get no order, neither insertion nor commit order: a row
-// can leave before a row with a lower id inserted by a transaction still
-// open. See [Relay] for the rule and an example, and for MySQL, where the
-// promise is the same and the wait is per lane.
+// row (held until they commit) publish in their commit order; on SQLite,
+// whose writers take turns, every key's rows go out in commit order. See
+// [Relay] for the rule on each database and what it does not promise.
 //
 // # Latency and liveness
 //
 // Writers pay nothing at commit: the relay polls, at once while rows flow,
-// backing off to RelayConfig.PollInterval while the table is empty. A row
-// comes due when every transaction older than its own has ended,
-// server-wide (as with watermill-sql), so that it does not overtake rows an
-// older transaction inserted before it and has not committed yet; it means
-// a transaction left open anywhere on the server holds the outbox until it
-// ends. On MySQL a row waits only for the uncommitted rows below it in its
-// lane: a transaction left open after writing an outbox row holds back the
-// rows behind it in its lane, one of 64. [Relay.Lag]
-// names that transaction, and once it has been open for
+// backing off to RelayConfig.PollInterval while the table is empty. On
+// PostgreSQL a row comes due when every transaction older than its own
+// has ended, server-wide (as with watermill-sql), so a transaction left
+// open anywhere on the server holds the outbox until it ends; on MySQL a
+// transaction left open after writing an outbox row holds back the rows
+// behind it in its lane, one of 64; on SQLite nothing waits.
+// [Relay.Lag] names that transaction, and once it has been open for
 // RelayConfig.StallWarning the relay logs it, once per StallWarning, while
 // rows wait on it.
 //
 // # Consumer outbox
 //
-// [InboxOutbox] plugs into middleware.InboxConfig.Outbox: the messages a
-// handler produces are written to the outbox in the inbox's transaction, so
-// consume, update and produce commit as one step.
+// [InboxOutbox] and [SQLInboxOutbox] plug into
+// middleware.InboxConfig.Outbox: the messages a handler produces are
+// written to the outbox in the inbox's transaction, so consume, update
+// and produce commit as one step.
 package forwarder

@@ -2,31 +2,63 @@ package forwarder
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// lagQueries measure the backlog of an outbox table: shared by [Relay.Lag]
-// and [OutboxLag].
-type lagQueries struct {
-	lag, holder string
+// lagSQL measures the backlog of an outbox table: shared by [Relay.Lag],
+// [OutboxLag] and [SQLOutboxLag].
+type lagSQL struct {
+	// count is the pending rows, those that wait (on a database with
+	// snapshots) and the age of the oldest (µs).
+	count string
+	// holder is, with snapshots, the oldest transaction with an id, open
+	// or prepared, on the whole server: it is the snapshot's xmin, what
+	// rows wait for. With READ UNCOMMITTED it is a session's open
+	// transaction.
+	holder string
+	// With READ UNCOMMITTED, instead of count: lanes is per lane the
+	// committed rows, the lowest id, the age of the oldest row (µs);
+	// lowest is per lane the lowest id of any row, committed or not, read
+	// uncommitted; inFlight is a row's writer (its session's connection
+	// id) and age (µs), read uncommitted.
+	lanes, lowest, inFlight string
+	lockOrdered             bool
 }
 
-// newLagQueries returns the lag queries on the quoted outbox table t, for
-// relays that wait for older transactions unless lockOrdered.
-func newLagQueries(t string, lockOrdered bool) lagQueries {
-	return lagQueries{
-		lag: `SELECT count(*), count(*) FILTER (WHERE NOT (` + due("txid", lockOrdered) + `)),
-	COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM ` + t,
-		// The oldest transaction with an id, open or prepared, on the
-		// whole server: it is the snapshot's xmin, what rows wait for.
+// newLagSQL returns the lag queries of an outbox table of names on a
+// database of d, for relays that wait for older transactions unless
+// lockOrdered.
+func newLagSQL(d *sqldb.Dialect, names sqlschema.Names, lockOrdered bool) lagSQL {
+	t := names.Outbox
+	age := `COALESCE(` + d.Micros(d.Now()) + ` - ` + d.Micros("MIN(created_at)") + `, 0)`
+	switch {
+	case d.ReadUncommitted && !d.Snapshots:
+		return lagSQL{
+			lanes:    `SELECT lane, COUNT(*), MIN(id), ` + age + ` FROM ` + t + ` GROUP BY lane`,
+			lowest:   `SELECT lane, MIN(id) FROM ` + t + ` GROUP BY lane`,
+			inFlight: d.Rebind(`SELECT writer, ` + d.Micros(d.Now()) + ` - ` + d.Micros("created_at") + ` FROM ` + t + ` WHERE id = ?`),
+			// InnoDB's own view of open transactions: trx_started (to the
+			// second) and NOW() are both in the session's time zone.
+			holder: `SELECT COALESCE(p.DB, ''), COALESCE(p.USER, ''), COALESCE(p.COMMAND, ''),
+	COALESCE(LEFT(t.trx_query, 200), ''), TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6))
+FROM information_schema.INNODB_TRX t LEFT JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id
+WHERE t.trx_mysql_thread_id = ?`,
+			lockOrdered: lockOrdered,
+		}
+	case !d.Snapshots:
+		return lagSQL{count: `SELECT COUNT(*), 0, ` + age + ` FROM ` + t}
+	}
+	return lagSQL{
+		count: `SELECT count(*), count(*) FILTER (WHERE NOT (` + due(d, "txid", lockOrdered) + `)), ` + age + ` FROM ` + t,
 		holder: `SELECT * FROM (
 	SELECT pid, COALESCE(datname, ''), COALESCE(usename, ''), COALESCE(state, ''), COALESCE(left(query, 200), ''), '' AS gid,
 		COALESCE(extract(epoch FROM now() - xact_start), 0)::float8, age(backend_xid) AS age
@@ -47,7 +79,7 @@ type Lag struct {
 	// Waiting counts the pending rows that may not go out yet because a
 	// transaction older than theirs is still open somewhere on the server.
 	// On MySQL it counts the committed rows of the lanes whose lowest row
-	// is uncommitted (see [Relay]).
+	// is uncommitted (see [Relay]). On SQLite no row waits: it is 0.
 	Waiting int
 	// HeldBy is, when Waiting > 0, the oldest transaction open on the
 	// server: the one the waiting rows wait for. Nil otherwise. Its
@@ -105,11 +137,7 @@ func roundAge(d time.Duration) time.Duration {
 // Lag returns the outbox's pending rows, the age of the oldest, and what
 // holds back those that wait.
 func (r *Relay) Lag(ctx context.Context) (Lag, error) {
-	return r.db.lag(ctx)
-}
-
-func (o *pgOutbox) lag(ctx context.Context) (Lag, error) {
-	return measureLag(ctx, o.pool, o.q.lagQueries)
+	return r.db.lag.measure(ctx, r.db.db)
 }
 
 // OutboxLag returns what [Relay.Lag] returns, for the outbox table that
@@ -123,24 +151,47 @@ func OutboxLag(ctx context.Context, pool *pgxpool.Pool, schema sqlschema.Config)
 	if pool == nil {
 		return Lag{}, errors.New("forwarder: OutboxLag: pool is nil")
 	}
-	schema = schema.WithDefaults()
-	if err := schema.Validate(); err != nil {
-		return Lag{}, fmt.Errorf("forwarder: OutboxLag: %w", err)
-	}
-	return measureLag(ctx, pool, newLagQueries(sqlschema.NamesFor(sqlschema.Postgres, schema).Outbox, false))
+	return outboxLag(ctx, "OutboxLag", sqldb.Pgx(pool), schema)
 }
 
-// measureLag runs q on pool.
-func measureLag(ctx context.Context, pool *pgxpool.Pool, q lagQueries) (Lag, error) {
+// SQLOutboxLag returns what [Relay.Lag] returns, for the outbox table that
+// schema names (as given to sqlschema.MigrateSQL) on db, a database of
+// dialect d (sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite),
+// without a relay: [OutboxLag] for database/sql. Its Waiting rows are the
+// ones a relay without LockOrderedWriters would hold back.
+func SQLOutboxLag(ctx context.Context, db *sql.DB, d sqlschema.Dialect, schema sqlschema.Config) (Lag, error) {
+	if db == nil {
+		return Lag{}, errors.New("forwarder: SQLOutboxLag: db is nil")
+	}
+	dialect, err := sqldb.For(d)
+	if err != nil {
+		return Lag{}, fmt.Errorf("forwarder: SQLOutboxLag: %w", err)
+	}
+	return outboxLag(ctx, "SQLOutboxLag", sqldb.SQL(db, dialect), schema)
+}
+
+func outboxLag(ctx context.Context, caller string, db sqldb.DB, schema sqlschema.Config) (Lag, error) {
+	schema = schema.WithDefaults()
+	if err := schema.Validate(); err != nil {
+		return Lag{}, fmt.Errorf("forwarder: %s: %w", caller, err)
+	}
+	return newLagSQL(db.Dialect(), db.Dialect().Names(schema), false).measure(ctx, db)
+}
+
+// measure runs q on db.
+func (q lagSQL) measure(ctx context.Context, db sqldb.DB) (Lag, error) {
+	if q.lanes != "" {
+		return q.measureLanes(ctx, db)
+	}
 	var (
 		lag Lag
-		age float64
+		age int64
 	)
-	if err := pool.QueryRow(ctx, q.lag).Scan(&lag.Pending, &lag.Waiting, &age); err != nil {
+	if err := db.QueryRow(ctx, q.count).Scan(&lag.Pending, &lag.Waiting, &age); err != nil {
 		return Lag{}, fmt.Errorf("forwarder: lag: %w", err)
 	}
-	lag.OldestAge = time.Duration(age * float64(time.Second))
-	if lag.Waiting == 0 {
+	lag.OldestAge = time.Duration(age) * time.Microsecond
+	if lag.Waiting == 0 || q.holder == "" {
 		return lag, nil
 	}
 	var (
@@ -148,15 +199,123 @@ func measureLag(ctx context.Context, pool *pgxpool.Pool, q lagQueries) (Lag, err
 		open float64
 		xage int64
 	)
-	err := pool.QueryRow(ctx, q.holder).Scan(&h.PID, &h.Database, &h.User, &h.State, &h.Query, &h.GID, &open, &xage)
+	err := db.QueryRow(ctx, q.holder).Scan(&h.PID, &h.Database, &h.User, &h.State, &h.Query, &h.GID, &open, &xage)
 	switch {
-	case errors.Is(err, pgx.ErrNoRows):
+	case errors.Is(err, sqldb.ErrNoRows):
 		// It ended between the two queries.
 	case err != nil:
 		return Lag{}, fmt.Errorf("forwarder: lag: find the open transaction: %w", err)
 	default:
 		h.Age = time.Duration(open * float64(time.Second))
 		lag.HeldBy = &h
+	}
+	return lag, nil
+}
+
+// laneCount is one lane's committed rows.
+type laneCount struct {
+	rows   int
+	lowest int64
+}
+
+// measureLanes counts the committed rows per lane, then (unless
+// lockOrdered) reads each lane's lowest row uncommitted: a lane whose
+// lowest row is not its lowest committed one waits, with all its
+// committed rows.
+func (q lagSQL) measureLanes(ctx context.Context, db sqldb.DB) (Lag, error) {
+	type laneLine struct {
+		lane  int16
+		count laneCount
+		age   int64
+	}
+	rs, err := db.Query(ctx, q.lanes)
+	lines, err := sqldb.Collect(rs, err, func(rs sqldb.Rows) (laneLine, error) {
+		var l laneLine
+		return l, rs.Scan(&l.lane, &l.count.rows, &l.count.lowest, &l.age)
+	})
+	if err != nil {
+		return Lag{}, fmt.Errorf("forwarder: lag: %w", err)
+	}
+	var (
+		lag    Lag
+		oldest int64
+		lanes  = map[int16]laneCount{}
+	)
+	for _, l := range lines {
+		lanes[l.lane] = l.count
+		lag.Pending += l.count.rows
+		oldest = max(oldest, l.age)
+	}
+	lag.OldestAge = time.Duration(oldest) * time.Microsecond
+	if q.lockOrdered || lag.Pending == 0 {
+		return lag, nil
+	}
+
+	tx, err := db.Begin(ctx, sqldb.TxOptions{Isolation: sqldb.ReadUncommitted, ReadOnly: true})
+	if err != nil {
+		return Lag{}, fmt.Errorf("forwarder: lag: begin: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // read only; the outcome is the reads'
+	type lowestLine struct {
+		lane int16
+		id   int64
+	}
+	rs, err = tx.Query(ctx, q.lowest)
+	lows, err := sqldb.Collect(rs, err, func(rs sqldb.Rows) (lowestLine, error) {
+		var l lowestLine
+		return l, rs.Scan(&l.lane, &l.id)
+	})
+	if err != nil {
+		return Lag{}, fmt.Errorf("forwarder: lag: rows in flight: %w", err)
+	}
+	var blocking int64 // the lowest row in flight of a waiting lane
+	for _, l := range lows {
+		c, ok := lanes[l.lane]
+		if !ok || l.id >= c.lowest {
+			continue
+		}
+		lag.Waiting += c.rows
+		if blocking == 0 || l.id < blocking {
+			blocking = l.id
+		}
+	}
+	if lag.Waiting == 0 {
+		return lag, nil
+	}
+	var (
+		writer uint64
+		age    int64
+	)
+	switch err := tx.QueryRow(ctx, q.inFlight, blocking).Scan(&writer, &age); {
+	case errors.Is(err, sqldb.ErrNoRows):
+		return lag, nil // rolled back meanwhile
+	case err != nil:
+		return Lag{}, fmt.Errorf("forwarder: lag: row in flight: %w", err)
+	}
+	// Without the details (information_schema.INNODB_TRX needs the
+	// PROCESS privilege, and a row written otherwise than by the
+	// publisher names no writer), the row's age is the transaction's, at
+	// least.
+	h := Holder{PID: int(writer), State: "in a transaction", Age: time.Duration(age) * time.Microsecond}
+	lag.HeldBy = &h
+	if writer == 0 {
+		return lag, nil
+	}
+	var open int64
+	err = tx.QueryRow(ctx, q.holder, writer).Scan(&h.Database, &h.User, &h.State, &h.Query, &open)
+	switch {
+	case errors.Is(err, sqldb.ErrNoRows):
+		// It ended between the queries, or the server shows only the
+		// sessions of this user.
+	case err != nil:
+		if !db.Dialect().AccessDenied(err) {
+			return Lag{}, fmt.Errorf("forwarder: lag: find the open transaction: %w", err)
+		}
+	default:
+		// trx_started is to the second, rounded down: the transaction
+		// has been open for at least the reading less a second, and at
+		// least as long as its row.
+		h.Age = max(h.Age, time.Duration(open)*time.Microsecond-time.Second)
 	}
 	return lag, nil
 }

@@ -4,13 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/sqlschema"
 )
 
 // DefaultLedgerRetention is how long the relay keeps ledger rows when
@@ -53,42 +51,6 @@ func ledgerKey(x row) string {
 	return x.uuid
 }
 
-// pgRecord records one row in the PostgreSQL ledger (arguments: uuid,
-// topic, partition key, idempotency key), at the transaction's now(), as
-// the take statement does; empty without a ledger.
-func pgRecord(names sqlschema.Names, ledger bool) string {
-	if !ledger {
-		return ""
-	}
-	return `INSERT INTO ` + names.Ledger + ` (uuid, topic, partition_key, idempotency_key) VALUES ($1, $2, $3, $4)`
-}
-
-// takeDue ends the PostgreSQL take statement, whose CTEs end with "due",
-// the ids of the rows to publish: it deletes them and returns them. With
-// the ledger, the same statement records them in the ledger table (but
-// for a row whose key is longer than delivery.MaxBoundBytes, which the
-// batch records bounded, see [ledgerKey]), so
-// that the record is in the batch's transaction (it commits with the
-// delete, after the publish, or rolls back with it) and costs no round
-// trip of its own.
-func takeDue(outbox string, names sqlschema.Names, ledger bool) string {
-	if !ledger {
-		return `
-DELETE FROM ` + outbox + ` WHERE id IN (SELECT id FROM due)
-RETURNING id, topic, uuid, partition_key, payload, metadata`
-	}
-	return `,
-taken AS (
-	DELETE FROM ` + outbox + ` WHERE id IN (SELECT id FROM due)
-	RETURNING id, topic, uuid, partition_key, payload, metadata),
-recorded AS (
-	INSERT INTO ` + names.Ledger + ` (uuid, topic, partition_key, idempotency_key)
-	SELECT uuid, topic, partition_key, k FROM (
-		SELECT uuid, topic, partition_key, COALESCE(metadata->>'` + delivery.IdempotencyKey + `', uuid) AS k FROM taken) t
-	WHERE octet_length(k) <= ` + strconv.Itoa(delivery.MaxBoundBytes) + `)
-SELECT id, topic, uuid, partition_key, payload, metadata FROM taken`
-}
-
 // PruneLedger deletes the ledger rows older than RelayConfig.LedgerRetention,
 // by the database's clock, 1000 rows per statement, each statement its own
 // transaction, until none is left or ctx is done; it returns how many it
@@ -98,17 +60,17 @@ func (r *Relay) PruneLedger(ctx context.Context) (int, error) {
 	if !r.cfg.Ledger {
 		return 0, ErrNoLedger
 	}
-	prune := r.pgPruneLedger
-	if r.cfg.DB != nil {
-		prune = r.mysqlPruneLedger
-	}
+	d := r.db.d
+	// published_at older than the retention by the database's clock, the
+	// oldest first.
+	q := d.Rebind(d.DeleteLimit(r.names.Ledger, `published_at < `+d.FromMicros(`(`+d.Micros(d.Now())+` - ?)`), "published_at"))
 	total := 0
 	for {
-		n, err := prune(ctx)
+		n, err := r.db.db.Exec(ctx, q, r.cfg.LedgerRetention.Microseconds(), ledgerPruneBatch)
 		if err != nil {
 			return total, fmt.Errorf("forwarder: prune the ledger %s: %w", r.names.Ledger, err)
 		}
-		total += n
+		total += int(n)
 		if n < ledgerPruneBatch {
 			return total, nil
 		}
@@ -129,30 +91,4 @@ func (r *Relay) pruneLedger(ctx context.Context) {
 	if n > 0 {
 		r.cfg.Logger.Debug("Ledger pruned", watermill.LogFields{"deleted": n, "retention": r.cfg.LedgerRetention.String()})
 	}
-}
-
-// pgPruneLedger deletes up to ledgerPruneBatch expired ledger rows on
-// PostgreSQL, and returns how many.
-func (r *Relay) pgPruneLedger(ctx context.Context) (int, error) {
-	q := `DELETE FROM ` + r.names.Ledger + ` WHERE ctid IN (
-	SELECT ctid FROM ` + r.names.Ledger + ` WHERE published_at < now() - $1::float8 * interval '1 second' LIMIT $2)`
-	tag, err := r.cfg.Pool.Exec(ctx, q, r.cfg.LedgerRetention.Seconds(), ledgerPruneBatch)
-	if err != nil {
-		return 0, err
-	}
-	return int(tag.RowsAffected()), nil
-}
-
-// mysqlPruneLedger deletes up to ledgerPruneBatch expired ledger rows on
-// MySQL, the oldest first through the published_at index, and returns how
-// many. published_at is UTC, as UTC_TIMESTAMP(6) is.
-func (r *Relay) mysqlPruneLedger(ctx context.Context) (int, error) {
-	q := `DELETE FROM ` + r.names.Ledger + ` WHERE published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
-ORDER BY published_at LIMIT ?`
-	res, err := r.cfg.DB.ExecContext(ctx, q, r.cfg.LedgerRetention.Microseconds(), ledgerPruneBatch)
-	if err != nil {
-		return 0, err
-	}
-	n, err := res.RowsAffected()
-	return int(n), err
 }

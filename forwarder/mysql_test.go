@@ -459,8 +459,8 @@ func TestMySQLRelayKeepsRowsWhileBrokerRefuses(t *testing.T) {
 	require.Len(t, in.snapshot(), 2)
 }
 
-// TestMySQLRelayConfig: a database/sql relay needs its dialect, and only
-// one database.
+// TestMySQLRelayConfig: a database/sql relay needs a dialect it knows,
+// and only one database.
 func TestMySQLRelayConfig(t *testing.T) {
 	t.Parallel()
 	gc := orderedGoChannel(t)
@@ -470,16 +470,16 @@ func TestMySQLRelayConfig(t *testing.T) {
 		want string
 	}{
 		{forwarder.RelayConfig{Publisher: gc}, "RelayConfig.Pool (pgx, PostgreSQL) or RelayConfig.DB"},
-		{forwarder.RelayConfig{DB: db, Publisher: gc}, "RelayConfig.Dialect must be sqlschema.MySQL"},
-		{forwarder.RelayConfig{DB: db, Dialect: sqlschema.Postgres, Publisher: gc}, "relay a PostgreSQL outbox through RelayConfig.Pool"},
+		{forwarder.RelayConfig{DB: db, Publisher: gc}, "RelayConfig.Dialect must be sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite"},
+		{forwarder.RelayConfig{DB: db, Dialect: "oracle", Publisher: gc}, `got "oracle"`},
 	} {
 		_, err := forwarder.NewRelay(tc.cfg)
 		require.ErrorContains(t, err, tc.want)
 	}
-	_, err := forwarder.NewSQLTxPublisher(context.Background(), &sql.Tx{}, sqlschema.SQLite, sqlschema.Config{})
-	require.ErrorContains(t, err, "dialect must be sqlschema.MySQL or sqlschema.Postgres")
-	_, err = forwarder.SQLOutboxLag(context.Background(), db, sqlschema.Postgres, sqlschema.Config{})
-	require.ErrorContains(t, err, "for PostgreSQL use OutboxLag")
+	_, err := forwarder.NewSQLTxPublisher(context.Background(), &sql.Tx{}, "oracle", sqlschema.Config{})
+	require.ErrorContains(t, err, `unknown dialect "oracle"`)
+	_, err = forwarder.SQLOutboxLag(context.Background(), db, "oracle", sqlschema.Config{})
+	require.ErrorContains(t, err, `unknown dialect "oracle"`)
 }
 
 // TestMySQLConsumerOutbox: with a MariaDB inbox, the messages a handler

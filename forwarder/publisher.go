@@ -2,10 +2,11 @@ package forwarder
 
 import (
 	"context"
-	stdsql "database/sql"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"strings"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -14,7 +15,10 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -55,14 +59,36 @@ func NewTxPublisher(ctx context.Context, tx pgx.Tx, cfg sqlschema.Config, opts .
 	if tx == nil {
 		return nil, errors.New("forwarder: NewTxPublisher: tx is nil")
 	}
+	return newTxPublisher(ctx, wsql.TxFromPgx(tx), outboxSchema{d: sqldb.Postgres}, cfg, opts)
+}
+
+// NewSQLTxPublisher returns a publisher that writes into tx, a
+// database/sql transaction on a database of dialect d, for applications
+// whose data layer is database/sql (GORM, sqlc, sqlx): sqlschema.Postgres
+// (pgx's stdlib or lib/pq), sqlschema.MySQL (MySQL 8.0+, MariaDB 10.6+
+// through go-sql-driver/mysql) or sqlschema.SQLite (modernc.org/sqlite);
+// a [Relay] with RelayConfig.DB (or, on PostgreSQL, RelayConfig.Pool)
+// relays the rows. It is the [TxPublisher] of [NewTxPublisher] otherwise:
+// its inserts run with ctx, it keeps each message's UUID, metadata and
+// partition key, and it starts no goroutines. cfg names the outbox table,
+// as given to sqlschema.MigrateSQL.
+func NewSQLTxPublisher(ctx context.Context, tx *sql.Tx, d sqlschema.Dialect, cfg sqlschema.Config, opts ...TxOption) (*TxPublisher, error) {
+	if tx == nil {
+		return nil, errors.New("forwarder: NewSQLTxPublisher: tx is nil")
+	}
+	dialect, err := sqldb.For(d)
+	if err != nil {
+		return nil, fmt.Errorf("forwarder: NewSQLTxPublisher: %w", err)
+	}
+	return newTxPublisher(ctx, wsql.TxFromStdSQL(tx), outboxSchema{d: dialect, metadataText: true}, cfg, opts)
+}
+
+func newTxPublisher(ctx context.Context, tx wsql.ContextExecutor, schema outboxSchema, cfg sqlschema.Config, opts []TxOption) (*TxPublisher, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	names := sqlschema.NamesFor(sqlschema.Postgres, cfg)
-	pub, err := wsql.NewPublisher(wsql.TxFromPgx(tx), wsql.PublisherConfig{
-		SchemaAdapter: outboxSchema{table: names.Outbox},
-	}, watermill.NopLogger{})
+	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: schema.on(schema.d.Names(cfg).Outbox)}, watermill.NopLogger{})
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
@@ -94,20 +120,42 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 // Close closes the publisher; the transaction is the caller's.
 func (p *TxPublisher) Close() error { return p.pub.Close() }
 
-// outboxSchema is the write side of a watermill-sql schema adapter for the
-// PostgreSQL outbox table: one table for every topic. metadataText sends
-// the metadata as text rather than bytes, for database/sql drivers.
+// outboxSchema is the write side of a watermill-sql schema adapter for
+// the outbox table: one table for every topic.
 type outboxSchema struct {
-	table        string
+	d *sqldb.Dialect
+	// metadataText sends the metadata as text rather than bytes, for
+	// database/sql drivers (lib/pq sends bytes as bytea, SQLite stores
+	// them as a BLOB).
 	metadataText bool
+	// insert starts the INSERT; row is one row's values.
+	insert, row string
+}
+
+// on returns s writing into table.
+func (s outboxSchema) on(table string) outboxSchema {
+	cols, row := "topic, uuid, partition_key, payload, metadata", "?, ?, ?, ?, ?"
+	if s.d.WriterHashes() {
+		// The lane, which the database does not generate.
+		cols, row = cols+", lane", row+", ?"
+	}
+	if s.d.ReadUncommitted && !s.d.Snapshots {
+		// The outbox of a database whose relay reads rows in flight
+		// records their writing session, which the relay's Lag names
+		// while the row holds back the rows behind it; its created_at
+		// has no default.
+		cols, row = cols+", created_at, writer", row+", "+s.d.Now()+", "+s.d.SessionID()
+	}
+	s.insert, s.row = `INSERT INTO `+table+` (`+cols+`) VALUES `, "("+row+")"
+	return s
 }
 
 func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, error) {
 	var (
 		b    strings.Builder
-		args = make([]any, 0, 5*len(params.Msgs))
+		args = make([]any, 0, 6*len(params.Msgs))
 	)
-	b.WriteString(`INSERT INTO ` + s.table + ` (topic, uuid, partition_key, payload, metadata) VALUES `)
+	b.WriteString(s.insert)
 	for i, m := range params.Msgs {
 		md, err := json.Marshal(m.Metadata)
 		if err != nil {
@@ -120,15 +168,18 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 		if i > 0 {
 			b.WriteString(", ")
 		}
-		n := len(args)
-		fmt.Fprintf(&b, "($%d, $%d, $%d, $%d, $%d)", n+1, n+2, n+3, n+4, n+5)
+		b.WriteString(s.row)
 		var metadata any = md
 		if s.metadataText {
-			metadata = string(md)
+			metadata = s.d.Text(string(md))
 		}
-		args = append(args, params.Topic, m.UUID, key, []byte(m.Payload), metadata)
+		// Text: MySQL's binary columns take bytes, kept byte for byte.
+		args = append(args, s.d.Text(params.Topic), s.d.Text(m.UUID), s.d.Text(key), []byte(m.Payload), metadata)
+		if s.d.WriterHashes() {
+			args = append(args, int64(crc32.ChecksumIEEE([]byte(key))%lanes))
+		}
 	}
-	return wsql.Query{Query: b.String(), Args: args}, nil
+	return wsql.Query{Query: s.d.Rebind(b.String()), Args: args}, nil
 }
 
 func (outboxSchema) SelectQuery(wsql.SelectQueryParams) (wsql.Query, error) {
@@ -143,7 +194,7 @@ func (outboxSchema) SchemaInitializingQueries(wsql.SchemaInitializingQueriesPara
 	return nil, nil // sqlschema.Migrate creates the table
 }
 
-func (outboxSchema) SubscribeIsolationLevel() stdsql.IsolationLevel { return stdsql.LevelDefault }
+func (outboxSchema) SubscribeIsolationLevel() sql.IsolationLevel { return sql.LevelDefault }
 
 // InboxOutbox returns a function for middleware.InboxConfig.Outbox that
 // writes a handler's produced messages to topic as outbox rows in the
@@ -156,6 +207,29 @@ func InboxOutbox(topic string, cfg sqlschema.Config, opts ...TxOption) func(ctx 
 			return errors.New("forwarder: InboxOutbox: no PostgreSQL transaction in the context; use it with a postgres.Store inbox")
 		}
 		pub, err := NewTxPublisher(ctx, tx, cfg, opts...)
+		if err != nil {
+			return err
+		}
+		return pub.Publish(topic, produced...)
+	}
+}
+
+// SQLInboxOutbox returns a function for middleware.InboxConfig.Outbox that
+// writes a handler's produced messages to topic as outbox rows in the
+// inbox's database/sql transaction (the one sqlstore.Tx or sqlite.Tx
+// returns), on a database of dialect d, so that the effect and the events
+// it causes commit together. It is [InboxOutbox] for a dedup/sqlstore or
+// dedup/sqlite inbox.
+func SQLInboxOutbox(topic string, d sqlschema.Dialect, cfg sqlschema.Config, opts ...TxOption) func(ctx context.Context, produced []*message.Message) error {
+	return func(ctx context.Context, produced []*message.Message) error {
+		tx := sqlstore.Tx(ctx)
+		if tx == nil {
+			tx = sqlite.Tx(ctx)
+		}
+		if tx == nil {
+			return errors.New("forwarder: SQLInboxOutbox: no database/sql transaction in the context; use it with a sqlstore.Store or sqlite.Store inbox")
+		}
+		pub, err := NewSQLTxPublisher(ctx, tx, d, cfg, opts...)
 		if err != nil {
 			return err
 		}

@@ -7,7 +7,6 @@ import (
 	"fmt"
 
 	"github.com/oncemill/oncemill/delivery"
-	"github.com/oncemill/oncemill/sqlschema"
 )
 
 // ErrRefusedRow is wrapped by the reason the relay gives for an outbox
@@ -125,35 +124,4 @@ func clip(b []byte, n int) string {
 		return string(b[:n]) + "…"
 	}
 	return string(b)
-}
-
-// pgDeadLetter writes a refused row to the PostgreSQL dead-letter table
-// (arguments: uuid, topic, consumer, key, error, payload, metadata) and
-// returns its id, or no row when the table holds an entry for the same
-// consumer, topic and uuid (see [deadLetterRow]).
-func pgDeadLetter(names sqlschema.Names) string {
-	return `INSERT INTO ` + names.DLQ + ` (uuid, topic, consumer, key, error, permanent, first_failed_at, last_failed_at, payload, metadata)
-VALUES ($1, $2, $3, $4, $5, true, now(), now(), COALESCE($6::bytea, ''::bytea), $7::jsonb)
-ON CONFLICT (consumer, topic, uuid) WHERE replay_requested_at IS NULL DO NOTHING
-RETURNING id`
-}
-
-// mysqlDeadLetter is pgDeadLetter for the MySQL dead-letter table: an
-// entry for the same consumer, topic and uuid fails it with a duplicate
-// key error (1062), which rolls back the statement only.
-func mysqlDeadLetter(names sqlschema.Names) string {
-	return "INSERT INTO " + names.DLQ + " (uuid, topic, dlq_topic, consumer, `key`, `error`, permanent,\n" +
-		"    first_failed_at, last_failed_at, payload, metadata, dead_at)\n" +
-		"VALUES (?, ?, '', ?, ?, ?, TRUE, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), ?, ?, UTC_TIMESTAMP(6))"
-}
-
-// pgUnledger deletes the ledger record that the take statement wrote for a
-// refused row (arguments: uuid, topic), when the relay keeps a ledger: the
-// row was dead-lettered, not published. The take's records are the ones
-// of this transaction, published_at now().
-func pgUnledger(names sqlschema.Names, ledger bool) string {
-	if !ledger {
-		return ""
-	}
-	return `DELETE FROM ` + names.Ledger + ` WHERE uuid = $1 AND topic = $2 AND published_at = now()`
 }

@@ -23,7 +23,7 @@ import (
 )
 
 // outboxUnderTest is an outbox on one database, for the tests that run on
-// PostgreSQL and MySQL alike.
+// every database the relay runs on (see [outboxBackends]).
 type outboxUnderTest struct {
 	// insert commits rows (topic, uuid, partition_key, payload, metadata)
 	// into the outbox by plain SQL, in one transaction.
@@ -33,10 +33,16 @@ type outboxUnderTest struct {
 	dead   func(t *testing.T) []dlq.Entry
 	// ledgerKeys lists the ledger's idempotency keys.
 	ledgerKeys func(t *testing.T) []string
+	// write writes events to topic through the outbox's publisher, in one
+	// transaction, and commits it or rolls it back.
+	write func(ctx context.Context, topic string, commit bool, events ...*message.Message) error
+	// lag is OutboxLag's or SQLOutboxLag's reading.
+	lag func(t *testing.T) forwarder.Lag
 }
 
-func pgOutboxUnderTest(t *testing.T) outboxUnderTest {
-	b := setup(t, 8)
+func pgOutboxUnderTest(t *testing.T) outboxUnderTest { return pgOutboxUnderTestOn(t, setup(t, 8)) }
+
+func pgOutboxUnderTestOn(t *testing.T, b bundle) outboxUnderTest {
 	ctx := context.Background()
 	outbox := `"` + b.schema.Schema + `".`
 	return outboxUnderTest{
@@ -52,6 +58,26 @@ func pgOutboxUnderTest(t *testing.T) outboxUnderTest {
 		count: b.count,
 		relay: func(t *testing.T, pub message.Publisher, mod func(*forwarder.RelayConfig)) *forwarder.Relay {
 			return newRelay(t, b, pub, mod)
+		},
+		write: func(ctx context.Context, topic string, commit bool, events ...*message.Message) error {
+			tx, err := b.pool.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback(ctx) //nolint:errcheck // no-op after commit
+			pub, err := forwarder.NewTxPublisher(ctx, tx, b.schema)
+			if err == nil {
+				err = pub.Publish(topic, events...)
+			}
+			if err != nil || !commit {
+				return err
+			}
+			return tx.Commit(ctx)
+		},
+		lag: func(t *testing.T) forwarder.Lag {
+			lag, err := forwarder.OutboxLag(ctx, b.pool, b.schema)
+			require.NoError(t, err)
+			return lag
 		},
 		dead: func(t *testing.T) []dlq.Entry {
 			s, err := dlq.NewStore(b.pool, b.schema)
@@ -92,6 +118,8 @@ func mysqlOutboxUnderTest(t *testing.T) outboxUnderTest {
 		relay: func(t *testing.T, pub message.Publisher, mod func(*forwarder.RelayConfig)) *forwarder.Relay {
 			return b.relay(t, pub, mod)
 		},
+		write: sqlWrite(b.db, sqlschema.MySQL, b.schema),
+		lag:   sqlLag(b.db, sqlschema.MySQL, b.schema),
 		dead: func(t *testing.T) []dlq.Entry {
 			s, err := dlq.NewSQLStore(b.db, sqlschema.MySQL, b.schema)
 			require.NoError(t, err)
@@ -114,7 +142,7 @@ func mysqlOutboxUnderTest(t *testing.T) outboxUnderTest {
 	}
 }
 
-// TestRelayRefusedRowsCostOnlyThemselves, on PostgreSQL and on MariaDB,
+// TestRelayRefusedRowsCostOnlyThemselves, on every backend,
 // with and without the ledger: 29 good rows share their lanes with rows the
 // relay refuses (an empty topic), one of them with a 4 KB uuid and a 4 KB
 // idempotency key, two of them with one uuid, and one good row has a 4 KB
@@ -129,10 +157,7 @@ func mysqlOutboxUnderTest(t *testing.T) outboxUnderTest {
 // one dead letter, the other lost.
 func TestRelayRefusedRowsCostOnlyThemselves(t *testing.T) {
 	t.Parallel()
-	for _, db := range []struct {
-		name string
-		open func(*testing.T) outboxUnderTest
-	}{{"PostgreSQL", pgOutboxUnderTest}, {"MySQL", mysqlOutboxUnderTest}} {
+	for _, db := range outboxBackends {
 		for _, ledger := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/ledger=%t", db.name, ledger), func(t *testing.T) {
 				t.Parallel()
@@ -205,9 +230,9 @@ func noise(n int) string {
 	return hex.EncodeToString(b)[:n]
 }
 
-// TestRelayRefusesTopicsRabbitMQRefuses, with a PostgreSQL and a MariaDB
-// outbox: rows whose topic RabbitMQ would refuse (300 bytes, longer than
-// an AMQP name; on MySQL, whose outbox holds bytes, also invalid UTF-8)
+// TestRelayRefusesTopicsRabbitMQRefuses, on every backend: rows whose topic RabbitMQ would refuse (300 bytes, longer than
+// an AMQP name; on MySQL and SQLite, whose outbox holds bytes, also
+// invalid UTF-8)
 // sit between good rows of their lane. They are dead-lettered with the
 // publisher's reason before any publish, and each good row reaches the
 // queue once. Issue 31, case 8: before, the 300-byte topic made the broker
@@ -227,6 +252,8 @@ func TestRelayRefusesTopicsRabbitMQRefuses(t *testing.T) {
 	}{
 		{"PostgreSQL", pgOutboxUnderTest, []string{strings.Repeat("t", 300)}},
 		{"MySQL", mysqlOutboxUnderTest, []string{strings.Repeat("t", 300), "orders-\xff\xfe"}},
+		{"PostgreSQL/database-sql", pgSQLOutboxUnderTest, []string{strings.Repeat("t", 300)}},
+		{"SQLite", sqliteOutboxUnderTest, []string{strings.Repeat("t", 300), "orders-\xff\xfe"}},
 	} {
 		t.Run(db.name, func(t *testing.T) {
 			t.Parallel()

@@ -5,18 +5,16 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"hash/fnv"
-	"sort"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -30,7 +28,7 @@ import (
 var ErrLossyPublisher = errors.New("forwarder: RelayConfig.Publisher would lose the rows the relay deletes")
 
 // lanes is the number of ordering lanes in the outbox table (the lane
-// column is hashtext(partition_key) & 63).
+// column is a hash of partition_key & 63).
 const lanes = 64
 
 // RelayConfig configures a [Relay].
@@ -39,14 +37,15 @@ type RelayConfig struct {
 	// Set either Pool or DB.
 	Pool *pgxpool.Pool
 	// DB is the database holding the outbox, through database/sql, with
-	// Dialect naming its family: for MySQL 8.0 or newer and MariaDB 10.6
-	// or newer (go-sql-driver/mysql), on the tables that
-	// sqlschema.MigrateSQL creates for sqlschema.MySQL. Set either Pool or
-	// DB. See [Relay] for what the relay promises on each.
+	// Dialect naming its family: sqlschema.Postgres (pgx's stdlib or
+	// lib/pq), sqlschema.MySQL (MySQL 8.0 or newer, MariaDB 10.6 or newer,
+	// go-sql-driver/mysql) or sqlschema.SQLite (modernc.org/sqlite; one
+	// relay per database file, see [Relay]), on the tables that
+	// sqlschema.MigrateSQL creates. Set either Pool or DB. See [Relay] for
+	// what the relay promises on each.
 	DB *sql.DB
-	// Dialect is the database family of DB: sqlschema.MySQL, the only one
-	// the relay runs on through database/sql (a PostgreSQL outbox is
-	// relayed through Pool). Required with DB, ignored with Pool.
+	// Dialect is the database family of DB. Required with DB, ignored
+	// with Pool.
 	Dialect sqlschema.Dialect
 	// Publisher receives the rows as messages: any Watermill publisher
 	// whose Publish fails when the broker did not take the messages, since
@@ -81,7 +80,8 @@ type RelayConfig struct {
 	LockOrderedWriters bool
 	// LanesPerBatch is the most ordering lanes (of 64) one batch takes;
 	// relays running at once share the lanes, each key's rows stay in one
-	// lane. Defaults to 16.
+	// lane. Ignored on SQLite, whose one relay takes every lane. Defaults
+	// to 16.
 	LanesPerBatch int
 	// PollInterval is the longest wait between two looks for rows, reached
 	// while the outbox stays empty: after a full batch the relay looks
@@ -109,8 +109,9 @@ type RelayConfig struct {
 	// DatabaseTimeout bounds the relay's waits on its database: a batch's
 	// statements up to the publish (begin, take, dead-lettering refused
 	// rows), each look for rows, and, once the publisher has the rows,
-	// each of the statements that delete them (on MySQL the delete, the
-	// ledger's insert), the commit and a rollback. Those last run even
+	// each of the statements that delete them (the delete, the ledger's
+	// insert, and on SQLite the dead letters: its write transaction comes
+	// after the publish), the commit and a rollback. Those last run even
 	// after Run was stopped, so that what was published is deleted; with
 	// the bound a database that stops answering fails the batch (its
 	// rows stay and go out again, which the consumers' inboxes absorb)
@@ -147,7 +148,8 @@ type RelayConfig struct {
 	// gets no record. `oncemill reconcile` compares the ledger with a
 	// consumer's inbox. On PostgreSQL it costs no extra statement per
 	// batch (the statement that deletes the rows records them), on MySQL
-	// one INSERT per batch; either way the ledger rows' inserts.
+	// and SQLite one INSERT per batch; either way the ledger rows'
+	// inserts.
 	// Defaults to false: no ledger.
 	Ledger bool
 	// LedgerRetention is how long ledger rows are kept: the relay deletes
@@ -210,8 +212,8 @@ func (c RelayConfig) Validate() error {
 		return errors.New("forwarder: RelayConfig.Pool (pgx, PostgreSQL) or RelayConfig.DB (database/sql, with Dialect) is required")
 	case c.Pool != nil && c.DB != nil:
 		return errors.New("forwarder: RelayConfig.Pool and RelayConfig.DB are both set: set the one that holds the outbox")
-	case c.DB != nil && c.Dialect != sqlschema.MySQL:
-		return fmt.Errorf("forwarder: RelayConfig.Dialect must be sqlschema.MySQL with RelayConfig.DB, got %q (relay a PostgreSQL outbox through RelayConfig.Pool)", c.Dialect)
+	case c.DB != nil && c.Dialect != sqlschema.Postgres && c.Dialect != sqlschema.MySQL && c.Dialect != sqlschema.SQLite:
+		return fmt.Errorf("forwarder: RelayConfig.Dialect must be sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite with RelayConfig.DB, got %q", c.Dialect)
 	case c.Publisher == nil:
 		return errors.New("forwarder: RelayConfig.Publisher is required")
 	case typednil.Is(c.Publisher):
@@ -301,6 +303,20 @@ func (c RelayConfig) Validate() error {
 // looked. A transaction left open after inserting holds back the rows
 // behind it in its lane (one lane of 64), not the whole outbox. Nor is
 // there any order between keys.
+//
+// # On SQLite
+//
+// SQLite has one writer at a time and hands out ids in commit order: a
+// committed row can never be overtaken by one with a lower id. The relay
+// reads the first BatchSize rows by id, without a lock, publishes them,
+// and then deletes them (and dead-letters the refused ones, and records
+// the ledger) in one short write transaction: it never holds the write
+// lock while it waits on the broker, and rows go out in the writers'
+// commit order, each transaction's in its insert order, for every key.
+// Nothing waits, and [Lag] reports no waiting rows. One relay per
+// database file: there are no lanes to share, and a second relay would
+// publish the rows the first is publishing again, which the consumers'
+// inboxes absorb.
 type Relay struct {
 	cfg   RelayConfig
 	hooks observe.Hooks
@@ -308,64 +324,12 @@ type Relay struct {
 	// outbox names the table for people: schema.table, unquoted, as the
 	// hooks, the logs and the router's handler name give it.
 	outbox string
-	db     outboxDB
+	db     *outbox
 
 	mu      sync.Mutex
 	cancel  context.CancelFunc
 	running chan struct{}
 	closed  bool
-}
-
-// outboxDB is the outbox of one database family, as the relay uses it:
-// every statement of the family's relay is behind it, in its own file
-// (pgOutbox here, mysqlOutbox in mysqlrelay.go).
-type outboxDB interface {
-	// batch takes a batch of rows that may go out, in one transaction,
-	// and gives them to publish in id order; when publish returns nil it
-	// deletes them and commits, otherwise it rolls back and the rows
-	// stay. It returns how many rows were published and deleted.
-	// Rows that cannot be published (row.refused) are dead-lettered in
-	// the same transaction; publish skips them.
-	batch(ctx context.Context, publish func(context.Context, []row) (int, error)) (int, error)
-	// probe reports, in one cheap query outside a transaction, whether a
-	// batch may find rows.
-	probe(ctx context.Context) (bool, error)
-	// lag measures the backlog.
-	lag(ctx context.Context) (Lag, error)
-}
-
-// pgOutbox is the outbox on PostgreSQL through pgx.
-type pgOutbox struct {
-	pool *pgxpool.Pool
-	// validate is the publisher's TopicValidator, or nil.
-	validate                 func(string) error
-	timeout                  time.Duration
-	consumer                 string
-	lockKey                  int32
-	lanesPerBatch, batchSize int
-	q                        relayQueries
-}
-
-type relayQueries struct {
-	take, probe, deadLetter string
-	// unledger takes a refused row's record out of the ledger; empty
-	// without a ledger.
-	unledger string
-	// record records one row in the ledger (arguments: uuid, topic,
-	// partition key, idempotency key), for the rows whose key is too long
-	// for the take statement to record; empty without a ledger.
-	record string
-	lagQueries
-}
-
-// due is the SQL condition on an outbox row's txid column under which the
-// row may go out: its transaction is older than every open one, or, with
-// lock-ordered writers, any committed row.
-func due(txid string, lockOrdered bool) string {
-	if lockOrdered {
-		return "true"
-	}
-	return txid + " < pg_snapshot_xmin(pg_current_snapshot())"
 }
 
 // NewRelay returns a relay; it starts nothing until Run.
@@ -374,59 +338,18 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	outbox := cfg.Schema.Schema + "." + cfg.Schema.OutboxTable
+	db := sqldb.Pgx(cfg.Pool)
 	if cfg.DB != nil {
-		names := sqlschema.NamesFor(cfg.Dialect, cfg.Schema)
-		return &Relay{cfg: cfg, hooks: observe.New(cfg.Hooks...), names: names, outbox: outbox, db: newMySQLOutbox(cfg, names)}, nil
+		d, _ := sqldb.For(cfg.Dialect) // Validate checked it
+		db = sqldb.SQL(cfg.DB, d)
 	}
-	names := sqlschema.NamesFor(sqlschema.Postgres, cfg.Schema)
-	h := fnv.New32a()
-	h.Write([]byte("oncemill:outbox:" + names.Outbox))
-	t := names.Outbox
-	lockOrdered := cfg.LockOrderedWriters
+	names := db.Dialect().Names(cfg.Schema)
 	return &Relay{
 		cfg:    cfg,
 		hooks:  observe.New(cfg.Hooks...),
 		names:  names,
-		outbox: outbox,
-		db: &pgOutbox{
-			pool:          cfg.Pool,
-			validate:      topicValidation(cfg.Publisher),
-			timeout:       cfg.DatabaseTimeout,
-			consumer:      relayConsumer(outbox),
-			lockKey:       int32(h.Sum32()),
-			lanesPerBatch: cfg.LanesPerBatch,
-			batchSize:     cfg.BatchSize,
-			q: relayQueries{
-				// One statement takes a batch: the lanes whose first row (by
-				// id) may go out, in a random order, locked until this
-				// transaction ends (OFFSET 0 keeps the lock call out of the
-				// inner query, so that only lanes with work are locked, and
-				// LIMIT stops locking early); then the first rows of those
-				// lanes by id, cut in each lane before the first row whose
-				// transaction is not older than every open one (unless
-				// LockOrderedWriters): a row after it was inserted later and
-				// must not overtake it.
-				take: `WITH lanes AS MATERIALIZED (
-	SELECT l FROM (
-		SELECT l FROM generate_series(0, 63) AS l
-		WHERE (SELECT ` + due("o.txid", lockOrdered) + ` FROM ` + t + ` o WHERE o.lane = l ORDER BY o.id LIMIT 1)
-		ORDER BY random() OFFSET 0) s
-	WHERE pg_try_advisory_xact_lock($1, s.l) LIMIT $2),
-candidates AS MATERIALIZED (
-	SELECT id, lane, txid FROM ` + t + ` WHERE lane IN (SELECT l FROM lanes) ORDER BY id LIMIT $3),
-due AS (
-	SELECT id FROM (
-		SELECT id, bool_and(` + due("txid", lockOrdered) + `) OVER (PARTITION BY lane ORDER BY id) AS ok FROM candidates) w
-	WHERE ok)` + takeDue(t, names, cfg.Ledger),
-				// One cheap look, outside a transaction, before a batch.
-				deadLetter: pgDeadLetter(names),
-				unledger:   pgUnledger(names, cfg.Ledger),
-				record:     pgRecord(names, cfg.Ledger),
-				probe:      `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + due("txid", lockOrdered) + `)`,
-				lagQueries: newLagQueries(t, lockOrdered),
-			},
-		},
+		outbox: cfg.Schema.Schema + "." + cfg.Schema.OutboxTable,
+		db:     newOutbox(cfg, db, names),
 	}, nil
 }
 
@@ -437,9 +360,14 @@ type row struct {
 	key      string
 	payload  []byte
 	metadata map[string]string
+	// at is when the batch took the row, by the database's clock
+	// (microseconds since the epoch): its ledger record's published_at.
+	at int64
 	// refused is why the row cannot be published (see [ErrRefusedRow]);
 	// such a row is dead-lettered with the batch, not published.
 	refused error
+	// recorded: the take recorded the row in the ledger.
+	recorded bool
 }
 
 // RelayBatch publishes one batch and deletes its rows, in one transaction:
@@ -457,47 +385,11 @@ func (r *Relay) relayBatch(ctx context.Context) (int, error) {
 	return r.db.batch(ctx, r.publish)
 }
 
-func (o *pgOutbox) batch(ctx context.Context, publish func(context.Context, []row) (int, error)) (int, error) {
-	dbCtx, cancel := boundDB(ctx, o.timeout)
-	defer cancel()
-	tx, err := o.pool.Begin(dbCtx)
-	if err != nil {
-		return 0, fmt.Errorf("forwarder: begin: %w", err)
-	}
-	n, err := o.take(dbCtx, tx, publishOn(ctx, publish))
-	if err == nil {
-		// Once the broker has the rows, delete them even if Close came
-		// meanwhile: a cancelled commit would publish them all again.
-		post, cancel := afterPublish(ctx, o.timeout)
-		err = tx.Commit(post)
-		cancel()
-		if err != nil {
-			err = fmt.Errorf("forwarder: commit after publishing %d rows (they will be published again): %w", n, err)
-		}
-	}
-	if err != nil {
-		post, cancel := afterPublish(ctx, o.timeout)
-		defer cancel()
-		if rbErr := tx.Rollback(post); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
-			err = errors.Join(err, rbErr)
-		}
-		return 0, err
-	}
-	return n, nil
-}
-
 // boundDB returns the context of a batch's statements up to its publish:
 // ctx, within timeout. The broker's part of the batch runs on ctx itself
 // (see [publishOn]).
 func boundDB(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, timeout)
-}
-
-// publishOn returns publish, called with ctx whatever context it is
-// given: the batch's statements run on a context bounded by
-// DatabaseTimeout, its messages on the batch's own, bounded by the drain.
-func publishOn(ctx context.Context, publish func(context.Context, []row) (int, error)) func(context.Context, []row) (int, error) {
-	return func(_ context.Context, batch []row) (int, error) { return publish(ctx, batch) }
 }
 
 // afterPublish returns the context of a statement that follows a
@@ -507,74 +399,6 @@ func publishOn(ctx context.Context, publish func(context.Context, []row) (int, e
 // instead of holding the relay.
 func afterPublish(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(ctx), timeout)
-}
-
-func (o *pgOutbox) take(ctx context.Context, tx pgx.Tx, publish func(context.Context, []row) (int, error)) (int, error) {
-	// The batch's commit need not wait for its WAL to reach disk: a
-	// delete lost in a server crash only publishes its rows again, which
-	// the consumers' inboxes absorb, and the writers' commits no longer
-	// queue behind the relay's. Sent with the take, in one round trip.
-	b := &pgx.Batch{}
-	b.Queue(`SET LOCAL synchronous_commit TO off`)
-	b.Queue(o.q.take, o.lockKey, o.lanesPerBatch, o.batchSize)
-	br := tx.SendBatch(ctx, b)
-	defer br.Close()
-	if _, err := br.Exec(); err != nil {
-		return 0, fmt.Errorf("forwarder: take rows: %w", err)
-	}
-	rows, err := br.Query()
-	if err != nil {
-		return 0, fmt.Errorf("forwarder: take rows: %w", err)
-	}
-	batch, err := pgx.CollectRows(rows, func(rw pgx.CollectableRow) (row, error) {
-		var (
-			x     row
-			mdRaw []byte
-		)
-		if err := rw.Scan(&x.id, &x.topic, &x.uuid, &x.key, &x.payload, &mdRaw); err != nil {
-			return x, err
-		}
-		x.metadata, x.refused = checkRow(x.topic, x.uuid, mdRaw, o.validate)
-		return x, nil
-	})
-	if err != nil {
-		return 0, fmt.Errorf("forwarder: take rows: %w", err)
-	}
-	if err := br.Close(); err != nil {
-		return 0, fmt.Errorf("forwarder: take rows: %w", err)
-	}
-	// RETURNING gives no order.
-	sort.Slice(batch, func(i, j int) bool { return batch[i].id < batch[j].id })
-	for _, x := range batch {
-		if x.refused == nil {
-			if o.q.record != "" && len(ledgerKey(x)) > delivery.MaxBoundBytes {
-				// The take statement records only keys that fit the
-				// ledger's index; this one is recorded bounded.
-				if _, err := tx.Exec(ctx, o.q.record, x.uuid, x.topic, x.key, delivery.Bound(ledgerKey(x))); err != nil {
-					return 0, fmt.Errorf("forwarder: record row %d in the ledger: %w", x.id, err)
-				}
-			}
-			continue
-		}
-		err := deadLetterRow(x, func(uuid, metadata string) (bool, error) {
-			var id int64
-			err := tx.QueryRow(ctx, o.q.deadLetter, uuid, delivery.Bound(x.topic), delivery.Bound(o.consumer), delivery.Bound(x.key),
-				x.refused.Error(), x.payload, metadata).Scan(&id)
-			if errors.Is(err, pgx.ErrNoRows) {
-				return false, nil
-			}
-			return err == nil, err
-		})
-		if err != nil {
-			return 0, fmt.Errorf("forwarder: dead-letter refused row %d: %w", x.id, err)
-		}
-		if o.q.unledger != "" {
-			if _, err := tx.Exec(ctx, o.q.unledger, x.uuid, x.topic); err != nil {
-				return 0, fmt.Errorf("forwarder: dead-letter refused row %d: ledger: %w", x.id, err)
-			}
-		}
-	}
-	return publish(ctx, batch)
 }
 
 // publish publishes batch, in id order, to the relay's publisher: runs of
@@ -701,7 +525,7 @@ func (r *Relay) Run(ctx context.Context) error {
 func (r *Relay) poll(ctx context.Context, probe bool) (int, error) {
 	if probe {
 		pctx, cancel := boundDB(ctx, r.cfg.DatabaseTimeout)
-		due, err := r.db.probe(pctx)
+		due, err := r.db.probeRows(pctx)
 		cancel()
 		if err != nil {
 			return 0, fmt.Errorf("forwarder: look for rows: %w", err)
@@ -711,12 +535,6 @@ func (r *Relay) poll(ctx context.Context, probe bool) (int, error) {
 		}
 	}
 	return r.RelayBatch(ctx)
-}
-
-func (o *pgOutbox) probe(ctx context.Context) (bool, error) {
-	var due bool
-	err := o.pool.QueryRow(ctx, o.q.probe).Scan(&due)
-	return due, err
 }
 
 // Close stops Run and waits for it to return. It is safe to call more than
