@@ -363,29 +363,7 @@ func (c *Console) outboxLag(ctx context.Context) (forwarder.Lag, error) {
 	if c.cfg.Pool != nil {
 		return forwarder.OutboxLag(ctx, c.cfg.Pool, c.cfg.Schema)
 	}
-	lag, err := forwarder.SQLOutboxLag(ctx, c.cfg.DB, c.cfg.Dialect, c.cfg.Schema)
-	if err != nil && strings.Contains(err.Error(), "dialect must be") {
-		return c.countOutbox(ctx)
-	}
-	return lag, err
-}
-
-// countOutbox is the outbox's pending rows and the age of the oldest, for
-// the dialects forwarder.SQLOutboxLag of this version refuses; it cannot
-// tell which rows wait (Waiting, HeldBy), which with one writer (SQLite)
-// none do.
-func (c *Console) countOutbox(ctx context.Context) (forwarder.Lag, error) {
-	d := c.db.Dialect()
-	var (
-		lag forwarder.Lag
-		age int64
-	)
-	err := c.db.QueryRow(ctx, `SELECT count(*), COALESCE(`+d.Micros(d.Now())+` - `+d.Micros("min(created_at)")+`, 0) FROM `+c.names.Outbox).Scan(&lag.Pending, &age)
-	if err != nil {
-		return forwarder.Lag{}, fmt.Errorf("console: outbox lag: %w", err)
-	}
-	lag.OldestAge = time.Duration(age) * time.Microsecond
-	return lag, nil
+	return forwarder.SQLOutboxLag(ctx, c.cfg.DB, c.cfg.Dialect, c.cfg.Schema)
 }
 
 // undefined reports whether err says that a table is missing: the

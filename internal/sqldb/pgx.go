@@ -87,12 +87,6 @@ func PgxTx(tx Executor) (pgx.Tx, bool) {
 	return t.tx, ok
 }
 
-// PgxPool returns the pgx pool under db, when db is one.
-func PgxPool(db DB) (*pgxpool.Pool, bool) {
-	d, ok := db.(pgxDB)
-	return d.pool, ok
-}
-
 func pgxIsolation(i Isolation) pgx.TxIsoLevel {
 	switch i {
 	case ReadUncommitted:

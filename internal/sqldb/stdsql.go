@@ -55,12 +55,6 @@ func SQL(db *sql.DB, d *Dialect) DB { return sqlDB{sqlExec{db}, db, d} }
 
 func (d sqlDB) Dialect() *Dialect { return d.d }
 
-// SQLDB returns the database/sql handle under db, when db is one.
-func SQLDB(db DB) (*sql.DB, bool) {
-	d, ok := db.(sqlDB)
-	return d.db, ok
-}
-
 // Begin begins the transaction with the dialect's own statements on a
 // dedicated connection, not with sql.DB.BeginTx: database/sql rolls a Tx
 // back when the context it began with ends, and go-sql-driver/mysql's
