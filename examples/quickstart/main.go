@@ -246,8 +246,10 @@ func run(ctx context.Context, orders, copies int) error {
 	} else {
 		fmt.Println("Look at the database with:")
 	}
-	fmt.Printf("  oncemill console --database %s\n", b.database)
-	fmt.Printf("  oncemill dlq list --database %s\n", b.database)
+	// go run, so that the commands work from this repository with nothing
+	// installed; `oncemill` once installed (go install ./cmd/oncemill).
+	fmt.Printf("  go run ./cmd/oncemill console --database %s\n", b.database)
+	fmt.Printf("  go run ./cmd/oncemill dlq list --database %s\n", b.database)
 
 	var wrong []error
 	if effects != orders {
