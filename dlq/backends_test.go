@@ -2,7 +2,6 @@ package dlq_test
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"sync"
 	"sync/atomic"
@@ -12,7 +11,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters"
@@ -24,8 +22,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/testing/msgtest"
-	"github.com/oncemill/oncemill/internal/testing/mysqltest"
-	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -49,98 +46,50 @@ type backend struct {
 	bare func(t *testing.T) (*dlq.Store, *dlq.Publisher)
 }
 
-// backends are the four ways to the table: PostgreSQL through pgx and
-// through database/sql, MariaDB, SQLite.
-var backends = []struct {
-	name string
-	open func(t *testing.T) backend
-}{
-	{"postgres-pgx", func(t *testing.T) backend {
-		pool := pgtest.Pool(t, 12)
-		cfg := sqlschema.Config{Schema: pgtest.Schema(t, pool)}
-		store, err := dlq.NewStore(pool, cfg)
-		require.NoError(t, err)
-		pub, err := dlq.NewPublisher(pool, cfg)
-		require.NoError(t, err)
-		inbox, err := postgres.New(pool, postgres.Config{Schema: cfg.Schema})
-		require.NoError(t, err)
-		return backend{store: store, pub: pub, inbox: inbox,
-			replays: func(c dlq.ReplaySubscriberConfig) (*dlq.ReplaySubscriber, error) {
-				return dlq.NewReplaySubscriber(pool, cfg, c)
-			},
-			bare: func(t *testing.T) (*dlq.Store, *dlq.Publisher) {
-				cfg := sqlschema.Config{Schema: pgtest.Name(t)}
-				store, err := dlq.NewStore(pool, cfg)
-				require.NoError(t, err)
-				pub, err := dlq.NewPublisher(pool, cfg)
-				require.NoError(t, err)
-				return store, pub
-			}}
-	}},
-	{"postgres-database-sql", func(t *testing.T) backend {
-		pool := pgtest.Pool(t, 12)
-		cfg := sqlschema.Config{Schema: pgtest.Schema(t, pool)}
-		db := stdlib.OpenDBFromPool(pool)
-		t.Cleanup(func() { require.NoError(t, db.Close()) })
-		inbox, err := sqlstore.New(db, sqlstore.Config{Dialect: sqlstore.Postgres, Schema: cfg})
-		require.NoError(t, err)
-		return sqlBackend(t, db, sqlschema.Postgres, cfg, inbox, func(t *testing.T) (*sql.DB, sqlschema.Config) {
-			return db, sqlschema.Config{Schema: pgtest.Name(t)}
-		})
-	}},
-	{"mariadb", func(t *testing.T) backend {
-		db, name := mysqltest.DB(t, 12)
-		cfg := sqlschema.Config{Schema: name}
-		require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.MySQL, cfg))
-		inbox, err := sqlstore.New(db, sqlstore.Config{Dialect: sqlstore.MySQL, Schema: cfg})
-		require.NoError(t, err)
-		return sqlBackend(t, db, sqlschema.MySQL, cfg, inbox, func(t *testing.T) (*sql.DB, sqlschema.Config) {
-			db, name := mysqltest.DB(t, 2)
-			return db, sqlschema.Config{Schema: name}
-		})
-	}},
-	{"sqlite", func(t *testing.T) backend {
-		db := openSQLite(t)
-		cfg := sqlschema.Config{}
-		require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.SQLite, cfg))
-		inbox, err := sqlite.New(context.Background(), db, sqlite.Config{})
-		require.NoError(t, err)
-		return sqlBackend(t, db, sqlschema.SQLite, cfg, inbox, func(t *testing.T) (*sql.DB, sqlschema.Config) {
-			return openSQLite(t), cfg
-		})
-	}},
-}
-
-// openSQLite opens a SQLite database in a file of its own, as
-// dedup/sqlite.Open does, and closes it when the test ends.
-func openSQLite(t *testing.T) *sql.DB {
-	t.Helper()
-	db, err := sql.Open("sqlite", "file:"+t.TempDir()+"/oncemill.db?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)&_txlock=immediate")
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, db.Close()) })
-	return db
-}
-
-// sqlBackend is a backend through database/sql.
-func sqlBackend(t *testing.T, db *sql.DB, d sqlschema.Dialect, cfg sqlschema.Config, inbox inboxStore,
-	bare func(t *testing.T) (*sql.DB, sqlschema.Config)) backend {
-	t.Helper()
-	store, err := dlq.NewSQLStore(db, d, cfg)
-	require.NoError(t, err)
-	pub, err := dlq.NewSQLPublisher(db, d, cfg)
-	require.NoError(t, err)
-	return backend{store: store, pub: pub, inbox: inbox,
+// open opens the table on one of the four ways to it (sqltest.Backends),
+// with the inbox store of that database beside it.
+func open(t *testing.T, b sqltest.Backend) backend {
+	db := b.Open(t, 12)
+	store, pub := stores(t, db)
+	be := backend{store: store, pub: pub,
 		replays: func(c dlq.ReplaySubscriberConfig) (*dlq.ReplaySubscriber, error) {
-			return dlq.NewSQLReplaySubscriber(db, d, cfg, c)
+			if db.Pool != nil {
+				return dlq.NewReplaySubscriber(db.Pool, db.Schema, c)
+			}
+			return dlq.NewSQLReplaySubscriber(db.DB, db.Dialect, db.Schema, c)
 		},
-		bare: func(t *testing.T) (*dlq.Store, *dlq.Publisher) {
-			db, cfg := bare(t)
-			store, err := dlq.NewSQLStore(db, d, cfg)
-			require.NoError(t, err)
-			pub, err := dlq.NewSQLPublisher(db, d, cfg)
-			require.NoError(t, err)
-			return store, pub
-		}}
+		bare: func(t *testing.T) (*dlq.Store, *dlq.Publisher) { return stores(t, db.Bare(t)) }}
+	var err error
+	switch {
+	case db.Pool != nil:
+		be.inbox, err = postgres.New(db.Pool, postgres.Config{Schema: db.Schema.Schema})
+	case db.Dialect == sqlschema.SQLite:
+		be.inbox, err = sqlite.New(context.Background(), db.DB, sqlite.Config{})
+	default:
+		d := sqlstore.MySQL
+		if db.Dialect == sqlschema.Postgres {
+			d = sqlstore.Postgres
+		}
+		be.inbox, err = sqlstore.New(db.DB, sqlstore.Config{Dialect: d, Schema: db.Schema})
+	}
+	require.NoError(t, err)
+	return be
+}
+
+// stores opens a store and a publisher on db.
+func stores(t *testing.T, db sqltest.Database) (*dlq.Store, *dlq.Publisher) {
+	t.Helper()
+	open, publisher := func() (*dlq.Store, error) { return dlq.NewStore(db.Pool, db.Schema) },
+		func() (*dlq.Publisher, error) { return dlq.NewPublisher(db.Pool, db.Schema) }
+	if db.DB != nil {
+		open, publisher = func() (*dlq.Store, error) { return dlq.NewSQLStore(db.DB, db.Dialect, db.Schema) },
+			func() (*dlq.Publisher, error) { return dlq.NewSQLPublisher(db.DB, db.Dialect, db.Schema) }
+	}
+	store, err := open()
+	require.NoError(t, err)
+	pub, err := publisher()
+	require.NoError(t, err)
+	return store, pub
 }
 
 // list returns the ids of the entries f selects.
@@ -197,13 +146,13 @@ func TestOnEveryBackend(t *testing.T) {
 		{"not migrated", checkNotMigrated},
 		{"poison middleware", checkPoison},
 	}
-	for _, be := range backends {
-		t.Run(be.name, func(t *testing.T) {
+	for _, be := range sqltest.Backends {
+		t.Run(be.Name, func(t *testing.T) {
 			t.Parallel()
 			for _, c := range checks {
 				t.Run(c.name, func(t *testing.T) {
 					t.Parallel()
-					c.run(t, be.open(t))
+					c.run(t, open(t, be))
 				})
 			}
 		})
