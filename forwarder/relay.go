@@ -316,7 +316,7 @@ func (c RelayConfig) Validate() error {
 // Nothing waits, and [Lag] reports no waiting rows. One relay per
 // database file: there are no lanes to share, and a second relay would
 // publish the rows the first is publishing again, which the consumers'
-// inboxes absorb.
+// inboxes absorb, and dead-letter a refused row twice.
 type Relay struct {
 	cfg   RelayConfig
 	hooks observe.Hooks
