@@ -374,15 +374,11 @@ type row struct {
 // if publishing fails the rows stay. It returns how many rows it published.
 func (r *Relay) RelayBatch(ctx context.Context) (int, error) {
 	began := time.Now()
-	n, err := r.relayBatch(ctx)
+	n, err := r.db.batch(ctx, r.publish)
 	if n > 0 || err != nil {
 		r.hooks.RelayBatch(ctx, observe.RelayBatch{Outbox: r.outbox, Rows: n, Duration: time.Since(began), Err: err})
 	}
 	return n, err
-}
-
-func (r *Relay) relayBatch(ctx context.Context) (int, error) {
-	return r.db.batch(ctx, r.publish)
 }
 
 // boundDB returns the context of a batch's statements up to its publish:
