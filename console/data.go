@@ -309,11 +309,7 @@ func (c *Console) consumers(ctx context.Context) ([]string, error) {
 	SELECT (SELECT i.consumer FROM {INBOX} i WHERE i.consumer > c.consumer ORDER BY i.consumer LIMIT 1)
 	FROM c WHERE c.consumer IS NOT NULL)
 SELECT consumer FROM c WHERE consumer IS NOT NULL LIMIT ?`), maxConsumers)
-	names, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (string, error) {
-		var s string
-		err := row.Scan(&s)
-		return s, err
-	})
+	names, err := sqldb.Collect(rows, err, sqldb.Value[string])
 	if err != nil {
 		return nil, fmt.Errorf("console: inbox consumers: %w", err)
 	}

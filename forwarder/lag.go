@@ -45,7 +45,7 @@ func newLagSQL(d *sqldb.Dialect, names sqlschema.Names, lockOrdered bool) lagSQL
 	case d.ReadUncommitted && !d.Snapshots:
 		return lagSQL{
 			lanes:    `SELECT lane, COUNT(*), MIN(id), ` + age + ` FROM ` + t + ` GROUP BY lane`,
-			lowest:   `SELECT lane, MIN(id) FROM ` + t + ` GROUP BY lane`,
+			lowest:   `SELECT MIN(id), lane FROM ` + t + ` GROUP BY lane`,
 			inFlight: d.Rebind(`SELECT writer, ` + d.Micros(d.Now()) + ` - ` + d.Micros("created_at") + ` FROM ` + t + ` WHERE id = ?`),
 			// InnoDB's own view of open transactions: trx_started (to the
 			// second) and NOW() are both in the session's time zone.
@@ -265,15 +265,7 @@ func (q lagSQL) measureLanes(ctx context.Context, db sqldb.DB) (Lag, error) {
 		return Lag{}, fmt.Errorf("forwarder: lag: begin: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // read only; the outcome is the reads'
-	type lowestLine struct {
-		lane int16
-		id   int64
-	}
-	rs, err = tx.Query(ctx, q.lowest)
-	lows, err := sqldb.Collect(rs, err, func(rs sqldb.Rows) (lowestLine, error) {
-		var l lowestLine
-		return l, rs.Scan(&l.lane, &l.id)
-	})
+	lows, err := queryLaneRows(ctx, tx, q.lowest, nil)
 	if err != nil {
 		return Lag{}, fmt.Errorf("forwarder: lag: rows in flight: %w", err)
 	}

@@ -216,14 +216,9 @@ func inList[T any](prefix string, values []T, suffix string) (string, []any) {
 	return b.String(), args
 }
 
-func scanLane(rs sqldb.Rows) (int16, error) {
-	var l int16
-	return l, rs.Scan(&l)
-}
-
 func (l *laneTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sqldb.Tx, error)) ([]row, error) {
 	rs, err := l.o.db.Query(ctx, l.lanesWithRows)
-	lanes, err := sqldb.Collect(rs, err, scanLane)
+	lanes, err := sqldb.Collect(rs, err, sqldb.Value[int16])
 	if err != nil || len(lanes) == 0 {
 		return nil, wrap("forwarder: find lanes", err)
 	}
@@ -239,7 +234,7 @@ func (l *laneTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sqldb.
 	}
 	q, args := inList(l.lockLanes, lanes, " FOR UPDATE SKIP LOCKED")
 	rs, err = tx.Query(ctx, q, args...)
-	locked, err := sqldb.Collect(rs, err, scanLane)
+	locked, err := sqldb.Collect(rs, err, sqldb.Value[int16])
 	if err != nil || len(locked) == 0 { // none: other relays hold them all
 		return nil, wrap("forwarder: lock lanes", err)
 	}

@@ -53,3 +53,10 @@ func (d *Dialect) WriterHashes() bool { return d == SQLite }
 // PgxRows is the [Rows] of rows a pgx query or batch returned, for
 // [Collect]: what a [PgxTx] pipeline reads.
 func PgxRows(rows pgx.Rows) Rows { return pgxRows{rows} }
+
+// Value scans a row of one column, for [Collect].
+func Value[T any](rows Rows) (T, error) {
+	var v T
+	err := rows.Scan(&v)
+	return v, err
+}
