@@ -36,12 +36,8 @@ type criteria struct {
 }
 
 // stmt is q, written with '?' and {DLQ}, {INBOX}, {key} and {error}, in
-// the database's dialect.
-func (c *Console) stmt(q string) string {
-	d := c.db.Dialect()
-	return d.Rebind(strings.NewReplacer("{DLQ}", c.names.DLQ, "{INBOX}", c.names.Inbox,
-		"{key}", d.Quote("key"), "{error}", d.Quote("error")).Replace(q))
-}
+// the database's dialect ([sqldb.Dialect.Named]).
+func (c *Console) stmt(q string) string { return c.db.Dialect().Named(q, c.names) }
 
 // where renders cr as a WHERE clause (empty when cr selects everything)
 // and its arguments.
