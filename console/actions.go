@@ -289,13 +289,7 @@ func outcome(verb string, n, confirmed int, rest string) string {
 // redirect after an action.
 func backQuery(raw string) url.Values {
 	q, _ := url.ParseQuery(raw) // what parses is kept; it only shapes a link
-	out := url.Values{}
-	for _, k := range []string{"topic", "consumer", "error", "since", "until", "group"} {
-		if v := q.Get(k); v != "" {
-			out.Set(k, v)
-		}
-	}
-	return out
+	return filterOf(q.Get).query()
 }
 
 // formIDs parses the id fields of a form.

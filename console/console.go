@@ -12,6 +12,7 @@ import (
 	"html/template"
 	"io/fs"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -325,50 +326,37 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	c.route(w, r)
 }
 
-// route dispatches an authenticated request.
+// route dispatches an authenticated request: each page with the methods
+// it takes.
 func (c *Console) route(w http.ResponseWriter, r *http.Request) {
-	path, method := r.URL.Path, r.Method
-	get := method == http.MethodGet || method == http.MethodHead
+	const get, post = "GET, HEAD", "POST"
+	var (
+		path  = r.URL.Path
+		allow string
+		serve func()
+	)
 	switch {
 	case path == "/":
-		if !get {
-			c.notAllowed(w, r, "GET, HEAD")
-			return
-		}
-		c.overview(w, r)
+		allow, serve = get, func() { c.overview(w, r) }
 	case path == "/dlq":
-		if !get {
-			c.notAllowed(w, r, "GET, HEAD")
-			return
-		}
-		c.deadLetters(w, r)
+		allow, serve = get, func() { c.deadLetters(w, r) }
 	case path == "/dlq/confirm":
-		if method != http.MethodPost {
-			c.notAllowed(w, r, "POST")
-			return
-		}
-		c.confirm(w, r)
+		allow, serve = post, func() { c.confirm(w, r) }
 	case strings.HasPrefix(path, "/dlq/") && !strings.Contains(path[len("/dlq/"):], "/"):
-		if !get {
-			c.notAllowed(w, r, "GET, HEAD")
-			return
-		}
-		c.entry(w, r, path[len("/dlq/"):])
+		allow, serve = get, func() { c.entry(w, r, path[len("/dlq/"):]) }
 	case path == "/inbox":
-		if !get {
-			c.notAllowed(w, r, "GET, HEAD")
-			return
-		}
-		c.inbox(w, r)
+		allow, serve = get, func() { c.inbox(w, r) }
 	case path == "/logout":
-		if method != http.MethodPost {
-			c.notAllowed(w, r, "POST")
-			return
-		}
-		c.logout(w, r)
+		allow, serve = post, func() { c.logout(w, r) }
 	default:
 		c.fail(w, r, http.StatusNotFound, "No such page.")
+		return
 	}
+	if !slices.Contains(strings.Split(allow, ", "), r.Method) {
+		c.notAllowed(w, r, allow)
+		return
+	}
+	serve()
 }
 
 // page is what every template gets.

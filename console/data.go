@@ -36,12 +36,8 @@ type criteria struct {
 }
 
 // stmt is q, written with '?' and {DLQ}, {INBOX}, {key} and {error}, in
-// the database's dialect.
-func (c *Console) stmt(q string) string {
-	d := c.db.Dialect()
-	return d.Rebind(strings.NewReplacer("{DLQ}", c.names.DLQ, "{INBOX}", c.names.Inbox,
-		"{key}", d.Quote("key"), "{error}", d.Quote("error")).Replace(q))
-}
+// the database's dialect ([sqldb.Dialect.Named]).
+func (c *Console) stmt(q string) string { return c.db.Dialect().Named(q, c.names) }
 
 // where renders cr as a WHERE clause (empty when cr selects everything)
 // and its arguments.
@@ -309,11 +305,7 @@ func (c *Console) consumers(ctx context.Context) ([]string, error) {
 	SELECT (SELECT i.consumer FROM {INBOX} i WHERE i.consumer > c.consumer ORDER BY i.consumer LIMIT 1)
 	FROM c WHERE c.consumer IS NOT NULL)
 SELECT consumer FROM c WHERE consumer IS NOT NULL LIMIT ?`), maxConsumers)
-	names, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (string, error) {
-		var s string
-		err := row.Scan(&s)
-		return s, err
-	})
+	names, err := sqldb.Collect(rows, err, sqldb.Value[string])
 	if err != nil {
 		return nil, fmt.Errorf("console: inbox consumers: %w", err)
 	}

@@ -152,7 +152,11 @@ type filterForm struct {
 
 // readFilter reads the filter fields of r's form (query or POST body).
 func readFilter(r *http.Request) filterForm {
-	get := func(k string) string { return strings.TrimSpace(r.FormValue(k)) }
+	return filterOf(func(k string) string { return strings.TrimSpace(r.FormValue(k)) })
+}
+
+// filterOf reads the filter fields with get, by their names in a form.
+func filterOf(get func(string) string) filterForm {
 	return filterForm{Topic: get("topic"), Consumer: get("consumer"), Error: get("error"),
 		Since: get("since"), Until: get("until"), Group: get("group")}
 }
@@ -447,7 +451,7 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	d.Consumers = consumers
-	if d.Consumer != "" && !contains(consumers, d.Consumer) {
+	if d.Consumer != "" && !slices.Contains(consumers, d.Consumer) {
 		d.Consumers = append([]string{d.Consumer}, consumers...)
 	}
 	if d.Consumer == "" || d.Key == "" {
@@ -472,13 +476,4 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 	}
 	d.Result = show(k.Result, size)
 	c.render(w, r, http.StatusOK, "inbox", p)
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }

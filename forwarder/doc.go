@@ -27,37 +27,24 @@
 // # Guarantees
 //
 // A row is published at least once, with its message's UUID, metadata and
-// partition key; a relay that dies between publish and delete publishes it
-// again, and the consumer's inbox absorbs the copy. On a broker error the
-// rows stay and the relay backs off. Several relays may run on one
-// PostgreSQL or MySQL table: each batch locks a set of lanes (a hash of
-// the partition key), so no row goes out twice in normal operation; on
-// SQLite, one relay per database file. A row that cannot become a message
+// partition key, by one relay or several sharing the table (see [Relay]:
+// what a relay that dies between publish and delete does, and why no row
+// goes out twice in normal operation). On a broker error the rows stay and
+// the relay backs off. A row that cannot become a message
 // (metadata that is not a JSON object of strings, an empty topic or uuid:
 // a writer in another language got the contract wrong) is dead-lettered
 // to the dead-letter table and logged, never published and never kept to
 // block its lane; see [ErrRefusedRow] and docs/outbox-contract.md.
 //
-// Per-key order is the order the writers' locks give: a transaction's
-// rows go out in the order it inserted them, and a row inserted after
-// another writer committed goes out after that writer's rows, so writers
-// of one key that insert their outbox row after locking the key's business
-// row (held until they commit) publish in their commit order; on SQLite,
-// whose writers take turns, every key's rows go out in commit order. See
-// [Relay] for the rule on each database and what it does not promise.
+// Per-key order is the order the writers' locks give; see [Relay] for the
+// rule on each database and what it does not promise.
 //
 // # Latency and liveness
 //
-// Writers pay nothing at commit: the relay polls, at once while rows flow,
-// backing off to RelayConfig.PollInterval while the table is empty. On
-// PostgreSQL a row comes due when every transaction older than its own
-// has ended, server-wide (as with watermill-sql), so a transaction left
-// open anywhere on the server holds the outbox until it ends; on MySQL a
-// transaction left open after writing an outbox row holds back the rows
-// behind it in its lane, one of 64; on SQLite nothing waits.
-// [Relay.Lag] names that transaction, and once it has been open for
-// RelayConfig.StallWarning the relay logs it, once per StallWarning, while
-// rows wait on it.
+// Writers pay nothing at commit: the relay polls (RelayConfig.PollInterval).
+// A transaction left open can hold rows back, on PostgreSQL (as with
+// watermill-sql) and MySQL, as [Relay] says; [Relay.Lag] names that
+// transaction, and the relay logs it as a stall (RelayConfig.StallWarning).
 //
 // # Consumer outbox
 //

@@ -23,7 +23,8 @@ type lagSQL struct {
 	// holder is, with snapshots, the oldest transaction with an id, open
 	// or prepared, on the whole server: it is the snapshot's xmin, what
 	// rows wait for. With READ UNCOMMITTED it is a session's open
-	// transaction.
+	// transaction. Either way its columns are a [Holder]'s, its age in µs
+	// (see [lagSQL.findHolder]).
 	holder string
 	// With READ UNCOMMITTED, instead of count: lanes is per lane the
 	// committed rows, the lowest id, the age of the oldest row (µs);
@@ -44,12 +45,12 @@ func newLagSQL(d *sqldb.Dialect, names sqlschema.Names, lockOrdered bool) lagSQL
 	case d.ReadUncommitted && !d.Snapshots:
 		return lagSQL{
 			lanes:    `SELECT lane, COUNT(*), MIN(id), ` + age + ` FROM ` + t + ` GROUP BY lane`,
-			lowest:   `SELECT lane, MIN(id) FROM ` + t + ` GROUP BY lane`,
+			lowest:   `SELECT MIN(id), lane FROM ` + t + ` GROUP BY lane`,
 			inFlight: d.Rebind(`SELECT writer, ` + d.Micros(d.Now()) + ` - ` + d.Micros("created_at") + ` FROM ` + t + ` WHERE id = ?`),
 			// InnoDB's own view of open transactions: trx_started (to the
 			// second) and NOW() are both in the session's time zone.
-			holder: `SELECT COALESCE(p.DB, ''), COALESCE(p.USER, ''), COALESCE(p.COMMAND, ''),
-	COALESCE(LEFT(t.trx_query, 200), ''), TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6))
+			holder: `SELECT t.trx_mysql_thread_id, COALESCE(p.DB, ''), COALESCE(p.USER, ''), COALESCE(p.COMMAND, ''),
+	COALESCE(LEFT(t.trx_query, 200), ''), '', TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6))
 FROM information_schema.INNODB_TRX t LEFT JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id
 WHERE t.trx_mysql_thread_id = ?`,
 			lockOrdered: lockOrdered,
@@ -59,12 +60,12 @@ WHERE t.trx_mysql_thread_id = ?`,
 	}
 	return lagSQL{
 		count: `SELECT count(*), count(*) FILTER (WHERE NOT (` + due(d, "txid", lockOrdered) + `)), ` + age + ` FROM ` + t,
-		holder: `SELECT * FROM (
-	SELECT pid, COALESCE(datname, ''), COALESCE(usename, ''), COALESCE(state, ''), COALESCE(left(query, 200), ''), '' AS gid,
-		COALESCE(extract(epoch FROM now() - xact_start), 0)::float8, age(backend_xid) AS age
+		holder: `SELECT pid, datname, usename, state, query, gid, ` + d.Micros("now()") + ` - ` + d.Micros("since") + ` FROM (
+	SELECT pid, COALESCE(datname, '') AS datname, COALESCE(usename, '') AS usename, COALESCE(state, '') AS state,
+		COALESCE(left(query, 200), '') AS query, '' AS gid, COALESCE(xact_start, now()) AS since, age(backend_xid) AS age
 	FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
 	UNION ALL
-	SELECT 0, database, owner, 'prepared', '', gid, extract(epoch FROM now() - prepared)::float8, age(transaction)
+	SELECT 0, database, owner, 'prepared', '', gid, prepared, age(transaction)
 	FROM pg_prepared_xacts) t
 ORDER BY age DESC LIMIT 1`,
 	}
@@ -194,22 +195,30 @@ func (q lagSQL) measure(ctx context.Context, db sqldb.DB) (Lag, error) {
 	if lag.Waiting == 0 || q.holder == "" {
 		return lag, nil
 	}
-	var (
-		h    Holder
-		open float64
-		xage int64
-	)
-	err := db.QueryRow(ctx, q.holder).Scan(&h.PID, &h.Database, &h.User, &h.State, &h.Query, &h.GID, &open, &xage)
-	switch {
-	case errors.Is(err, sqldb.ErrNoRows):
-		// It ended between the two queries.
-	case err != nil:
-		return Lag{}, fmt.Errorf("forwarder: lag: find the open transaction: %w", err)
-	default:
-		h.Age = time.Duration(open * float64(time.Second))
-		lag.HeldBy = &h
+	var err error
+	if lag.HeldBy, err = q.findHolder(ctx, db); err != nil {
+		return Lag{}, err
 	}
 	return lag, nil
+}
+
+// findHolder reads the transaction q.holder finds with args: nil when it
+// ended meanwhile (or, on MySQL, the server shows only the sessions of
+// this user).
+func (q lagSQL) findHolder(ctx context.Context, ex sqldb.Executor, args ...any) (*Holder, error) {
+	var (
+		h    Holder
+		open int64
+	)
+	err := ex.QueryRow(ctx, q.holder, args...).Scan(&h.PID, &h.Database, &h.User, &h.State, &h.Query, &h.GID, &open)
+	switch {
+	case errors.Is(err, sqldb.ErrNoRows):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("forwarder: lag: find the open transaction: %w", err)
+	}
+	h.Age = time.Duration(open) * time.Microsecond
+	return &h, nil
 }
 
 // laneCount is one lane's committed rows.
@@ -256,15 +265,7 @@ func (q lagSQL) measureLanes(ctx context.Context, db sqldb.DB) (Lag, error) {
 		return Lag{}, fmt.Errorf("forwarder: lag: begin: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // read only; the outcome is the reads'
-	type lowestLine struct {
-		lane int16
-		id   int64
-	}
-	rs, err = tx.Query(ctx, q.lowest)
-	lows, err := sqldb.Collect(rs, err, func(rs sqldb.Rows) (lowestLine, error) {
-		var l lowestLine
-		return l, rs.Scan(&l.lane, &l.id)
-	})
+	lows, err := queryLaneRows(ctx, tx, q.lowest, nil)
 	if err != nil {
 		return Lag{}, fmt.Errorf("forwarder: lag: rows in flight: %w", err)
 	}
@@ -301,21 +302,15 @@ func (q lagSQL) measureLanes(ctx context.Context, db sqldb.DB) (Lag, error) {
 	if writer == 0 {
 		return lag, nil
 	}
-	var open int64
-	err = tx.QueryRow(ctx, q.holder, writer).Scan(&h.Database, &h.User, &h.State, &h.Query, &open)
-	switch {
-	case errors.Is(err, sqldb.ErrNoRows):
-		// It ended between the queries, or the server shows only the
-		// sessions of this user.
-	case err != nil:
-		if !db.Dialect().AccessDenied(err) {
-			return Lag{}, fmt.Errorf("forwarder: lag: find the open transaction: %w", err)
-		}
-	default:
+	switch held, err := q.findHolder(ctx, tx, writer); {
+	case err != nil && !db.Dialect().AccessDenied(err):
+		return Lag{}, err
+	case held != nil:
 		// trx_started is to the second, rounded down: the transaction
 		// has been open for at least the reading less a second, and at
 		// least as long as its row.
-		h.Age = max(h.Age, time.Duration(open)*time.Microsecond-time.Second)
+		held.Age = max(h.Age, held.Age-time.Second)
+		lag.HeldBy = held
 	}
 	return lag, nil
 }

@@ -41,7 +41,7 @@ type outbox struct {
 	lag                                         lagSQL
 }
 
-// rowColumns are the columns of an outbox row as [scanRows] reads them;
+// rowColumns are the columns of an outbox row as [outbox.scanRow] reads them;
 // the take adds the time it took them, microseconds since the epoch.
 const rowColumns = "id, topic, uuid, partition_key, payload, metadata"
 
@@ -256,26 +256,16 @@ func (o *outbox) probeRows(ctx context.Context) (bool, error) {
 	return any, err
 }
 
-// scanner is what sqldb's and pgx's rows share.
-type scanner interface {
-	Next() bool
-	Scan(dest ...any) error
-	Err() error
-}
-
-// scanRows reads the rows of a take: [rowColumns] and the time taken.
-func (o *outbox) scanRows(rs scanner) ([]row, error) {
-	var batch []row
-	for rs.Next() {
-		var (
-			x  row
-			md []byte
-		)
-		if err := rs.Scan(&x.id, &x.topic, &x.uuid, &x.key, &x.payload, &md, &x.at); err != nil {
-			return nil, err
-		}
-		x.metadata, x.refused = checkRow(x.topic, x.uuid, md, o.validate)
-		batch = append(batch, x)
+// scanRow reads a row of a take, for [sqldb.Collect]: [rowColumns] and
+// the time taken.
+func (o *outbox) scanRow(rs sqldb.Rows) (row, error) {
+	var (
+		x  row
+		md []byte
+	)
+	if err := rs.Scan(&x.id, &x.topic, &x.uuid, &x.key, &x.payload, &md, &x.at); err != nil {
+		return row{}, err
 	}
-	return batch, rs.Err()
+	x.metadata, x.refused = checkRow(x.topic, x.uuid, md, o.validate)
+	return x, nil
 }

@@ -316,7 +316,7 @@ func (c RelayConfig) Validate() error {
 // Nothing waits, and [Lag] reports no waiting rows. One relay per
 // database file: there are no lanes to share, and a second relay would
 // publish the rows the first is publishing again, which the consumers'
-// inboxes absorb.
+// inboxes absorb, and dead-letter a refused row twice.
 type Relay struct {
 	cfg   RelayConfig
 	hooks observe.Hooks
@@ -374,15 +374,11 @@ type row struct {
 // if publishing fails the rows stay. It returns how many rows it published.
 func (r *Relay) RelayBatch(ctx context.Context) (int, error) {
 	began := time.Now()
-	n, err := r.relayBatch(ctx)
+	n, err := r.db.batch(ctx, r.publish)
 	if n > 0 || err != nil {
 		r.hooks.RelayBatch(ctx, observe.RelayBatch{Outbox: r.outbox, Rows: n, Duration: time.Since(began), Err: err})
 	}
 	return n, err
-}
-
-func (r *Relay) relayBatch(ctx context.Context) (int, error) {
-	return r.db.batch(ctx, r.publish)
 }
 
 // boundDB returns the context of a batch's statements up to its publish:

@@ -115,11 +115,7 @@ func (s *snapshotTake) run(ctx context.Context, tx sqldb.Tx) ([]row, error) {
 			return nil, err
 		}
 		rows, err := br.Query()
-		if err != nil {
-			return nil, err
-		}
-		batch, err := s.o.scanRows(rows)
-		rows.Close()
+		batch, err := sqldb.Collect(sqldb.PgxRows(rows), err, s.o.scanRow)
 		if err != nil {
 			return nil, err
 		}
@@ -129,15 +125,7 @@ func (s *snapshotTake) run(ctx context.Context, tx sqldb.Tx) ([]row, error) {
 		return nil, err
 	}
 	rs, err := tx.Query(ctx, s.sql, args...)
-	if err != nil {
-		return nil, err
-	}
-	defer rs.Close()
-	batch, err := s.o.scanRows(rs)
-	if err != nil {
-		return nil, err
-	}
-	return batch, rs.Close()
+	return sqldb.Collect(rs, err, s.o.scanRow)
 }
 
 // laneTake is the take of a database with SKIP LOCKED and READ
@@ -228,14 +216,9 @@ func inList[T any](prefix string, values []T, suffix string) (string, []any) {
 	return b.String(), args
 }
 
-func scanLane(rs sqldb.Rows) (int16, error) {
-	var l int16
-	return l, rs.Scan(&l)
-}
-
 func (l *laneTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sqldb.Tx, error)) ([]row, error) {
 	rs, err := l.o.db.Query(ctx, l.lanesWithRows)
-	lanes, err := sqldb.Collect(rs, err, scanLane)
+	lanes, err := sqldb.Collect(rs, err, sqldb.Value[int16])
 	if err != nil || len(lanes) == 0 {
 		return nil, wrap("forwarder: find lanes", err)
 	}
@@ -251,7 +234,7 @@ func (l *laneTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sqldb.
 	}
 	q, args := inList(l.lockLanes, lanes, " FOR UPDATE SKIP LOCKED")
 	rs, err = tx.Query(ctx, q, args...)
-	locked, err := sqldb.Collect(rs, err, scanLane)
+	locked, err := sqldb.Collect(rs, err, sqldb.Value[int16])
 	if err != nil || len(locked) == 0 { // none: other relays hold them all
 		return nil, wrap("forwarder: lock lanes", err)
 	}
@@ -279,18 +262,14 @@ func (l *laneTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sqldb.
 	}
 	q, args = inList(l.rows, ids, " ORDER BY id")
 	rs, err = tx.Query(ctx, q, args...)
-	if err != nil {
-		return nil, fmt.Errorf("forwarder: read rows: %w", err)
-	}
-	defer rs.Close()
-	batch, err := l.o.scanRows(rs)
+	batch, err := sqldb.Collect(rs, err, l.o.scanRow)
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: read rows: %w", err)
 	}
 	if len(batch) != len(ids) {
 		return nil, fmt.Errorf("forwarder: read rows: %d of the %d rows taken are gone (deleted by something other than a relay?)", len(ids)-len(batch), len(ids))
 	}
-	return batch, rs.Close()
+	return batch, nil
 }
 
 // wrap is err with what in front, or nil.
@@ -344,17 +323,9 @@ func queryLaneRows(ctx context.Context, tx sqldb.Tx, q string, args []any) ([]la
 }
 
 // oneWriterTake is the take of a database with one writer at a time
-// (SQLite), which hands out ids in commit order: a committed row can
-// never be overtaken by one with a lower id, so the committed rows by id
-// are in the writers' commit order and need no cut. It reads the first
-// BatchSize rows by id without a lock; the batch publishes them and then,
-// in one short write transaction, dead-letters the refused ones, deletes
-// them and records them in the ledger: the write lock is never held
-// while the broker is waited on.
-//
-// One relay per database file: a second one would read the same rows
-// and publish them again (the consumers' inboxes absorb the copies), and
-// dead-letter a refused row twice.
+// (SQLite): the first BatchSize rows by id, read without a lock, need no
+// cut; the batch deletes them after the publish. See "On SQLite" in
+// [Relay].
 type oneWriterTake struct {
 	o         *outbox
 	read      string
@@ -363,14 +334,7 @@ type oneWriterTake struct {
 
 func (w *oneWriterTake) take(ctx context.Context, _ func(sqldb.TxOptions) (sqldb.Tx, error)) ([]row, error) {
 	rs, err := w.o.db.Query(ctx, w.read, w.batchSize)
-	if err != nil {
-		return nil, fmt.Errorf("forwarder: take rows: %w", err)
-	}
-	defer rs.Close()
-	batch, err := w.o.scanRows(rs)
-	if err == nil {
-		err = rs.Close()
-	}
+	batch, err := sqldb.Collect(rs, err, w.o.scanRow)
 	return batch, wrap("forwarder: take rows", err)
 }
 

@@ -3,7 +3,6 @@ package reconcile
 import (
 	"context"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/oncemill/oncemill/internal/sqldb"
@@ -27,10 +26,8 @@ func open(t Tables) tables {
 }
 
 // stmt is q, written with '?' and {key} for the column key, in the
-// dialect.
-func (t tables) stmt(q string) string {
-	return t.d.Rebind(strings.ReplaceAll(q, "{key}", t.d.Quote("key")))
-}
+// dialect ([sqldb.Dialect.Named]).
+func (t tables) stmt(q string) string { return t.d.Named(q, t.names) }
 
 // ledgerError is err of reading the ledger.
 func (t tables) ledgerError(err error) error {

@@ -227,3 +227,11 @@ func FromConfig(field string, pool *pgxpool.Pool, db *sql.DB, dialect sqlschema.
 	}
 	return SQL(db, d), nil
 }
+
+// Named is q, written with '?', {DLQ}, {INBOX} and {LEDGER} for the tables
+// of names, and {key} and {error} for those columns (quoted: keywords on
+// MySQL), in the dialect.
+func (d *Dialect) Named(q string, names sqlschema.Names) string {
+	return d.Rebind(strings.NewReplacer("{DLQ}", names.DLQ, "{INBOX}", names.Inbox, "{LEDGER}", names.Ledger,
+		"{key}", d.Quote("key"), "{error}", d.Quote("error")).Replace(q))
+}

@@ -1,5 +1,7 @@
 package sqldb
 
+import "github.com/jackc/pgx/v5"
+
 // IgnoreDuplicate ends an INSERT whose row a unique index may hold
 // already; target is the index's columns and, for a partial index, its
 // WHERE: "(a, b) WHERE c IS NULL". Such a row is skipped, 0 rows affected,
@@ -47,3 +49,14 @@ func (d *Dialect) SessionID() string {
 // writer to fill instead of generating it: SQLite has no hash function
 // to generate it with.
 func (d *Dialect) WriterHashes() bool { return d == SQLite }
+
+// PgxRows is the [Rows] of rows a pgx query or batch returned, for
+// [Collect]: what a [PgxTx] pipeline reads.
+func PgxRows(rows pgx.Rows) Rows { return pgxRows{rows} }
+
+// Value scans a row of one column, for [Collect].
+func Value[T any](rows Rows) (T, error) {
+	var v T
+	err := rows.Scan(&v)
+	return v, err
+}
