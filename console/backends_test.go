@@ -12,51 +12,21 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 	_ "modernc.org/sqlite"
 
 	"github.com/oncemill/oncemill/console"
 	"github.com/oncemill/oncemill/internal/sqldb"
-	"github.com/oncemill/oncemill/internal/testing/mysqltest"
-	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// backend is oncemill's tables, migrated, in one database: the Config
-// fields that name them and the database the test writes its rows
+// open opens oncemill's tables, migrated, on b (sqltest.Backends): the
+// Config fields that name them and the database the test writes its rows
 // through.
-type backend struct {
-	name string
-	open func(t *testing.T) (console.Config, sqldb.DB)
-}
-
-var backends = []backend{
-	{"postgres-pgx", func(t *testing.T) (console.Config, sqldb.DB) {
-		pool := pgtest.Pool(t, 4)
-		return console.Config{Pool: pool, Schema: sqlschema.Config{Schema: pgtest.Schema(t, pool)}}, sqldb.Pgx(pool)
-	}},
-	{"postgres-database/sql", func(t *testing.T) (console.Config, sqldb.DB) {
-		pool := pgtest.Pool(t, 4)
-		schema := sqlschema.Config{Schema: pgtest.Schema(t, pool)}
-		db := stdlib.OpenDBFromPool(pool)
-		t.Cleanup(func() { db.Close() })
-		return console.Config{DB: db, Dialect: sqlschema.Postgres, Schema: schema}, sqldb.SQL(db, sqldb.Postgres)
-	}},
-	{"mariadb", func(t *testing.T) (console.Config, sqldb.DB) {
-		db, name := mysqltest.DB(t, 4)
-		schema := sqlschema.Config{Schema: name}
-		require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.MySQL, schema))
-		return console.Config{DB: db, Dialect: sqlschema.MySQL, Schema: schema}, sqldb.SQL(db, sqldb.MySQL)
-	}},
-	{"sqlite", func(t *testing.T) (console.Config, sqldb.DB) {
-		db, err := sql.Open("sqlite", "file:"+filepath.Join(t.TempDir(), "oncemill.db")+
-			"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)")
-		require.NoError(t, err)
-		t.Cleanup(func() { db.Close() })
-		require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.SQLite, sqlschema.Config{}))
-		return console.Config{DB: db, Dialect: sqlschema.SQLite}, sqldb.SQL(db, sqldb.SQLite)
-	}},
+func open(t *testing.T, b sqltest.Backend) (console.Config, sqldb.DB) {
+	db := b.Open(t, 4)
+	return console.Config{Pool: db.Pool, DB: db.DB, Dialect: db.Dialect, Schema: db.Schema}, db.SQL()
 }
 
 // seeder writes rows with plain SQL, as the writers of the tables would.
@@ -110,10 +80,10 @@ VALUES (?, ?, ?, ?, ?, ?, ?, {at}, {at}, {at}, {at}, {at}, ?)`,
 // included.
 func TestConsoleOnEveryDatabase(t *testing.T) {
 	t.Parallel()
-	for _, b := range backends {
-		t.Run(b.name, func(t *testing.T) {
+	for _, b := range sqltest.Backends {
+		t.Run(b.Name, func(t *testing.T) {
 			t.Parallel()
-			cfg, db := b.open(t)
+			cfg, db := open(t, b)
 			d := db.Dialect()
 			s := seeder{t: t, db: db, d: d, names: d.Names(cfg.Schema.WithDefaults())}
 			ids := []int64{

@@ -2,55 +2,23 @@ package reconcile_test
 
 import (
 	"context"
-	"database/sql"
-	"path/filepath"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 	_ "modernc.org/sqlite"
 
 	"github.com/oncemill/oncemill/internal/sqldb"
-	"github.com/oncemill/oncemill/internal/testing/mysqltest"
-	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// backend is oncemill's tables, migrated, in one database: the Tables a
-// check reads and the database the test writes its rows through.
-type backend struct {
-	name string
-	open func(t *testing.T) (reconcile.Tables, sqldb.DB)
-}
-
-var backends = []backend{
-	{"postgres-pgx", func(t *testing.T) (reconcile.Tables, sqldb.DB) {
-		pool := pgtest.Pool(t, 4)
-		return reconcile.Tables{Pool: pool, Schema: sqlschema.Config{Schema: pgtest.Schema(t, pool)}}, sqldb.Pgx(pool)
-	}},
-	{"postgres-database/sql", func(t *testing.T) (reconcile.Tables, sqldb.DB) {
-		pool := pgtest.Pool(t, 4)
-		schema := sqlschema.Config{Schema: pgtest.Schema(t, pool)}
-		db := stdlib.OpenDBFromPool(pool)
-		t.Cleanup(func() { db.Close() })
-		return reconcile.Tables{DB: db, Dialect: sqlschema.Postgres, Schema: schema}, sqldb.SQL(db, sqldb.Postgres)
-	}},
-	{"mariadb", func(t *testing.T) (reconcile.Tables, sqldb.DB) {
-		db, name := mysqltest.DB(t, 4)
-		schema := sqlschema.Config{Schema: name}
-		require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.MySQL, schema))
-		return reconcile.Tables{DB: db, Dialect: sqlschema.MySQL, Schema: schema}, sqldb.SQL(db, sqldb.MySQL)
-	}},
-	{"sqlite", func(t *testing.T) (reconcile.Tables, sqldb.DB) {
-		db, err := sql.Open("sqlite", "file:"+filepath.Join(t.TempDir(), "oncemill.db")+
-			"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)")
-		require.NoError(t, err)
-		t.Cleanup(func() { db.Close() })
-		require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.SQLite, sqlschema.Config{}))
-		return reconcile.Tables{DB: db, Dialect: sqlschema.SQLite}, sqldb.SQL(db, sqldb.SQLite)
-	}},
+// open opens oncemill's tables, migrated, on b (sqltest.Backends): the
+// Tables a check reads and the database the test writes its rows through.
+func open(t *testing.T, b sqltest.Backend) (reconcile.Tables, sqldb.DB) {
+	db := b.Open(t, 4)
+	return reconcile.Tables{Pool: db.Pool, DB: db.DB, Dialect: db.Dialect, Schema: db.Schema}, db.SQL()
 }
 
 // rows writes a backend's ledger, inbox and dead-letter rows with plain
@@ -102,11 +70,11 @@ VALUES (?, 'orders', '', ?, ?, 'boom', ?, `+d.JSON("?")+`, `+d.FromMicros("?")+`
 // event explains (Strict), and reports nothing once every event is done.
 func TestCheckOnEveryDatabase(t *testing.T) {
 	t.Parallel()
-	for _, b := range backends {
-		t.Run(b.name, func(t *testing.T) {
+	for _, b := range sqltest.Backends {
+		t.Run(b.Name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			tables, db := b.open(t)
+			tables, db := open(t, b)
 			r := rows{t: t, db: db, names: db.Dialect().Names(tables.Schema)}
 			r.ledger("u-done", "k-done", 20*time.Minute)
 			r.ledger("u-lost", "k-lost", 19*time.Minute)
