@@ -70,7 +70,7 @@ func newOutbox(cfg RelayConfig, db sqldb.DB, names sqlschema.Names) *outbox {
 		deadLetter: d.Rebind(`INSERT INTO ` + names.DLQ + ` (uuid, topic, dlq_topic, consumer, ` + d.Quote("key") + `, ` + d.Quote("error") +
 			`, permanent, first_failed_at, last_failed_at, payload, metadata, dead_at)
 VALUES (?, ?, '', ?, ?, ?, TRUE, ` + d.Now() + `, ` + d.Now() + `, ?, ` + d.JSON("?") + `, ` + d.Now() + `)` +
-			d.IgnoreDuplicate("(consumer, topic, uuid) WHERE replay_requested_at IS NULL")),
+			d.InsertOnce("(consumer, topic, uuid) WHERE replay_requested_at IS NULL", "id")),
 		lag: newLagSQL(d, names, cfg.LockOrderedWriters),
 	}
 	if cfg.Ledger {
