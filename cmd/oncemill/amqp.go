@@ -5,7 +5,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 
 	"github.com/oncemill/oncemill/adapters/amqp"
 )
@@ -19,13 +18,13 @@ const (
 )
 
 // amqpDeclare declares the exchange, queue and binding of each --topic.
-func amqpDeclare(ctx context.Context, name string, args []string, env func(string) string, stdout io.Writer) error {
+func (c *cmd) amqpDeclare(ctx context.Context, args []string) error {
 	var (
 		rawURL, group, dlx string
 		topics             []string
 		limit              int
 	)
-	fs := newFlags(name)
+	fs := newFlags(c.name)
 	fs.StringVar(&rawURL, "url", "", "amqp:// or amqps:// `URL` of the broker (default $BROKER_URL); its group, delivery_limit, dead_letter_exchange and connect_timeout parameters are read as adapters.Open reads them")
 	fs.Func("topic", "`TOPIC` to declare: its exchange, queue and binding (repeat for more)", func(s string) error {
 		if s == "" {
@@ -37,21 +36,15 @@ func amqpDeclare(ctx context.Context, name string, args []string, env func(strin
 	fs.StringVar(&group, "group", "", "consumer `GROUP` whose queue to declare (or the URL's group)")
 	fs.IntVar(&limit, "delivery-limit", 0, "queue argument x-delivery-limit, `N` deliveries (or the URL's delivery_limit)")
 	fs.StringVar(&dlx, "dead-letter-exchange", "", "`EXCHANGE` for the queue argument x-dead-letter-exchange (or the URL's dead_letter_exchange)")
-	pos, err := parse(fs, args)
-	if err != nil {
+	if err := onlyFlags(fs, args, "give topics with --topic"); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return usagef("unexpected argument %q: give topics with --topic", pos[0])
 	}
 	if len(topics) == 0 {
 		return usagef("--topic is required")
 	}
-	if rawURL == "" {
-		rawURL = env("BROKER_URL")
-	}
-	if rawURL == "" {
-		return usagef("--url is required (or set BROKER_URL)")
+	rawURL, err := c.required("--url", rawURL, "BROKER_URL")
+	if err != nil {
+		return err
 	}
 	cfg, err := amqpConfig(rawURL)
 	if err != nil {
@@ -93,7 +86,7 @@ func amqpDeclare(ctx context.Context, name string, args []string, env func(strin
 		return err
 	}
 	for _, t := range topics {
-		fmt.Fprintf(stdout, "declared exchange %q, quorum queue %q and their binding\n", cfg.ExchangeName(t), cfg.QueueName(t))
+		fmt.Fprintf(c.stdout, "declared exchange %q, quorum queue %q and their binding\n", cfg.ExchangeName(t), cfg.QueueName(t))
 	}
 	return nil
 }

@@ -110,9 +110,7 @@ The URL's group, delivery_limit, dead_letter_exchange and connect_timeout
 parameters are read as adapters.Open reads them; a flag and the URL's
 parameter must not differ. Queue arguments must be those the consumers
 use: the broker refuses to declare an existing queue with other arguments.`,
-		run: func(c *cmd, ctx context.Context, args []string) error {
-			return amqpDeclare(ctx, c.name, args, c.env, c.stdout)
-		},
+		run: (*cmd).amqpDeclare,
 	},
 	{
 		path: "console", args: "[--addr HOST:PORT] [--token T] [--read-only] [--broker URL]\n       [--inbox URL]",

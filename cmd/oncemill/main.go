@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/oncemill/oncemill/sqlschema"
 )
 
 func main() {
@@ -94,19 +96,18 @@ func exit(name string, err error, stderr io.Writer) int {
 		uerr  usageError
 		coded codedError
 	)
+	code := exitFailure
 	switch {
 	case err == nil:
 		return exitOK
 	case errors.As(err, &coded):
-		fmt.Fprintf(stderr, "%s: %s\n", name, errorText(name, err.Error()))
-		return coded.code
+		code = coded.code
 	case errors.As(err, &uerr):
 		fmt.Fprintf(stderr, "%s: %s; run '%s --help' for usage\n", name, errorText(name, uerr.msg), name)
 		return exitUsage
-	default:
-		fmt.Fprintf(stderr, "%s: %s\n", name, errorText(name, err.Error()))
-		return exitFailure
 	}
+	fmt.Fprintf(stderr, "%s: %s\n", name, errorText(name, err.Error()))
+	return code
 }
 
 // errorText is msg on one line, without the prefixes that repeat the
@@ -178,24 +179,86 @@ func parseIDs(args []string) ([]int64, error) {
 	return ids, nil
 }
 
-// parseTime reads a --since or --until value: RFC 3339, or a positive
-// duration (Go syntax, or whole days as "7d") before now.
+// required is value, else the environment variable's: a usage error
+// naming flag and variable when neither is set.
+func (c *cmd) required(flag, value, variable string) (string, error) {
+	if value == "" {
+		value = c.env(variable)
+	}
+	if value == "" {
+		return "", usagef("%s is required (or set %s)", flag, variable)
+	}
+	return value, nil
+}
+
+// checkNames checks the table and schema names given as flag, name pairs,
+// before anything connects.
+func checkNames(flagNames ...string) error {
+	for i := 0; i+1 < len(flagNames); i += 2 {
+		if err := sqlschema.ValidateIdentifier(flagNames[i], flagNames[i+1]); err != nil {
+			return usageError{msg: err.Error()}
+		}
+	}
+	return nil
+}
+
+// onlyFlags parses args with fs and refuses a positional argument, saying
+// why: what the command takes instead.
+func onlyFlags(fs *flag.FlagSet, args []string, why string) error {
+	pos, err := parse(fs, args)
+	if err == nil && len(pos) > 0 {
+		err = usagef("unexpected argument %q: %s", pos[0], why)
+	}
+	return err
+}
+
+// parsedFlag defines flag name, whose value parse reads into *dst.
+func parsedFlag[T any](fs *flag.FlagSet, name, usage string, dst *T, parse func(string) (T, error)) {
+	fs.Func(name, usage, func(s string) (err error) {
+		*dst, err = parse(s)
+		return err
+	})
+}
+
+// ago reads a duration of zero or more: Go syntax, or whole days as "7d".
+func ago(s string) (time.Duration, bool) {
+	if days, ok := strings.CutSuffix(s, "d"); ok {
+		n, err := strconv.Atoi(days)
+		return time.Duration(n) * 24 * time.Hour, err == nil && n >= 0 && n <= 100000
+	}
+	d, err := time.ParseDuration(s)
+	return d, err == nil && d >= 0
+}
+
+// parseAgo reads a positive duration: Go syntax, or whole days as "7d".
+func parseAgo(s string) (time.Duration, error) {
+	if d, ok := ago(s); ok && d > 0 {
+		return d, nil
+	}
+	return 0, fmt.Errorf("%q is not a positive duration like 5m, 2h or 7d", s)
+}
+
+// parseTime reads a --since or --until value: RFC 3339, or a duration
+// before now (see [ago]).
 func parseTime(s string, now time.Time) (time.Time, error) {
 	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
 		return t, nil
 	}
-	var d time.Duration
-	if days, ok := strings.CutSuffix(s, "d"); ok {
-		n, err := strconv.Atoi(days)
-		if err != nil || n < 0 || n > 100000 {
-			return time.Time{}, fmt.Errorf("%q is neither RFC 3339 nor a duration ago like 2h or 7d", s)
-		}
-		d = time.Duration(n) * 24 * time.Hour
-	} else {
-		var err error
-		if d, err = time.ParseDuration(s); err != nil || d < 0 {
-			return time.Time{}, fmt.Errorf("%q is neither RFC 3339 nor a duration ago like 2h or 7d", s)
-		}
+	if d, ok := ago(s); ok {
+		return now.Add(-d), nil
 	}
-	return now.Add(-d), nil
+	return time.Time{}, fmt.Errorf("%q is neither RFC 3339 nor a duration ago like 2h or 7d", s)
+}
+
+// splitTopics reads list, comma-separated topics, none empty, from a
+// flag's value s.
+func splitTopics(s, list string) ([]string, error) {
+	var topics []string
+	for _, topic := range strings.Split(list, ",") {
+		if topic = strings.TrimSpace(topic); topic == "" {
+			return nil, fmt.Errorf("%q holds an empty topic", s)
+		}
+		topics = append(topics, topic)
+	}
+	return topics, nil
 }

@@ -130,12 +130,9 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	fs.DurationVar(&o.retention, "ledger-retention", forwarder.DefaultLedgerRetention, "how long (`DURATION`) ledger rows are kept, at least 1m; only with --ledger ($"+relayEnv("ledger-retention")+")")
 	fs.StringVar(&o.listen, "listen", defaultRelayListen, "`HOST:PORT` to serve /healthz and /metrics on; empty: no HTTP ($"+relayEnv("listen")+")")
 	fs.BoolVar(&o.migrate, "migrate", false, "create or upgrade oncemill's tables (sqlschema.Migrate) before relaying; without it the outbox table must exist ($"+relayEnv("migrate")+")")
-	pos, err := parse(fs, args)
+	err := onlyFlags(fs, args, "relay takes only flags")
 	if err != nil {
 		return o, err
-	}
-	if len(pos) > 0 {
-		return o, usagef("unexpected argument %q: relay takes only flags", pos[0])
 	}
 	if o.fromEnv, err = c.relayFromEnv(fs); err != nil {
 		return o, err
@@ -158,8 +155,8 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 		return o, err
 	}
 	if o.listen != "" {
-		if err := checkAddr(o.listen); err != nil {
-			return o, usageError{msg: strings.Replace(err.Error(), "--addr", o.field("listen"), 1)}
+		if err := checkAddr(o.field("listen"), o.listen); err != nil {
+			return o, err
 		}
 	}
 	if o.db, o.schema, err = c.target(o.migrate); err != nil {
@@ -270,11 +267,7 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	if err != nil {
 		return err
 	}
-	defer func() {
-		if closeErr := ps.Close(); closeErr != nil {
-			err = errors.Join(err, fmt.Errorf("close broker: %w", closeErr))
-		}
-	}()
+	defer closeBroker(ps, &err)
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -316,7 +309,7 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 		mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 			relayHealth(w, r, running.Load(), db)
 		})
-		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
+		srv = newServer(mux)
 		go func() { served <- srv.Serve(ln) }()
 		fmt.Fprintf(c.stdout, "oncemill relay serving /healthz and /metrics on %s\n", consoleURL(ln.Addr()))
 	}
