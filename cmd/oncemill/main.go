@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -41,52 +42,38 @@ func usagef(format string, args ...any) error {
 // run is the whole command: args without the program name, env for the
 // environment. It returns the exit status.
 func run(ctx context.Context, args []string, env func(string) string, stdout, stderr io.Writer) int {
-	if len(args) == 0 {
-		fmt.Fprintln(stderr, "oncemill: missing command; run 'oncemill --help' for usage")
-		return exitUsage
-	}
-	switch args[0] {
-	case "-h", "-help", "--help", "help":
-		fmt.Fprint(stdout, usage())
-		return exitOK
-	case "dlq", "amqp":
-		return runGroup(ctx, args[0], args[1:], env, stdout, stderr)
-	case "console", "relay", "reconcile":
-		return runCommand(ctx, lookup(args[0]), args[1:], env, stdout, stderr)
-	default:
-		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq, amqp, console, relay or reconcile); run 'oncemill --help' for usage\n", args[0])
-		return exitUsage
-	}
+	return runGroup(ctx, "", args, env, stdout, stderr)
 }
 
-// runGroup runs "oncemill dlq" or "oncemill amqp": args start with the
-// subcommand.
+// runGroup runs one of oncemill's commands (group "") or of a command
+// group's ("dlq", "amqp"): args start with its word.
 func runGroup(ctx context.Context, group string, args []string, env func(string) string, stdout, stderr io.Writer) int {
-	var subs []string
-	for _, c := range commands {
-		if sub, ok := strings.CutPrefix(c.path, group+" "); ok {
-			subs = append(subs, sub)
-		}
+	name, kind, prefix := "oncemill", "command", ""
+	if group != "" {
+		name, kind, prefix = "oncemill "+group, "subcommand", group+" "
 	}
-	want := strings.Join(subs, ", ")
+	words := wordsAfter(prefix)
+	want := strings.Join(words, ", ")
 	if i := strings.LastIndex(want, ", "); i >= 0 {
 		want = want[:i] + " or " + want[i+2:]
 	}
 	if len(args) < 1 {
-		fmt.Fprintf(stderr, "oncemill %s: missing subcommand (%s); run 'oncemill %s --help' for usage\n", group, want, group)
+		fmt.Fprintf(stderr, "%s: missing %s (%s); run '%s --help' for usage\n", name, kind, want, name)
 		return exitUsage
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
-		fmt.Fprint(stdout, groupUsage(group))
+		fmt.Fprint(stdout, usage(prefix))
 		return exitOK
 	}
-	c := lookup(group + " " + args[0])
-	if c == nil {
-		fmt.Fprintf(stderr, "oncemill %s: unknown subcommand %q (want %s); run 'oncemill %s --help' for usage\n", group, args[0], want, group)
-		return exitUsage
+	if c := lookup(prefix + args[0]); c != nil {
+		return runCommand(ctx, c, args[1:], env, stdout, stderr)
 	}
-	return runCommand(ctx, c, args[1:], env, stdout, stderr)
+	if group == "" && slices.Contains(words, args[0]) {
+		return runGroup(ctx, args[0], args[1:], env, stdout, stderr)
+	}
+	fmt.Fprintf(stderr, "%s: unknown %s %q (want %s); run '%s --help' for usage\n", name, kind, args[0], want, name)
+	return exitUsage
 }
 
 // exit reports err, from the command called name, and returns the exit

@@ -25,11 +25,9 @@ Go package reconcile, which the console's overview also runs.
 
 The key compared is the one the inbox's default KeyFunc derives: the
 idempotency_key metadata, else the message UUID. A consumer with another
-KeyFunc cannot be reconciled so. The ledger is read on --database, the
-inbox and the dead-letter table on --inbox-database; either may be
-PostgreSQL (postgres://…), MySQL/MariaDB (mysql://…) or a SQLite file
-(sqlite:///absolute/path). Keep --since within the ledger's retention and the
-inbox's (a done key the inbox already expired is reported lost).
+KeyFunc cannot be reconciled so. Keep --since within the ledger's
+retention and the inbox's (a done key the inbox already expired is
+reported lost).
 
 Exit status: 0 nothing missing ("0 missing"), 1 events missing or keys
 unexplained (listed), 2 usage error, 3 the check could not run (a

@@ -60,8 +60,8 @@ partition key), so no row goes out twice in normal operation and each
 key's rows keep their order.
 
 The outbox table belongs to the service: the relay refuses to start when
-it does not exist, unless --migrate creates it (sqlschema.Migrate's
-tables, on PostgreSQL, MySQL or SQLite).
+it (or the SQLite file of --database) does not exist, unless --migrate
+creates it (sqlschema.Migrate's tables, on PostgreSQL, MySQL or SQLite).
 
 On --listen it serves /healthz (200 while the relay runs and its database
 answers, 503 otherwise) and /metrics (Prometheus: oncemill_outbox_* as
@@ -70,10 +70,7 @@ observe/prom exports them, and the process's go_* and process_* series).
 Every flag can also be set by an environment variable: --database by
 $DATABASE_URL, --broker by $BROKER_URL, any other by $ONCEMILL_RELAY_
 and its name in capitals with '_' for '-' ($ONCEMILL_RELAY_BATCH_SIZE).
-A flag beats its variable. ` + `--database is PostgreSQL (postgres://…),
-MySQL/MariaDB (mysql://user:password@host:3306/db) or a SQLite file
-(sqlite:///absolute/path or sqlite://relative/path; without --migrate it
-must exist).`
+A flag beats its variable.`
 
 // relayOptions is "oncemill relay"'s command line, checked.
 type relayOptions struct {
