@@ -5,16 +5,9 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"strings"
 
 	"github.com/oncemill/oncemill/adapters/amqp"
-)
-
-// URL parameters that adapters.Open reads from an amqp:// URL and removes
-// before the URL reaches the client.
-const (
-	paramGroup              = "group"
-	paramDeliveryLimit      = "delivery_limit"
-	paramDeadLetterExchange = "dead_letter_exchange"
 )
 
 // amqpDeclare declares the exchange, queue and binding of each --topic.
@@ -46,33 +39,17 @@ func (c *cmd) amqpDeclare(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	cfg, err := amqpConfig(rawURL)
+	// The URL's parameters, read as adapters.Open reads them.
+	cfg, err := amqp.ParseURL(rawURL)
 	if err != nil {
+		return usagef("--url: %v", err)
+	}
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	if err := errors.Join(fromFlag(given, "group", group, &cfg.ConsumerGroup),
+		fromFlag(given, "dead-letter-exchange", dlx, &cfg.DeadLetterExchange),
+		fromFlag(given, "delivery-limit", limit, &cfg.DeliveryLimit)); err != nil {
 		return err
-	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	for _, o := range []struct {
-		flag, param string
-		value       string  // the flag's
-		field       *string // the URL's, and the result
-	}{
-		{"group", paramGroup, group, &cfg.ConsumerGroup},
-		{"dead-letter-exchange", paramDeadLetterExchange, dlx, &cfg.DeadLetterExchange},
-	} {
-		if !set[o.flag] {
-			continue
-		}
-		if *o.field != "" && *o.field != o.value {
-			return usagef("--%s %q and the URL's %s=%q differ; give one of them", o.flag, o.value, o.param, *o.field)
-		}
-		*o.field = o.value
-	}
-	if set["delivery-limit"] {
-		if cfg.DeliveryLimit != 0 && cfg.DeliveryLimit != limit {
-			return usagef("--delivery-limit %d and the URL's %s=%d differ; give one of them", limit, paramDeliveryLimit, cfg.DeliveryLimit)
-		}
-		cfg.DeliveryLimit = limit
 	}
 	if err := cfg.Validate(); err != nil {
 		return usageError{msg: err.Error()}
@@ -91,11 +68,18 @@ func (c *cmd) amqpDeclare(ctx context.Context, args []string) error {
 	return nil
 }
 
-// amqpConfig reads an amqp:// or amqps:// URL as adapters.Open does.
-func amqpConfig(rawURL string) (amqp.Config, error) {
-	cfg, err := amqp.ParseURL(rawURL)
-	if err != nil {
-		return amqp.Config{}, usagef("--url: %v", err)
+// fromFlag sets *field, read from the URL's parameter named as flag with
+// '_' for '-', to value when flag was given, refusing a URL that gives
+// another value.
+func fromFlag[T comparable](given map[string]bool, flag string, value T, field *T) error {
+	var zero T
+	if !given[flag] {
+		return nil
 	}
-	return cfg, nil
+	if *field != zero && *field != value {
+		param := strings.ReplaceAll(flag, "-", "_")
+		return usagef("--%s %#v and the URL's %s=%#v differ; give one of them", flag, value, param, *field)
+	}
+	*field = value
+	return nil
 }

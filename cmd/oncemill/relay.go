@@ -74,18 +74,13 @@ A flag beats its variable.`
 
 // relayOptions is "oncemill relay"'s command line, checked.
 type relayOptions struct {
-	db        *dbURL
-	schema    sqlschema.Config
-	broker    string
-	listen    string
-	migrate   bool
-	ordered   bool
-	ledger    bool
-	retention time.Duration
-	batchSize int
-	lanes     int
-	poll      time.Duration
-	drain     time.Duration
+	db      *dbURL
+	broker  string
+	listen  string
+	migrate bool
+	// cfg is the relay's configuration as the flags give it: its Schema
+	// and its settings, without the database and the broker.
+	cfg forwarder.RelayConfig
 	// fromEnv holds the flags set from their variables, which errors name.
 	fromEnv map[string]bool
 }
@@ -118,13 +113,13 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	fs.StringVar(&o.broker, "broker", "", "`URL` of the broker to publish to, as adapters.Open reads it: kafka://…, amqp://…, sqs://…, nats://… (default $BROKER_URL; gochannel:// and kafka:// or nats:// with no host, brokers inside this process, are refused)")
 	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the outbox table's schema (on MySQL: its database; SQLite has none) ($"+relayEnv("schema")+")")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table ($"+relayEnv("table")+")")
-	fs.IntVar(&o.batchSize, "batch-size", 500, "most `N` rows one batch (one transaction) publishes, 1 to 10000 ($"+relayEnv("batch-size")+")")
-	fs.IntVar(&o.lanes, "lanes-per-batch", 16, "most `N` of the table's 64 lanes one batch takes: copies running at once share the lanes, 1 to 64 ($"+relayEnv("lanes-per-batch")+")")
-	fs.DurationVar(&o.poll, "poll-interval", 250*time.Millisecond, "longest wait (`DURATION`) between two looks for rows while the outbox stays empty; while rows flow the relay looks again at once ($"+relayEnv("poll-interval")+")")
-	fs.DurationVar(&o.drain, "drain-timeout", 5*time.Second, "how long (`DURATION`), once told to stop, the batch in flight may take to finish publishing and deleting its rows; past it the batch rolls back and its rows stay ($"+relayEnv("drain-timeout")+")")
-	fs.BoolVar(&o.ordered, "lock-ordered-writers", false, "the service's writers of each partition key are ordered by a lock each holds until it commits, taken before its outbox insert (the key's business row): publish every committed row at once instead of waiting until every older transaction on the server has ended, so that a transaction left open elsewhere on the server no longer stalls the outbox; see forwarder.RelayConfig.LockOrderedWriters ($"+relayEnv("lock-ordered-writers")+")")
-	fs.BoolVar(&o.ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the transaction that deletes it from the outbox (PostgreSQL, MySQL or SQLite); see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
-	fs.DurationVar(&o.retention, "ledger-retention", forwarder.DefaultLedgerRetention, "how long (`DURATION`) ledger rows are kept, at least 1m; only with --ledger ($"+relayEnv("ledger-retention")+")")
+	fs.IntVar(&o.cfg.BatchSize, "batch-size", 500, "most `N` rows one batch (one transaction) publishes, 1 to 10000 ($"+relayEnv("batch-size")+")")
+	fs.IntVar(&o.cfg.LanesPerBatch, "lanes-per-batch", 16, "most `N` of the table's 64 lanes one batch takes: copies running at once share the lanes, 1 to 64 ($"+relayEnv("lanes-per-batch")+")")
+	fs.DurationVar(&o.cfg.PollInterval, "poll-interval", 250*time.Millisecond, "longest wait (`DURATION`) between two looks for rows while the outbox stays empty; while rows flow the relay looks again at once ($"+relayEnv("poll-interval")+")")
+	fs.DurationVar(&o.cfg.DrainTimeout, "drain-timeout", 5*time.Second, "how long (`DURATION`), once told to stop, the batch in flight may take to finish publishing and deleting its rows; past it the batch rolls back and its rows stay ($"+relayEnv("drain-timeout")+")")
+	fs.BoolVar(&o.cfg.LockOrderedWriters, "lock-ordered-writers", false, "the service's writers of each partition key are ordered by a lock each holds until it commits, taken before its outbox insert (the key's business row): publish every committed row at once instead of waiting until every older transaction on the server has ended, so that a transaction left open elsewhere on the server no longer stalls the outbox; see forwarder.RelayConfig.LockOrderedWriters ($"+relayEnv("lock-ordered-writers")+")")
+	fs.BoolVar(&o.cfg.Ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the transaction that deletes it from the outbox (PostgreSQL, MySQL or SQLite); see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
+	fs.DurationVar(&o.cfg.LedgerRetention, "ledger-retention", forwarder.DefaultLedgerRetention, "how long (`DURATION`) ledger rows are kept, at least 1m; only with --ledger ($"+relayEnv("ledger-retention")+")")
 	fs.StringVar(&o.listen, "listen", defaultRelayListen, "`HOST:PORT` to serve /healthz and /metrics on; empty: no HTTP ($"+relayEnv("listen")+")")
 	fs.BoolVar(&o.migrate, "migrate", false, "create or upgrade oncemill's tables (sqlschema.Migrate) before relaying; without it the outbox table must exist ($"+relayEnv("migrate")+")")
 	err := onlyFlags(fs, args, "relay takes only flags")
@@ -137,16 +132,16 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	switch {
 	case o.broker == "":
 		return o, usagef("--broker is required (or set BROKER_URL)")
-	case o.batchSize < 1 || o.batchSize > 10000:
-		return o, usagef("%s must be 1 to 10000, got %d", o.field("batch-size"), o.batchSize)
-	case o.lanes < 1 || o.lanes > 64:
-		return o, usagef("%s must be 1 to 64, got %d", o.field("lanes-per-batch"), o.lanes)
-	case o.poll < time.Millisecond:
-		return o, usagef("%s must be at least 1ms, got %s", o.field("poll-interval"), o.poll)
-	case o.drain <= 0:
-		return o, usagef("%s must be positive, got %s", o.field("drain-timeout"), o.drain)
-	case o.retention < time.Minute:
-		return o, usagef("%s must be at least 1m, got %s", o.field("ledger-retention"), o.retention)
+	case o.cfg.BatchSize < 1 || o.cfg.BatchSize > 10000:
+		return o, usagef("%s must be 1 to 10000, got %d", o.field("batch-size"), o.cfg.BatchSize)
+	case o.cfg.LanesPerBatch < 1 || o.cfg.LanesPerBatch > 64:
+		return o, usagef("%s must be 1 to 64, got %d", o.field("lanes-per-batch"), o.cfg.LanesPerBatch)
+	case o.cfg.PollInterval < time.Millisecond:
+		return o, usagef("%s must be at least 1ms, got %s", o.field("poll-interval"), o.cfg.PollInterval)
+	case o.cfg.DrainTimeout <= 0:
+		return o, usagef("%s must be positive, got %s", o.field("drain-timeout"), o.cfg.DrainTimeout)
+	case o.cfg.LedgerRetention < time.Minute:
+		return o, usagef("%s must be at least 1m, got %s", o.field("ledger-retention"), o.cfg.LedgerRetention)
 	}
 	if err := checkDurableBroker(o.field("broker"), o.broker, "nothing relayed"); err != nil {
 		return o, err
@@ -156,10 +151,10 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 			return o, err
 		}
 	}
-	if o.db, o.schema, err = c.target(o.migrate); err != nil {
+	if o.db, o.cfg.Schema, err = c.target(o.migrate); err != nil {
 		return o, err
 	}
-	o.schema = sqlschema.Config{Schema: o.schema.Schema, OutboxTable: c.table}
+	o.cfg.Schema = sqlschema.Config{Schema: o.cfg.Schema.Schema, OutboxTable: c.table}
 	return o, nil
 }
 
@@ -209,7 +204,7 @@ var errNoOutbox = errors.New("no outbox table")
 // that the outbox table (and with --ledger the ledger table) exists,
 // naming it when it does not.
 func (o relayOptions) prepare(ctx context.Context, db database) error {
-	cfg := o.schema.WithDefaults()
+	cfg := o.cfg.Schema.WithDefaults()
 	if o.migrate {
 		if err := db.migrate(ctx, cfg); err != nil {
 			return fmt.Errorf("migrate: %w", err)
@@ -222,7 +217,7 @@ func (o relayOptions) prepare(ctx context.Context, db database) error {
 	} else if !ok {
 		return o.noOutbox(names.Outbox)
 	}
-	if !o.ledger {
+	if !o.cfg.Ledger {
 		return nil
 	}
 	if ok, err := db.hasTable(ctx, names.Ledger); err != nil {
@@ -272,22 +267,9 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	if err != nil {
 		return err
 	}
-	cfg := forwarder.RelayConfig{
-		Pool:               db.Pool,
-		DB:                 db.DB,
-		Dialect:            db.Dialect,
-		Publisher:          ps.Publisher,
-		Schema:             o.schema,
-		BatchSize:          o.batchSize,
-		LanesPerBatch:      o.lanes,
-		PollInterval:       o.poll,
-		DrainTimeout:       o.drain,
-		LockOrderedWriters: o.ordered,
-		Ledger:             o.ledger,
-		LedgerRetention:    o.retention,
-		Hooks:              []observe.Hook{metrics},
-		Logger:             logger,
-	}
+	cfg := o.cfg
+	cfg.Pool, cfg.DB, cfg.Dialect, cfg.Publisher = db.Pool, db.DB, db.Dialect, ps.Publisher
+	cfg.Hooks, cfg.Logger = []observe.Hook{metrics}, logger
 	relay, err := forwarder.NewRelay(cfg)
 	if err != nil {
 		return err
@@ -311,7 +293,7 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 		fmt.Fprintf(c.stdout, "oncemill relay serving /healthz and /metrics on %s\n", consoleURL(ln.Addr()))
 	}
 
-	outbox := o.schema.WithDefaults()
+	outbox := o.cfg.Schema.WithDefaults()
 	fmt.Fprintf(c.stdout, "oncemill relay running: %s.%s to %s\n", outbox.Schema, outbox.OutboxTable, redact.URL(o.broker))
 	running.Store(true)
 	runErr := relay.Run(ctx)
