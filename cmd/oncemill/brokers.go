@@ -34,3 +34,10 @@ func openBroker(ctx context.Context, field, broker, group, nothing string, logge
 	}
 	return ps, nil
 }
+
+// closeBroker closes ps, adding its failure to *err.
+func closeBroker(ps *adapters.PubSub, err *error) {
+	if closeErr := ps.Close(); closeErr != nil {
+		*err = errors.Join(*err, fmt.Errorf("close broker: %w", closeErr))
+	}
+}

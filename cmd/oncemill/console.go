@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -72,34 +71,20 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 		if rc.Consumer == "" {
 			return fmt.Errorf("%q names no consumer: want CONSUMER or CONSUMER=TOPIC,TOPIC", s)
 		}
+		var err error
 		if hasTopics {
-			for _, topic := range strings.Split(topics, ",") {
-				if topic = strings.TrimSpace(topic); topic == "" {
-					return fmt.Errorf("%q holds an empty topic", s)
-				}
-				rc.Topics = append(rc.Topics, topic)
-			}
+			rc.Topics, err = splitTopics(s, topics)
 		}
 		o.reconcile = append(o.reconcile, rc)
-		return nil
+		return err
 	})
 	grace, since := reconcile.DefaultGrace, reconcile.DefaultSince
-	fs.Func("reconcile-grace", "`DURATION` an event may take from its publish to its consumer's commit: younger events are not checked (default 5m)", func(s string) (err error) {
-		grace, err = parseAgo(s)
-		return err
-	})
-	fs.Func("reconcile-since", "`DURATION` back from now that the overview's checks read (default 24h); each page load reads it, so keep it short on a busy ledger", func(s string) (err error) {
-		since, err = parseAgo(s)
-		return err
-	})
-	pos, err := parse(fs, args)
-	if err != nil {
+	parsedFlag(fs, "reconcile-grace", "`DURATION` an event may take from its publish to its consumer's commit: younger events are not checked (default 5m)", &grace, parseAgo)
+	parsedFlag(fs, "reconcile-since", "`DURATION` back from now that the overview's checks read (default 24h); each page load reads it, so keep it short on a busy ledger", &since, parseAgo)
+	if err := onlyFlags(fs, args, "console takes only flags"); err != nil {
 		return o, err
 	}
-	if len(pos) > 0 {
-		return o, usagef("unexpected argument %q: console takes only flags", pos[0])
-	}
-	if err := checkAddr(o.addr); err != nil {
+	if err := checkAddr("--addr", o.addr); err != nil {
 		return o, err
 	}
 	if since <= grace {
@@ -116,6 +101,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 			return o, err
 		}
 	}
+	var err error
 	if inboxURL != "" {
 		if o.broker == "" {
 			return o, usagef("--inbox is where replays to the topic write their grants: give --broker too")
@@ -135,10 +121,8 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	} else if err := checkToken(o.token); err != nil {
 		return o, err
 	}
-	for _, id := range []struct{ flag, name string }{{"--inbox-table", inboxTable}, {"--outbox-table", outboxTable}} {
-		if err := sqlschema.ValidateIdentifier(id.flag, id.name); err != nil {
-			return o, usageError{msg: err.Error()}
-		}
+	if err := checkNames("--inbox-table", inboxTable, "--outbox-table", outboxTable); err != nil {
+		return o, err
 	}
 	if o.db, o.schema, err = c.target(false); err != nil {
 		return o, err
@@ -148,15 +132,15 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	return o, nil
 }
 
-// checkAddr refuses, as a usage error, an --addr that is not host:port
-// with a numeric port.
-func checkAddr(addr string) error {
+// checkAddr refuses, as a usage error naming field, an address to listen
+// on that is not host:port with a numeric port.
+func checkAddr(field, addr string) error {
 	_, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return usagef("--addr %q is not host:port (like 127.0.0.1:8080): %v", addr, err)
+		return usagef("%s %q is not host:port (like 127.0.0.1:8080): %v", field, addr, err)
 	}
 	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
-		return usagef("--addr %q: port %q is not a number from 0 to 65535", addr, port)
+		return usagef("%s %q: port %q is not a number from 0 to 65535", field, addr, port)
 	}
 	return nil
 }
@@ -220,11 +204,7 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 		if err != nil {
 			return err
 		}
-		defer func() {
-			if closeErr := ps.Close(); closeErr != nil {
-				err = errors.Join(err, fmt.Errorf("close broker: %w", closeErr))
-			}
-		}()
+		defer closeBroker(ps, &err)
 		pub = ps.Publisher
 	}
 	var granter dlq.Granter
@@ -245,11 +225,7 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 	if err != nil {
 		return fmt.Errorf("listen on %s: %w", o.addr, err)
 	}
-	srv := &http.Server{
-		Handler:           handler,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       2 * time.Minute,
-	}
+	srv := newServer(handler)
 	base := consoleURL(ln.Addr())
 	c.announce(o, base, ln.Addr())
 
@@ -272,6 +248,12 @@ func (c *cmd) serveConsole(ctx context.Context, args []string) (err error) {
 	<-served
 	fmt.Fprintln(c.stdout, "oncemill console stopped")
 	return nil
+}
+
+// newServer is the HTTP server of the console and of the relay's probes,
+// with its timeouts.
+func newServer(h http.Handler) *http.Server {
+	return &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 }
 
 // consoleURL is the address to open in a browser for the listener's

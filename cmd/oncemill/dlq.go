@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -43,14 +42,9 @@ func (c *cmd) filterFlags(fs *flag.FlagSet, f *dlq.Filter) {
 	fs.StringVar(&f.Topic, "topic", "", "only entries of this original `TOPIC`, the one the message was consumed from")
 	fs.StringVar(&f.Consumer, "consumer", "", "only entries of this `CONSUMER` (handler), the one that gave up on the message")
 	fs.StringVar(&f.ErrorContains, "error", "", "only entries whose last error contains `TEXT`, ignoring case")
-	fs.Func("since", "only entries dead-lettered at or after `TIME`", func(s string) (err error) {
-		f.Since, err = parseTime(s, c.now)
-		return err
-	})
-	fs.Func("until", "only entries dead-lettered at or before `TIME`", func(s string) (err error) {
-		f.Until, err = parseTime(s, c.now)
-		return err
-	})
+	since := func(s string) (time.Time, error) { return parseTime(s, c.now) }
+	parsedFlag(fs, "since", "only entries dead-lettered at or after `TIME`", &f.Since, since)
+	parsedFlag(fs, "until", "only entries dead-lettered at or before `TIME`", &f.Until, since)
 	fs.IntVar(&f.Limit, "limit", 0, "only the first `N` matching entries, by id (0: all)")
 }
 
@@ -73,17 +67,12 @@ func checkFilter(f dlq.Filter) error {
 // table's names, before anything connects. create allows a SQLite file
 // that does not exist yet.
 func (c *cmd) target(create bool) (*dbURL, sqlschema.Config, error) {
-	url := c.database
-	if url == "" {
-		url = c.env("DATABASE_URL")
+	url, err := c.required("--database", c.database, "DATABASE_URL")
+	if err == nil {
+		err = checkNames("--schema", c.schema, "--table", c.table)
 	}
-	if url == "" {
-		return nil, sqlschema.Config{}, usagef("--database is required (or set DATABASE_URL)")
-	}
-	for _, id := range []struct{ flag, name string }{{"--schema", c.schema}, {"--table", c.table}} {
-		if err := sqlschema.ValidateIdentifier(id.flag, id.name); err != nil {
-			return nil, sqlschema.Config{}, usageError{msg: err.Error()}
-		}
+	if err != nil {
+		return nil, sqlschema.Config{}, err
 	}
 	db, err := parseDatabase("--database", url, create)
 	return db, sqlschema.Config{Schema: c.schema, DLQTable: c.table}, err
@@ -134,25 +123,22 @@ func checkIDs(ctx context.Context, store *dlq.Store, ids []int64, verb string) e
 }
 
 // nothingMatched reports an empty selection: on stdout as text, on stderr
-// beside a JSON result.
-func (c *cmd) nothingMatched() {
+// beside empty, the JSON result.
+func (c *cmd) nothingMatched(empty any) error {
 	if c.json {
 		fmt.Fprintln(c.stderr, "no entries matched")
-		return
+		return c.writeJSON(empty)
 	}
 	fmt.Fprintln(c.stdout, "no entries matched")
+	return nil
 }
 
 func (c *cmd) list(ctx context.Context, args []string) error {
 	var f dlq.Filter
 	fs := c.flags()
 	c.filterFlags(fs, &f)
-	pos, err := parse(fs, args)
-	if err != nil {
+	if err := onlyFlags(fs, args, "list takes no IDs (use show ID, or a filter flag)"); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return usagef("unexpected argument %q: list takes no IDs (use show ID, or a filter flag)", pos[0])
 	}
 	if err := checkFilter(f); err != nil {
 		return err
@@ -167,11 +153,7 @@ func (c *cmd) list(ctx context.Context, args []string) error {
 		return err
 	}
 	if len(entries) == 0 {
-		c.nothingMatched()
-		if c.json {
-			return c.writeJSON([]entryView{})
-		}
-		return nil
+		return c.nothingMatched([]entryView{})
 	}
 	if c.json {
 		views := make([]entryView, len(entries))
@@ -281,11 +263,9 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 			return err
 		}
 	}
-	if broker == "" {
-		broker = c.env("BROKER_URL")
-	}
-	if broker == "" {
-		return usagef("--broker is required (or set BROKER_URL)")
+	broker, err := c.required("--broker", broker, "BROKER_URL")
+	if err != nil {
+		return err
 	}
 	if err := checkDurableBroker("--broker", broker, "nothing replayed"); err != nil {
 		return err
@@ -320,9 +300,7 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 	}
 	n, err := store.Replay(ctx, ps.Publisher, f, report)
 	bar.finish()
-	if closeErr := ps.Close(); closeErr != nil {
-		err = errors.Join(err, fmt.Errorf("close broker: %w", closeErr))
-	}
+	closeBroker(ps, &err)
 	if err != nil {
 		return fmt.Errorf("replayed %d of %d entries, then: %w", n, total, err)
 	}
@@ -353,11 +331,7 @@ func (c *cmd) openReplay(ctx context.Context, f dlq.Filter, verb string) (*dlq.S
 	if err != nil {
 		return nil, nil, 0, err
 	}
-	c.nothingMatched()
-	if c.json {
-		return nil, nil, 0, c.writeJSON(replayResult{})
-	}
-	return nil, nil, 0, nil
+	return nil, nil, 0, c.nothingMatched(replayResult{})
 }
 
 // requestReplay marks the selected entries for their consumers'
@@ -416,14 +390,12 @@ func (c *cmd) purge(ctx context.Context, args []string) error {
 		return err
 	}
 	if n == 0 {
-		c.nothingMatched()
+		return c.nothingMatched(purgeResult{})
 	}
 	if c.json {
 		return c.writeJSON(purgeResult{Purged: n})
 	}
-	if n > 0 {
-		fmt.Fprintf(c.stdout, "purged %d %s\n", n, plural(n, "entry", "entries"))
-	}
+	fmt.Fprintf(c.stdout, "purged %d %s\n", n, plural(n, "entry", "entries"))
 	return nil
 }
 

@@ -6,7 +6,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
+	"text/tabwriter"
 	"time"
 )
 
@@ -31,11 +33,10 @@ const filterHelp = `Filter flags (--topic, --consumer, --error, --since, --until
 combine with each other and with IDs. TIME is RFC 3339
 (2026-03-01T10:00:00Z) or a duration ago (90m, 2h, 7d).`
 
-// databaseHelp explains the flags that name the dead-letter table.
-const databaseHelp = `--database is PostgreSQL (postgres://…), MySQL/MariaDB
-(mysql://user:password@host:3306/db) or a SQLite file (sqlite:///absolute/path
-or sqlite://relative/path, which must exist); --schema and --table name the
-table sqlschema.Migrate created.`
+// databaseHelp is what the flags that name the dead-letter table do not
+// say: their usage lists the URLs --database takes.
+const databaseHelp = `A SQLite --database must exist; --schema and --table name the table
+sqlschema.Migrate created.`
 
 // commands are oncemill's commands, in the order the global help lists
 // them.
@@ -70,11 +71,10 @@ has it: Kafka partition and offset, JetStream stream and sequence.
 		about: `Publishes each selected entry to its original topic, with its original
 UUID, payload and metadata (without the oncemill_* facts of the failed
 delivery), through --broker, then deletes it. It stops at the first entry
-the broker refuses; that entry and the rest stay. A broker inside this
-process is refused (gochannel://, and kafka:// or nats:// with no host,
-which start an embedded broker): nothing else subscribes to it, so the
-replayed messages would be lost when the command exits. Give IDs, a filter flag or --all; named IDs must all
-exist, or nothing is done.
+the broker refuses; that entry and the rest stay. --broker refuses a
+broker inside this process: nothing else subscribes to it, so the replayed
+messages would be lost when the command exits. Give IDs, a filter flag or
+--all; named IDs must all exist, or nothing is done.
 
 Before publishing an entry, replay writes a replay grant on its key's dead
 record, which lets the copy reopen the key once: on the inbox table beside
@@ -106,13 +106,10 @@ topic), the durable quorum queue "<topic>.<group>" ("<topic>" without a
 group) and the binding between them. Run it before producers start:
 RabbitMQ drops messages published while no queue is bound.
 
-The URL's group, delivery_limit, dead_letter_exchange and connect_timeout
-parameters are read as adapters.Open reads them; a flag and the URL's
-parameter must not differ. Queue arguments must be those the consumers
-use: the broker refuses to declare an existing queue with other arguments.`,
-		run: func(c *cmd, ctx context.Context, args []string) error {
-			return amqpDeclare(ctx, c.name, args, c.env, c.stdout)
-		},
+A flag and the URL's parameter (see --url) must not differ. Queue arguments
+must be those the consumers use: the broker refuses to declare an existing
+queue with other arguments.`,
+		run: (*cmd).amqpDeclare,
 	},
 	{
 		path: "console", args: "[--addr HOST:PORT] [--token T] [--read-only] [--broker URL]\n       [--inbox URL]",
@@ -151,37 +148,40 @@ func lookup(path string) *command {
 	return nil
 }
 
-// usage is the global help: the commands, and where their flags are.
-func usage() string {
-	var b strings.Builder
-	b.WriteString("Usage: oncemill <command> [arguments] [flags]\n\nCommands:\n")
-	width := 0
+// wordsAfter are the first words of the commands whose path starts with
+// prefix, after it: "dlq", "amqp", "console", … for "", "list", "show", …
+// for "dlq ".
+func wordsAfter(prefix string) []string {
+	var words []string
 	for _, c := range commands {
-		width = max(width, len(c.path))
+		if rest, ok := strings.CutPrefix(c.path, prefix); ok {
+			if w, _, _ := strings.Cut(rest, " "); !slices.Contains(words, w) {
+				words = append(words, w)
+			}
+		}
 	}
-	for _, c := range commands {
-		fmt.Fprintf(&b, "  %-*s  %s\n", width, c.path, c.short)
-	}
-	b.WriteString(`
-Run 'oncemill <command> --help' for a command's arguments and every flag
-it takes, e.g. 'oncemill dlq replay --help'.
+	return words
+}
 
+// usage is the help of oncemill (prefix "") or of a command group (prefix
+// "dlq "): its commands, and where their flags are.
+func usage(prefix string) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "Usage: oncemill %s<command> [arguments] [flags]\n\nCommands:\n", prefix)
+	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
+	for _, c := range commands {
+		if rest, ok := strings.CutPrefix(c.path, prefix); ok {
+			fmt.Fprintf(tw, "  %s\t%s\n", rest, c.short)
+		}
+	}
+	tw.Flush() //nolint:errcheck // a strings.Builder does not fail
+	fmt.Fprintf(&b, "\nRun 'oncemill %s<command> --help' for a command's arguments and every\nflag it takes.\n", prefix)
+	if prefix == "" {
+		b.WriteString(`
 Exit status: 0 success (also when nothing matched), 1 failure, 2 usage error;
 reconcile exits 3 when its check could not run.
 `)
-	return b.String()
-}
-
-// groupUsage is the help of a command group ("dlq", "amqp"): its commands.
-func groupUsage(group string) string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "Usage: oncemill %s <command> [arguments] [flags]\n\nCommands:\n", group)
-	for _, c := range commands {
-		if sub, ok := strings.CutPrefix(c.path, group+" "); ok {
-			fmt.Fprintf(&b, "  %-8s  %s\n", sub, c.short)
-		}
 	}
-	fmt.Fprintf(&b, "\nRun 'oncemill %s <command> --help' for a command's arguments and every\nflag it takes.\n", group)
 	return b.String()
 }
 

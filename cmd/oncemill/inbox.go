@@ -80,10 +80,8 @@ func parseInbox(raw string) (*inboxTarget, error) {
 		return nil, err
 	}
 	t.schema = t.schema.WithDefaults()
-	for _, id := range []struct{ param, value string }{{"schema", t.schema.Schema}, {"table", t.schema.InboxTable}} {
-		if err := sqlschema.ValidateIdentifier("--inbox parameter "+id.param, id.value); err != nil {
-			return nil, usageError{msg: err.Error()}
-		}
+	if err := checkNames("--inbox parameter schema", t.schema.Schema, "--inbox parameter table", t.schema.InboxTable); err != nil {
+		return nil, err
 	}
 	u.RawQuery = q.Encode()
 	t.db, err = parseDatabase("--inbox", u.String(), false)

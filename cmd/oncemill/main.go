@@ -8,10 +8,13 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/oncemill/oncemill/sqlschema"
 )
 
 func main() {
@@ -39,52 +42,38 @@ func usagef(format string, args ...any) error {
 // run is the whole command: args without the program name, env for the
 // environment. It returns the exit status.
 func run(ctx context.Context, args []string, env func(string) string, stdout, stderr io.Writer) int {
-	if len(args) == 0 {
-		fmt.Fprintln(stderr, "oncemill: missing command; run 'oncemill --help' for usage")
-		return exitUsage
-	}
-	switch args[0] {
-	case "-h", "-help", "--help", "help":
-		fmt.Fprint(stdout, usage())
-		return exitOK
-	case "dlq", "amqp":
-		return runGroup(ctx, args[0], args[1:], env, stdout, stderr)
-	case "console", "relay", "reconcile":
-		return runCommand(ctx, lookup(args[0]), args[1:], env, stdout, stderr)
-	default:
-		fmt.Fprintf(stderr, "oncemill: unknown command %q (want dlq, amqp, console, relay or reconcile); run 'oncemill --help' for usage\n", args[0])
-		return exitUsage
-	}
+	return runGroup(ctx, "", args, env, stdout, stderr)
 }
 
-// runGroup runs "oncemill dlq" or "oncemill amqp": args start with the
-// subcommand.
+// runGroup runs one of oncemill's commands (group "") or of a command
+// group's ("dlq", "amqp"): args start with its word.
 func runGroup(ctx context.Context, group string, args []string, env func(string) string, stdout, stderr io.Writer) int {
-	var subs []string
-	for _, c := range commands {
-		if sub, ok := strings.CutPrefix(c.path, group+" "); ok {
-			subs = append(subs, sub)
-		}
+	name, kind, prefix := "oncemill", "command", ""
+	if group != "" {
+		name, kind, prefix = "oncemill "+group, "subcommand", group+" "
 	}
-	want := strings.Join(subs, ", ")
+	words := wordsAfter(prefix)
+	want := strings.Join(words, ", ")
 	if i := strings.LastIndex(want, ", "); i >= 0 {
 		want = want[:i] + " or " + want[i+2:]
 	}
 	if len(args) < 1 {
-		fmt.Fprintf(stderr, "oncemill %s: missing subcommand (%s); run 'oncemill %s --help' for usage\n", group, want, group)
+		fmt.Fprintf(stderr, "%s: missing %s (%s); run '%s --help' for usage\n", name, kind, want, name)
 		return exitUsage
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
-		fmt.Fprint(stdout, groupUsage(group))
+		fmt.Fprint(stdout, usage(prefix))
 		return exitOK
 	}
-	c := lookup(group + " " + args[0])
-	if c == nil {
-		fmt.Fprintf(stderr, "oncemill %s: unknown subcommand %q (want %s); run 'oncemill %s --help' for usage\n", group, args[0], want, group)
-		return exitUsage
+	if c := lookup(prefix + args[0]); c != nil {
+		return runCommand(ctx, c, args[1:], env, stdout, stderr)
 	}
-	return runCommand(ctx, c, args[1:], env, stdout, stderr)
+	if group == "" && slices.Contains(words, args[0]) {
+		return runGroup(ctx, args[0], args[1:], env, stdout, stderr)
+	}
+	fmt.Fprintf(stderr, "%s: unknown %s %q (want %s); run '%s --help' for usage\n", name, kind, args[0], want, name)
+	return exitUsage
 }
 
 // exit reports err, from the command called name, and returns the exit
@@ -94,19 +83,18 @@ func exit(name string, err error, stderr io.Writer) int {
 		uerr  usageError
 		coded codedError
 	)
+	code := exitFailure
 	switch {
 	case err == nil:
 		return exitOK
 	case errors.As(err, &coded):
-		fmt.Fprintf(stderr, "%s: %s\n", name, errorText(name, err.Error()))
-		return coded.code
+		code = coded.code
 	case errors.As(err, &uerr):
 		fmt.Fprintf(stderr, "%s: %s; run '%s --help' for usage\n", name, errorText(name, uerr.msg), name)
 		return exitUsage
-	default:
-		fmt.Fprintf(stderr, "%s: %s\n", name, errorText(name, err.Error()))
-		return exitFailure
 	}
+	fmt.Fprintf(stderr, "%s: %s\n", name, errorText(name, err.Error()))
+	return code
 }
 
 // errorText is msg on one line, without the prefixes that repeat the
@@ -178,24 +166,86 @@ func parseIDs(args []string) ([]int64, error) {
 	return ids, nil
 }
 
-// parseTime reads a --since or --until value: RFC 3339, or a positive
-// duration (Go syntax, or whole days as "7d") before now.
+// required is value, else the environment variable's: a usage error
+// naming flag and variable when neither is set.
+func (c *cmd) required(flag, value, variable string) (string, error) {
+	if value == "" {
+		value = c.env(variable)
+	}
+	if value == "" {
+		return "", usagef("%s is required (or set %s)", flag, variable)
+	}
+	return value, nil
+}
+
+// checkNames checks the table and schema names given as flag, name pairs,
+// before anything connects.
+func checkNames(flagNames ...string) error {
+	for i := 0; i+1 < len(flagNames); i += 2 {
+		if err := sqlschema.ValidateIdentifier(flagNames[i], flagNames[i+1]); err != nil {
+			return usageError{msg: err.Error()}
+		}
+	}
+	return nil
+}
+
+// onlyFlags parses args with fs and refuses a positional argument, saying
+// why: what the command takes instead.
+func onlyFlags(fs *flag.FlagSet, args []string, why string) error {
+	pos, err := parse(fs, args)
+	if err == nil && len(pos) > 0 {
+		err = usagef("unexpected argument %q: %s", pos[0], why)
+	}
+	return err
+}
+
+// parsedFlag defines flag name, whose value parse reads into *dst.
+func parsedFlag[T any](fs *flag.FlagSet, name, usage string, dst *T, parse func(string) (T, error)) {
+	fs.Func(name, usage, func(s string) (err error) {
+		*dst, err = parse(s)
+		return err
+	})
+}
+
+// ago reads a duration of zero or more: Go syntax, or whole days as "7d".
+func ago(s string) (time.Duration, bool) {
+	if days, ok := strings.CutSuffix(s, "d"); ok {
+		n, err := strconv.Atoi(days)
+		return time.Duration(n) * 24 * time.Hour, err == nil && n >= 0 && n <= 100000
+	}
+	d, err := time.ParseDuration(s)
+	return d, err == nil && d >= 0
+}
+
+// parseAgo reads a positive duration: Go syntax, or whole days as "7d".
+func parseAgo(s string) (time.Duration, error) {
+	if d, ok := ago(s); ok && d > 0 {
+		return d, nil
+	}
+	return 0, fmt.Errorf("%q is not a positive duration like 5m, 2h or 7d", s)
+}
+
+// parseTime reads a --since or --until value: RFC 3339, or a duration
+// before now (see [ago]).
 func parseTime(s string, now time.Time) (time.Time, error) {
 	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
 		return t, nil
 	}
-	var d time.Duration
-	if days, ok := strings.CutSuffix(s, "d"); ok {
-		n, err := strconv.Atoi(days)
-		if err != nil || n < 0 || n > 100000 {
-			return time.Time{}, fmt.Errorf("%q is neither RFC 3339 nor a duration ago like 2h or 7d", s)
-		}
-		d = time.Duration(n) * 24 * time.Hour
-	} else {
-		var err error
-		if d, err = time.ParseDuration(s); err != nil || d < 0 {
-			return time.Time{}, fmt.Errorf("%q is neither RFC 3339 nor a duration ago like 2h or 7d", s)
-		}
+	if d, ok := ago(s); ok {
+		return now.Add(-d), nil
 	}
-	return now.Add(-d), nil
+	return time.Time{}, fmt.Errorf("%q is neither RFC 3339 nor a duration ago like 2h or 7d", s)
+}
+
+// splitTopics reads list, comma-separated topics, none empty, from a
+// flag's value s.
+func splitTopics(s, list string) ([]string, error) {
+	var topics []string
+	for _, topic := range strings.Split(list, ",") {
+		if topic = strings.TrimSpace(topic); topic == "" {
+			return nil, fmt.Errorf("%q holds an empty topic", s)
+		}
+		topics = append(topics, topic)
+	}
+	return topics, nil
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"strconv"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -27,11 +25,9 @@ Go package reconcile, which the console's overview also runs.
 
 The key compared is the one the inbox's default KeyFunc derives: the
 idempotency_key metadata, else the message UUID. A consumer with another
-KeyFunc cannot be reconciled so. The ledger is read on --database, the
-inbox and the dead-letter table on --inbox-database; either may be
-PostgreSQL (postgres://…), MySQL/MariaDB (mysql://…) or a SQLite file
-(sqlite:///absolute/path). Keep --since within the ledger's retention and the
-inbox's (a done key the inbox already expired is reported lost).
+KeyFunc cannot be reconciled so. Keep --since within the ledger's
+retention and the inbox's (a done key the inbox already expired is
+reported lost).
 
 Exit status: 0 nothing missing ("0 missing"), 1 events missing or keys
 unexplained (listed), 2 usage error, 3 the check could not run (a
@@ -69,22 +65,12 @@ func (c *cmd) reconcile(ctx context.Context, args []string) error {
 	fs.StringVar(&o.database, "database", "", "`URL` of the database holding the relay's ledger: "+databaseURLs+" (default $DATABASE_URL)")
 	fs.StringVar(&o.inboxDatabase, "inbox-database", "", "`URL` of the database holding the consumer's inbox and dead-letter tables, as --database (default: --database)")
 	fs.StringVar(&o.consumer, "consumer", "", "`NAME` of the consumer whose inbox is checked, as its inbox's Consumer (required)")
-	fs.Func("grace", "`DURATION` an event may take from its publish to its consumer's commit: younger events are not checked (default 5m)", func(s string) (err error) {
-		o.grace, err = parseAgo(s)
-		return err
-	})
-	fs.Func("since", "`DURATION` back from now to check: events published before are not checked; keep it within the ledger's and the inbox's retention (default 24h)", func(s string) (err error) {
-		o.since, err = parseAgo(s)
-		return err
-	})
+	parsedFlag(fs, "grace", "`DURATION` an event may take from its publish to its consumer's commit: younger events are not checked (default 5m)", &o.grace, parseAgo)
+	parsedFlag(fs, "since", "`DURATION` back from now to check: events published before are not checked; keep it within the ledger's and the inbox's retention (default 24h)", &o.since, parseAgo)
 	fs.Func("topic", "`TOPIC` the consumer reads, repeated or comma-separated: only its events are checked (default: every topic of the ledger, which reports the events of topics the consumer does not read as lost)", func(s string) error {
-		for _, topic := range strings.Split(s, ",") {
-			if topic = strings.TrimSpace(topic); topic == "" {
-				return fmt.Errorf("%q holds an empty topic", s)
-			}
-			o.topics = append(o.topics, strings.TrimSpace(topic))
-		}
-		return nil
+		topics, err := splitTopics(s, s)
+		o.topics = append(o.topics, topics...)
+		return err
 	})
 	fs.IntVar(&o.limit, "limit", reconcile.DefaultLimit, "the most events (and keys) `N` listed, oldest first; the counts count them all")
 	fs.BoolVar(&o.strict, "strict", false, "also report the keys done in the inbox within the window that no ledger row explains")
@@ -93,14 +79,10 @@ func (c *cmd) reconcile(ctx context.Context, args []string) error {
 	fs.StringVar(&o.ledgerTable, "ledger-table", sqlschema.DefaultLedgerTable, "`NAME` of the ledger table")
 	fs.StringVar(&o.inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "`NAME` of the inbox table")
 	fs.StringVar(&o.dlq, "dlq-table", sqlschema.DefaultDLQTable, "`NAME` of the dead-letter table")
-	rest, err := parse(fs, args)
-	if err != nil {
+	if err := onlyFlags(fs, args, "reconcile takes only flags"); err != nil {
 		return err
 	}
-	if len(rest) > 0 {
-		return usagef("unexpected argument %q", rest[0])
-	}
-	ledger, inbox, err := o.check(c.env)
+	ledger, inbox, err := o.check(c)
 	if err != nil {
 		return err
 	}
@@ -140,31 +122,13 @@ func (c *cmd) reconcile(ctx context.Context, args []string) error {
 	return nil
 }
 
-// parseAgo reads a positive duration: Go syntax, or whole days as "7d".
-func parseAgo(s string) (time.Duration, error) {
-	if days, ok := strings.CutSuffix(s, "d"); ok {
-		n, err := strconv.Atoi(days)
-		if err != nil || n <= 0 || n > 100000 {
-			return 0, fmt.Errorf("%q is not a duration like 5m, 2h or 7d", s)
-		}
-		return time.Duration(n) * 24 * time.Hour, nil
-	}
-	d, err := time.ParseDuration(s)
-	if err != nil || d <= 0 {
-		return 0, fmt.Errorf("%q is not a positive duration like 5m, 2h or 7d", s)
-	}
-	return d, nil
-}
-
 // check validates the flags, before anything connects, and returns the
 // databases' targets; the inbox's is nil when it is the ledger's.
-func (o *reconcileOptions) check(env func(string) string) (ledger, inbox *dbURL, err error) {
-	if o.database == "" {
-		o.database = env("DATABASE_URL")
+func (o *reconcileOptions) check(c *cmd) (ledger, inbox *dbURL, err error) {
+	if o.database, err = c.required("--database", o.database, "DATABASE_URL"); err != nil {
+		return nil, nil, err
 	}
 	switch {
-	case o.database == "":
-		return nil, nil, usagef("--database is required (or set DATABASE_URL)")
 	case o.consumer == "":
 		return nil, nil, usagef("--consumer is required: the inbox's Consumer, whose keys are checked")
 	case o.since <= o.grace:
@@ -175,13 +139,9 @@ func (o *reconcileOptions) check(env func(string) string) (ledger, inbox *dbURL,
 	if o.inboxSchema == "" {
 		o.inboxSchema = o.schema
 	}
-	for _, id := range []struct{ flag, value string }{
-		{"--schema", o.schema}, {"--inbox-schema", o.inboxSchema},
-		{"--ledger-table", o.ledgerTable}, {"--inbox-table", o.inboxTable}, {"--dlq-table", o.dlq},
-	} {
-		if err := sqlschema.ValidateIdentifier(id.flag, id.value); err != nil {
-			return nil, nil, usageError{msg: err.Error()}
-		}
+	if err := checkNames("--schema", o.schema, "--inbox-schema", o.inboxSchema, "--ledger-table", o.ledgerTable,
+		"--inbox-table", o.inboxTable, "--dlq-table", o.dlq); err != nil {
+		return nil, nil, err
 	}
 	if ledger, err = parseDatabase("--database", o.database, false); err != nil {
 		return nil, nil, err

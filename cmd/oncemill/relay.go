@@ -60,8 +60,8 @@ partition key), so no row goes out twice in normal operation and each
 key's rows keep their order.
 
 The outbox table belongs to the service: the relay refuses to start when
-it does not exist, unless --migrate creates it (sqlschema.Migrate's
-tables, on PostgreSQL, MySQL or SQLite).
+it (or the SQLite file of --database) does not exist, unless --migrate
+creates it (sqlschema.Migrate's tables, on PostgreSQL, MySQL or SQLite).
 
 On --listen it serves /healthz (200 while the relay runs and its database
 answers, 503 otherwise) and /metrics (Prometheus: oncemill_outbox_* as
@@ -70,25 +70,17 @@ observe/prom exports them, and the process's go_* and process_* series).
 Every flag can also be set by an environment variable: --database by
 $DATABASE_URL, --broker by $BROKER_URL, any other by $ONCEMILL_RELAY_
 and its name in capitals with '_' for '-' ($ONCEMILL_RELAY_BATCH_SIZE).
-A flag beats its variable. ` + `--database is PostgreSQL (postgres://…),
-MySQL/MariaDB (mysql://user:password@host:3306/db) or a SQLite file
-(sqlite:///absolute/path or sqlite://relative/path; without --migrate it
-must exist).`
+A flag beats its variable.`
 
 // relayOptions is "oncemill relay"'s command line, checked.
 type relayOptions struct {
-	db        *dbURL
-	schema    sqlschema.Config
-	broker    string
-	listen    string
-	migrate   bool
-	ordered   bool
-	ledger    bool
-	retention time.Duration
-	batchSize int
-	lanes     int
-	poll      time.Duration
-	drain     time.Duration
+	db      *dbURL
+	broker  string
+	listen  string
+	migrate bool
+	// cfg is the relay's configuration as the flags give it: its Schema
+	// and its settings, without the database and the broker.
+	cfg forwarder.RelayConfig
 	// fromEnv holds the flags set from their variables, which errors name.
 	fromEnv map[string]bool
 }
@@ -121,21 +113,18 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	fs.StringVar(&o.broker, "broker", "", "`URL` of the broker to publish to, as adapters.Open reads it: kafka://…, amqp://…, sqs://…, nats://… (default $BROKER_URL; gochannel:// and kafka:// or nats:// with no host, brokers inside this process, are refused)")
 	fs.StringVar(&c.schema, "schema", sqlschema.DefaultSchema, "`NAME` of the outbox table's schema (on MySQL: its database; SQLite has none) ($"+relayEnv("schema")+")")
 	fs.StringVar(&c.table, "table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table ($"+relayEnv("table")+")")
-	fs.IntVar(&o.batchSize, "batch-size", 500, "most `N` rows one batch (one transaction) publishes, 1 to 10000 ($"+relayEnv("batch-size")+")")
-	fs.IntVar(&o.lanes, "lanes-per-batch", 16, "most `N` of the table's 64 lanes one batch takes: copies running at once share the lanes, 1 to 64 ($"+relayEnv("lanes-per-batch")+")")
-	fs.DurationVar(&o.poll, "poll-interval", 250*time.Millisecond, "longest wait (`DURATION`) between two looks for rows while the outbox stays empty; while rows flow the relay looks again at once ($"+relayEnv("poll-interval")+")")
-	fs.DurationVar(&o.drain, "drain-timeout", 5*time.Second, "how long (`DURATION`), once told to stop, the batch in flight may take to finish publishing and deleting its rows; past it the batch rolls back and its rows stay ($"+relayEnv("drain-timeout")+")")
-	fs.BoolVar(&o.ordered, "lock-ordered-writers", false, "the service's writers of each partition key are ordered by a lock each holds until it commits, taken before its outbox insert (the key's business row): publish every committed row at once instead of waiting until every older transaction on the server has ended, so that a transaction left open elsewhere on the server no longer stalls the outbox; see forwarder.RelayConfig.LockOrderedWriters ($"+relayEnv("lock-ordered-writers")+")")
-	fs.BoolVar(&o.ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the transaction that deletes it from the outbox (PostgreSQL, MySQL or SQLite); see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
-	fs.DurationVar(&o.retention, "ledger-retention", forwarder.DefaultLedgerRetention, "how long (`DURATION`) ledger rows are kept, at least 1m; only with --ledger ($"+relayEnv("ledger-retention")+")")
+	fs.IntVar(&o.cfg.BatchSize, "batch-size", 500, "most `N` rows one batch (one transaction) publishes, 1 to 10000 ($"+relayEnv("batch-size")+")")
+	fs.IntVar(&o.cfg.LanesPerBatch, "lanes-per-batch", 16, "most `N` of the table's 64 lanes one batch takes: copies running at once share the lanes, 1 to 64 ($"+relayEnv("lanes-per-batch")+")")
+	fs.DurationVar(&o.cfg.PollInterval, "poll-interval", 250*time.Millisecond, "longest wait (`DURATION`) between two looks for rows while the outbox stays empty; while rows flow the relay looks again at once ($"+relayEnv("poll-interval")+")")
+	fs.DurationVar(&o.cfg.DrainTimeout, "drain-timeout", 5*time.Second, "how long (`DURATION`), once told to stop, the batch in flight may take to finish publishing and deleting its rows; past it the batch rolls back and its rows stay ($"+relayEnv("drain-timeout")+")")
+	fs.BoolVar(&o.cfg.LockOrderedWriters, "lock-ordered-writers", false, "the service's writers of each partition key are ordered by a lock each holds until it commits, taken before its outbox insert (the key's business row): publish every committed row at once instead of waiting until every older transaction on the server has ended, so that a transaction left open elsewhere on the server no longer stalls the outbox; see forwarder.RelayConfig.LockOrderedWriters ($"+relayEnv("lock-ordered-writers")+")")
+	fs.BoolVar(&o.cfg.Ledger, "ledger", false, "record each published row in the ledger table that 'oncemill reconcile' reads, in the transaction that deletes it from the outbox (PostgreSQL, MySQL or SQLite); see forwarder.RelayConfig.Ledger ($"+relayEnv("ledger")+")")
+	fs.DurationVar(&o.cfg.LedgerRetention, "ledger-retention", forwarder.DefaultLedgerRetention, "how long (`DURATION`) ledger rows are kept, at least 1m; only with --ledger ($"+relayEnv("ledger-retention")+")")
 	fs.StringVar(&o.listen, "listen", defaultRelayListen, "`HOST:PORT` to serve /healthz and /metrics on; empty: no HTTP ($"+relayEnv("listen")+")")
 	fs.BoolVar(&o.migrate, "migrate", false, "create or upgrade oncemill's tables (sqlschema.Migrate) before relaying; without it the outbox table must exist ($"+relayEnv("migrate")+")")
-	pos, err := parse(fs, args)
+	err := onlyFlags(fs, args, "relay takes only flags")
 	if err != nil {
 		return o, err
-	}
-	if len(pos) > 0 {
-		return o, usagef("unexpected argument %q: relay takes only flags", pos[0])
 	}
 	if o.fromEnv, err = c.relayFromEnv(fs); err != nil {
 		return o, err
@@ -143,29 +132,29 @@ func (c *cmd) relayOptions(args []string) (relayOptions, error) {
 	switch {
 	case o.broker == "":
 		return o, usagef("--broker is required (or set BROKER_URL)")
-	case o.batchSize < 1 || o.batchSize > 10000:
-		return o, usagef("%s must be 1 to 10000, got %d", o.field("batch-size"), o.batchSize)
-	case o.lanes < 1 || o.lanes > 64:
-		return o, usagef("%s must be 1 to 64, got %d", o.field("lanes-per-batch"), o.lanes)
-	case o.poll < time.Millisecond:
-		return o, usagef("%s must be at least 1ms, got %s", o.field("poll-interval"), o.poll)
-	case o.drain <= 0:
-		return o, usagef("%s must be positive, got %s", o.field("drain-timeout"), o.drain)
-	case o.retention < time.Minute:
-		return o, usagef("%s must be at least 1m, got %s", o.field("ledger-retention"), o.retention)
+	case o.cfg.BatchSize < 1 || o.cfg.BatchSize > 10000:
+		return o, usagef("%s must be 1 to 10000, got %d", o.field("batch-size"), o.cfg.BatchSize)
+	case o.cfg.LanesPerBatch < 1 || o.cfg.LanesPerBatch > 64:
+		return o, usagef("%s must be 1 to 64, got %d", o.field("lanes-per-batch"), o.cfg.LanesPerBatch)
+	case o.cfg.PollInterval < time.Millisecond:
+		return o, usagef("%s must be at least 1ms, got %s", o.field("poll-interval"), o.cfg.PollInterval)
+	case o.cfg.DrainTimeout <= 0:
+		return o, usagef("%s must be positive, got %s", o.field("drain-timeout"), o.cfg.DrainTimeout)
+	case o.cfg.LedgerRetention < time.Minute:
+		return o, usagef("%s must be at least 1m, got %s", o.field("ledger-retention"), o.cfg.LedgerRetention)
 	}
 	if err := checkDurableBroker(o.field("broker"), o.broker, "nothing relayed"); err != nil {
 		return o, err
 	}
 	if o.listen != "" {
-		if err := checkAddr(o.listen); err != nil {
-			return o, usageError{msg: strings.Replace(err.Error(), "--addr", o.field("listen"), 1)}
+		if err := checkAddr(o.field("listen"), o.listen); err != nil {
+			return o, err
 		}
 	}
-	if o.db, o.schema, err = c.target(o.migrate); err != nil {
+	if o.db, o.cfg.Schema, err = c.target(o.migrate); err != nil {
 		return o, err
 	}
-	o.schema = sqlschema.Config{Schema: o.schema.Schema, OutboxTable: c.table}
+	o.cfg.Schema = sqlschema.Config{Schema: o.cfg.Schema.Schema, OutboxTable: c.table}
 	return o, nil
 }
 
@@ -215,7 +204,7 @@ var errNoOutbox = errors.New("no outbox table")
 // that the outbox table (and with --ledger the ledger table) exists,
 // naming it when it does not.
 func (o relayOptions) prepare(ctx context.Context, db database) error {
-	cfg := o.schema.WithDefaults()
+	cfg := o.cfg.Schema.WithDefaults()
 	if o.migrate {
 		if err := db.migrate(ctx, cfg); err != nil {
 			return fmt.Errorf("migrate: %w", err)
@@ -228,7 +217,7 @@ func (o relayOptions) prepare(ctx context.Context, db database) error {
 	} else if !ok {
 		return o.noOutbox(names.Outbox)
 	}
-	if !o.ledger {
+	if !o.cfg.Ledger {
 		return nil
 	}
 	if ok, err := db.hasTable(ctx, names.Ledger); err != nil {
@@ -270,11 +259,7 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	if err != nil {
 		return err
 	}
-	defer func() {
-		if closeErr := ps.Close(); closeErr != nil {
-			err = errors.Join(err, fmt.Errorf("close broker: %w", closeErr))
-		}
-	}()
+	defer closeBroker(ps, &err)
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -282,22 +267,9 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	if err != nil {
 		return err
 	}
-	cfg := forwarder.RelayConfig{
-		Pool:               db.Pool,
-		DB:                 db.DB,
-		Dialect:            db.Dialect,
-		Publisher:          ps.Publisher,
-		Schema:             o.schema,
-		BatchSize:          o.batchSize,
-		LanesPerBatch:      o.lanes,
-		PollInterval:       o.poll,
-		DrainTimeout:       o.drain,
-		LockOrderedWriters: o.ordered,
-		Ledger:             o.ledger,
-		LedgerRetention:    o.retention,
-		Hooks:              []observe.Hook{metrics},
-		Logger:             logger,
-	}
+	cfg := o.cfg
+	cfg.Pool, cfg.DB, cfg.Dialect, cfg.Publisher = db.Pool, db.DB, db.Dialect, ps.Publisher
+	cfg.Hooks, cfg.Logger = []observe.Hook{metrics}, logger
 	relay, err := forwarder.NewRelay(cfg)
 	if err != nil {
 		return err
@@ -316,12 +288,12 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 		mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 			relayHealth(w, r, running.Load(), db)
 		})
-		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
+		srv = newServer(mux)
 		go func() { served <- srv.Serve(ln) }()
 		fmt.Fprintf(c.stdout, "oncemill relay serving /healthz and /metrics on %s\n", consoleURL(ln.Addr()))
 	}
 
-	outbox := o.schema.WithDefaults()
+	outbox := o.cfg.Schema.WithDefaults()
 	fmt.Fprintf(c.stdout, "oncemill relay running: %s.%s to %s\n", outbox.Schema, outbox.OutboxTable, redact.URL(o.broker))
 	running.Store(true)
 	runErr := relay.Run(ctx)
