@@ -29,6 +29,7 @@ import (
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/internal/testing/proctest"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -116,8 +117,9 @@ func TestSQLiteRelaySIGKILL(t *testing.T) {
 		minKills                          = 6
 	)
 	path := filepath.Join(t.TempDir(), "shop.db")
-	db := openSQLite(t, path)
+	db := sqltest.OpenSQLite(t, path)
 	ctx := context.Background()
+	require.NoError(t, sqlschema.MigrateSQLite(ctx, db, sqlschema.Config{}))
 	for _, stmt := range []string{
 		`CREATE TABLE orders (id TEXT PRIMARY KEY, seq INTEGER NOT NULL DEFAULT 0)`,
 		`CREATE TABLE effects (n INTEGER PRIMARY KEY AUTOINCREMENT, uuid TEXT NOT NULL, key TEXT NOT NULL, seq INTEGER NOT NULL)`,
