@@ -2,11 +2,8 @@ package forwarder_test
 
 import (
 	"context"
-	"database/sql"
-	"encoding/json"
 	"fmt"
 	"hash/crc32"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,151 +11,167 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
-	_ "modernc.org/sqlite"
 
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/sqldb"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// outboxBackends are the four ways to reach a database the relay runs on.
-var outboxBackends = []struct {
-	name string
-	open func(*testing.T) outboxUnderTest
-}{
-	{"PostgreSQL/pgx", pgOutboxUnderTest},
-	{"PostgreSQL/database-sql", pgSQLOutboxUnderTest},
-	{"MySQL", mysqlOutboxUnderTest},
-	{"SQLite", sqliteOutboxUnderTest},
+// outboxUnderTest is the outbox of one of [sqltest.Backends], for the
+// tests that run on every database the relay runs on. Its rows are
+// written and read by plain SQL through the SQL layer, each statement
+// written once; its events are written through the outbox's publisher,
+// and its relay, lag and dead letters are the public API's for the way to
+// the database (a pgx pool, or a *sql.DB and its dialect).
+type outboxUnderTest struct {
+	sqltest.Database
+	sql   sqldb.DB
+	d     *sqldb.Dialect
+	names sqlschema.Names
 }
 
-// sqlWrite is outboxUnderTest.write through database/sql.
-func sqlWrite(db *sql.DB, d sqlschema.Dialect, schema sqlschema.Config) func(context.Context, string, bool, ...*message.Message) error {
-	return func(ctx context.Context, topic string, commit bool, events ...*message.Message) error {
-		tx, err := db.BeginTx(ctx, nil)
+// openOutbox opens a fresh outbox on backend.
+func openOutbox(t *testing.T, backend sqltest.Backend) outboxUnderTest {
+	db := backend.Open(t, 8)
+	s := db.SQL()
+	return outboxUnderTest{Database: db, sql: s, d: s.Dialect(), names: s.Dialect().Names(db.Schema)}
+}
+
+// outboxRow is a row written into the outbox by plain SQL.
+type outboxRow struct {
+	topic, uuid, key string
+	payload          []byte
+	metadata         string
+}
+
+// insert commits rows into the outbox by plain SQL, in one transaction
+// and in their order, as a writer other than the outbox's publisher
+// would: every string byte for byte, the lane written where the writer
+// hashes it.
+func (o outboxUnderTest) insert(t *testing.T, rows []outboxRow) {
+	t.Helper()
+	cols, vals := "", ""
+	if o.d.WriterHashes() {
+		cols, vals = ", lane", ", ?"
+	}
+	q := o.d.Rebind(`INSERT INTO ` + o.names.Outbox + ` (topic, uuid, partition_key, payload, metadata, created_at` + cols + `)
+		VALUES (?, ?, ?, ?, ` + o.d.JSON("?") + `, ` + o.d.FromMicros("?") + vals + `)`)
+	ctx := context.Background()
+	require.NoError(t, sqldb.InTx(ctx, o.sql, sqldb.TxOptions{}, func(tx sqldb.Tx) error {
+		for _, r := range rows {
+			args := []any{o.d.Text(r.topic), o.d.Text(r.uuid), o.d.Text(r.key), r.payload, r.metadata, time.Now().UnixMicro()}
+			if o.d.WriterHashes() {
+				args = append(args, crc32.ChecksumIEEE([]byte(r.key))&63)
+			}
+			if _, err := tx.Exec(ctx, q, args...); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+}
+
+// pending counts the outbox's rows.
+func (o outboxUnderTest) pending(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, o.sql.QueryRow(context.Background(), `SELECT COUNT(*) FROM `+o.names.Outbox).Scan(&n))
+	return n
+}
+
+// ledgerKeys lists the ledger's idempotency keys.
+func (o outboxUnderTest) ledgerKeys(t *testing.T) []string {
+	t.Helper()
+	rows, err := o.sql.Query(context.Background(), `SELECT idempotency_key FROM `+o.names.Ledger)
+	keys, err := sqldb.Collect(rows, err, sqldb.Value[string])
+	require.NoError(t, err)
+	return keys
+}
+
+// relay is a relay on the outbox, publishing to pub, with short backoffs
+// and what mod sets.
+func (o outboxUnderTest) relay(t *testing.T, pub message.Publisher, mod func(*forwarder.RelayConfig)) *forwarder.Relay {
+	t.Helper()
+	cfg := forwarder.RelayConfig{Pool: o.Pool, DB: o.DB, Dialect: o.Dialect, Schema: o.Schema, Publisher: pub,
+		MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	if mod != nil {
+		mod(&cfg)
+	}
+	r, err := forwarder.NewRelay(cfg)
+	require.NoError(t, err)
+	return r
+}
+
+// dead lists the dead letters, as the dead-letter store reads them.
+func (o outboxUnderTest) dead(t *testing.T) []dlq.Entry {
+	t.Helper()
+	var (
+		s   *dlq.Store
+		err error
+	)
+	if o.Pool != nil {
+		s, err = dlq.NewStore(o.Pool, o.Schema)
+	} else {
+		s, err = dlq.NewSQLStore(o.DB, o.Dialect, o.Schema)
+	}
+	require.NoError(t, err)
+	es, err := s.List(context.Background(), dlq.Filter{})
+	require.NoError(t, err)
+	return es
+}
+
+// lag is OutboxLag's reading, or SQLOutboxLag's.
+func (o outboxUnderTest) lag(t *testing.T) forwarder.Lag {
+	t.Helper()
+	var (
+		lag forwarder.Lag
+		err error
+	)
+	if o.Pool != nil {
+		lag, err = forwarder.OutboxLag(context.Background(), o.Pool, o.Schema)
+	} else {
+		lag, err = forwarder.SQLOutboxLag(context.Background(), o.DB, o.Dialect, o.Schema)
+	}
+	require.NoError(t, err)
+	return lag
+}
+
+// write writes events to topic through the outbox's publisher
+// (NewTxPublisher or NewSQLTxPublisher), in one transaction, and commits
+// it or rolls it back.
+func (o outboxUnderTest) write(ctx context.Context, topic string, commit bool, events ...*message.Message) error {
+	if o.Pool != nil {
+		tx, err := o.Pool.Begin(ctx)
 		if err != nil {
 			return err
 		}
-		defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-		pub, err := forwarder.NewSQLTxPublisher(ctx, tx, d, schema)
-		if err == nil {
-			err = pub.Publish(topic, events...)
-		}
-		if err != nil || !commit {
-			return err
-		}
-		return tx.Commit()
+		defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+		pub, err := forwarder.NewTxPublisher(ctx, tx, o.Schema)
+		return publishIn(pub, err, topic, events, commit, func() error { return tx.Commit(ctx) })
 	}
+	tx, err := o.DB.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	pub, err := forwarder.NewSQLTxPublisher(ctx, tx, o.Dialect, o.Schema)
+	return publishIn(pub, err, topic, events, commit, tx.Commit)
 }
 
-// sqlLag is outboxUnderTest.lag through database/sql.
-func sqlLag(db *sql.DB, d sqlschema.Dialect, schema sqlschema.Config) func(*testing.T) forwarder.Lag {
-	return func(t *testing.T) forwarder.Lag {
-		lag, err := forwarder.SQLOutboxLag(context.Background(), db, d, schema)
-		require.NoError(t, err)
-		return lag
+// publishIn publishes events to topic through pub, unless opening it
+// failed with err, and then commits the transaction if commit is set.
+func publishIn(pub *forwarder.TxPublisher, err error, topic string, events []*message.Message, commit bool, commitTx func() error) error {
+	if err == nil {
+		err = pub.Publish(topic, events...)
 	}
-}
-
-// pgSQLOutboxUnderTest is a PostgreSQL outbox written and relayed through
-// database/sql (pgx's stdlib); its rows and dead letters are read through
-// pgx.
-func pgSQLOutboxUnderTest(t *testing.T) outboxUnderTest {
-	b := setup(t, 8)
-	o := pgOutboxUnderTestOn(t, b)
-	db := stdlib.OpenDBFromPool(b.pool)
-	t.Cleanup(func() { require.NoError(t, db.Close()) })
-	o.relay = func(t *testing.T, pub message.Publisher, mod func(*forwarder.RelayConfig)) *forwarder.Relay {
-		return newRelay(t, b, pub, func(c *forwarder.RelayConfig) {
-			c.Pool, c.DB, c.Dialect = nil, db, sqlschema.Postgres
-			if mod != nil {
-				mod(c)
-			}
-		})
+	if err != nil || !commit {
+		return err
 	}
-	o.write = sqlWrite(db, sqlschema.Postgres, b.schema)
-	o.lag = sqlLag(db, sqlschema.Postgres, b.schema)
-	return o
-}
-
-// openSQLite opens a migrated SQLite database in a file of its own.
-func openSQLite(t *testing.T, path string) *sql.DB {
-	t.Helper()
-	db, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)&_txlock=immediate")
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, db.Close()) })
-	require.NoError(t, sqlschema.MigrateSQL(context.Background(), db, sqlschema.SQLite, sqlschema.Config{}))
-	return db
-}
-
-// sqliteOutboxUnderTest is a SQLite outbox in a file of its own.
-func sqliteOutboxUnderTest(t *testing.T) outboxUnderTest {
-	db := openSQLite(t, filepath.Join(t.TempDir(), "outbox.db"))
-	ctx := context.Background()
-	query := func(t *testing.T, q string, scan func(*sql.Rows) error) {
-		rs, err := db.QueryContext(ctx, q)
-		require.NoError(t, err)
-		defer rs.Close()
-		for rs.Next() {
-			require.NoError(t, scan(rs))
-		}
-		require.NoError(t, rs.Err())
-	}
-	return outboxUnderTest{
-		insert: func(t *testing.T, rows [][]any) {
-			tx, err := db.BeginTx(ctx, nil)
-			require.NoError(t, err)
-			for _, r := range rows {
-				lane := crc32.ChecksumIEEE([]byte(r[2].(string))) & 63
-				_, err := tx.ExecContext(ctx, `INSERT INTO outbox (topic, uuid, partition_key, payload, metadata, lane) VALUES (?, ?, ?, ?, ?, ?)`,
-					append(r, lane)...)
-				require.NoError(t, err)
-			}
-			require.NoError(t, tx.Commit())
-		},
-		count: func(t *testing.T, table string) int {
-			var n int
-			require.NoError(t, db.QueryRowContext(ctx, `SELECT COUNT(*) FROM "`+table+`"`).Scan(&n))
-			return n
-		},
-		relay: func(t *testing.T, pub message.Publisher, mod func(*forwarder.RelayConfig)) *forwarder.Relay {
-			cfg := forwarder.RelayConfig{DB: db, Dialect: sqlschema.SQLite, Publisher: pub, MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
-			if mod != nil {
-				mod(&cfg)
-			}
-			r, err := forwarder.NewRelay(cfg)
-			require.NoError(t, err)
-			return r
-		},
-		dead: func(t *testing.T) []dlq.Entry {
-			var es []dlq.Entry
-			query(t, `SELECT uuid, topic, consumer, key, error, permanent, payload, metadata FROM dlq ORDER BY id`, func(rs *sql.Rows) error {
-				var (
-					e  dlq.Entry
-					md string
-				)
-				if err := rs.Scan(&e.UUID, &e.Topic, &e.Consumer, &e.Key, &e.Error, &e.Permanent, &e.Payload, &md); err != nil {
-					return err
-				}
-				es = append(es, e)
-				return json.Unmarshal([]byte(md), &es[len(es)-1].Metadata)
-			})
-			return es
-		},
-		ledgerKeys: func(t *testing.T) []string {
-			var keys []string
-			query(t, `SELECT idempotency_key FROM outbox_ledger`, func(rs *sql.Rows) error {
-				keys = append(keys, "")
-				return rs.Scan(&keys[len(keys)-1])
-			})
-			return keys
-		},
-		write: sqlWrite(db, sqlschema.SQLite, sqlschema.Config{}),
-		lag:   sqlLag(db, sqlschema.SQLite, sqlschema.Config{}),
-	}
+	return commitTx()
 }
 
 // TestRelayPromisesOnEveryBackend: on PostgreSQL through pgx and through
@@ -171,11 +184,11 @@ func sqliteOutboxUnderTest(t *testing.T) outboxUnderTest {
 // counts the backlog, and nothing once it is drained.
 func TestRelayPromisesOnEveryBackend(t *testing.T) {
 	t.Parallel()
-	for _, backend := range outboxBackends {
-		t.Run(backend.name, func(t *testing.T) {
+	for _, backend := range sqltest.Backends {
+		t.Run(backend.Name, func(t *testing.T) {
 			t.Parallel()
 			const keys, backlogTx, liveTx = 4, 2, 8
-			o := backend.open(t)
+			o := openOutbox(t, backend)
 			ctx := context.Background()
 			var (
 				mu        sync.Mutex
@@ -209,7 +222,7 @@ func TestRelayPromisesOnEveryBackend(t *testing.T) {
 					require.NoError(t, write(fmt.Sprintf("key-%d", k), i, true))
 				}
 			}
-			o.insert(t, [][]any{{"", "refused-1", "key-0", []byte("no topic"), `{}`}})
+			o.insert(t, []outboxRow{{"", "refused-1", "key-0", []byte("no topic"), `{}`}})
 
 			lag := o.lag(t)
 			require.Equal(t, len(committed)+1, lag.Pending, "the backlog: every row, the refused one too")
@@ -241,7 +254,7 @@ func TestRelayPromisesOnEveryBackend(t *testing.T) {
 			for err := range errs {
 				require.NoError(t, err)
 			}
-			require.Eventually(t, func() bool { return o.count(t, "outbox") == 0 && len(s.snapshot()) >= len(committed) },
+			require.Eventually(t, func() bool { return o.pending(t) == 0 && len(s.snapshot()) >= len(committed) },
 				60*time.Second, 10*time.Millisecond, "the relay drains the outbox")
 
 			published := map[string]int{}

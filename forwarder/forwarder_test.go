@@ -20,10 +20,14 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	proctest.Main(relayRole)
+	goleak.VerifyTestMain(m)
+}
 
 type bundle struct {
 	pool   *pgxpool.Pool

@@ -20,6 +20,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/internal/testing/mysqltest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -63,46 +64,9 @@ func (b myBundle) relay(t *testing.T, pub message.Publisher, mod func(*forwarder
 	return r
 }
 
-// writeOrdered is a lock-ordered writer: it locks key's order row, writes
-// n events to topic with the key's next sequence numbers (half in one
-// insert, the rest one insert each), advances the sequence and commits, or
-// rolls back. It returns the events' UUIDs.
+// writeOrdered is [writeOrdered] on b's database.
 func (b myBundle) writeOrdered(ctx context.Context, topic, key string, n int, commit bool) ([]string, error) {
-	tx, err := b.db.BeginTx(ctx, nil)
-	if err != nil {
-		return nil, err
-	}
-	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	var seq int
-	if err := tx.QueryRowContext(ctx, "SELECT seq FROM `"+b.name+"`.orders WHERE id = ? FOR UPDATE", key).Scan(&seq); err != nil {
-		return nil, err
-	}
-	pub, err := forwarder.NewSQLTxPublisher(ctx, tx, sqlschema.MySQL, b.schema)
-	if err != nil {
-		return nil, err
-	}
-	events := make([]*message.Message, n)
-	ids := make([]string, n)
-	for i := range events {
-		events[i] = event(key, seq+1+i)
-		ids[i] = events[i].UUID
-	}
-	half := n / 2
-	if err := pub.Publish(topic, events[:half]...); err != nil {
-		return nil, err
-	}
-	for _, e := range events[half:] {
-		if err := pub.Publish(topic, e); err != nil {
-			return nil, err
-		}
-	}
-	if _, err := tx.ExecContext(ctx, "UPDATE `"+b.name+"`.orders SET seq = seq + ? WHERE id = ?", n, key); err != nil {
-		return nil, err
-	}
-	if !commit {
-		return ids, tx.Rollback()
-	}
-	return ids, tx.Commit()
+	return writeOrdered(ctx, b.db, sqldb.MySQL, b.schema, topic, key, n, commit)
 }
 
 // inbox is the consuming side of a GoChannel topic: it acks and keeps
