@@ -150,7 +150,7 @@ func TestConsoleOnEveryDatabase(t *testing.T) {
 				"dead between 190 and 90 minutes ago")
 
 			body = cl.page("/dlq/"+strconv.FormatInt(ids[0], 10), http.StatusOK)
-			for _, want := range []string{"uuid-key-1", "orders.dlq", `<dt>Kafka partition</dt><dd class="mono">3</dd>`, `<dt>Kafka offset</dt><dd class="mono">42</dd>`,
+			for _, want := range []string{"uuid-key-1", "orders.dlq", `>key-1</a></dd>`, `<dt>Kafka partition</dt><dd class="mono">3</dd>`, `<dt>Kafka offset</dt><dd class="mono">42</dd>`,
 				"2026-03-01 10:00:00Z", "2026-03-01 08:00:00Z", "order 123 not found", "trace_id", `id="payload-size">15 bytes<`, "<dd>4 <span"} {
 				require.Contains(t, body, want)
 			}
