@@ -2,14 +2,18 @@ package console_test
 
 import (
 	"context"
+	"database/sql"
 	"math/rand/v2"
+	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/console"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 )
 
 var normalizeCases = map[string]string{
@@ -50,18 +54,16 @@ func TestNormalizeError(t *testing.T) {
 	require.Equal(t, console.NormalizeError(strings.Repeat("y ", 1000)+"tail one"), console.NormalizeError(strings.Repeat("y ", 1000)+"tail two"))
 }
 
-// TestNormalizeErrorInSQL runs a corpus through NormalizeError and its SQL
-// form, which the console groups and filters by: they must agree.
-func TestNormalizeErrorInSQL(t *testing.T) {
-	t.Parallel()
-	pool := pgtest.Pool(t, 2)
+// normalizeCorpus is the cases that every database can store as text
+// (no NUL, valid UTF-8), random text over an alphabet that the steps care
+// about, and text around the 2000-character cut.
+func normalizeCorpus() []string {
 	corpus := []string{}
 	for in := range normalizeCases {
-		if !strings.ContainsAny(in, "\x00\xff") { // text PostgreSQL can store
+		if !strings.ContainsAny(in, "\x00\xff") {
 			corpus = append(corpus, in)
 		}
 	}
-	// Random text over an alphabet that the steps care about.
 	alphabet := []rune("0123456789abcdefABCDEFxXgz-\"' \t\r\n:./_()[]<>é日\u00a0\u2028")
 	rng := rand.New(rand.NewPCG(1, 2))
 	for i := 0; i < 3000; i++ {
@@ -79,17 +81,89 @@ func TestNormalizeErrorInSQL(t *testing.T) {
 		}
 		corpus = append(corpus, b.String())
 	}
-	corpus = append(corpus, strings.Repeat("1", 2500), strings.Repeat("é1", 1200), strings.Repeat(`"x"`, 800))
+	return append(corpus, strings.Repeat("1", 2500), strings.Repeat("é1", 1200), strings.Repeat(`"x"`, 800), "décodé 42 ĳ 日本 7\u2028 0xAb")
+}
 
-	rows, err := pool.Query(context.Background(), `SELECT `+console.NormalizeSQL("s")+` FROM unnest($1::text[]) WITH ORDINALITY AS u(s, i) ORDER BY i`, corpus)
-	require.NoError(t, err)
-	i := 0
-	for rows.Next() {
-		var got string
-		require.NoError(t, rows.Scan(&got))
-		require.Equal(t, console.NormalizeError(corpus[i]), got, "%q", corpus[i])
-		i++
+// textRows are the rows of a query of one text column, from pgx or
+// database/sql.
+type textRows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+}
+
+// TestNormalizeErrorInSQL runs one corpus through NormalizeError and its
+// SQL form in each dialect, which the console groups and filters by: they
+// must agree on PostgreSQL, MariaDB and SQLite.
+func TestNormalizeErrorInSQL(t *testing.T) {
+	t.Parallel()
+	corpus := normalizeCorpus()
+	// stored keeps the corpus in a table corpus (i, s) of db, in a
+	// transaction, a few hundred rows a statement.
+	stored := func(t *testing.T, db *sql.DB, table, create string) {
+		ctx := context.Background()
+		_, err := db.ExecContext(ctx, create)
+		require.NoError(t, err)
+		tx, err := db.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		for start := 0; start < len(corpus); start += 250 {
+			end := min(start+250, len(corpus))
+			args := []any{}
+			for i := start; i < end; i++ {
+				args = append(args, i, corpus[i])
+			}
+			values := strings.TrimSuffix(strings.Repeat("(?, ?), ", end-start), ", ")
+			_, err := tx.ExecContext(ctx, `INSERT INTO `+table+` (i, s) VALUES `+values, args...)
+			require.NoError(t, err)
+		}
+		require.NoError(t, tx.Commit())
 	}
-	require.NoError(t, rows.Err())
-	require.Equal(t, len(corpus), i)
+	for _, tc := range []struct {
+		name string
+		// normalized returns the SQL form's result for every text of
+		// the corpus, in order.
+		normalized func(t *testing.T) (textRows, error)
+	}{
+		{"postgres", func(t *testing.T) (textRows, error) {
+			pool := pgtest.Pool(t, 2)
+			rows, err := pool.Query(context.Background(), `SELECT `+console.NormalizeSQL("s")+` FROM unnest($1::text[]) WITH ORDINALITY AS u(s, i) ORDER BY i`, corpus)
+			if err == nil {
+				t.Cleanup(rows.Close)
+			}
+			return rows, err
+		}},
+		{"mariadb", func(t *testing.T) (textRows, error) {
+			db, name := mysqltest.DB(t, 2)
+			table := "`" + name + "`.corpus"
+			stored(t, db, table, "CREATE TABLE "+table+" (i INT NOT NULL PRIMARY KEY, s LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL)")
+			rows, err := db.QueryContext(context.Background(), "SELECT "+console.NormalizeMySQL("s")+" FROM "+table+" ORDER BY i")
+			if err == nil {
+				t.Cleanup(func() { rows.Close() })
+			}
+			return rows, err
+		}},
+		{"sqlite", func(t *testing.T) (textRows, error) {
+			db := sqltest.OpenSQLite(t, filepath.Join(t.TempDir(), "corpus.db"))
+			stored(t, db, "corpus", `CREATE TABLE corpus (i INTEGER PRIMARY KEY, s TEXT NOT NULL)`)
+			rows, err := db.QueryContext(context.Background(), `SELECT `+console.NormalizeSQLite("s")+` FROM corpus ORDER BY i`)
+			if err == nil {
+				t.Cleanup(func() { rows.Close() })
+			}
+			return rows, err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			rows, err := tc.normalized(t)
+			require.NoError(t, err)
+			i := 0
+			for ; rows.Next(); i++ {
+				var got string
+				require.NoError(t, rows.Scan(&got))
+				require.Equal(t, console.NormalizeError(corpus[i]), got, "%q", corpus[i])
+			}
+			require.NoError(t, rows.Err())
+			require.Equal(t, len(corpus), i)
+		})
+	}
 }

@@ -3,6 +3,8 @@ package dlq_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -21,6 +23,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/internal/testing/msgtest"
 	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/middleware"
@@ -36,6 +39,7 @@ type inboxStore interface {
 // backend is a dead-letter table, with the inbox table beside it, on one
 // of the databases the package speaks, and its inbox store.
 type backend struct {
+	db    sqltest.Database
 	store *dlq.Store
 	pub   *dlq.Publisher
 	inbox inboxStore
@@ -51,7 +55,7 @@ type backend struct {
 func open(t *testing.T, b sqltest.Backend) backend {
 	db := b.Open(t, 12)
 	store, pub := stores(t, db)
-	be := backend{store: store, pub: pub,
+	be := backend{db: db, store: store, pub: pub,
 		replays: func(c dlq.ReplaySubscriberConfig) (*dlq.ReplaySubscriber, error) {
 			if db.Pool != nil {
 				return dlq.NewReplaySubscriber(db.Pool, db.Schema, c)
@@ -115,6 +119,49 @@ func (b backend) bury(t *testing.T, consumer, key string) {
 	require.NoError(t, tx.Commit(ctx))
 }
 
+// exec runs q, written with '?', on the backend's database; {schema}
+// stands for the qualifier of the tables' schema or database, if any.
+func (b backend) exec(t *testing.T, ctx context.Context, e sqldb.Executor, q string, args ...any) {
+	t.Helper()
+	_, err := e.Exec(ctx, b.sql(q), args...)
+	require.NoError(t, err)
+}
+
+// count returns the count q, written with '?', selects through e.
+func (b backend) count(t *testing.T, ctx context.Context, e sqldb.Executor, q string, args ...any) (n int) {
+	t.Helper()
+	require.NoError(t, e.QueryRow(ctx, b.sql(q), args...).Scan(&n))
+	return n
+}
+
+// sql spells q for the backend's database: '?' placeholders rebound,
+// {schema}. qualifying a table by the tables' schema or database, {dlq}
+// the dead-letter table.
+func (b backend) sql(q string) string {
+	d := b.db.SQL().Dialect()
+	names := d.Names(b.db.Schema)
+	schema := ""
+	if names.Schema != "" {
+		schema = names.Schema + "."
+	}
+	return d.Rebind(strings.NewReplacer("{schema}.", schema, "{dlq}", names.DLQ).Replace(q))
+}
+
+// inboxTx is the inbox transaction ctx carries, of any of the SQL inbox
+// stores, as the handler of a message reaches it.
+func inboxTx(ctx context.Context) sqldb.Executor {
+	if tx := postgres.Tx(ctx); tx != nil {
+		return sqldb.PgxTxOf(tx)
+	}
+	if tx := sqlstore.Tx(ctx); tx != nil {
+		return sqldb.SQLTxOf(tx)
+	}
+	if tx := sqlite.Tx(ctx); tx != nil {
+		return sqldb.SQLTxOf(tx)
+	}
+	return nil
+}
+
 // seed dead-letters msgs as a consumer's inbox and poison middleware do,
 // and returns their entries' ids.
 func (b backend) seed(t *testing.T, msgs ...*message.Message) []int64 {
@@ -144,6 +191,7 @@ func TestOnEveryBackend(t *testing.T) {
 		{"replay to the consumer", checkReplayToConsumer},
 		{"purge", checkPurge},
 		{"not migrated", checkNotMigrated},
+		{"in the inbox's transaction", checkInboxTransaction},
 		{"poison middleware", checkPoison},
 	}
 	for _, be := range sqltest.Backends {
@@ -159,9 +207,12 @@ func TestOnEveryBackend(t *testing.T) {
 	}
 }
 
-// checkWrittenOnce: a dead letter's fields survive the table; the same
+// checkWrittenOnce: a dead letter's fields survive the table, the payload
+// byte for byte, a long metadata value whole, the Kafka partition and
+// offset as numbers; invalid UTF-8 in text is stored as U+FFFD. The same
 // message dead-lettered again, or by writers at the same instant, is one
-// entry; another consumer's dead letter of it is its own.
+// entry, unless the first is on its way back to its consumer; another
+// consumer's or another topic's dead letter of it is its own.
 func checkWrittenOnce(t *testing.T, b backend) {
 	ctx := context.Background()
 	m := dead("orders", "charge", "card declined \xff")
@@ -169,6 +220,13 @@ func checkWrittenOnce(t *testing.T, b backend) {
 	m.Metadata.Set(delivery.DeadPermanent, "true")
 	m.Metadata.Set(delivery.DeadPartition, "3")
 	m.Metadata.Set(delivery.DeadOffset, "9000000000")
+	long := strings.Repeat("t", 300)
+	m.Metadata.Set("long", long)
+	want := map[string]string{}
+	for k, v := range m.Metadata {
+		want[k] = v
+	}
+	want[delivery.DeadError] = "card declined \uFFFD"
 	require.NoError(t, b.pub.Publish("orders.dlq", m))
 	require.NoError(t, b.pub.Publish("orders.dlq", m.Copy()))
 	ids := b.list(t, dlq.Filter{})
@@ -176,6 +234,7 @@ func checkWrittenOnce(t *testing.T, b backend) {
 
 	got, err := b.store.Get(ctx, ids[0])
 	require.NoError(t, err)
+	require.Equal(t, ids[0], got.ID)
 	require.Equal(t, m.UUID, got.UUID)
 	require.Equal(t, "orders", got.Topic)
 	require.Equal(t, "orders.dlq", got.DLQTopic)
@@ -186,11 +245,24 @@ func checkWrittenOnce(t *testing.T, b backend) {
 	require.True(t, got.Permanent)
 	require.True(t, got.FirstFailedAt.Equal(time.Date(2026, 3, 1, 10, 0, 0, 123456000, time.UTC)), "%s", got.FirstFailedAt)
 	require.True(t, got.LastFailedAt.Equal(time.Date(2026, 3, 1, 10, 5, 0, 0, time.UTC)), "%s", got.LastFailedAt)
+	require.NotNil(t, got.Partition)
 	require.Equal(t, int32(3), *got.Partition)
+	require.NotNil(t, got.Offset)
 	require.Equal(t, int64(9000000000), *got.Offset)
 	require.Equal(t, []byte{0, 0xfe, 'x'}, got.Payload)
-	require.Equal(t, "tr-1", got.Metadata["trace_id"])
+	require.Equal(t, long, got.Metadata["long"], "a long metadata value whole")
+	require.Equal(t, want, got.Metadata, "the full metadata, Dead* keys included")
 	require.WithinDuration(t, time.Now(), got.DeadAt, time.Hour)
+
+	replay := got.Message("grant-1")
+	require.Equal(t, m.UUID, replay.UUID)
+	require.Equal(t, []byte(m.Payload), []byte(replay.Payload))
+	require.Equal(t, map[string]string{
+		delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1", "long": long,
+		delivery.Replay: "grant-1", delivery.ReplayConsumer: "charge",
+	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay granted for its consumer")
+	require.Equal(t, map[string]string{delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1", "long": long},
+		map[string]string(got.Message("").Metadata), "no grant, no replay marker")
 
 	// Writers at the same instant, each retrying what the database
 	// refused (a deadlock between the inserts of one key is the
@@ -220,10 +292,20 @@ func checkWrittenOnce(t *testing.T, b backend) {
 	other.Metadata.Set(delivery.DeadConsumer, "audit")
 	require.NoError(t, b.pub.Publish("orders.dlq", other))
 	require.Len(t, b.list(t, dlq.Filter{}), 3, "another consumer's dead letter of the message is its own")
+	moved := m.Copy()
+	moved.Metadata.Set(delivery.DeadTopic, "orders.v2")
+	require.NoError(t, b.pub.Publish("orders.dlq", moved))
+	require.Len(t, b.list(t, dlq.Filter{}), 4, "another topic's dead letter of the message is its own")
 	empty := dead("", "", "")
 	empty.Payload = nil
 	require.NoError(t, b.pub.Publish("", empty))
-	require.Len(t, b.list(t, dlq.Filter{}), 4, "a message without dead-letter fields is kept too")
+	require.Len(t, b.list(t, dlq.Filter{}), 5, "a message without dead-letter fields is kept too")
+
+	n, err := b.store.RequestReplay(ctx, dlq.Filter{IDs: ids})
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.NoError(t, b.pub.Publish("orders.dlq", m.Copy()), "failed again during its replay")
+	require.Len(t, b.list(t, dlq.Filter{}), 6, "written again: the first goes once its replay is handled")
 }
 
 // checkList: list, count, show, missing and counts select what the filter
@@ -257,6 +339,7 @@ func checkList(t *testing.T, b backend) {
 	require.Empty(t, list(dlq.Filter{Since: last.DeadAt.Add(time.Microsecond)}))
 	_, err = b.store.Get(ctx, ids[2]+100)
 	require.ErrorIs(t, err, dlq.ErrNotFound)
+	require.ErrorContains(t, err, fmt.Sprintf("dlq: no such entry: %d", ids[2]+100))
 
 	n, err := b.store.Count(ctx, dlq.Filter{Consumer: "charge"})
 	require.NoError(t, err)
@@ -267,6 +350,9 @@ func checkList(t *testing.T, b backend) {
 	missing, err := b.store.Missing(ctx, []int64{ids[2] + 10, ids[0], ids[2] + 5, ids[2] + 10})
 	require.NoError(t, err)
 	require.Equal(t, []int64{ids[2] + 5, ids[2] + 10}, missing)
+	missing, err = b.store.Missing(ctx, ids)
+	require.NoError(t, err)
+	require.Empty(t, missing)
 
 	counts, err := b.store.Counts(ctx)
 	require.NoError(t, err)
@@ -285,9 +371,10 @@ func checkList(t *testing.T, b backend) {
 	require.NoError(t, err)
 	require.True(t, ok)
 	require.Equal(t, 1, copies)
-	_, ok, err = b.store.CopiesSince(ctx, dlq.Entry{Consumer: "charge", Key: "nope"})
+	copies, ok, err = b.store.CopiesSince(ctx, dlq.Entry{Consumer: "charge", Key: "nope"})
 	require.NoError(t, err)
 	require.False(t, ok)
+	require.Zero(t, copies)
 }
 
 // checkReplay: a replay publishes the original message once to its topic,
@@ -334,25 +421,47 @@ func checkReplay(t *testing.T, b backend) {
 	require.Len(t, b.list(t, dlq.Filter{}), 2, "the entry without a record stays")
 }
 
-// checkReplayToConsumer: a requested replay goes to its consumer's replay
-// subscriber, once, with a fresh grant on every delivery; an acked one is
-// deleted; one whose key has no record is withdrawn and stays.
+// checkReplayToConsumer: requested replays go to their consumer's replay
+// subscriber only, for its topic only, in order, each once, with a fresh
+// grant on every delivery; nothing is deleted before the ack, an acked one
+// is; one whose key has no record is withdrawn and stays. A requested
+// entry is outside the one-entry rule: the message dead-lettered again
+// meanwhile is written, and stays.
 func checkReplayToConsumer(t *testing.T, b backend) {
 	ctx := context.Background()
-	m := dead("orders", "charge", "declined")
-	ids := b.seed(t, m, dead("orders", "ship", "timeout"))
+	m, m2 := dead("orders", "charge", "declined"), dead("orders", "charge", "declined too")
+	ids := b.seed(t, m, m2, dead("orders", "ship", "timeout"), dead("refunds", "charge", "another topic"))
 	orphan := dead("orders", "charge", "no record")
 	require.NoError(t, b.pub.Publish("orders.dlq", orphan))
 	all := b.list(t, dlq.Filter{})
-	require.Len(t, all, 3)
+	require.Len(t, all, 5)
 
-	n, err := b.store.RequestReplay(ctx, dlq.Filter{Consumer: "charge"})
+	n, err := b.store.RequestReplay(ctx, dlq.Filter{Consumer: "charge", Topic: "orders"})
 	require.NoError(t, err)
-	require.Equal(t, 2, n)
+	require.Equal(t, 3, n)
+	n, err = b.store.RequestReplay(ctx, dlq.Filter{IDs: ids[2:4]})
+	require.NoError(t, err)
+	require.Equal(t, 2, n, "another consumer's, and the consumer's of another topic")
 	n, err = b.store.RequestReplay(ctx, dlq.Filter{IDs: ids[:1]})
 	require.NoError(t, err)
 	require.Zero(t, n, "already requested")
+	_, err = b.store.RequestReplay(ctx, dlq.Filter{})
+	require.ErrorIs(t, err, dlq.ErrNoSelection)
 
+	// The first message dead-lettered again while on its way back: not
+	// requested, it is not delivered.
+	first, err := b.store.Get(ctx, ids[0])
+	require.NoError(t, err)
+	redead := first.Message("")
+	for k, v := range first.Metadata {
+		redead.Metadata.Set(k, v)
+	}
+	require.NoError(t, b.pub.Publish("orders.dlq", redead))
+	all = b.list(t, dlq.Filter{})
+	require.Len(t, all, 6, "a requested entry is outside the one-entry rule")
+
+	_, err = b.replays(dlq.ReplaySubscriberConfig{})
+	require.ErrorContains(t, err, "ReplaySubscriberConfig.Consumer")
 	sub, err := b.replays(dlq.ReplaySubscriberConfig{Consumer: "charge", PollInterval: 10 * time.Millisecond})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sub.Close()) })
@@ -361,6 +470,9 @@ func checkReplayToConsumer(t *testing.T, b backend) {
 
 	got := msgtest.Receive(t, msgs, 10*time.Second)
 	require.Equal(t, m.UUID, got.UUID)
+	require.NotEmpty(t, got.Metadata.Get(delivery.Replay), "marked as a replay")
+	require.Equal(t, "charge", got.Metadata.Get(delivery.ReplayConsumer))
+	require.Equal(t, all, b.list(t, dlq.Filter{}), "nothing deleted before the ack")
 	got.Nack()
 	again := msgtest.Receive(t, msgs, 10*time.Second)
 	require.Equal(t, m.UUID, again.UUID, "a nacked replay comes back")
@@ -369,11 +481,15 @@ func checkReplayToConsumer(t *testing.T, b backend) {
 	require.NoError(t, err)
 	require.True(t, granted, "the grant is on the dead key")
 	again.Ack()
+	second := msgtest.Receive(t, msgs, 10*time.Second)
+	require.Equal(t, m2.UUID, second.UUID)
+	second.Ack()
 	msgtest.Nothing(t, msgs, 200*time.Millisecond)
-	msgtest.WaitFor(t, "the acked entry deleted", func() bool { return len(b.list(t, dlq.Filter{})) == 2 })
-	require.Equal(t, []int64{ids[1], all[2]}, b.list(t, dlq.Filter{}), "the other consumer's entry and the orphan stay")
+	msgtest.WaitFor(t, "the acked entries deleted", func() bool { return len(b.list(t, dlq.Filter{})) == 4 })
+	require.Equal(t, []int64{ids[2], ids[3], all[4], all[5]}, b.list(t, dlq.Filter{}),
+		"the other consumer's, the other topic's, the orphan and the copy dead-lettered again stay")
 	msgtest.WaitFor(t, "the orphan's request withdrawn", func() bool {
-		n, err := b.store.RequestReplay(ctx, dlq.Filter{IDs: all[2:]})
+		n, err := b.store.RequestReplay(ctx, dlq.Filter{IDs: all[4:5]})
 		require.NoError(t, err)
 		return n == 1
 	})
@@ -414,13 +530,39 @@ func checkNotMigrated(t *testing.T, b backend) {
 	require.ErrorIs(t, err, dlq.ErrNotMigrated)
 }
 
+// checkInboxTransaction: a dead letter published under an inbox
+// transaction on the table's database is written in that transaction: the
+// transaction sees it, and it rolls back or commits with it.
+func checkInboxTransaction(t *testing.T, b backend) {
+	ctx := context.Background()
+	for _, commit := range []bool{false, true} {
+		tx, err := b.inbox.InboxBegin(ctx)
+		require.NoError(t, err)
+		txCtx := tx.WithTx(ctx)
+		m := dead("orders", "billing", "card declined")
+		m.SetContext(txCtx)
+		require.NoError(t, b.pub.Publish("orders.dlq", m))
+		require.Equal(t, 1, b.count(t, ctx, inboxTx(txCtx), `SELECT COUNT(*) FROM {dlq}`), "the inbox's transaction holds the dead letter")
+		if commit {
+			require.NoError(t, tx.Commit(ctx))
+			require.Len(t, b.list(t, dlq.Filter{}), 1, "committed with the inbox's transaction")
+		} else {
+			require.NoError(t, tx.Rollback(ctx))
+			require.Empty(t, b.list(t, dlq.Filter{}), "rolled back with the inbox's transaction")
+		}
+	}
+}
+
 // checkPoison: a consumer whose inbox is on the backend gives up on a
 // message; the poison middleware's dead letter is written in the inbox's
 // transaction, once, with the key dead, and a later copy of the message is
 // acked without running and counted. The operator's replay publishes it
-// to its topic with a grant; the consumer runs it once; the entry is gone.
+// to its topic with a grant; the consumer runs it once, its effect
+// committed with the inbox's transaction; the entry is gone.
 func checkPoison(t *testing.T, b backend) {
 	ctx := context.Background()
+	b.exec(t, ctx, b.db.SQL(), `CREATE TABLE {schema}.effects (k VARCHAR(64) NOT NULL)`)
+	effects := func() int { return b.count(t, ctx, b.db.SQL(), `SELECT COUNT(*) FROM {schema}.effects`) }
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.inbox, Consumer: "charge"})
 	require.NoError(t, err)
 	poison, err := middleware.NewPoison(middleware.PoisonConfig{
@@ -437,12 +579,14 @@ func checkPoison(t *testing.T, b backend) {
 	)
 	broken.Store(true)
 	router.AddMiddleware(poison.Middleware, inbox.Middleware)
-	router.AddConsumerHandler("charge", "orders", broker, func(*message.Message) error {
+	router.AddConsumerHandler("charge", "orders", broker, func(msg *message.Message) error {
 		calls.Add(1)
 		if broken.Load() {
 			return errors.New("ledger refuses the order")
 		}
-		return nil
+		_, err := inboxTx(msg.Context()).Exec(msg.Context(), b.sql(`INSERT INTO {schema}.effects (k) VALUES (?)`),
+			middleware.IdempotencyKey(msg.Context()))
+		return err
 	})
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
@@ -480,14 +624,18 @@ func checkPoison(t *testing.T, b backend) {
 	require.Equal(t, int32(2), calls.Load(), "the copy did not run")
 	require.Len(t, b.list(t, dlq.Filter{}), 1, "one entry")
 	require.Equal(t, msg.UUID, entries[0].UUID)
+	require.Equal(t, "orders", entries[0].Topic)
+	require.Equal(t, "charge", entries[0].Consumer)
 	require.Equal(t, "pay-1", entries[0].Key)
+	require.Equal(t, 2, entries[0].Attempts)
 	require.Contains(t, entries[0].Error, "ledger refuses the order")
 
 	broken.Store(false)
 	n, err := b.store.Replay(ctx, broker, dlq.Filter{IDs: []int64{entries[0].ID}}, nil)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	msgtest.WaitFor(t, "the replay applied", func() bool { return state() == dedup.StateDone })
+	msgtest.WaitFor(t, "the replay applied", func() bool { return effects() == 1 })
+	require.Equal(t, dedup.StateDone, state())
 	require.Empty(t, b.list(t, dlq.Filter{}), "the entry is gone")
 	require.Equal(t, int32(3), calls.Load(), "the replay ran once")
 }

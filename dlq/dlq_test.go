@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
@@ -109,52 +110,6 @@ func bury(t *testing.T, pool *pgxpool.Pool, schema, consumer, key string) {
 	require.NoError(t, store.LeaseBury(ctx, k, c.Token, dedup.Failure{Err: "seeded", At: time.Now()}))
 }
 
-func TestPublisherParsesDeadMetadata(t *testing.T) {
-	t.Parallel()
-	e := setup(t)
-	ctx := context.Background()
-	m := dead("orders", "charge", "card declined")
-	m.Metadata.Set(delivery.DeadPermanent, "true")
-	m.Metadata.Set(delivery.DeadPartition, "3")
-	m.Metadata.Set(delivery.DeadOffset, "9000000000")
-	want := map[string]string{}
-	for k, v := range m.Metadata {
-		want[k] = v
-	}
-	ids := e.seed(t, m)
-
-	got, err := e.store.Get(ctx, ids[0])
-	require.NoError(t, err)
-	require.Equal(t, ids[0], got.ID)
-	require.Equal(t, m.UUID, got.UUID)
-	require.Equal(t, "orders", got.Topic)
-	require.Equal(t, "orders.dlq", got.DLQTopic)
-	require.Equal(t, "charge", got.Consumer)
-	require.Equal(t, "key-"+m.UUID, got.Key)
-	require.Equal(t, 5, got.Attempts)
-	require.Equal(t, "card declined", got.Error)
-	require.True(t, got.Permanent)
-	require.True(t, got.FirstFailedAt.Equal(time.Date(2026, 3, 1, 10, 0, 0, 123456000, time.UTC)), got.FirstFailedAt)
-	require.True(t, got.LastFailedAt.Equal(time.Date(2026, 3, 1, 10, 5, 0, 0, time.UTC)), got.LastFailedAt)
-	require.NotNil(t, got.Partition)
-	require.Equal(t, int32(3), *got.Partition)
-	require.NotNil(t, got.Offset)
-	require.Equal(t, int64(9000000000), *got.Offset)
-	require.Equal(t, []byte(m.Payload), got.Payload)
-	require.Equal(t, want, got.Metadata, "the full metadata, Dead* keys included")
-	require.False(t, got.DeadAt.IsZero())
-
-	replay := got.Message("grant-1")
-	require.Equal(t, m.UUID, replay.UUID)
-	require.Equal(t, []byte(m.Payload), []byte(replay.Payload))
-	require.Equal(t, map[string]string{
-		delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1",
-		delivery.Replay: "grant-1", delivery.ReplayConsumer: "charge",
-	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay granted for its consumer")
-	require.Equal(t, map[string]string{delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1"},
-		map[string]string(got.Message("").Metadata), "no grant, no replay marker")
-}
-
 // TestPublisherAcceptsAnything stores messages whose dead-letter metadata is
 // missing or garbled: a dead-letter queue that refuses a message loses it.
 func TestPublisherAcceptsAnything(t *testing.T) {
@@ -227,33 +182,6 @@ func TestPublishIsAllOrNothing(t *testing.T) {
 	require.Empty(t, e.ids(t))
 }
 
-// TestPublishOncePerMessage: a copy of a message dead-lettered again (its
-// ack was lost after the first time) leaves one entry, unless the first is
-// on its way back to its consumer; another consumer, or another original
-// topic, gets an entry of its own.
-func TestPublishOncePerMessage(t *testing.T) {
-	t.Parallel()
-	e := setup(t)
-	ctx := context.Background()
-	m := dead("orders", "billing", "card declined")
-	first := e.seed(t, m)
-	require.NoError(t, e.pub.Publish("orders.dlq", m), "the same message again")
-	require.Equal(t, first, e.ids(t), "one entry for it")
-
-	other := m.Copy()
-	other.Metadata.Set(delivery.DeadConsumer, "shipping")
-	moved := m.Copy()
-	moved.Metadata.Set(delivery.DeadTopic, "orders.v2")
-	require.NoError(t, e.pub.Publish("orders.dlq", other, moved))
-	require.Len(t, e.ids(t), 3, "another consumer and another topic get their own")
-
-	n, err := e.store.RequestReplay(ctx, dlq.Filter{IDs: first})
-	require.NoError(t, err)
-	require.Equal(t, 1, n)
-	require.NoError(t, e.pub.Publish("orders.dlq", m), "failed again during its replay")
-	require.Len(t, e.ids(t), 4, "written again: the first goes once its replay is handled")
-}
-
 func TestNewRejectsBadArguments(t *testing.T) {
 	t.Parallel()
 	_, err := dlq.NewPublisher(nil, sqlschema.Config{})
@@ -266,19 +194,13 @@ func TestNewRejectsBadArguments(t *testing.T) {
 	require.ErrorContains(t, err, "DLQTable")
 	_, err = dlq.NewStore(pool, sqlschema.Config{Schema: "x;y"})
 	require.ErrorContains(t, err, "Schema")
-}
 
-func TestNotMigrated(t *testing.T) {
-	t.Parallel()
-	pool := pgtest.Pool(t, 2)
-	cfg := sqlschema.Config{Schema: pgtest.Name(t)} // never migrated
-	pub, err := dlq.NewPublisher(pool, cfg)
-	require.NoError(t, err)
-	require.ErrorIs(t, pub.Publish("x", dead("orders", "c", "e")), dlq.ErrNotMigrated)
-	store, err := dlq.NewStore(pool, cfg)
-	require.NoError(t, err)
-	_, err = store.List(context.Background(), dlq.Filter{})
-	require.ErrorIs(t, err, dlq.ErrNotMigrated)
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { require.NoError(t, db.Close()) })
+	_, err = dlq.NewSQLStore(db, sqlschema.Dialect("oracle"), sqlschema.Config{})
+	require.ErrorContains(t, err, `unknown dialect "oracle"`)
+	_, err = dlq.NewSQLStore(nil, sqlschema.MySQL, sqlschema.Config{})
+	require.ErrorContains(t, err, "db is nil")
 }
 
 // seedFilterable writes six entries over two topics and three consumers,
@@ -378,24 +300,6 @@ func TestFilterValidation(t *testing.T) {
 	require.Equal(t, ids, e.ids(t), "nothing deleted")
 	require.True(t, dlq.Filter{Limit: 5, All: true}.IsEmpty())
 	require.False(t, dlq.Filter{Until: hour(1)}.IsEmpty())
-}
-
-func TestGetAndMissing(t *testing.T) {
-	t.Parallel()
-	e := setup(t)
-	ctx := context.Background()
-	ids := e.seed(t, dead("orders", "c", "e"), dead("orders", "c", "e"))
-
-	_, err := e.store.Get(ctx, ids[1]+1)
-	require.ErrorIs(t, err, dlq.ErrNotFound)
-	require.ErrorContains(t, err, fmt.Sprintf("dlq: no such entry: %d", ids[1]+1))
-
-	missing, err := e.store.Missing(ctx, []int64{ids[1] + 7, ids[0], ids[1] + 3, ids[1] + 7, ids[1]})
-	require.NoError(t, err)
-	require.Equal(t, []int64{ids[1] + 3, ids[1] + 7}, missing)
-	missing, err = e.store.Missing(ctx, ids)
-	require.NoError(t, err)
-	require.Empty(t, missing)
 }
 
 // recorder is a publisher that keeps what it is given and fails the calls

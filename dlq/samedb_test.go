@@ -9,7 +9,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/testing/mysqltest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -94,4 +96,51 @@ func TestPublishSameDatabaseByServerIdentity(t *testing.T) {
 	require.NoError(t, sqlschema.Migrate(ctx, otherDB, cfg))
 	require.Zero(t, deadLetterInInbox(t, pub, otherDB, cfg.Schema), "nothing in the other database's transaction")
 	require.Equal(t, 1, count(), "written in the table's own database")
+}
+
+// TestPublishInTheInboxTransactionOfAnotherMySQLDatabase: on MySQL and
+// MariaDB a transaction spans the databases of its server, so a dead
+// letter published under an inbox transaction in another database of the
+// dead-letter table's server is written in that transaction: it rolls
+// back or commits with it. (On PostgreSQL another database is another
+// transaction: TestPublishSameDatabaseByServerIdentity; the same database
+// on every backend: TestOnEveryBackend's "in the inbox's transaction".)
+func TestPublishInTheInboxTransactionOfAnotherMySQLDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, name := mysqltest.DB(t, 4)
+	cfg := sqlschema.Config{Schema: name}
+	require.NoError(t, sqlschema.MigrateSQL(ctx, db, sqlschema.MySQL, cfg))
+	pub, err := dlq.NewSQLPublisher(db, sqlschema.MySQL, cfg)
+	require.NoError(t, err)
+	store, err := dlq.NewSQLStore(db, sqlschema.MySQL, cfg)
+	require.NoError(t, err)
+	entries := func() int {
+		t.Helper()
+		list, err := store.List(ctx, dlq.Filter{})
+		require.NoError(t, err)
+		return len(list)
+	}
+	// The inbox in another database of the same server.
+	otherDB, other := mysqltest.DB(t, 4)
+	require.NoError(t, sqlschema.MigrateSQL(ctx, otherDB, sqlschema.MySQL, sqlschema.Config{Schema: other}))
+	inbox, err := sqlstore.New(otherDB, sqlstore.Config{Dialect: sqlstore.MySQL, Schema: sqlschema.Config{Schema: other}})
+	require.NoError(t, err)
+	for _, commit := range []bool{false, true} {
+		tx, err := inbox.InboxBegin(ctx)
+		require.NoError(t, err)
+		m := dead("orders", "billing", "card declined")
+		m.SetContext(tx.WithTx(ctx))
+		require.NoError(t, pub.Publish("orders.dlq", m))
+		var seen int
+		require.NoError(t, sqlstore.Tx(tx.WithTx(ctx)).QueryRowContext(ctx, "SELECT COUNT(*) FROM `"+name+"`.dlq").Scan(&seen))
+		require.Equal(t, 1, seen, "the inbox's transaction holds the dead letter")
+		if commit {
+			require.NoError(t, tx.Commit(ctx))
+			require.Equal(t, 1, entries(), "committed with the inbox's transaction")
+		} else {
+			require.NoError(t, tx.Rollback(ctx))
+			require.Zero(t, entries(), "rolled back with the inbox's transaction")
+		}
+	}
 }

@@ -13,7 +13,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/testing/msgtest"
-	"github.com/oncemill/oncemill/sqlschema"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 )
 
 // TestWithdrawnReplayOfMessageDeadAgain: an entry whose replay to its
@@ -27,25 +27,16 @@ import (
 // refusal once rather than failing at every poll.
 func TestWithdrawnReplayOfMessageDeadAgain(t *testing.T) {
 	t.Parallel()
-	backends := map[string]withdrawBackend{
-		"postgres": func(t *testing.T, logger watermill.LoggerAdapter) (*dlq.Store, message.Publisher, *dlq.ReplaySubscriber) {
-			e := setup(t)
-			sub, err := dlq.NewReplaySubscriber(e.pool, e.cfg, dlq.ReplaySubscriberConfig{Consumer: "charge", PollInterval: 10 * time.Millisecond, Logger: logger})
-			require.NoError(t, err)
-			return e.store, e.pub, sub
-		},
-		"mysql": func(t *testing.T, logger watermill.LoggerAdapter) (*dlq.Store, message.Publisher, *dlq.ReplaySubscriber) {
-			e := setupMySQL(t)
-			sub, err := dlq.NewSQLReplaySubscriber(e.db, sqlschema.MySQL, e.cfg, dlq.ReplaySubscriberConfig{Consumer: "charge", PollInterval: 10 * time.Millisecond, Logger: logger})
-			require.NoError(t, err)
-			return e.store, e.pub, sub
-		},
-	}
-	for _, name := range []string{"postgres", "mysql"} {
+	for _, be := range sqltest.Backends {
 		for _, both := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s/twin requested too=%t", name, both), func(t *testing.T) {
+			t.Run(fmt.Sprintf("%s/twin requested too=%t", be.Name, both), func(t *testing.T) {
 				t.Parallel()
-				withdrawTwins(t, backends[name], both)
+				withdrawTwins(t, func(t *testing.T, logger watermill.LoggerAdapter) (*dlq.Store, message.Publisher, *dlq.ReplaySubscriber) {
+					b := open(t, be)
+					sub, err := b.replays(dlq.ReplaySubscriberConfig{Consumer: "charge", PollInterval: 10 * time.Millisecond, Logger: logger})
+					require.NoError(t, err)
+					return b.store, b.pub, sub
+				}, both)
 			})
 		}
 	}
