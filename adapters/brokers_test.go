@@ -22,6 +22,7 @@ import (
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/adapters/nats"
 	natsembedded "github.com/oncemill/oncemill/adapters/nats/embedded"
+	"github.com/oncemill/oncemill/internal/testing/amqptest"
 	"github.com/oncemill/oncemill/internal/testing/brokertest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
@@ -42,18 +43,10 @@ func brokers(t *testing.T) []broker {
 	}
 }
 
-// amqpURL is the RabbitMQ the tests use.
-func amqpURL() string {
-	if u := os.Getenv("ONCEMILL_AMQP_URL"); u != "" {
-		return u
-	}
-	return "amqp://guest:guest@127.0.0.1:5672/"
-}
-
 // amqpBroker is RabbitMQ: a queue per topic and group; its backlog is the
 // queue's ready messages (unacked ones return to ready when consumers close).
 func amqpBroker(t *testing.T) broker {
-	admin, err := amqp091.Dial(amqpURL())
+	admin, err := amqp091.Dial(amqptest.URL())
 	if err != nil {
 		return broker{name: "amqp", open: func(t *testing.T, _ string) *adapters.PubSub {
 			pgtest.Unavailable(t, "RabbitMQ", err)
@@ -69,9 +62,9 @@ func amqpBroker(t *testing.T) broker {
 	}
 	return broker{
 		name: "amqp",
-		url:  amqpURL(),
+		url:  amqptest.URL(),
 		open: func(t *testing.T, group string) *adapters.PubSub {
-			ps, err := adapters.Open(context.Background(), amqpURL(), adapters.Options{ConsumerGroup: group})
+			ps, err := adapters.Open(context.Background(), amqptest.URL(), adapters.Options{ConsumerGroup: group})
 			require.NoError(t, err)
 			return ps
 		},
@@ -80,7 +73,7 @@ func amqpBroker(t *testing.T) broker {
 		// reads it again once its consumers stopped, which returns
 		// whatever they still held.
 		pending: func(t *testing.T, topic, group string) int {
-			return brokertest.AMQPReady(t, amqpURL(), topic, group)
+			return brokertest.AMQPReady(t, amqptest.URL(), topic, group)
 		},
 		cleanup: func(t *testing.T, topic string, groups ...string) {
 			withChannel(t, func(ch *amqp091.Channel) error {

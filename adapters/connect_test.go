@@ -14,6 +14,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
+	"github.com/oncemill/oncemill/internal/testing/amqptest"
 	"github.com/oncemill/oncemill/internal/testing/netfault"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
 )
@@ -123,7 +124,7 @@ func TestOpenScrubsOnlyUserinfo(t *testing.T) {
 	})
 	t.Run("amqp", func(t *testing.T) {
 		t.Parallel()
-		u, err := url.Parse(amqpURL())
+		u, err := url.Parse(amqptest.URL())
 		require.NoError(t, err)
 		conn, err := net.DialTimeout("tcp", u.Host, 5*time.Second)
 		if err != nil {
@@ -173,7 +174,7 @@ func TestOpenWithParameters(t *testing.T) {
 	})
 	t.Run("amqp", func(t *testing.T) {
 		t.Parallel()
-		u, err := url.Parse(amqpURL())
+		u, err := url.Parse(amqptest.URL())
 		require.NoError(t, err)
 		q := u.Query()
 		q.Set("connect_timeout", "2s")

@@ -23,6 +23,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/inboxtx"
 	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/internal/testing/msgtest"
 	"github.com/oncemill/oncemill/internal/testing/sqltest"
@@ -145,21 +146,6 @@ func (b backend) sql(q string) string {
 		schema = names.Schema + "."
 	}
 	return d.Rebind(strings.NewReplacer("{schema}.", schema, "{dlq}", names.DLQ).Replace(q))
-}
-
-// inboxTx is the inbox transaction ctx carries, of any of the SQL inbox
-// stores, as the handler of a message reaches it.
-func inboxTx(ctx context.Context) sqldb.Executor {
-	if tx := postgres.Tx(ctx); tx != nil {
-		return sqldb.PgxTxOf(tx)
-	}
-	if tx := sqlstore.Tx(ctx); tx != nil {
-		return sqldb.SQLTxOf(tx)
-	}
-	if tx := sqlite.Tx(ctx); tx != nil {
-		return sqldb.SQLTxOf(tx)
-	}
-	return nil
 }
 
 // seed dead-letters msgs as a consumer's inbox and poison middleware do,
@@ -542,7 +528,7 @@ func checkInboxTransaction(t *testing.T, b backend) {
 		m := dead("orders", "billing", "card declined")
 		m.SetContext(txCtx)
 		require.NoError(t, b.pub.Publish("orders.dlq", m))
-		require.Equal(t, 1, b.count(t, ctx, inboxTx(txCtx), `SELECT COUNT(*) FROM {dlq}`), "the inbox's transaction holds the dead letter")
+		require.Equal(t, 1, b.count(t, ctx, inboxtx.Executor(txCtx), `SELECT COUNT(*) FROM {dlq}`), "the inbox's transaction holds the dead letter")
 		if commit {
 			require.NoError(t, tx.Commit(ctx))
 			require.Len(t, b.list(t, dlq.Filter{}), 1, "committed with the inbox's transaction")
@@ -584,7 +570,7 @@ func checkPoison(t *testing.T, b backend) {
 		if broken.Load() {
 			return errors.New("ledger refuses the order")
 		}
-		_, err := inboxTx(msg.Context()).Exec(msg.Context(), b.sql(`INSERT INTO {schema}.effects (k) VALUES (?)`),
+		_, err := inboxtx.Executor(msg.Context()).Exec(msg.Context(), b.sql(`INSERT INTO {schema}.effects (k) VALUES (?)`),
 			middleware.IdempotencyKey(msg.Context()))
 		return err
 	})

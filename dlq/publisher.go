@@ -14,10 +14,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/oncemill/oncemill/dedup/postgres"
-	"github.com/oncemill/oncemill/dedup/sqlite"
-	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/inboxtx"
 	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -139,7 +137,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		}
 		return nil
 	}
-	if tx := inboxTx(ctx); tx != nil {
+	if tx := inboxtx.Executor(ctx); tx != nil {
 		same, err := p.sameDatabase(ctx, tx)
 		if err != nil {
 			return p.t.wrap(op, err)
@@ -157,21 +155,6 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	if err := sqldb.InTx(ctx, p.t.db, readCommitted, func(tx sqldb.Tx) error { return write(tx) }); err != nil {
 		return p.t.wrap(op, err)
-	}
-	return nil
-}
-
-// inboxTx is the inbox transaction ctx carries, of any of the SQL inbox
-// stores, or nil.
-func inboxTx(ctx context.Context) sqldb.Executor {
-	if tx := postgres.Tx(ctx); tx != nil {
-		return sqldb.PgxTxOf(tx)
-	}
-	if tx := sqlstore.Tx(ctx); tx != nil {
-		return sqldb.SQLTxOf(tx)
-	}
-	if tx := sqlite.Tx(ctx); tx != nil {
-		return sqldb.SQLTxOf(tx)
 	}
 	return nil
 }

@@ -15,9 +15,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
-	"github.com/oncemill/oncemill/dedup/sqlite"
-	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/inboxtx"
 	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -222,10 +221,7 @@ func InboxOutbox(topic string, cfg sqlschema.Config, opts ...TxOption) func(ctx 
 // dedup/sqlite inbox.
 func SQLInboxOutbox(topic string, d sqlschema.Dialect, cfg sqlschema.Config, opts ...TxOption) func(ctx context.Context, produced []*message.Message) error {
 	return func(ctx context.Context, produced []*message.Message) error {
-		tx := sqlstore.Tx(ctx)
-		if tx == nil {
-			tx = sqlite.Tx(ctx)
-		}
+		_, tx := inboxtx.Of(ctx)
 		if tx == nil {
 			return errors.New("forwarder: SQLInboxOutbox: no database/sql transaction in the context; use it with a sqlstore.Store or sqlite.Store inbox")
 		}

@@ -24,6 +24,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/internal/sqldb"
+	"github.com/oncemill/oncemill/internal/testing/amqptest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
@@ -130,14 +131,14 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 
 	// The broker: a topic of its own, its queue declared before anything
 	// is published.
-	admin, err := amqp091.DialConfig(amqpURL(), amqp091.Config{Dial: amqp091.DefaultDial(3 * time.Second)})
+	admin, err := amqp091.DialConfig(amqptest.URL(), amqp091.Config{Dial: amqp091.DefaultDial(3 * time.Second)})
 	if err != nil {
 		pgtest.Unavailable(t, "RabbitMQ", err)
 	}
 	var suffix [6]byte
 	_, _ = rand.Read(suffix[:])
 	topic := "oncemill-test-" + d.String() + "-relay-kill-" + hex.EncodeToString(suffix[:])
-	acfg := amqp.Config{URL: amqpURL(), ConsumerGroup: "shipping"}
+	acfg := amqp.Config{URL: amqptest.URL(), ConsumerGroup: "shipping"}
 	t.Cleanup(func() {
 		ch, err := admin.Channel()
 		require.NoError(t, err)
@@ -190,7 +191,7 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 	// The relays: processes of their own, killed and restarted (and
 	// killed when the test ends, their output logged).
 	process := k.relay
-	process.AMQP = amqpURL()
+	process.AMQP = amqptest.URL()
 	running := make([]*proctest.Process, k.relays)
 	for i := range running {
 		running[i] = relayRole.Start(t, process)
@@ -380,13 +381,6 @@ func qualified(d *sqldb.Dialect, schema sqlschema.Config, table string) string {
 		return s + "." + d.Quote(table)
 	}
 	return d.Quote(table)
-}
-
-func amqpURL() string {
-	if url := os.Getenv("ONCEMILL_AMQP_URL"); url != "" {
-		return url
-	}
-	return "amqp://guest:guest@127.0.0.1:5672/"
 }
 
 // assertEventually reports whether cond holds within bound, looking every

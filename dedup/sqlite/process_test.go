@@ -30,6 +30,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/testing/amqptest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
@@ -264,7 +265,7 @@ func TestSQLiteConsumerSIGKILL(t *testing.T) {
 
 	// The broker: a topic of its own, its queue declared before anything
 	// is published, both deleted at the end.
-	admin, err := amqp091.DialConfig(amqpURL(), amqp091.Config{Dial: amqp091.DefaultDial(3 * time.Second)})
+	admin, err := amqp091.DialConfig(amqptest.URL(), amqp091.Config{Dial: amqp091.DefaultDial(3 * time.Second)})
 	if err != nil {
 		pgtest.Unavailable(t, "RabbitMQ", err)
 	}
@@ -272,7 +273,7 @@ func TestSQLiteConsumerSIGKILL(t *testing.T) {
 	_, _ = rand.Read(suffix[:])
 	id := hex.EncodeToString(suffix[:])
 	topic := "oncemill-test-sqlite-consumer-kill-" + id
-	acfg := amqp.Config{URL: amqpURL(), ConsumerGroup: "billing"}
+	acfg := amqp.Config{URL: amqptest.URL(), ConsumerGroup: "billing"}
 	queue := acfg.QueueName(topic)
 	t.Cleanup(func() {
 		ch, err := admin.Channel()
@@ -328,7 +329,7 @@ func TestSQLiteConsumerSIGKILL(t *testing.T) {
 
 	// The consumer: one process at a time, SIGKILLed a while after it
 	// began to consume, and restarted at once.
-	env, err := json.Marshal(sqliteConsumerProcess{Path: path, AMQP: amqpURL(), Topic: topic, Group: "billing", EventTopic: "billed-" + id})
+	env, err := json.Marshal(sqliteConsumerProcess{Path: path, AMQP: amqptest.URL(), Topic: topic, Group: "billing", EventTopic: "billed-" + id})
 	require.NoError(t, err)
 	start := func() *proctest.Process {
 		p, err := proctest.Start([]string{sqliteConsumerEnv + "=" + string(env)}, sqliteConsumerReady, 30*time.Second)
@@ -502,13 +503,6 @@ func TestSQLiteConsumerSIGKILL(t *testing.T) {
 		require.Zero(t, applied[uuid], "effects of %s", uuid)
 	}
 	require.Positive(t, inFlightAtKill, "the kills found deliveries in flight")
-}
-
-func amqpURL() string {
-	if url := os.Getenv("ONCEMILL_AMQP_URL"); url != "" {
-		return url
-	}
-	return "amqp://guest:guest@127.0.0.1:5672/"
 }
 
 // assertEventually polls cond until it holds or bound passes.

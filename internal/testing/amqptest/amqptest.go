@@ -167,3 +167,12 @@ func freePort(t testing.TB) int {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
 }
+
+// URL is the shared RabbitMQ node the tests use that do not stop it:
+// $ONCEMILL_AMQP_URL, else the guest account on 127.0.0.1:5672.
+func URL() string {
+	if u := os.Getenv("ONCEMILL_AMQP_URL"); u != "" {
+		return u
+	}
+	return "amqp://guest:guest@127.0.0.1:5672/"
+}

@@ -67,7 +67,9 @@ var Backends = []Backend{
 	{"postgres-pgx", func(t *testing.T, conns int32) Database {
 		pool := pgtest.Pool(t, conns)
 		db := Database{Pool: pool, Schema: sqlschema.Config{Schema: pgtest.Schema(t, pool)}}
-		db.Bare = func(t *testing.T) Database { return Database{Pool: pool, Schema: sqlschema.Config{Schema: pgtest.Name(t)}} }
+		db.Bare = func(t *testing.T) Database {
+			return Database{Pool: pool, Schema: sqlschema.Config{Schema: pgtest.Name(t)}}
+		}
 		return db
 	}},
 	{"postgres-sql", func(t *testing.T, conns int32) Database {
