@@ -2,9 +2,7 @@ package forwarder_test
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
@@ -16,7 +14,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters/amqp"
@@ -25,7 +22,6 @@ import (
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/internal/testing/amqptest"
-	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -131,24 +127,7 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 
 	// The broker: a topic of its own, its queue declared before anything
 	// is published.
-	admin, err := amqp091.DialConfig(amqptest.URL(), amqp091.Config{Dial: amqp091.DefaultDial(3 * time.Second)})
-	if err != nil {
-		pgtest.Unavailable(t, "RabbitMQ", err)
-	}
-	var suffix [6]byte
-	_, _ = rand.Read(suffix[:])
-	topic := "oncemill-test-" + d.String() + "-relay-kill-" + hex.EncodeToString(suffix[:])
-	acfg := amqp.Config{URL: amqptest.URL(), ConsumerGroup: "shipping"}
-	t.Cleanup(func() {
-		ch, err := admin.Channel()
-		require.NoError(t, err)
-		_, err = ch.QueueDelete(acfg.QueueName(topic), false, false, false)
-		require.NoError(t, err)
-		require.NoError(t, ch.ExchangeDelete(acfg.ExchangeName(topic), false, false))
-		require.NoError(t, ch.Close())
-		require.NoError(t, admin.Close())
-	})
-	require.NoError(t, amqp.Declare(ctx, acfg, topic))
+	topic, acfg, _ := amqptest.Topic(t, "oncemill-test-"+d.String()+"-relay-kill-", "shipping")
 
 	// The consumer: a router whose inbox is beside the outbox; each
 	// event's effect is a row written in the inbox's transaction. Every

@@ -3,9 +3,7 @@ package sqlite_test
 import (
 	"bufio"
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -31,8 +29,8 @@ import (
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/internal/testing/amqptest"
-	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/internal/testing/proctest"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -75,12 +73,6 @@ func init() {
 	}
 }
 
-// processDSN opens a file as the store expects it: a busy timeout, WAL,
-// and BEGIN IMMEDIATE for every transaction.
-func processDSN(path string) string {
-	return "file:" + path + "?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)&_txlock=immediate"
-}
-
 // ranKey carries, in a delivery's context, the flag its handler run sets.
 type ranKey struct{}
 
@@ -96,7 +88,7 @@ func sqliteConsumerMain(raw string, term <-chan os.Signal) error {
 		return err
 	}
 	ctx := context.Background()
-	db, err := sql.Open("sqlite", processDSN(p.Path))
+	db, err := sql.Open("sqlite", sqltest.DSN(p.Path))
 	if err != nil {
 		return err
 	}
@@ -255,7 +247,7 @@ func TestSQLiteConsumerSIGKILL(t *testing.T) {
 		kills      = 8
 	)
 	path := filepath.Join(t.TempDir(), "billing.db")
-	db, err := sql.Open("sqlite", processDSN(path))
+	db, err := sql.Open("sqlite", sqltest.DSN(path))
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, db.Close()) })
 	ctx := context.Background()
@@ -265,26 +257,10 @@ func TestSQLiteConsumerSIGKILL(t *testing.T) {
 
 	// The broker: a topic of its own, its queue declared before anything
 	// is published, both deleted at the end.
-	admin, err := amqp091.DialConfig(amqptest.URL(), amqp091.Config{Dial: amqp091.DefaultDial(3 * time.Second)})
-	if err != nil {
-		pgtest.Unavailable(t, "RabbitMQ", err)
-	}
-	var suffix [6]byte
-	_, _ = rand.Read(suffix[:])
-	id := hex.EncodeToString(suffix[:])
-	topic := "oncemill-test-sqlite-consumer-kill-" + id
-	acfg := amqp.Config{URL: amqptest.URL(), ConsumerGroup: "billing"}
+	const prefix = "oncemill-test-sqlite-consumer-kill-"
+	topic, acfg, admin := amqptest.Topic(t, prefix, "billing")
+	id := strings.TrimPrefix(topic, prefix)
 	queue := acfg.QueueName(topic)
-	t.Cleanup(func() {
-		ch, err := admin.Channel()
-		require.NoError(t, err)
-		_, err = ch.QueueDelete(queue, false, false, false)
-		require.NoError(t, err)
-		require.NoError(t, ch.ExchangeDelete(acfg.ExchangeName(topic), false, false))
-		require.NoError(t, ch.Close())
-		require.NoError(t, admin.Close())
-	})
-	require.NoError(t, amqp.Declare(ctx, acfg, topic))
 	inspect := func() amqp091.Queue {
 		ch, err := admin.Channel()
 		require.NoError(t, err)
