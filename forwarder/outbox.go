@@ -38,7 +38,9 @@ type outbox struct {
 	// INSERT of ledger rows, which a values tuple per row completes (see
 	// [outbox.recordRows]).
 	remove, probe, deadLetter, unledger, record string
-	lag                                         lagSQL
+	// recordRow is record's values tuple for one row.
+	recordRow string
+	lag       lagSQL
 }
 
 // rowColumns are the columns of an outbox row as [outbox.scanRow] reads them;
@@ -75,6 +77,7 @@ VALUES (?, ?, '', ?, ?, ?, TRUE, ` + d.Now() + `, ` + d.Now() + `, ?, ` + d.JSON
 	}
 	if cfg.Ledger {
 		o.record = `INSERT INTO ` + names.Ledger + ` (uuid, topic, partition_key, idempotency_key, published_at) VALUES `
+		o.recordRow = "(?, ?, ?, ?, " + d.FromMicros("?") + ")"
 	}
 	takenAt := ", " + d.Micros(d.Now())
 	switch {
@@ -92,7 +95,7 @@ VALUES (?, ?, '', ?, ?, ?, TRUE, ` + d.Now() + `, ` + d.Now() + `, ?, ` + d.JSON
 	default: // d.OneWriter
 		w := &oneWriterTake{o: o, batchSize: cfg.BatchSize, read: d.Rebind(`SELECT ` + rowColumns + takenAt + ` FROM ` + t + ` ORDER BY id LIMIT ?`)}
 		o.take = w.take
-		o.remove = d.Rebind(`DELETE FROM ` + t + ` WHERE id IN (SELECT value FROM json_each(?))`)
+		o.remove = d.Rebind(d.ByIDs(t, "", ""))
 	}
 	return o
 }
@@ -239,7 +242,7 @@ func (o *outbox) recordRows(ctx context.Context, tx sqldb.Tx, batch []row) error
 		} else {
 			b.WriteString(", ")
 		}
-		b.WriteString("(?, ?, ?, ?, " + o.d.FromMicros("?") + ")")
+		b.WriteString(o.recordRow)
 		args = append(args, o.d.Text(x.uuid), o.d.Text(x.topic), o.d.Text(x.key), o.d.Text(delivery.Bound(ledgerKey(x))), x.at)
 		if len(args) == 5*1000 {
 			if err := flush(); err != nil {

@@ -178,42 +178,31 @@ func newLaneTake(o *outbox, cfg RelayConfig, names sqlschema.Names, takenAt stri
 	byLane := t + " FORCE INDEX (" + o.d.Quote(names.OutboxName+"_lane_id_idx") + ")"
 	lock := ""
 	if !cfg.LockOrderedWriters {
-		lock = " FOR UPDATE SKIP LOCKED"
+		lock = o.d.LockRow(true)
 	}
-	// One primary-key lookup per id (eq_ref), whatever the table's size:
-	// the ids (a JSON array) are the outer table of the join.
-	o.remove = `DELETE o FROM JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT UNSIGNED PATH '$')) AS j
-STRAIGHT_JOIN ` + t + ` AS o ON o.id = j.id`
+	o.remove = o.d.ByIDs(t, "", "") // one primary-key lookup per id
 	return &laneTake{
 		o:             o,
 		lockOrdered:   cfg.LockOrderedWriters,
 		lanesPerBatch: cfg.LanesPerBatch,
 		batchSize:     cfg.BatchSize,
 		lanesWithRows: `SELECT l.lane FROM ` + lanes + ` l WHERE EXISTS (SELECT 1 FROM ` + t + ` o WHERE o.lane = l.lane)`,
-		lockLanes:     `SELECT lane FROM ` + lanes + ` WHERE lane IN (`,
+		lockLanes:     `SELECT lane FROM ` + lanes + ` WHERE lane IN `,
 		committedPart: `(SELECT id, lane FROM ` + byLane + ` WHERE lane = ? ORDER BY id LIMIT ?` + lock + `)`,
 		committedEnd:  ` ORDER BY id LIMIT ?`,
 		inFlightPart:  `(SELECT id, lane FROM ` + byLane + ` WHERE lane = ? AND id < ?)`,
-		rows:          `SELECT ` + rowColumns + takenAt + ` FROM ` + t + ` FORCE INDEX (PRIMARY) WHERE id IN (`,
+		rows:          `SELECT ` + rowColumns + takenAt + ` FROM ` + t + ` FORCE INDEX (PRIMARY) WHERE id IN `,
 	}
 }
 
-// inList completes a statement that ends in "IN (" with a placeholder per
+// inList completes a statement that ends in "IN " with a placeholder per
 // value, and returns it with the values as arguments.
 func inList[T any](prefix string, values []T, suffix string) (string, []any) {
-	var b strings.Builder
-	b.WriteString(prefix)
 	args := make([]any, len(values))
 	for i, v := range values {
-		if i > 0 {
-			b.WriteString(", ")
-		}
-		b.WriteByte('?')
 		args[i] = v
 	}
-	b.WriteString(")")
-	b.WriteString(suffix)
-	return b.String(), args
+	return prefix + sqldb.List(len(values)) + suffix, args
 }
 
 func (l *laneTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sqldb.Tx, error)) ([]row, error) {
@@ -232,7 +221,7 @@ func (l *laneTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sqldb.
 	if err != nil {
 		return nil, err
 	}
-	q, args := inList(l.lockLanes, lanes, " FOR UPDATE SKIP LOCKED")
+	q, args := inList(l.lockLanes, lanes, l.o.d.LockRow(true))
 	rs, err = tx.Query(ctx, q, args...)
 	locked, err := sqldb.Collect(rs, err, sqldb.Value[int16])
 	if err != nil || len(locked) == 0 { // none: other relays hold them all
