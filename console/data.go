@@ -235,7 +235,7 @@ FROM {DLQ} WHERE id = ?`), c.cfg.MaxPayload, id).Scan(
 	}
 	// The copies of the dead key the inbox refused since: unknown
 	// without the key's dead row.
-	e.CopiesSince, e.CopiesKnown, err = c.dlq.CopiesSince(ctx, dlq.Entry{Consumer: e.Consumer, Key: e.Key})
+	e.CopiesSince, e.CopiesKnown, err = c.dlq.CopiesSince(ctx, dlq.Entry{ID: e.ID, Consumer: e.Consumer, Key: e.Key})
 	if err != nil {
 		return entryRow{}, fmt.Errorf("console: dead letter %d: copies since: %w", id, err)
 	}

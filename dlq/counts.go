@@ -30,9 +30,7 @@ type Count struct {
 func (s *Store) Counts(ctx context.Context) ([]Count, error) {
 	rows, err := s.t.db.Query(ctx, s.t.q.counts)
 	counts, err := sqldb.Collect(rows, err, func(r sqldb.Rows) (c Count, err error) {
-		var oldest int64
-		err = r.Scan(&c.Consumer, &c.Topic, &c.Entries, &oldest)
-		c.Oldest = fromMicros(oldest)
+		err = r.Scan(&c.Consumer, &c.Topic, &c.Entries, sqldb.Time(&c.Oldest))
 		return c, err
 	})
 	if err != nil {

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -107,31 +106,17 @@ WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead'`
 // scanEntry reads a row of t.cols.
 func scanEntry(row sqldb.Row) (Entry, error) {
 	var (
-		e                  Entry
-		first, last        *int64
-		md                 []byte
-		dead               int64
-		partition, offsets *int64
+		e  Entry
+		md []byte
 	)
 	if err := row.Scan(&e.ID, &e.UUID, &e.Topic, &e.DLQTopic, &e.Consumer, &e.Key, &e.Attempts, &e.Error,
-		&e.Permanent, &first, &last, &partition, &offsets, &e.Payload, &md, &dead); err != nil {
+		&e.Permanent, sqldb.Time(&e.FirstFailedAt), sqldb.Time(&e.LastFailedAt), &e.Partition, &e.Offset, &e.Payload, &md,
+		sqldb.Time(&e.DeadAt)); err != nil {
 		return Entry{}, err
 	}
-	if first != nil {
-		e.FirstFailedAt = fromMicros(*first)
-	}
-	if last != nil {
-		e.LastFailedAt = fromMicros(*last)
-	}
-	if partition != nil {
-		p := int32(*partition)
-		e.Partition = &p
-	}
-	e.Offset = offsets
 	if e.Payload == nil {
 		e.Payload = []byte{}
 	}
-	e.DeadAt = fromMicros(dead)
 	if err := json.Unmarshal(md, &e.Metadata); err != nil {
 		return Entry{}, fmt.Errorf("entry %d: metadata: %w", e.ID, err)
 	}
@@ -140,8 +125,6 @@ func scanEntry(row sqldb.Row) (Entry, error) {
 	}
 	return e, nil
 }
-
-func fromMicros(n int64) time.Time { return time.UnixMicro(n).UTC() }
 
 // idsJSON is ids as the JSON array that Dialect.JSONInts and ByIDs take.
 func idsJSON(ids []int64) string {
