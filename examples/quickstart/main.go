@@ -287,11 +287,8 @@ func openSQLite(ctx context.Context) (*backend, error) {
 	schema := sqlschema.Config{}
 	// A run that cannot start leaves nothing behind.
 	fail := func(err error) (*backend, error) { return nil, errors.Join(err, store.Close(), os.RemoveAll(dir)) }
-	// The outbox, the dead-letter table and the ledger (sqlite.Open made
-	// the inbox's); idempotent.
-	if err := sqlschema.MigrateSQLite(ctx, db, schema); err != nil {
-		return fail(err)
-	}
+	// sqlite.Open made every table: the inbox, the outbox, the
+	// dead-letter table and the ledger.
 	if _, err := db.ExecContext(ctx, `CREATE TABLE charges (run TEXT NOT NULL, order_id TEXT NOT NULL)`); err != nil {
 		return fail(err)
 	}

@@ -14,10 +14,7 @@ import (
 func TestSQLLayer(t *testing.T) {
 	t.Parallel()
 	for _, b := range sqltest.Backends {
-		s := sqllayertest.Subject{Name: b.Name, Open: func(t *testing.T) sqllayertest.Database {
-			db := b.Open(t, 8)
-			return sqllayertest.Database{Pool: db.Pool, DB: db.DB, Dialect: db.Dialect, Schema: db.Schema}
-		}}
+		s := sqllayertest.Subject{Name: b.Name, Open: func(t *testing.T) sqllayertest.Database { return b.Open(t, 8) }}
 		t.Run(s.Name, func(t *testing.T) {
 			t.Parallel()
 			sqllayertest.Run(t, s)

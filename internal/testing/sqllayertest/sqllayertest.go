@@ -33,7 +33,6 @@ package sqllayertest
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"testing"
 	"time"
@@ -41,7 +40,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/console"
@@ -52,6 +50,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/reconcile"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -70,18 +69,8 @@ type Subject struct {
 	Open func(t *testing.T) Database
 }
 
-// Database is a migrated database of a [Subject].
-type Database struct {
-	// Pool is a PostgreSQL database through pgx. Set Pool or DB.
-	Pool *pgxpool.Pool
-	// DB is a database through database/sql, of Dialect. Set Pool or DB.
-	DB *sql.DB
-	// Dialect is DB's family: sqlschema.Postgres, MySQL or SQLite.
-	// Required with DB, ignored with Pool.
-	Dialect sqlschema.Dialect
-	// Schema names the tables, as given to the migration.
-	Schema sqlschema.Config
-}
+// Database is a migrated database of a [Subject] (its Bare is not used).
+type Database = sqltest.Database
 
 // Run runs the suite on s, one fresh database per subtest, the subtests
 // in parallel.
