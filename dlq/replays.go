@@ -28,15 +28,8 @@ func (s *Store) RequestReplay(ctx context.Context, f Filter) (int, error) {
 	if err := f.selection(); err != nil {
 		return 0, err
 	}
-	ids, err := s.selectIDs(ctx, f, "request replay")
-	if err != nil || len(ids) == 0 {
-		return 0, err
-	}
-	n, err := s.t.exec(ctx, s.t.q.request, idsJSON(ids))
-	if err != nil {
-		return 0, s.t.wrap("request replay", err)
-	}
-	return int(n), nil
+	return s.onSelected(ctx, f, "request replay", "UPDATE "+s.t.names.DLQ+" SET replay_requested_at = "+s.t.d.Now(),
+		"replay_requested_at IS NULL", s.t.q.request)
 }
 
 // ReplaySubscriberConfig configures a [ReplaySubscriber].

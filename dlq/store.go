@@ -389,13 +389,35 @@ func (s *Store) Purge(ctx context.Context, f Filter) (int, error) {
 	if err := f.selection(); err != nil {
 		return 0, err
 	}
-	ids, err := s.selectIDs(ctx, f, "purge")
-	if err != nil || len(ids) == 0 {
-		return 0, err
+	return s.onSelected(ctx, f, "purge", "DELETE FROM "+s.t.names.DLQ, "", s.t.q.removeIDs)
+}
+
+// onSelected runs write ("DELETE FROM …" or "UPDATE … SET …") on the
+// entries f selects that also meet cond, and returns how many rows it
+// changed: one statement where the database lets a write select its rows
+// from its own table (WriteFromSelf); elsewhere the ids are read first
+// and written by id with byIDs.
+func (s *Store) onSelected(ctx context.Context, f Filter, op, write, cond, byIDs string) (int, error) {
+	var (
+		n   int64
+		err error
+	)
+	if s.t.d.WriteFromSelf {
+		sel, args := f.query(s.t, "id")
+		q := write + " WHERE id IN (" + sel + ")"
+		if cond != "" {
+			q += " AND " + cond
+		}
+		n, err = s.t.exec(ctx, q, args...)
+	} else {
+		var ids []int64
+		if ids, err = s.selectIDs(ctx, f, op); err != nil || len(ids) == 0 {
+			return 0, err
+		}
+		n, err = s.t.exec(ctx, byIDs, idsJSON(ids))
 	}
-	n, err := s.t.exec(ctx, s.t.q.removeIDs, idsJSON(ids))
 	if err != nil {
-		return 0, s.t.wrap("purge", err)
+		return 0, s.t.wrap(op, err)
 	}
 	return int(n), nil
 }

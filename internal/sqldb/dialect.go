@@ -41,6 +41,9 @@ type Dialect struct {
 	// and ids handed out in commit order: a committed row can never be
 	// overtaken by one with a lower id.
 	OneWriter bool
+	// WriteFromSelf: an UPDATE or DELETE may select its rows in a subquery
+	// on its own table, with ORDER BY and LIMIT (MySQL refuses both).
+	WriteFromSelf bool
 	// Pipeline: statements can be sent in one round trip (pgx batches);
 	// only through [Pgx].
 	Pipeline bool
@@ -172,6 +175,7 @@ var Postgres = &Dialect{
 	SkipLocked:    true,
 	AdvisoryLocks: true,
 	Snapshots:     true,
+	WriteFromSelf: true,
 	Pipeline:      true,
 	placeholder:   func(n int) string { return "$" + strconv.Itoa(n) },
 	quote:         '"',
@@ -248,14 +252,15 @@ func myNumber(err error) uint16 {
 // modernc.org/sqlite. One writer at a time: a write transaction begins
 // IMMEDIATE, taking the write lock first.
 var SQLite = &Dialect{
-	Name:       sqlschema.SQLite,
-	Returning:  true,
-	OneWriter:  true,
-	quote:      '"',
-	now:        "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)",
-	micros:     func(e string) string { return e },
-	fromMicros: func(ph string) string { return ph },
-	json:       func(ph string) string { return ph },
+	Name:          sqlschema.SQLite,
+	Returning:     true,
+	OneWriter:     true,
+	WriteFromSelf: true,
+	quote:         '"',
+	now:           "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)",
+	micros:        func(e string) string { return e },
+	fromMicros:    func(ph string) string { return ph },
+	json:          func(ph string) string { return ph },
 	beginStmts: func(o TxOptions) []string {
 		if o.ReadOnly {
 			return []string{"BEGIN DEFERRED"}
