@@ -42,6 +42,9 @@ const (
 	DefaultDLQTable = "dlq"
 	// DefaultLedgerTable is the name of the relay's ledger table.
 	DefaultLedgerTable = "outbox_ledger"
+	// DefaultRetryTable is the name of the table of parked messages,
+	// waiting for a delayed retry.
+	DefaultRetryTable = "retries"
 )
 
 // identifier is what a schema or table name may be: lower-case, so that it
@@ -66,6 +69,9 @@ type Config struct {
 	// it published when forwarder.RelayConfig.Ledger is set, and that `oncemill reconcile` reads. Defaults to
 	// "outbox_ledger".
 	LedgerTable string
+	// RetryTable is the name of the table where messages wait for a
+	// delayed retry (package retry). Defaults to "retries".
+	RetryTable string
 }
 
 // WithDefaults returns a copy of c with empty fields set to their defaults.
@@ -84,6 +90,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.LedgerTable == "" {
 		c.LedgerTable = DefaultLedgerTable
+	}
+	if c.RetryTable == "" {
+		c.RetryTable = DefaultRetryTable
 	}
 	return c
 }
@@ -104,7 +113,10 @@ func (c Config) Validate() error {
 	if err := ValidateIdentifier("DLQTable", c.DLQTable); err != nil {
 		return err
 	}
-	return ValidateIdentifier("LedgerTable", c.LedgerTable)
+	if err := ValidateIdentifier("LedgerTable", c.LedgerTable); err != nil {
+		return err
+	}
+	return ValidateIdentifier("RetryTable", c.RetryTable)
 }
 
 // distinctTables reports two tables of c that share a name: they would be
@@ -116,6 +128,7 @@ func (c Config) distinctTables() error {
 		{"OutboxTable", c.OutboxTable},
 		{"DLQTable", c.DLQTable},
 		{"LedgerTable", c.LedgerTable},
+		{"RetryTable", c.RetryTable},
 	}
 	for i := range tables {
 		for j := i + 1; j < len(tables); j++ {
@@ -165,6 +178,10 @@ type Names struct {
 	Ledger string
 	// LedgerName is the bare ledger table name.
 	LedgerName string
+	// Retries is the quoted, schema-qualified table of parked messages.
+	Retries string
+	// RetriesName is the bare name of the table of parked messages.
+	RetriesName string
 }
 
 // NamesFor returns the quoted names of cfg for dialect d. cfg must be
@@ -183,6 +200,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 			DLQName:     cfg.DLQTable,
 			Ledger:      q(cfg.LedgerTable),
 			LedgerName:  cfg.LedgerTable,
+			Retries:     q(cfg.RetryTable),
+			RetriesName: cfg.RetryTable,
 		}
 	case MySQL:
 		// Backticks: MySQL quotes identifiers with them unless the
@@ -200,6 +219,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 			DLQName:     cfg.DLQTable,
 			Ledger:      table(cfg.LedgerTable),
 			LedgerName:  cfg.LedgerTable,
+			Retries:     table(cfg.RetryTable),
+			RetriesName: cfg.RetryTable,
 		}
 	}
 	schema := `"` + cfg.Schema + `"`
@@ -215,6 +236,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 		DLQName:       cfg.DLQTable,
 		Ledger:        schema + `."` + cfg.LedgerTable + `"`,
 		LedgerName:    cfg.LedgerTable,
+		Retries:       schema + `."` + cfg.RetryTable + `"`,
+		RetriesName:   cfg.RetryTable,
 	}
 }
 
