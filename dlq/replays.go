@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncemill/oncemill/internal/merge"
 	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -308,50 +309,5 @@ func (r *ReplaySubscriber) Close() error {
 // requested replays of topic for r's consumer, so that one handler, with
 // its inbox, takes both. Close closes sub and r.
 func WithReplays(sub message.Subscriber, r *ReplaySubscriber) message.Subscriber {
-	return &withReplays{sub: sub, replays: r}
-}
-
-type withReplays struct {
-	sub     message.Subscriber
-	replays *ReplaySubscriber
-	wg      sync.WaitGroup
-}
-
-func (w *withReplays) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	live, err := w.sub.Subscribe(ctx, topic)
-	if err != nil {
-		return nil, err
-	}
-	replays, err := w.replays.Subscribe(ctx, topic)
-	if err != nil {
-		return nil, err
-	}
-	out := make(chan *message.Message)
-	var forwarders sync.WaitGroup
-	forward := func(in <-chan *message.Message) {
-		defer forwarders.Done()
-		for m := range in {
-			select {
-			case out <- m:
-			case <-ctx.Done():
-				m.Nack()
-			}
-		}
-	}
-	forwarders.Add(2)
-	go forward(live)
-	go forward(replays)
-	w.wg.Add(1)
-	go func() {
-		defer w.wg.Done()
-		forwarders.Wait()
-		close(out)
-	}()
-	return out, nil
-}
-
-func (w *withReplays) Close() error {
-	err := errors.Join(w.sub.Close(), w.replays.Close())
-	w.wg.Wait()
-	return err
+	return merge.Subscribers(sub, r)
 }
