@@ -85,7 +85,8 @@ func IsAdapterFact(k string) bool {
 
 // IsDeliveryFact reports whether metadata key k is one an adapter sets on
 // a delivery ([IsAdapterFact]), the replay marker of one (Replay,
-// ReplayConsumer) or one the poison middleware adds (the Dead* keys):
+// ReplayConsumer), one the poison middleware adds (the Dead* keys) or one
+// a parked message is handed back with (the Retry* keys):
 // facts about one delivery that must not travel into a dead-letter copy
 // or a replay of it, which get their own.
 func IsDeliveryFact(k string) bool {
@@ -93,7 +94,7 @@ func IsDeliveryFact(k string) bool {
 	case IsAdapterFact(k), k == Replay, k == ReplayConsumer:
 		return true
 	}
-	return strings.HasPrefix(k, DeadPrefix)
+	return strings.HasPrefix(k, DeadPrefix) || strings.HasPrefix(k, RetryPrefix)
 }
 
 // AttemptsOf returns the broker's delivery count of msg, if it has one.
@@ -177,6 +178,19 @@ const (
 // DeadPrefix starts every key of the dead-letter metadata above; a replay
 // strips the keys with this prefix.
 const DeadPrefix = "oncemill_dlq_"
+
+// Metadata a parked message is handed back to its consumer with (package
+// retry), for logs and handlers; the poison middleware reads the lease
+// from the message's context, never from these.
+const (
+	// RetryPrefix starts every key of a parked message's metadata.
+	RetryPrefix = "oncemill_retry_"
+	// RetryID is the parked message's row in the retries table.
+	RetryID = RetryPrefix + "id"
+	// RetryAttempts is how many attempts of the message had failed
+	// before this one.
+	RetryAttempts = RetryPrefix + "attempts"
+)
 
 // DeadUUID is the message's UUID, set on a dead letter's metadata by the
 // dead-letter table when the entry's uuid column holds another value: the
