@@ -219,13 +219,14 @@ func stopping(base context.Context) bool {
 // (dedup.ErrUnavailable, which the stores wrap around their drivers'
 // connection errors), a commit whose outcome is unknown
 // (dedup.ErrAmbiguous), a transaction that kept losing conflicts
-// (dedup.ErrConflict), or a dead-letter publish that failed
-// ([ErrDeadLetter]). Such errors are never counted as attempts and never
+// (dedup.ErrConflict), or a dead-letter publish or a park that failed
+// ([ErrDeadLetter], [ErrPark]). Such errors are never counted as attempts and never
 // dead-lettered: the poison middleware nacks the message after a backoff,
 // and it comes back, in its order, when the infrastructure does. Like
 // pgconn.SafeToRetry, it looks only at the error.
 func IsInfrastructure(err error) bool {
-	return errors.Is(err, dedup.ErrUnavailable) || errors.Is(err, dedup.ErrConflict) || errors.Is(err, ErrDeadLetter)
+	return errors.Is(err, dedup.ErrUnavailable) || errors.Is(err, dedup.ErrConflict) || errors.Is(err, ErrDeadLetter) ||
+		errors.Is(err, ErrPark)
 }
 
 // uncounted reports whether err ends an attempt that says nothing about the

@@ -17,6 +17,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/typednil"
 	"github.com/oncemill/oncemill/observe"
+	"github.com/oncemill/oncemill/retry"
 )
 
 // PoisonConfig configures a [Poison] middleware.
@@ -55,8 +56,38 @@ type PoisonConfig struct {
 	// InitialBackoff is the wait after the first failed attempt; it
 	// doubles with every attempt up to MaxBackoff. The wait comes before
 	// an in-process retry and before a nack, so that the broker does not
-	// redeliver in a tight loop. Default to 100ms and 10s.
+	// redeliver in a tight loop. Defaults to 100ms and 10s.
 	InitialBackoff, MaxBackoff time.Duration
+	// Retries is where a message waits for its delayed attempts, off the
+	// consumer: once MaxAttempts attempts in a row failed, the message
+	// (payload, metadata, key, attempt count, last error) is parked in
+	// the store and acked, and the consumer's retry subscriber
+	// (Retries.Subscriber, merged into the handler's subscriber with
+	// retry.Merge) hands it back to the same handler when due, once for
+	// each of Delays; the consumer meanwhile takes other work. While a
+	// message waits, later messages of its ordering key wait behind it
+	// (see Unordered). Parking needs the subscriber to run in the
+	// process: without it, a line says so and the message is
+	// dead-lettered after MaxAttempts, as without a store. Optional; the
+	// middleware does not close it.
+	Retries *retry.Store
+	// Delays are the waits before each delayed attempt, with Retries.
+	// Defaults to [DefaultDelays] (5s, 15s, 30s, 1m, 2m, 5m: a message is
+	// dead-lettered about 9 minutes after its first failure).
+	Delays []time.Duration
+	// Classify decides what a failed attempt's error means ([Decision]):
+	// retry by the policy, retry now, retry after a delay, dead-letter
+	// now, or pause for a dependency that is down. Errors marked
+	// [Permanent] or [Unavailable], and the infrastructure's, are decided
+	// before it is asked. Defaults to [DefaultClassify].
+	Classify func(error) Decision
+	// Unordered turns off per-key order while a message waits: by
+	// default a message whose ordering key (delivery.PartitionKeyOf: the
+	// Kafka record key, the SQS FIFO group, the partition_key metadata)
+	// has a message parked is parked behind it, not run, so that the key's
+	// messages apply in order while other keys flow. Set it to let later
+	// messages of the key overtake the one that waits. Defaults to false.
+	Unordered bool
 	// Consumer names the consumer in dead-letter metadata when no inbox
 	// runs behind this middleware; with one, the inbox's consumer is used.
 	// Defaults to the Inbox's, else to the router handler's name.
@@ -131,6 +162,12 @@ func (c *PoisonConfig) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
+	if c.Retries != nil && c.Delays == nil {
+		c.Delays = DefaultDelays
+	}
+	if c.Classify == nil {
+		c.Classify = DefaultClassify
+	}
 }
 
 // Validate reports the first field that is missing or out of range.
@@ -157,6 +194,15 @@ func (c PoisonConfig) Validate() error {
 		return fmt.Errorf("middleware: PoisonConfig.MaxBackoff (%s) must be at least InitialBackoff (%s)", c.MaxBackoff, c.InitialBackoff)
 	case c.PublishTimeout < 0:
 		return fmt.Errorf("middleware: PoisonConfig.PublishTimeout must not be negative, got %s", c.PublishTimeout)
+	case len(c.Delays) > 0 && c.Retries == nil:
+		return errors.New("middleware: PoisonConfig.Delays needs PoisonConfig.Retries, the store where messages wait for their delayed attempts (retry.NewStore)")
+	case typednil.Is(c.Retries):
+		return errors.New("middleware: PoisonConfig.Retries holds a nil *retry.Store: pass one made by retry.NewStore or retry.NewSQLStore")
+	}
+	for i, d := range c.Delays {
+		if d < 0 {
+			return fmt.Errorf("middleware: PoisonConfig.Delays[%d] must not be negative, got %s", i, d)
+		}
 	}
 	return nil
 }
@@ -183,6 +229,13 @@ type PoisonStats struct {
 	// acked as duplicates instead, so a key is never both applied and
 	// dead.
 	AppliedMeanwhile int64
+	// Parked counts failed attempts whose message was parked for a
+	// delayed retry (PoisonConfig.Retries); ParkedBehind the messages
+	// parked, unrun, behind a parked message of their ordering key.
+	Parked, ParkedBehind int64
+	// Paused counts the attempts that waited for the consumer's one
+	// attempt at a time while its dependency was down.
+	Paused int64
 }
 
 // Poison is a router middleware that keeps a message that cannot be
@@ -227,8 +280,14 @@ type Poison struct {
 
 	retried, deadLettered, deadLetterFailed, panicked, appliedMeanwhile atomic.Int64
 	infrastructure                                                      atomic.Int64
+	parked, parkedBehind, paused                                        atomic.Int64
 	// outages counts the infrastructure failures in a row, for the backoff.
 	outages atomic.Int64
+	// gate lets one attempt at a time run while outages > 0.
+	gate *gate
+	// unparked remembers the consumers and topics told that no retry
+	// subscriber runs for them.
+	unparked sync.Map
 
 	mu    sync.Mutex
 	local map[string]localCount // by message UUID; bounded by maxLocal
@@ -253,7 +312,9 @@ func NewPoison(cfg PoisonConfig) (*Poison, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Poison{cfg: cfg, hooks: observe.New(cfg.Hooks...), local: map[string]localCount{}}, nil
+	p := &Poison{cfg: cfg, hooks: observe.New(cfg.Hooks...), local: map[string]localCount{}}
+	p.gate = newGate(func() bool { return p.outages.Load() > 0 })
+	return p, nil
 }
 
 // Stats returns the middleware's counters.
@@ -265,6 +326,9 @@ func (p *Poison) Stats() PoisonStats {
 		Panicked:         p.panicked.Load(),
 		AppliedMeanwhile: p.appliedMeanwhile.Load(),
 		Infrastructure:   p.infrastructure.Load(),
+		Parked:           p.parked.Load(),
+		ParkedBehind:     p.parkedBehind.Load(),
+		Paused:           p.paused.Load(),
 	}
 }
 
@@ -284,13 +348,29 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			broker, _ := delivery.AttemptsOf(msg)
 			return nil, p.deadLetter(msg, nil, err, max(broker, 1), now, now)
 		}
+		if behind, err := p.waitBehind(msg); err != nil {
+			return nil, p.outage(msg, fmt.Errorf("%w: %w", ErrPark, err))
+		} else if behind {
+			return nil, nil
+		}
+		if p.gate.down() {
+			p.paused.Add(1)
+		}
+		leave, ok := p.gate.enter(base)
+		defer leave()
+		if !ok {
+			return nil, base.Err()
+		}
+		// The inbox stops a crash loop at the policy's horizon: the
+		// delayed attempts count too.
+		parking := p.parking(msg, p.consumerOf(msg))
 		var slot *attemptSlot
 		defer func() { slot.end() }()
 		for try := 0; ; try++ {
 			// Every try starts from the delivery's own context: a Timeout
 			// middleware behind this one leaves its cancelled context on
 			// the message.
-			slot = &attemptSlot{maxAttempts: p.cfg.MaxAttempts}
+			slot = &attemptSlot{maxAttempts: p.horizon(parking)}
 			msg.SetContext(withSlot(base, slot))
 			produced, err := p.call(h, msg)
 			if err == nil {
@@ -306,15 +386,35 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				slot.end()
 				return nil, p.outage(msg, err)
 			}
+			dec := DeadLetter
+			if class == classFailure {
+				dec = p.cfg.Classify(err)
+			}
+			if dec.kind == decidePause {
+				slot.end()
+				return nil, p.outage(msg, err)
+			}
+			// The dependencies answered: an outage, if one was on, is over.
+			p.outages.Store(0)
 			now := time.Now()
 			attempts, first := p.count(msg, err, try, now)
-			if class == classPermanent || attempts >= p.cfg.MaxAttempts {
+			if dec.kind == decideDeadLetter || attempts >= p.horizon(parking) {
 				msg.SetContext(base)
 				return nil, p.deadLetter(msg, slot, err, attempts, first, now)
 			}
+			delay, park := p.delayFor(dec, attempts)
+			if park && parking {
+				slot.end()
+				msg.SetContext(base)
+				return nil, p.park(msg, slot, err, attempts, first, now, delay)
+			}
 			p.retried.Add(1)
 			slot.end() // done with this attempt: the backoff is not part of it
-			if !sleepCtx(base, p.backoff(attempts)) {
+			wait := p.backoff(attempts)
+			if park { // RetryIn without a store: its wait, within MaxBackoff
+				wait = max(wait, min(delay, p.cfg.MaxBackoff))
+			}
+			if !sleepCtx(base, wait) {
 				return nil, err
 			}
 			if try >= p.cfg.InProcessRetries {
@@ -379,6 +479,14 @@ func (p *Poison) count(msg *message.Message, err error, try int, now time.Time) 
 	attempts := lc.attempts
 	if n, ok := delivery.AttemptsOf(msg); ok {
 		attempts = max(attempts, n+try)
+	}
+	if n, at, ok := leaseAttempts(msg); ok {
+		// A parked message handed back: its count goes on from the
+		// attempts it was parked with.
+		attempts = max(attempts, n+1+try)
+		if !at.IsZero() && at.Before(lc.first) {
+			lc.first = at
+		}
 	}
 	return attempts, lc.first
 }

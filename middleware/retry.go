@@ -1,0 +1,341 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/retry"
+)
+
+// DefaultDelays are the waits before the delayed attempts of a message
+// whose MaxAttempts attempts in a row failed, when PoisonConfig.Retries
+// is set: 5s, 15s, 30s, 1m, 2m and 5m. With the default MaxAttempts (5,
+// about 1.5s of backoff) a message is dead-lettered about 8m50s after its
+// first failure, after 11 attempts; a dependency down for a minute or two
+// costs no dead letter.
+var DefaultDelays = []time.Duration{5 * time.Second, 15 * time.Second, 30 * time.Second, time.Minute, 2 * time.Minute, 5 * time.Minute}
+
+// Decision is what the poison middleware does with a failed attempt: the
+// answer of PoisonConfig.Classify.
+type Decision struct {
+	kind  decisionKind
+	delay time.Duration
+}
+
+type decisionKind int
+
+const (
+	decideRetry decisionKind = iota
+	decideRetryNow
+	decideRetryIn
+	decideDeadLetter
+	decidePause
+)
+
+var (
+	// Retry counts the attempt and retries by the policy: at once (after
+	// the backoff) while the message has had fewer than MaxAttempts
+	// attempts, then parked for each of Delays in turn, then
+	// dead-lettered.
+	Retry = Decision{kind: decideRetry}
+	// RetryNow counts the attempt and retries at once (after the
+	// backoff), never parked; the message is dead-lettered when its
+	// attempts reach the policy's horizon (MaxAttempts + len(Delays)).
+	RetryNow = Decision{kind: decideRetryNow}
+	// DeadLetter dead-letters the message now: retrying cannot help.
+	// It is what a [Permanent] error gets, whatever Classify says.
+	DeadLetter = Decision{kind: decideDeadLetter}
+	// Pause says a dependency is down: the attempt is not counted, the
+	// message is nacked after a backoff, and the consumer takes one
+	// message at a time until an attempt succeeds (see [Poison]). It is
+	// what an [Unavailable] error gets, whatever Classify says.
+	Pause = Decision{kind: decidePause}
+)
+
+// RetryIn counts the attempt and parks the message for d (a 429 or 503
+// with a Retry-After, say); without PoisonConfig.Retries it waits d, at
+// most MaxBackoff, before the nack. The message is dead-lettered when its
+// attempts reach the policy's horizon.
+func RetryIn(d time.Duration) Decision { return Decision{kind: decideRetryIn, delay: max(d, 0)} }
+
+// String names the decision, for logs.
+func (d Decision) String() string {
+	switch d.kind {
+	case decideRetryNow:
+		return "retry now"
+	case decideRetryIn:
+		return "retry in " + d.delay.String()
+	case decideDeadLetter:
+		return "dead-letter"
+	case decidePause:
+		return "pause"
+	}
+	return "retry"
+}
+
+// retryAfterError marks an error with the wait its dependency asked for.
+type retryAfterError struct {
+	err   error
+	delay time.Duration
+}
+
+func (e retryAfterError) Error() string { return e.err.Error() }
+func (e retryAfterError) Unwrap() error { return e.err }
+
+// RetryAfter marks err as a failure that its dependency asked to retry
+// after d, such as an HTTP 429 or 503 with a Retry-After header: the
+// default classifier answers RetryIn(d). It returns nil for a nil err.
+func RetryAfter(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return retryAfterError{err: err, delay: d}
+}
+
+// RetryAfterOf returns the wait that [RetryAfter] marked err, or any
+// error it wraps, with.
+func RetryAfterOf(err error) (time.Duration, bool) {
+	var r retryAfterError
+	if !errors.As(err, &r) {
+		return 0, false
+	}
+	return r.delay, true
+}
+
+// DefaultClassify is the classifier PoisonConfig.Classify defaults to:
+// RetryIn(d) for an error marked with [RetryAfter], DeadLetter for one
+// marked [Permanent], Pause for one marked [Unavailable], Retry for any
+// other. A classifier of one's own can fall back to it:
+//
+//	Classify: func(err error) middleware.Decision {
+//		if errors.Is(err, syscall.ECONNREFUSED) {
+//			return middleware.Pause
+//		}
+//		return middleware.DefaultClassify(err)
+//	},
+func DefaultClassify(err error) Decision {
+	switch {
+	case IsPermanent(err):
+		return DeadLetter
+	case IsInfrastructure(err):
+		return Pause
+	}
+	if d, ok := RetryAfterOf(err); ok {
+		return RetryIn(d)
+	}
+	return Retry
+}
+
+// horizon is how many attempts a message gets before it is dead-lettered.
+func (p *Poison) horizon(parking bool) int {
+	if parking {
+		return p.cfg.MaxAttempts + len(p.cfg.Delays)
+	}
+	return p.cfg.MaxAttempts
+}
+
+// delayFor returns how long the message waits parked after its attempts-th
+// failed attempt, and whether it is parked at all.
+func (p *Poison) delayFor(dec Decision, attempts int) (time.Duration, bool) {
+	switch dec.kind {
+	case decideRetryIn:
+		return dec.delay, true
+	case decideRetryNow:
+		return 0, false
+	}
+	if attempts < p.cfg.MaxAttempts {
+		return 0, false
+	}
+	i := min(attempts-p.cfg.MaxAttempts, len(p.cfg.Delays)-1)
+	if i < 0 {
+		return 0, false
+	}
+	return p.cfg.Delays[i], true
+}
+
+// consumerOf is the consumer a message is parked under before an inbox
+// ran: the inbox's (PoisonConfig.Inbox) or PoisonConfig.Consumer, else
+// the router handler's name, which is the inbox's default too.
+func (p *Poison) consumerOf(msg *message.Message) string {
+	if p.cfg.Consumer != "" {
+		return p.cfg.Consumer
+	}
+	return message.HandlerNameFromCtx(msg.Context())
+}
+
+// parking reports whether msg, of consumer, can be parked: a store is
+// set and a subscription of this process hands the consumer's parked
+// messages of the topic back. Without one the policy ends at MaxAttempts,
+// as without a store, and a line says why, once per consumer and topic.
+func (p *Poison) parking(msg *message.Message, consumer string) bool {
+	if p.cfg.Retries == nil {
+		return false
+	}
+	topic := topicOf(msg)
+	if retry.Delivering(consumer, topic) {
+		return true
+	}
+	if _, warned := p.unparked.LoadOrStore([2]string{consumer, topic}, true); !warned {
+		p.cfg.Logger.Error("Delayed retries are off for this consumer: no retry subscriber hands its parked messages back in this process, so failing messages are dead-lettered after MaxAttempts",
+			errors.New("merge the store's Subscriber (retry.Merge) into the handler's subscriber, with the consumer's name"),
+			watermill.LogFields{"consumer": consumer, "topic": topic})
+	}
+	return false
+}
+
+// orderKey is the key msg is ordered by while its key's messages wait,
+// "" when it waits unordered.
+func (p *Poison) orderKey(msg *message.Message) string {
+	if p.cfg.Unordered {
+		return ""
+	}
+	return delivery.PartitionKeyOf(msg)
+}
+
+// waitBehind parks a message that the broker delivered while a message of
+// its ordering key is parked: it waits behind it, in order, and is not
+// run. It reports whether it parked msg.
+func (p *Poison) waitBehind(msg *message.Message) (bool, error) {
+	if p.cfg.Retries == nil || p.cfg.Unordered {
+		return false, nil
+	}
+	if _, ok := retry.LeaseOf(msg.Context()); ok {
+		return false, nil // a parked message handed back: it is its key's first
+	}
+	order := p.orderKey(msg)
+	consumer := p.consumerOf(msg)
+	if order == "" || consumer == "" || !p.parking(msg, consumer) {
+		return false, nil
+	}
+	ctx, cancel := context.WithTimeout(msg.Context(), p.cfg.PublishTimeout)
+	defer cancel()
+	topic := topicOf(msg)
+	waiting, err := p.cfg.Retries.Waiting(ctx, consumer, topic, order)
+	if err != nil || !waiting {
+		return false, err
+	}
+	_, err = p.cfg.Retries.Park(ctx, retry.Message{
+		Consumer: consumer, Topic: topic, UUID: msg.UUID, OrderKey: order, Behind: true, DueAt: time.Now(),
+		Payload: msg.Payload, Metadata: parkedMetadata(msg),
+	})
+	if err != nil {
+		return false, err
+	}
+	p.parkedBehind.Add(1)
+	p.cfg.Logger.Debug("Message parked behind a parked message of its ordering key", watermill.LogFields{
+		"message_uuid": delivery.Bound(msg.UUID), "consumer": consumer, "topic": topic, "order_key": delivery.Bound(order)})
+	return true, nil
+}
+
+// parkedMetadata is the metadata a message is parked with: its own, and
+// none of the facts of this delivery that an adapter set, which the
+// delivery that hands it back does not have.
+func parkedMetadata(msg *message.Message) map[string]string {
+	md := make(map[string]string, len(msg.Metadata))
+	for k, v := range msg.Metadata {
+		if !delivery.IsAdapterFact(k) && !isRetryFact(k) {
+			md[k] = v
+		}
+	}
+	return md
+}
+
+func isRetryFact(k string) bool {
+	return len(k) >= len(delivery.RetryPrefix) && k[:len(delivery.RetryPrefix)] == delivery.RetryPrefix
+}
+
+// park parks msg, whose attempts-th attempt failed with cause, for delay,
+// and returns nil so that the router acks it; or the error of a park that
+// failed, so that it is nacked and delivered again.
+func (p *Poison) park(msg *message.Message, slot *attemptSlot, cause error, attempts int, first, last time.Time, delay time.Duration) error {
+	consumer := p.consumerOf(msg)
+	var key string
+	if slot != nil && slot.inbox != nil {
+		consumer, key = slot.key.Consumer, slot.key.Key
+	}
+	topic := topicOf(msg)
+	m := retry.Message{
+		Consumer: consumer, Topic: topic, UUID: msg.UUID, Key: key, OrderKey: p.orderKey(msg),
+		Attempts: attempts, Error: cause.Error(), FirstFailedAt: first, LastFailedAt: last, DueAt: last.Add(delay),
+		Payload: msg.Payload, Metadata: parkedMetadata(msg),
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), p.cfg.PublishTimeout)
+	defer cancel()
+	fields := watermill.LogFields{"message_uuid": delivery.Bound(msg.UUID), "consumer": consumer, "topic": topic,
+		"attempts": attempts, "retry_in": delay.String(), "error": cause.Error()}
+	var err error
+	if l, ok := retry.LeaseOf(msg.Context()); ok {
+		var kept bool
+		kept, err = l.Store.Repark(ctx, l, m)
+		if err == nil && !kept {
+			// The lease ran out and the message is out again, or an
+			// operator took it: its row is someone else's now, and the
+			// ack of this copy deletes nothing.
+			p.cfg.Logger.Info("Parked message not parked again: its lease was lost", fields)
+			return nil
+		}
+	} else {
+		_, err = p.cfg.Retries.Park(ctx, m)
+	}
+	if err != nil {
+		p.cfg.Logger.Error("Parking a message failed, message nacked", err, fields)
+		sleepCtx(msg.Context(), p.backoff(attempts))
+		return fmt.Errorf("%w: %w (message failed with: %w)", ErrPark, err, cause)
+	}
+	p.parked.Add(1)
+	p.retried.Add(1)
+	p.cfg.Logger.Info("Message parked for a delayed retry", fields)
+	return nil
+}
+
+// ErrPark is wrapped by the error a [Poison] middleware returns when it
+// could not park a message for a delayed retry: the original is nacked
+// then, never acked, so it is delivered again. It is an infrastructure
+// fault ([IsInfrastructure]), never counted.
+var ErrPark = errors.New("middleware: parking the message for a delayed retry failed")
+
+// leaseAttempts is what a parked message handed back says of its earlier
+// attempts: how many failed, and when the first did.
+func leaseAttempts(msg *message.Message) (int, time.Time, bool) {
+	l, ok := retry.LeaseOf(msg.Context())
+	if !ok {
+		return 0, time.Time{}, false
+	}
+	return l.Attempts, l.FirstFailedAt, true
+}
+
+// gate keeps a consumer whose dependency is down from spinning: while
+// attempts fail for the infrastructure ([Pause]), one attempt at a time
+// runs, and it holds the gate through its backoff, so the broker sees at
+// most one nack per backoff period per middleware, however many messages
+// are in flight; the others wait, unacked, before the handler.
+type gate struct {
+	token chan struct{}
+	down  func() bool
+}
+
+func newGate(down func() bool) *gate {
+	return &gate{token: make(chan struct{}, 1), down: down}
+}
+
+// enter waits, while the gate is down, for the one attempt that may run,
+// and returns what ends it; ok is false when ctx ended first.
+func (g *gate) enter(ctx context.Context) (leave func(), ok bool) {
+	if !g.down() {
+		return func() {}, true
+	}
+	select {
+	case g.token <- struct{}{}:
+		var once sync.Once
+		return func() { once.Do(func() { <-g.token }) }, true
+	case <-ctx.Done():
+		return func() {}, false
+	}
+}
