@@ -137,6 +137,7 @@ func (tl *timeline) of(lane, fault string) []window {
 type sentKey struct {
 	fault  string // the lane's fault when the key was first published
 	poison bool
+	flaky  bool // applied only once parked (flakyKey)
 }
 
 // lane is one broker with its consumers and its producer.
@@ -448,8 +449,8 @@ func runChaos(t *testing.T, r chaosRun) {
 	fmt.Fprintln(&report, "Per broker, the keys first published while the broker was under each fault (none: under no fault), what became of them, and the longest time")
 	fmt.Fprintf(&report, "between two effects on that broker during that fault, while its producer published %d messages a second.\n", produceRate)
 	fmt.Fprintln(&report)
-	fmt.Fprintln(&report, "| broker | fault | sent | applied | doubled | lost | dead-lettered (poison) | healthy dead-lettered | longest stall |")
-	fmt.Fprintln(&report, "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+	fmt.Fprintln(&report, "| broker | fault | sent | applied | doubled | lost | dead-lettered (poison) | healthy dead-lettered | parked, then applied | longest stall |")
+	fmt.Fprintln(&report, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 	var problems []string
 	for _, l := range r.lanes {
 		total := tally{}
@@ -469,11 +470,12 @@ func runChaos(t *testing.T, r chaosRun) {
 				continue
 			}
 			stall := longestStall(stalls[l.name], spans, f)
-			fmt.Fprintf(&report, "| %s | %s | %d | %d | %d | %d | %d | %d | %s |\n",
-				l.name, f, tly.sent, tly.applied, tly.doubled, tly.lost, tly.poisonDead, tly.healthyDead, stall.Round(time.Millisecond))
+			fmt.Fprintf(&report, "| %s | %s | %d | %d | %d | %d | %d | %d | %d of %d | %s |\n",
+				l.name, f, tly.sent, tly.applied, tly.doubled, tly.lost, tly.poisonDead, tly.healthyDead, tly.parkedApplied, tly.parked,
+				stall.Round(time.Millisecond))
 		}
-		fmt.Fprintf(&report, "| %s | all | %d | %d | %d | %d | %d | %d | |\n",
-			l.name, total.sent, total.applied, total.doubled, total.lost, total.poisonDead, total.healthyDead)
+		fmt.Fprintf(&report, "| %s | all | %d | %d | %d | %d | %d | %d | %d of %d | |\n",
+			l.name, total.sent, total.applied, total.doubled, total.lost, total.poisonDead, total.healthyDead, total.parkedApplied, total.parked)
 		if total.doubled+total.lost+total.healthyDead+total.both+total.poisonApplied+total.deadTwice > 0 {
 			problems = append(problems, fmt.Sprintf("%s: %+v", l.name, total))
 		}
@@ -507,6 +509,9 @@ func runChaos(t *testing.T, r chaosRun) {
 	var poisonNotDead int
 	require.NoError(t, r.pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.inbox WHERE key LIKE '`+poisonPrefix+`%' AND status <> 'dead'`).Scan(&poisonNotDead))
 	require.Zero(t, poisonNotDead, "every poison key is recorded dead")
+	var stillParked int
+	require.NoError(t, r.pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.retries`).Scan(&stillParked))
+	require.Zero(t, stillParked, "nothing left parked")
 }
 
 // produce publishes l's stream until ctx ends.
@@ -550,7 +555,7 @@ func produce(ctx context.Context, l *lane, pub message.Publisher, tl *timeline, 
 			// past the end of the stream if it must.
 			time.Sleep(200 * time.Millisecond)
 		}
-		l.record(key, sentKey{fault: tl.faultAt(l.name, time.Now()), poison: strings.HasPrefix(key, poisonPrefix)}, first)
+		l.record(key, sentKey{fault: tl.faultAt(l.name, time.Now()), poison: strings.HasPrefix(key, poisonPrefix), flaky: flakyKey(key)}, first)
 	}
 }
 
@@ -600,10 +605,19 @@ func outcomes(t *testing.T, pool *pgxpool.Pool) map[string]map[string]keyOutcome
 type tally struct {
 	sent, applied, doubled, lost, poisonDead, healthyDead int
 	both, poisonApplied, deadTwice                        int
+	// parked counts the flaky keys, parked before they applied, and
+	// parkedApplied those of them applied.
+	parked, parkedApplied int
 }
 
 func (t *tally) add(k sentKey, o keyOutcome) {
 	t.sent++
+	if k.flaky {
+		t.parked++
+		if o.effects > 0 {
+			t.parkedApplied++
+		}
+	}
 	if o.effects > 0 {
 		t.applied++
 	}
@@ -647,6 +661,8 @@ func (t *tally) merge(o tally) {
 	t.both += o.both
 	t.poisonApplied += o.poisonApplied
 	t.deadTwice += o.deadTwice
+	t.parked += o.parked
+	t.parkedApplied += o.parkedApplied
 }
 
 // windowsOf returns the spans of the stream during which the lane was

@@ -20,8 +20,10 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/twotier"
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/retry"
 )
 
 const (
@@ -50,7 +52,8 @@ var consumerRole = proctest.NewRole("chaos consumer", func(cfg consumerConfig, t
 		Stack: cfg.Stack, MaxConns: 6,
 		Pool: func(pc *pgxpool.Config) { pc.ConnConfig.ConnectTimeout = 2 * time.Second },
 		Poison: &middleware.PoisonConfig{Topic: "chaos_dlq", MaxAttempts: maxAttempts,
-			InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond},
+			InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, Delays: chaosDelays},
+		Retries: &retry.SubscriberConfig{PollInterval: 200 * time.Millisecond, Lease: 5 * time.Second},
 	}
 	if cfg.Store == "twotier" {
 		client := goredis.NewClient(&goredis.Options{
@@ -77,6 +80,11 @@ var consumerRole = proctest.NewRole("chaos consumer", func(cfg consumerConfig, t
 		if strings.HasPrefix(key, poisonPrefix) {
 			return fmt.Errorf("chaos: the ledger rejects %s", key)
 		}
+		if flakyKey(key) && msg.Metadata.Get(delivery.RetryID) == "" {
+			// Fails while the broker delivers it: it succeeds only once
+			// parked and handed back by the retry subscriber.
+			return fmt.Errorf("chaos: the ledger is busy for %s", key)
+		}
 		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (broker, key, pid) VALUES ($1, $2, $3)`, cfg.Broker, key, pid); err != nil {
 			return err
 		}
@@ -85,6 +93,18 @@ var consumerRole = proctest.NewRole("chaos consumer", func(cfg consumerConfig, t
 		return pause(ctx, time.Duration(crc32.ChecksumIEEE([]byte(key))%10)*time.Millisecond)
 	})
 })
+
+// chaosDelays are the delayed attempts of the suite's consumers: short,
+// so that a poison key reaches the dead-letter table within a second or
+// two of its last immediate attempt.
+var chaosDelays = []time.Duration{300 * time.Millisecond, 600 * time.Millisecond}
+
+// flakyKey reports whether a healthy key fails every attempt the broker
+// delivers, so that it is applied only after it was parked: one key in
+// eight.
+func flakyKey(key string) bool {
+	return !strings.HasPrefix(key, poisonPrefix) && crc32.ChecksumIEEE([]byte(key))%8 == 0
+}
 
 func pause(ctx context.Context, d time.Duration) error {
 	if d <= 0 {

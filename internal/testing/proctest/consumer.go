@@ -20,6 +20,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/retry"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -79,6 +80,11 @@ type Consumer struct {
 	// defaults to the dead-letter table, and without a Consumer or Key of
 	// its own it is built from the inbox.
 	Poison *middleware.PoisonConfig
+	// Retries, with Poison, parks failing messages in the schema's
+	// retries table for their delayed attempts (PoisonConfig.Retries),
+	// and merges the retry subscriber of this configuration (its
+	// Consumer defaults to Stack.Consumer) into the subscription.
+	Retries *retry.SubscriberConfig
 	// Bloom puts the Bloom prefilter in front of the inbox.
 	Bloom bool
 	// Inbox is the inbox's configuration; its TxStore defaults to the
@@ -171,6 +177,7 @@ func (c *Consumer) Run(term <-chan os.Signal, handler message.NoPublishHandlerFu
 		return Setup(err)
 	}
 	var (
+		parked       *retry.Store
 		poison       *middleware.Poison
 		deliveries   atomic.Int64
 		runs, finish atomic.Int64
@@ -190,6 +197,12 @@ func (c *Consumer) Run(term <-chan os.Signal, handler message.NoPublishHandlerFu
 			if poisonCfg.Publisher, err = dlq.NewPublisher(pool, sqlschema.Config{Schema: c.Schema}); err != nil {
 				return Setup(err)
 			}
+		}
+		if c.Retries != nil {
+			if parked, err = retry.NewStore(pool, sqlschema.Config{Schema: c.Schema}); err != nil {
+				return Setup(err)
+			}
+			poisonCfg.Retries = parked
 		}
 		if poison, err = middleware.NewPoison(poisonCfg); err != nil {
 			return Setup(err)
@@ -241,13 +254,26 @@ func (c *Consumer) Run(term <-chan os.Signal, handler message.NoPublishHandlerFu
 		return Setup(errors.Join(err, ps.Close()))
 	}
 	r.AddMiddleware(middlewares...)
+	var sub message.Subscriber = ps.Subscriber
+	if parked != nil {
+		rc := *c.Retries
+		if rc.Consumer == "" {
+			rc.Consumer = c.Consumer
+		}
+		rs, err := parked.Subscriber(rc)
+		if err != nil {
+			return Setup(errors.Join(err, ps.Close()))
+		}
+		defer rs.Close()
+		sub = retry.Merge(ps.Subscriber, rs)
+	}
 	n := max(c.Subscriptions, 1)
 	for i := range n {
 		name := c.Consumer
 		if n > 1 {
 			name = fmt.Sprintf("%s_%d", c.Consumer, i)
 		}
-		r.AddNoPublisherHandler(name, c.Topic, ps.Subscriber, counted)
+		r.AddNoPublisherHandler(name, c.Topic, sub, counted)
 	}
 
 	// SIGTERM closes terminated, then the router.
