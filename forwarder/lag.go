@@ -107,9 +107,9 @@ type Lag struct {
 	// ([PublishAt]), which wait in the scheduled table and are not among
 	// Pending; 0 on a schema without the table.
 	Scheduled int
-	// NextDue is the earliest due time of the scheduled rows, by the
-	// database's clock; zero when there are none. A time already past is
-	// a row the relay has not moved yet.
+	// NextDue is the earliest due time of the scheduled rows; zero when
+	// there are none. One already past, by the database's clock, is a row
+	// no relay has moved yet.
 	NextDue time.Time
 }
 

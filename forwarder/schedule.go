@@ -22,7 +22,9 @@ import (
 // table's name and "_scheduled") instead of the outbox; the relay moves
 // it into the outbox once it is due and publishes it from there. Without
 // the key, or with a time already past, the message goes to the outbox
-// as any other. The key stays in the published message's metadata.
+// as any other. The writer decides by its own clock which table a message
+// goes to; the relay decides by the database's when a row is due. The key
+// stays in the published message's metadata.
 const DueAtKey = "oncemill_due_at"
 
 // ErrNoScheduledTable is wrapped by the error of a write of a message
