@@ -46,6 +46,14 @@
 // watermill-sql) and MySQL, as [Relay] says; [Relay.Lag] names that
 // transaction, and the relay logs it as a stall (RelayConfig.StallWarning).
 //
+// # Scheduled messages
+//
+// [PublishAt] and [Delay] mark a message with a due time ([DueAtKey]):
+// written through the publishers above, it waits in the outbox's
+// scheduled table until then, and the relay moves it into the outbox and
+// publishes it, not before its due time. A key's rows go out in (due
+// time, write) order; see "Scheduled messages" in [Relay].
+//
 // # Consumer outbox
 //
 // [InboxOutbox] and [SQLInboxOutbox] plug into

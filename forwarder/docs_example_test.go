@@ -7,12 +7,14 @@ package forwarder_test
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/dedup/postgres"
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/sqlschema"
@@ -54,6 +56,28 @@ func docsRelay(ctx context.Context, pool *pgxpool.Pool, ps *adapters.PubSub, rou
 	fmt.Println(lag.Pending, lag.OldestAge, lag.HeldBy)
 	// endsnippet
 	return nil
+}
+
+func docsScheduled(ctx context.Context, pool *pgxpool.Pool, orderID string, reminder *message.Message) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+	// snippet:scheduled
+	events, err := forwarder.NewTxPublisher(ctx, tx, sqlschema.Config{})
+	if err != nil {
+		return err
+	}
+	reminder.Metadata.Set(delivery.PartitionKey, orderID)
+	forwarder.Delay(reminder, 24*time.Hour) // or forwarder.PublishAt(reminder, at)
+
+	// A row of oncemill.outbox_scheduled, committed with the transaction.
+	if err := events.Publish("orders.reminder", reminder); err != nil {
+		return err
+	}
+	// endsnippet
+	return tx.Commit(ctx)
 }
 
 func docsConsumerOutbox(store *postgres.Store) (*middleware.Inbox, error) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -79,4 +80,18 @@ func Example() {
 	if lag.HeldBy != nil {
 		fmt.Println("held back by", lag.HeldBy)
 	}
+}
+
+// A reminder goes out a day after the order, not before: PublishAt marks
+// the message, and the outbox's publisher writes it to the scheduled
+// table, from which the relay moves it into the outbox when it is due
+// (see docs/outbox.md, "Scheduled messages", for the writer and relay
+// around it).
+func ExamplePublishAt() {
+	placed := time.Date(2030, 1, 2, 9, 30, 0, 0, time.UTC)
+	reminder := message.NewMessage("reminder-A-42", []byte(`{"orderId":"A-42"}`))
+	reminder.Metadata.Set(delivery.PartitionKey, "A-42")
+	forwarder.PublishAt(reminder, placed.Add(24*time.Hour))
+	fmt.Println(forwarder.DueAtKey, reminder.Metadata.Get(forwarder.DueAtKey))
+	// Output: oncemill_due_at 2030-01-03T09:30:00Z
 }

@@ -33,12 +33,22 @@ type lagSQL struct {
 	// id) and age (µs), read uncommitted.
 	lanes, lowest, inFlight string
 	lockOrdered             bool
+	// scheduled is the scheduled table's rows and the earliest due time
+	// (µs), NULL when empty.
+	scheduled string
 }
 
 // newLagSQL returns the lag queries of an outbox table of names on a
 // database of d, for relays that wait for older transactions unless
 // lockOrdered.
 func newLagSQL(d *sqldb.Dialect, names sqlschema.Names, lockOrdered bool) lagSQL {
+	q := newOutboxLagSQL(d, names, lockOrdered)
+	q.scheduled = `SELECT COUNT(*), ` + d.Micros("MIN(due_at)") + ` FROM ` + names.Scheduled
+	return q
+}
+
+// newOutboxLagSQL returns the lag queries of the outbox table itself.
+func newOutboxLagSQL(d *sqldb.Dialect, names sqlschema.Names, lockOrdered bool) lagSQL {
 	t := names.Outbox
 	age := `COALESCE(` + d.Micros(d.Now()) + ` - ` + d.Micros("MIN(created_at)") + `, 0)`
 	switch {
@@ -93,6 +103,14 @@ type Lag struct {
 	// Age is a lower bound there: the row's age, or the transaction's as
 	// InnoDB reports it (to the second) less a second.
 	HeldBy *Holder
+	// Scheduled counts the rows written with a due time still ahead
+	// ([PublishAt]), which wait in the scheduled table and are not among
+	// Pending; 0 on a schema without the table.
+	Scheduled int
+	// NextDue is the earliest due time of the scheduled rows; zero when
+	// there are none. One already past, by the database's clock, is a row
+	// no relay has moved yet.
+	NextDue time.Time
 }
 
 // Holder is an open transaction that holds the outbox back.
@@ -146,8 +164,10 @@ func (r *Relay) Lag(ctx context.Context) (Lag, error) {
 // dashboard or an operator's console that watches the outbox from another
 // process. It runs the same queries as Relay.Lag of a relay without
 // LockOrderedWriters, so its Waiting rows are the ones such a relay would
-// hold back. A missing table is an
-// error that wraps PostgreSQL's undefined_table (SQLSTATE 42P01).
+// hold back. A missing outbox table is an
+// error that wraps PostgreSQL's undefined_table (SQLSTATE 42P01); a
+// missing scheduled table (a schema migrated before it) counts no
+// scheduled rows.
 func OutboxLag(ctx context.Context, pool *pgxpool.Pool, schema sqlschema.Config) (Lag, error) {
 	if pool == nil {
 		return Lag{}, errors.New("forwarder: OutboxLag: pool is nil")
@@ -179,8 +199,29 @@ func outboxLag(ctx context.Context, caller string, db sqldb.DB, schema sqlschema
 	return newLagSQL(db.Dialect(), db.Dialect().Names(schema), false).measure(ctx, db)
 }
 
-// measure runs q on db.
+// measure runs q on db: the outbox's lag and the scheduled rows.
 func (q lagSQL) measure(ctx context.Context, db sqldb.DB) (Lag, error) {
+	lag, err := q.measureOutbox(ctx, db)
+	if err != nil {
+		return Lag{}, err
+	}
+	var due *time.Time
+	err = db.QueryRow(ctx, q.scheduled).Scan(&lag.Scheduled, sqldb.TimeOrNil(&due))
+	switch {
+	case db.Dialect().UndefinedTable(err):
+		// A schema migrated before the scheduled table: nothing waits.
+		return lag, nil
+	case err != nil:
+		return Lag{}, fmt.Errorf("forwarder: lag: scheduled rows: %w", err)
+	}
+	if due != nil {
+		lag.NextDue = *due
+	}
+	return lag, nil
+}
+
+// measureOutbox runs q on db's outbox table.
+func (q lagSQL) measureOutbox(ctx context.Context, db sqldb.DB) (Lag, error) {
 	if q.lanes != "" {
 		return q.measureLanes(ctx, db)
 	}
@@ -324,10 +365,17 @@ type lagReading struct {
 }
 
 // measure reads the backlog again unless the last reading is younger than
-// maxAge.
-func (l *lagReading) measure(ctx context.Context, r *Relay, maxAge time.Duration) (Lag, error) {
+// maxAge; with scheduled, the scheduled rows too (a reading without them
+// leaves Scheduled and NextDue as the last reading that had them).
+func (l *lagReading) measure(ctx context.Context, r *Relay, maxAge time.Duration, scheduled bool) (Lag, error) {
 	if l.at.IsZero() || time.Since(l.at) >= maxAge {
-		l.lag, l.err = r.Lag(ctx)
+		if scheduled {
+			l.lag, l.err = r.Lag(ctx)
+		} else {
+			n, d := l.lag.Scheduled, l.lag.NextDue
+			l.lag, l.err = r.db.lag.measureOutbox(ctx, r.db.db)
+			l.lag.Scheduled, l.lag.NextDue = n, d
+		}
 		l.at = time.Now()
 	}
 	return l.lag, l.err
@@ -335,12 +383,12 @@ func (l *lagReading) measure(ctx context.Context, r *Relay, maxAge time.Duration
 
 // reportLag measures the backlog and tells the lag hooks.
 func (r *Relay) reportLag(ctx context.Context, reading *lagReading) {
-	lag, err := reading.measure(ctx, r, 0)
+	lag, err := reading.measure(ctx, r, 0, true)
 	if err != nil {
 		if ctx.Err() == nil {
 			r.cfg.Logger.Error("Outbox lag not measured", err, nil)
 		}
 		return
 	}
-	r.hooks.OutboxLag(ctx, observe.OutboxLag{Outbox: r.outbox, Pending: lag.Pending, Waiting: lag.Waiting, OldestAge: lag.OldestAge})
+	r.hooks.OutboxLag(ctx, observe.OutboxLag{Outbox: r.outbox, Pending: lag.Pending, Waiting: lag.Waiting, OldestAge: lag.OldestAge, Scheduled: lag.Scheduled})
 }

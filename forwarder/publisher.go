@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"strings"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -31,10 +32,20 @@ var ErrNotForRelay = errors.New("forwarder: the outbox table is read by forwarde
 // message's UUID, metadata, destination topic and partition key
 // ([delivery.PartitionKeyOf], else the UUID). It is a watermill-sql v4
 // publisher bound to the transaction. It starts no goroutines.
+//
+// A message marked with [PublishAt] or [Delay] for a time still ahead is
+// written to the outbox's scheduled table instead, and the relay moves it
+// into the outbox once it is due (see [DueAtKey]).
 type TxPublisher struct {
 	ctx   context.Context
+	tx    wsql.ContextExecutor
 	pub   *wsql.Publisher
 	hooks observe.Hooks
+	// schema writes the outbox; scheduled, made on the first message with
+	// a due time ahead, writes the scheduled table with it.
+	schema    outboxSchema
+	names     sqlschema.Names
+	scheduled *wsql.Publisher
 }
 
 // TxOption configures a [TxPublisher] (and [InboxOutbox]).
@@ -87,7 +98,8 @@ func newTxPublisher(ctx context.Context, tx wsql.ContextExecutor, schema outboxS
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: schema.on(schema.d.Names(cfg).Outbox)}, watermill.NopLogger{})
+	names := schema.d.Names(cfg)
+	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: schema.on(names.Outbox)}, watermill.NopLogger{})
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
@@ -95,29 +107,75 @@ func newTxPublisher(ctx context.Context, tx wsql.ContextExecutor, schema outboxS
 	for _, opt := range opts {
 		opt(&o)
 	}
-	return &TxPublisher{ctx: context.WithoutCancel(ctx), pub: pub, hooks: observe.New(o.hooks...)}, nil
+	return &TxPublisher{ctx: context.WithoutCancel(ctx), tx: tx, pub: pub, hooks: observe.New(o.hooks...), schema: schema, names: names}, nil
 }
 
-// Publish writes msgs to topic as outbox rows in the transaction.
+// Publish writes msgs to topic as outbox rows in the transaction: the
+// messages with no due time, or one already past, into the outbox, in
+// their order; those with a due time ahead ([PublishAt], [Delay]) into
+// the scheduled table, in their order. A due time that is not an RFC 3339
+// time fails the call before anything is written.
 func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	copies := make([]*message.Message, len(msgs))
-	for i, m := range msgs {
+	var (
+		now                = time.Now()
+		immediate, waiting []*message.Message
+	)
+	for _, m := range msgs {
+		at, ok, err := dueAt(m)
+		if err != nil {
+			return err
+		}
 		c := m.Copy()
 		c.SetContext(p.ctx)
 		p.hooks.MessageOut(p.ctx, observe.OutOutboxWrite, c)
-		copies[i] = c
+		if ok && at.After(now) {
+			waiting = append(waiting, c)
+		} else {
+			immediate = append(immediate, c)
+		}
 	}
-	if err := p.pub.Publish(topic, copies...); err != nil {
-		return fmt.Errorf("forwarder: write outbox rows for topic %q: %w", topic, err)
+	if len(immediate) > 0 {
+		if err := p.pub.Publish(topic, immediate...); err != nil {
+			return fmt.Errorf("forwarder: write outbox rows for topic %q: %w", topic, err)
+		}
+	}
+	if len(waiting) > 0 {
+		if err := p.publishScheduled(topic, waiting); err != nil {
+			return fmt.Errorf("forwarder: write scheduled outbox rows for topic %q: %w", topic, err)
+		}
 	}
 	return nil
 }
 
+// publishScheduled writes msgs into the scheduled table. On a schema
+// migrated before the table, the error wraps [ErrNoScheduledTable]; on
+// PostgreSQL the transaction is then aborted, as after any failed
+// statement.
+func (p *TxPublisher) publishScheduled(topic string, msgs []*message.Message) error {
+	if p.scheduled == nil {
+		pub, err := wsql.NewPublisher(p.tx, wsql.PublisherConfig{SchemaAdapter: p.schema.onScheduled(p.names.Scheduled)}, watermill.NopLogger{})
+		if err != nil {
+			return err
+		}
+		p.scheduled = pub
+	}
+	err := p.scheduled.Publish(topic, msgs...)
+	if p.schema.d.UndefinedTable(err) {
+		return fmt.Errorf("%w (%s): %w", ErrNoScheduledTable, p.names.Scheduled, err)
+	}
+	return err
+}
+
 // Close closes the publisher; the transaction is the caller's.
-func (p *TxPublisher) Close() error { return p.pub.Close() }
+func (p *TxPublisher) Close() error {
+	if p.scheduled != nil {
+		return errors.Join(p.pub.Close(), p.scheduled.Close())
+	}
+	return p.pub.Close()
+}
 
 // outboxSchema is the write side of a watermill-sql schema adapter for
 // the outbox table: one table for every topic.
@@ -129,25 +187,43 @@ type outboxSchema struct {
 	metadataText bool
 	// insert starts the INSERT; row is one row's values.
 	insert, row string
+	// due: the rows go to the scheduled table, with their due time.
+	due bool
 }
 
-// on returns s writing into table.
+// on returns s writing into table, the outbox (or, from onScheduled,
+// the scheduled table).
 func (s outboxSchema) on(table string) outboxSchema {
 	cols, row := "topic, uuid, partition_key, payload, metadata", "?, ?, ?, ?, ?"
 	if s.d.WriterHashes() {
 		// The lane, which the database does not generate.
 		cols, row = cols+", lane", row+", ?"
 	}
-	if s.d.ReadUncommitted && !s.d.Snapshots {
+	if recordsWriter(s.d) {
 		// The outbox of a database whose relay reads rows in flight
 		// records their writing session, which the relay's Lag names
 		// while the row holds back the rows behind it; its created_at
 		// has no default.
 		cols, row = cols+", created_at, writer", row+", "+s.d.Now()+", "+s.d.SessionID()
 	}
+	if s.due {
+		cols, row = cols+", due_at", row+", "+s.d.FromMicros("?")
+	}
 	s.insert, s.row = `INSERT INTO `+table+` (`+cols+`) VALUES `, "("+row+")"
 	return s
 }
+
+// onScheduled returns s writing into table, the scheduled table: the
+// outbox's columns and the due time.
+func (s outboxSchema) onScheduled(table string) outboxSchema {
+	s.due = true
+	return s.on(table)
+}
+
+// recordsWriter reports whether the outbox of d has the columns
+// created_at and writer for the writer to fill: the database's relay
+// reads rows in flight, and names their writer.
+func recordsWriter(d *sqldb.Dialect) bool { return d.ReadUncommitted && !d.Snapshots }
 
 func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, error) {
 	var (
@@ -176,6 +252,13 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 		args = append(args, s.d.Text(params.Topic), s.d.Text(m.UUID), s.d.Text(key), []byte(m.Payload), metadata)
 		if s.d.WriterHashes() {
 			args = append(args, int64(crc32.ChecksumIEEE([]byte(key))%lanes))
+		}
+		if s.due {
+			at, _, err := dueAt(m)
+			if err != nil {
+				return wsql.Query{}, err
+			}
+			args = append(args, at.UnixMicro())
 		}
 	}
 	return wsql.Query{Query: s.d.Rebind(b.String()), Args: args}, nil

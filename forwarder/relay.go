@@ -58,8 +58,9 @@ type RelayConfig struct {
 	Publisher message.Publisher
 	// Schema names the outbox table, as given to sqlschema.Migrate.
 	Schema sqlschema.Config
-	// BatchSize is the most rows one transaction publishes. Defaults to
-	// 500.
+	// BatchSize is the most rows one transaction publishes, and the most
+	// due scheduled rows one transaction moves into the outbox. Defaults
+	// to 500.
 	BatchSize int
 	// LockOrderedWriters says that the writers of each partition key are
 	// ordered by a lock each holds until it commits, taken before its
@@ -88,7 +89,11 @@ type RelayConfig struct {
 	// again at once, after a batch that emptied the backlog it waits
 	// MinPollInterval, and after an empty look MinPollInterval, then twice
 	// as long each time, up to PollInterval. An idle relay therefore sends
-	// one query per PollInterval. Defaults to 250ms.
+	// one query per PollInterval, which also reads the earliest due time
+	// of the scheduled rows; a row due less than PollInterval after it was
+	// written may be up to PollInterval late, a later one is moved to the
+	// outbox at its due time (see "Scheduled messages" in [Relay]).
+	// Defaults to 250ms.
 	PollInterval time.Duration
 	// MinPollInterval is the wait after a batch that was not full and the
 	// first wait after an empty look: the most a row waits while rows
@@ -304,6 +309,24 @@ func (c RelayConfig) Validate() error {
 // behind it in its lane (one lane of 64), not the whole outbox. Nor is
 // there any order between keys.
 //
+// # Scheduled messages
+//
+// A message written with a due time still ahead ([PublishAt], [Delay])
+// waits in the outbox's scheduled table, not in the outbox. Before its
+// batches, Run moves the rows that are due into the outbox, in (due time,
+// write) order, in one short transaction ([Relay.PromoteDue]); from there
+// they go out as any row, after the rows of their key already in the
+// outbox and before those written later. So while a relay runs, a key's
+// rows go out in the order of their due times (an immediate row's is its
+// write), rows due together in their write order; rows that came due
+// while no relay ran go out after the rows written meanwhile. Run
+// remembers the earliest due time and wakes for it, and otherwise reads
+// the scheduled table at most once per PollInterval (while idle, in the
+// statement that looks for rows). Relays moving rows at once take turns
+// (the rows are locked), so each row is moved once. On a schema migrated
+// before the scheduled table, Run relays the outbox as before, logs the
+// missing table once (at Info) and looks for it again every minute.
+//
 // # On SQLite
 //
 // SQLite has one writer at a time and hands out ids in commit order: a
@@ -325,6 +348,10 @@ type Relay struct {
 	// hooks, the logs and the router's handler name give it.
 	outbox string
 	db     *outbox
+	sched  *scheduled
+	// recheck is how long Run waits to look again for a scheduled table
+	// it did not find.
+	recheck time.Duration
 
 	mu      sync.Mutex
 	cancel  context.CancelFunc
@@ -344,12 +371,15 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		db = sqldb.SQL(cfg.DB, d)
 	}
 	names := db.Dialect().Names(cfg.Schema)
+	o := newOutbox(cfg, db, names)
 	return &Relay{
-		cfg:    cfg,
-		hooks:  observe.New(cfg.Hooks...),
-		names:  names,
-		outbox: cfg.Schema.Schema + "." + cfg.Schema.OutboxTable,
-		db:     newOutbox(cfg, db, names),
+		cfg:     cfg,
+		hooks:   observe.New(cfg.Hooks...),
+		names:   names,
+		outbox:  cfg.Schema.Schema + "." + cfg.Schema.OutboxTable,
+		db:      o,
+		sched:   newScheduled(cfg, db, names, o.probe),
+		recheck: scheduledRecheck,
 	}, nil
 }
 
@@ -372,6 +402,8 @@ type row struct {
 
 // RelayBatch publishes one batch and deletes its rows, in one transaction:
 // if publishing fails the rows stay. It returns how many rows it published.
+// It does not move due scheduled rows into the outbox: Run does, or
+// [Relay.PromoteDue].
 func (r *Relay) RelayBatch(ctx context.Context) (int, error) {
 	began := time.Now()
 	n, err := r.db.batch(ctx, r.publish)
@@ -441,7 +473,9 @@ func (r *Relay) publish(ctx context.Context, batch []row) (int, error) {
 // Run relays until ctx is done or Close is called, and returns nil then;
 // the batch in flight at that moment finishes (within DrainTimeout), so
 // that rows it published are deleted. It polls adaptively (see
-// RelayConfig.PollInterval). Failed batches are logged and retried with
+// RelayConfig.PollInterval), and moves scheduled rows into the outbox as
+// they come due (see "Scheduled messages" in [Relay]). Failed batches and
+// moves are logged and retried with
 // backoff; while rows wait on a transaction open for StallWarning or
 // longer, the relay logs it once per StallWarning (see
 // RelayConfig.StallWarning and RelayConfig.Logger).
@@ -479,6 +513,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		stall   stallWatch
 		lag     lagReading
 		pruned  time.Time
+		dues    dueWatch
 	)
 	for ctx.Err() == nil {
 		if r.hooks.ObservesLag() && time.Since(lag.at) >= r.cfg.LagInterval {
@@ -488,7 +523,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.pruneLedger(ctx)
 			pruned = time.Now()
 		}
-		n, err := r.poll(batchCtx, wait > 0)
+		n, err := r.poll(batchCtx, wait > 0, &dues)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			r.cfg.Logger.Error("Outbox batch failed, rows kept", err, watermill.LogFields{"backoff": backoff.String()})
@@ -510,15 +545,27 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		r.watchStall(ctx, &stall, &lag)
 		wait = max(r.cfg.MinPollInterval, min(2*wait, r.cfg.PollInterval))
-		sleep(ctx, wait)
+		sleep(ctx, dues.sleep(wait))
 	}
 	return nil
 }
 
-// poll runs one batch; after an empty look (probe), it first looks for
-// rows that may go out with one query outside a transaction, so that an
-// idle relay sends one query per wait.
-func (r *Relay) poll(ctx context.Context, probe bool) (int, error) {
+// poll moves the scheduled rows that are due into the outbox, when dues
+// says it is time to look, and runs one batch; after an empty look
+// (probe), it first looks for rows that may go out with one query outside
+// a transaction (the look at the scheduled table's earliest due time in
+// the same query), so that an idle relay sends one query per wait.
+func (r *Relay) poll(ctx context.Context, probe bool, dues *dueWatch) (int, error) {
+	probed, rows, err := r.promoteDue(ctx, dues, probe)
+	if err != nil {
+		return 0, err
+	}
+	if probed {
+		if !rows {
+			return 0, nil
+		}
+		probe = false
+	}
 	if probe {
 		pctx, cancel := boundDB(ctx, r.cfg.DatabaseTimeout)
 		due, err := r.db.probeRows(pctx)

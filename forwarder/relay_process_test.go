@@ -96,6 +96,10 @@ type relayKill struct {
 	writerSeed uint64
 	killSeed   [2]uint64
 	pause      bool
+	// delay, when set, schedules every event delay after its write
+	// (forwarder.Delay): the relays are killed while rows wait in the
+	// scheduled table and while they move them into the outbox.
+	delay time.Duration
 }
 
 // testRelaySIGKILL: writers commit (and roll back) events on k.db while
@@ -105,7 +109,9 @@ type relayKill struct {
 // database the effects commit to: every committed event applied once (0
 // lost, 0 doubled), each key's in its commit order (0 order violations),
 // no rolled-back one; the copies a killed relay had published and not
-// deleted reach the consumer again, and its inbox absorbs them.
+// deleted reach the consumer again, and its inbox absorbs them. With
+// k.delay, no event reaches the consumer before its due time either, and
+// some kills land while scheduled rows wait.
 func testRelaySIGKILL(t *testing.T, k relayKill) {
 	const (
 		writers, txPerWriter, keys, perTx = 4, 60, 8, 4
@@ -137,6 +143,7 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 	var (
 		deliveriesMu sync.Mutex
 		deliveries   = map[string]int{}
+		early        int // deliveries before their due time
 	)
 	insertEffect := d.Rebind(`INSERT INTO ` + effects + ` (uuid, ` + d.Quote("key") + `, seq) VALUES (?, ?, ?)`)
 	handler := inboxMW.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -153,8 +160,12 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	require.NoError(t, err)
 	router.AddConsumerHandler("shipping", topic, sub, func(msg *message.Message) error {
+		now := time.Now()
 		deliveriesMu.Lock()
 		deliveries[msg.UUID]++
+		if due, err := time.Parse(time.RFC3339Nano, msg.Metadata.Get(forwarder.DueAtKey)); err == nil && now.Before(due) {
+			early++
+		}
 		deliveriesMu.Unlock()
 		_, err := handler(msg)
 		return err
@@ -191,7 +202,7 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 			rng := mrand.New(mrand.NewPCG(uint64(w), k.writerSeed))
 			for i := 0; i < txPerWriter; i++ {
 				commit := rng.IntN(6) != 0
-				ids, err := writeOrdered(ctx, k.db, d, k.schema, topic, fmt.Sprintf("key-%d", rng.IntN(keys)), 1+rng.IntN(perTx), commit)
+				ids, err := writeOrdered(ctx, k.db, d, k.schema, topic, fmt.Sprintf("key-%d", rng.IntN(keys)), 1+rng.IntN(perTx), commit, k.delay)
 				if err != nil {
 					errs <- fmt.Errorf("writer %d: %w", w, err)
 					return
@@ -213,7 +224,13 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 		wg.Wait()
 		close(written)
 	}()
-	kills := 0
+	count := func(table string) int {
+		var n int
+		require.NoError(t, db.QueryRow(ctx, `SELECT COUNT(*) FROM `+table).Scan(&n))
+		return n
+	}
+	names := d.Names(k.schema)
+	kills, killsScheduled := 0, 0 // killsScheduled: with scheduled rows waiting
 	rng := mrand.New(mrand.NewPCG(k.killSeed[0], k.killSeed[1]))
 	for stop := false; !stop || kills < minKills; {
 		select {
@@ -225,6 +242,9 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 			break
 		}
 		i := rng.IntN(len(running))
+		if k.delay > 0 && count(names.Scheduled) > 0 {
+			killsScheduled++
+		}
 		running[i].Kill()
 		kills++
 		running[i] = relayRole.Start(t, process)
@@ -234,20 +254,17 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 		require.NoError(t, err)
 	}
 
-	// The relays still running drain the outbox; the consumer applies
-	// what they publish.
-	count := func(table string) int {
-		var n int
-		require.NoError(t, db.QueryRow(ctx, `SELECT COUNT(*) FROM `+table).Scan(&n))
-		return n
+	// The relays still running drain the outbox (and the scheduled
+	// table); the consumer applies what they publish.
+	drained := func() bool {
+		return count(names.Outbox) == 0 && count(names.Scheduled) == 0 && count(effects) >= len(committed)
 	}
-	outbox := d.Names(k.schema).Outbox
-	drained := func() bool { return count(outbox) == 0 && count(effects) >= len(committed) }
 	if !assertEventually(drained, 3*time.Minute) {
 		deliveriesMu.Lock()
 		n := len(deliveries)
 		deliveriesMu.Unlock()
-		t.Fatalf("not drained: %d rows in the outbox, %d of %d events applied, %d delivered", count(outbox), count(effects), len(committed), n)
+		t.Fatalf("not drained: %d rows in the outbox, %d scheduled, %d of %d events applied, %d delivered",
+			count(names.Outbox), count(names.Scheduled), count(effects), len(committed), n)
 	}
 
 	rows, err := db.Query(ctx, `SELECT uuid, `+d.Quote("key")+`, seq FROM `+effects+` ORDER BY n`)
@@ -290,10 +307,15 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 	for _, n := range deliveries {
 		copies += n - 1
 	}
+	earlyDeliveries := early
 	deliveriesMu.Unlock()
-	t.Logf("%d relay kills; %d events committed, %d applied: %d lost, %d doubled, %d order violations, %d rolled back and applied; "+
-		"%d copies republished after a kill, absorbed by the inbox", kills, len(committed), applies, lost, doubled, outOfOrder, notCommitted, copies)
+	t.Logf("%d relay kills (%d with scheduled rows waiting); %d events committed, %d applied: %d lost, %d doubled, %d order violations, %d rolled back and applied, %d delivered before their due time; "+
+		"%d copies republished after a kill, absorbed by the inbox", kills, killsScheduled, len(committed), applies, lost, doubled, outOfOrder, notCommitted, earlyDeliveries, copies)
 	require.Zero(t, lost, "lost")
+	require.Zero(t, earlyDeliveries, "delivered before the due time")
+	if k.delay > 0 {
+		require.Positive(t, killsScheduled, "kills while scheduled rows waited")
+	}
 	require.Zero(t, doubled, "doubled")
 	require.Zero(t, outOfOrder, "order violations")
 	require.Zero(t, notCommitted, "rolled-back events applied")
@@ -312,9 +334,10 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 // writeOrdered is a lock-ordered writer on db: it locks key's row of the
 // table orders (id, seq) beside the outbox of schema, writes n events to
 // topic with the key's next sequence numbers (half in one insert, the
-// rest one insert each), advances the sequence and commits, or rolls
-// back. It returns the events' UUIDs.
-func writeOrdered(ctx context.Context, db *sql.DB, d *sqldb.Dialect, schema sqlschema.Config, topic, key string, n int, commit bool) ([]string, error) {
+// rest one insert each), each due delay after its write when delay is
+// set, advances the sequence and commits, or rolls back. It returns the
+// events' UUIDs.
+func writeOrdered(ctx context.Context, db *sql.DB, d *sqldb.Dialect, schema sqlschema.Config, topic, key string, n int, commit bool, delay time.Duration) ([]string, error) {
 	orders := qualified(d, schema, "orders")
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
@@ -334,6 +357,9 @@ func writeOrdered(ctx context.Context, db *sql.DB, d *sqldb.Dialect, schema sqls
 	for i := range events {
 		events[i] = event(key, seq+1+i)
 		ids[i] = events[i].UUID
+		if delay > 0 {
+			forwarder.Delay(events[i], delay)
+		}
 	}
 	half := n / 2
 	if err := pub.Publish(topic, events[:half]...); err != nil {

@@ -46,7 +46,8 @@ func (r *Relay) watchStall(ctx context.Context, s *stallWatch, reading *lagReadi
 	s.checked = now
 	// A reading from before rows last went out may name a transaction
 	// that has ended since.
-	lag, err := reading.measure(ctx, r, min(r.cfg.StallWarning/4, now.Sub(s.flowed)))
+	// The stall needs the outbox alone, not the scheduled rows.
+	lag, err := reading.measure(ctx, r, min(r.cfg.StallWarning/4, now.Sub(s.flowed)), false)
 	if err != nil || !s.stalled(now, lag, r.cfg.StallWarning) {
 		return
 	}

@@ -13,7 +13,9 @@ import (
 // TestMySQLOutboxDLQAndLedgerMigrations: 002 creates the outbox with its
 // 64 lanes, 003 the dead-letter table whose once_key keeps one entry per
 // consumer, topic and UUID until its replay is requested, 004 the relay's
-// ledger with its published_at and idempotency_key indexes; applied twice
+// ledger with its published_at and idempotency_key indexes, 005 the
+// outbox's scheduled table with its (due_at, id) index, 006 the table of
+// parked messages, one row per consumer, topic and UUID; applied twice
 // they change nothing, and their down steps undo them.
 func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 	t.Parallel()
@@ -25,10 +27,12 @@ func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 	cfg := sqlschema.Config{Schema: name, OutboxTable: "events"}
 	ms, err := sqlschema.Migrations(sqlschema.MySQL, cfg)
 	require.NoError(t, err)
-	require.Len(t, ms, 4)
+	require.Len(t, ms, 6)
 	require.Equal(t, "outbox", ms[1].Name)
 	require.Equal(t, "dlq", ms[2].Name)
 	require.Equal(t, "ledger", ms[3].Name)
+	require.Equal(t, "outbox_scheduled", ms[4].Name)
+	require.Equal(t, "retries", ms[5].Name)
 	for range 2 {
 		for _, m := range ms {
 			_, err := db.ExecContext(ctx, m.Up)
@@ -54,6 +58,13 @@ func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 		require.NoError(t, err)
 	}
 	require.Equal(t, 1, count("SELECT COUNT(*) FROM `"+name+"`.dlq"), "one entry per consumer, topic and uuid")
+	parked := "INSERT INTO `" + name + "`.retries (consumer, topic, uuid, `key`, `error`, due_at, parked_at, payload, metadata)\n" +
+		"VALUES ('charge', 'orders', 'u-1', 'k', 'e', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), '', '{}') ON DUPLICATE KEY UPDATE id = id"
+	for range 2 {
+		_, err = db.ExecContext(ctx, parked)
+		require.NoError(t, err)
+	}
+	require.Equal(t, 1, count("SELECT COUNT(*) FROM `"+name+"`.retries"), "one parked row per consumer, topic and uuid")
 	_, err = db.ExecContext(ctx, "UPDATE `"+name+"`.dlq SET replay_requested_at = UTC_TIMESTAMP(6)")
 	require.NoError(t, err)
 	_, err = db.ExecContext(ctx, dead)
@@ -75,21 +86,27 @@ func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 	var at string
 	require.NoError(t, db.QueryRowContext(ctx, "SELECT published_at FROM "+ledger+" WHERE idempotency_key = 'order-7:paid'").Scan(&at))
 	require.Equal(t, "2026-03-01 12:00:00.123456", at, "published_at keeps microseconds")
-	indexes := map[string]string{}
-	rs, err := db.QueryContext(ctx, "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = 'outbox_ledger'", name)
-	require.NoError(t, err)
-	for rs.Next() {
-		var ix, col string
-		require.NoError(t, rs.Scan(&ix, &col))
-		indexes[ix] = col
+	indexes := func(table string) map[string]string {
+		t.Helper()
+		out := map[string]string{}
+		rs, err := db.QueryContext(ctx, "SELECT INDEX_NAME, GROUP_CONCAT(COLUMN_NAME ORDER BY SEQ_IN_INDEX) FROM information_schema.STATISTICS "+
+			"WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? GROUP BY INDEX_NAME", name, table)
+		require.NoError(t, err)
+		for rs.Next() {
+			var ix, cols string
+			require.NoError(t, rs.Scan(&ix, &cols))
+			out[ix] = cols
+		}
+		require.NoError(t, rs.Err())
+		return out
 	}
-	require.NoError(t, rs.Err())
-	require.Equal(t, map[string]string{"PRIMARY": "id", "outbox_ledger_key_idx": "idempotency_key", "outbox_ledger_published_at_idx": "published_at"}, indexes)
+	require.Equal(t, map[string]string{"PRIMARY": "id", "outbox_ledger_key_idx": "idempotency_key", "outbox_ledger_published_at_idx": "published_at"}, indexes("outbox_ledger"))
+	require.Equal(t, map[string]string{"PRIMARY": "id", "events_due_idx": "due_at,id"}, indexes("events_scheduled"))
 
 	for i := len(ms) - 1; i >= 1; i-- {
 		_, err := db.ExecContext(ctx, ms[i].Down)
 		require.NoError(t, err, "%03d_%s down", ms[i].Version, ms[i].Name)
 	}
 	require.Equal(t, 2, count("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = '"+name+"' AND TABLE_NAME LIKE 'inbox%'"), "the inbox's tables stay")
-	require.Equal(t, 2, count("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = '"+name+"'"), "the outbox, its lanes, the dead-letter and the ledger tables are gone")
+	require.Equal(t, 2, count("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = '"+name+"'"), "the outbox, its lanes, the dead-letter, the ledger and the scheduled tables are gone")
 }

@@ -119,9 +119,16 @@ func (c Config) Validate() error {
 	return ValidateIdentifier("RetryTable", c.RetryTable)
 }
 
+// scheduledSuffix ends the name of the outbox's scheduled table, which
+// holds the rows written with a due time until the relay moves them into
+// the outbox: "<OutboxTable>_scheduled".
+const scheduledSuffix = "_scheduled"
+
 // distinctTables reports two tables of c that share a name: they would be
 // one table, and the second CREATE TABLE IF NOT EXISTS would silently keep
-// the first one's columns.
+// the first one's columns. The tables named after another (the outbox's
+// scheduled table) are among them: InboxTable "outbox_scheduled" would be
+// the default outbox's scheduled table.
 func (c Config) distinctTables() error {
 	tables := []struct{ field, name string }{
 		{"InboxTable", c.InboxTable},
@@ -129,6 +136,7 @@ func (c Config) distinctTables() error {
 		{"DLQTable", c.DLQTable},
 		{"LedgerTable", c.LedgerTable},
 		{"RetryTable", c.RetryTable},
+		{"the scheduled table of OutboxTable", c.OutboxTable + scheduledSuffix},
 	}
 	for i := range tables {
 		for j := i + 1; j < len(tables); j++ {
@@ -167,6 +175,12 @@ type Names struct {
 	Outbox string
 	// OutboxName is the bare outbox table name.
 	OutboxName string
+	// Scheduled is the quoted, schema-qualified table of the outbox rows
+	// written with a due time in the future ("<outbox>_scheduled"): the
+	// relay moves each into the outbox once it is due.
+	Scheduled string
+	// ScheduledName is the bare scheduled table name.
+	ScheduledName string
 	// OutboxChannel is the LISTEN/NOTIFY channel the outbox notifies on
 	// commit: "<schema>.<outbox table>" (PostgreSQL only).
 	OutboxChannel string
@@ -191,17 +205,19 @@ func NamesFor(d Dialect, cfg Config) Names {
 	case SQLite:
 		q := func(name string) string { return `"` + name + `"` }
 		return Names{
-			Inbox:       q(cfg.InboxTable),
-			InboxName:   cfg.InboxTable,
-			InboxStarts: q(cfg.InboxTable + "_starts"),
-			Outbox:      q(cfg.OutboxTable),
-			OutboxName:  cfg.OutboxTable,
-			DLQ:         q(cfg.DLQTable),
-			DLQName:     cfg.DLQTable,
-			Ledger:      q(cfg.LedgerTable),
-			LedgerName:  cfg.LedgerTable,
-			Retries:     q(cfg.RetryTable),
-			RetriesName: cfg.RetryTable,
+			Inbox:         q(cfg.InboxTable),
+			InboxName:     cfg.InboxTable,
+			InboxStarts:   q(cfg.InboxTable + "_starts"),
+			Outbox:        q(cfg.OutboxTable),
+			OutboxName:    cfg.OutboxTable,
+			DLQ:           q(cfg.DLQTable),
+			DLQName:       cfg.DLQTable,
+			Ledger:        q(cfg.LedgerTable),
+			LedgerName:    cfg.LedgerTable,
+			Retries:       q(cfg.RetryTable),
+			RetriesName:   cfg.RetryTable,
+			Scheduled:     q(cfg.OutboxTable + scheduledSuffix),
+			ScheduledName: cfg.OutboxTable + scheduledSuffix,
 		}
 	case MySQL:
 		// Backticks: MySQL quotes identifiers with them unless the
@@ -209,18 +225,20 @@ func NamesFor(d Dialect, cfg Config) Names {
 		schema := "`" + cfg.Schema + "`"
 		table := func(name string) string { return schema + ".`" + name + "`" }
 		return Names{
-			Schema:      schema,
-			Inbox:       table(cfg.InboxTable),
-			InboxName:   cfg.InboxTable,
-			InboxStarts: table(cfg.InboxTable + "_starts"),
-			Outbox:      table(cfg.OutboxTable),
-			OutboxName:  cfg.OutboxTable,
-			DLQ:         table(cfg.DLQTable),
-			DLQName:     cfg.DLQTable,
-			Ledger:      table(cfg.LedgerTable),
-			LedgerName:  cfg.LedgerTable,
-			Retries:     table(cfg.RetryTable),
-			RetriesName: cfg.RetryTable,
+			Schema:        schema,
+			Inbox:         table(cfg.InboxTable),
+			InboxName:     cfg.InboxTable,
+			InboxStarts:   table(cfg.InboxTable + "_starts"),
+			Outbox:        table(cfg.OutboxTable),
+			OutboxName:    cfg.OutboxTable,
+			DLQ:           table(cfg.DLQTable),
+			DLQName:       cfg.DLQTable,
+			Ledger:        table(cfg.LedgerTable),
+			LedgerName:    cfg.LedgerTable,
+			Retries:       table(cfg.RetryTable),
+			RetriesName:   cfg.RetryTable,
+			Scheduled:     table(cfg.OutboxTable + scheduledSuffix),
+			ScheduledName: cfg.OutboxTable + scheduledSuffix,
 		}
 	}
 	schema := `"` + cfg.Schema + `"`
@@ -231,6 +249,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 		InboxStarts:   schema + `."` + cfg.InboxTable + `_starts"`,
 		Outbox:        schema + `."` + cfg.OutboxTable + `"`,
 		OutboxName:    cfg.OutboxTable,
+		Scheduled:     schema + `."` + cfg.OutboxTable + scheduledSuffix + `"`,
+		ScheduledName: cfg.OutboxTable + scheduledSuffix,
 		OutboxChannel: cfg.Schema + "." + cfg.OutboxTable,
 		DLQ:           schema + `."` + cfg.DLQTable + `"`,
 		DLQName:       cfg.DLQTable,

@@ -126,6 +126,8 @@ func TestMigrationsRejectSharedTableNames(t *testing.T) {
 		{sqlschema.Config{DLQTable: "inbox"}, `InboxTable and DLQTable are both "inbox"`},
 		{sqlschema.Config{DLQTable: "outbox"}, `OutboxTable and DLQTable are both "outbox"`},
 		{sqlschema.Config{InboxTable: "events", OutboxTable: "events"}, `InboxTable and OutboxTable are both "events"`},
+		{sqlschema.Config{InboxTable: "outbox_scheduled"}, `InboxTable and the scheduled table of OutboxTable are both "outbox_scheduled"`},
+		{sqlschema.Config{OutboxTable: "events", LedgerTable: "events_scheduled"}, `LedgerTable and the scheduled table of OutboxTable are both "events_scheduled"`},
 	} {
 		for _, d := range []sqlschema.Dialect{sqlschema.Postgres, sqlschema.MySQL, sqlschema.SQLite} {
 			_, err := sqlschema.Migrations(d, tc.cfg)

@@ -97,6 +97,9 @@ type Report struct {
 	Writers []WriterResult
 	// Idle is the idle relay's statement rate; nil when not measured.
 	Idle *IdleResult
+	// Scheduled is the scheduled messages' lateness; nil when not
+	// measured.
+	Scheduled *ScheduledResult
 	// Triggers lists the user triggers of a freshly migrated outbox
 	// table, "" when it has none.
 	Triggers string
@@ -156,6 +159,13 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 			return rep, fmt.Errorf("idle relay: %w", err)
 		}
 		rep.Idle = &idle
+	}
+	if cfg.runs(StageScheduled) {
+		s, err := e.scheduledStage(ctx)
+		if err != nil {
+			return rep, fmt.Errorf("scheduled messages: %w", err)
+		}
+		rep.Scheduled = &s
 	}
 	return rep, nil
 }

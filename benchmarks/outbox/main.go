@@ -25,7 +25,12 @@
 //     outbox, and with 4 of the raw floor's SKIP LOCKED workers in place of
 //     the relays;
 //   - idle cost: the statements one relay sends per second on an empty
-//     outbox, counted by a pgx QueryTracer on its pool.
+//     outbox, counted by a pgx QueryTracer on its pool;
+//   - scheduled messages: messages written through forwarder.PublishAt
+//     come due at a steady rate (the latency runs' rate and length), each
+//     written a second ahead, and their lateness is arrival − due time;
+//     in the same run, immediate messages at a tenth of the rate give the
+//     commit-to-arrival latency beside it.
 //
 // Arrival is the time a GoChannel subscriber receives the message, or, for
 // Kafka, the time the Kafka publisher's Publish of that message returned
@@ -70,6 +75,7 @@ func main() {
 		round    = flag.Duration("writer-round", 0, "length of each writer-throughput round (default 800ms, -quick 500ms)")
 		repeats  = flag.Int("writer-repeats", 0, "baseline/outbox round pairs per writer-throughput cell (default 5, -quick 3)")
 		idle     = flag.Duration("idle", 0, "how long the idle relay runs (default 10s, -quick 3s)")
+		ahead    = flag.Duration("ahead", 0, "how long before its due time each scheduled message is written (default 1s)")
 	)
 	flag.Parse()
 
@@ -110,6 +116,9 @@ func main() {
 	}
 	if *idle > 0 {
 		cfg.Idle = *idle
+	}
+	if *ahead > 0 {
+		cfg.Ahead = *ahead
 	}
 	if *nOurs > 0 {
 		cfg.NOurs = *nOurs
@@ -192,6 +201,9 @@ type Config struct {
 	WriterRepeats int
 	// Idle is how long the idle relay runs.
 	Idle time.Duration
+	// Ahead is how long before its due time the scheduled stage writes
+	// each message; the stage's messages come due at Rate for Duration.
+	Ahead time.Duration
 	// Out receives progress lines.
 	Out io.Writer
 }
@@ -206,11 +218,13 @@ const (
 	StageWriters = "writers"
 	// StageIdle counts an idle relay's statements.
 	StageIdle = "idle"
+	// StageScheduled measures how late scheduled messages arrive.
+	StageScheduled = "scheduled"
 )
 
 // allStages lists every stage, in the order they run.
 func allStages() []string {
-	return []string{StageRelay, StageFloor, StageWriters, StageIdle}
+	return []string{StageRelay, StageFloor, StageWriters, StageIdle, StageScheduled}
 }
 
 // withDefaults fills in what c leaves empty.
@@ -246,6 +260,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Idle <= 0 {
 		c.Idle = 10 * time.Second
+	}
+	if c.Ahead <= 0 {
+		c.Ahead = time.Second
+	}
+	if c.Rate <= 0 {
+		c.Rate = 1000
 	}
 	return c
 }

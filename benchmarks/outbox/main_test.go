@@ -37,7 +37,7 @@ func TestSmoke(t *testing.T) {
 		Duration: 500 * time.Millisecond, Drain: 5 * time.Second, Timeout: 20 * time.Second,
 		Instances: []int{1}, Brokers: []string{brokerGo}, Out: &out,
 		WriterCounts: []int{2}, WriterRelays: []int{0, 1}, WriterRound: 200 * time.Millisecond, WriterRepeats: 1,
-		Idle: 500 * time.Millisecond,
+		Idle: 500 * time.Millisecond, Ahead: 300 * time.Millisecond,
 	}
 	rep, err := Run(ctx, cfg)
 	t.Log(out.String())
@@ -82,8 +82,11 @@ func TestSmoke(t *testing.T) {
 	if rep.Idle == nil || rep.Idle.Statements == 0 {
 		t.Errorf("idle relay: %+v, want some statements", rep.Idle)
 	}
+	if s := rep.Scheduled; s == nil || s.Due == 0 || s.Arrived != s.Due || s.Early != 0 || s.Dups != 0 || s.Immediate == 0 || s.ImmArrived != s.Immediate {
+		t.Errorf("scheduled messages: %+v, want every due and immediate message once, none early", s)
+	}
 	table := Markdown(rep, cfg.withDefaults())
-	for _, want := range []string{"| oncemill relay | 1 | GoChannel |", "| GoChannel | 1 | 200 |", "| 2 | 1 |", "| 2 | 1 (SKIP LOCKED floor) |", "with 1 raw SKIP LOCKED workers", "### Idle relay"} {
+	for _, want := range []string{"| oncemill relay | 1 | GoChannel |", "| GoChannel | 1 | 200 |", "| 2 | 1 |", "| 2 | 1 (SKIP LOCKED floor) |", "with 1 raw SKIP LOCKED workers", "### Idle relay", "### Scheduled messages", "| 200 | 500ms |"} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)
 		}

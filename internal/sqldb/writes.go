@@ -62,7 +62,7 @@ func (d *Dialect) JSONInts(ph string) string {
 func (d *Dialect) ByIDs(table, set, cond string) string {
 	var q string
 	if d == MySQL {
-		from := "JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j STRAIGHT_JOIN " + table + " AS t ON t.id = j.id"
+		from := myIDsJoin(table)
 		q = "DELETE t FROM " + from
 		if set != "" {
 			q = "UPDATE " + from + " SET " + set
@@ -81,6 +81,24 @@ func (d *Dialect) ByIDs(table, set, cond string) string {
 		q += " AND " + cond
 	}
 	return q
+}
+
+// FromIDs is the FROM clause (with its WHERE, if any) of a SELECT of the
+// rows of table, as t, whose id is in the JSON array of integers that is
+// its parameter, each reached through the primary key as in [Dialect.ByIDs]. A
+// statement may go on with ORDER BY.
+func (d *Dialect) FromIDs(table string) string {
+	if d == MySQL {
+		return " FROM " + myIDsJoin(table)
+	}
+	return " FROM " + table + " AS t WHERE t.id IN (" + d.JSONInts("?") + ")"
+}
+
+// myIDsJoin is MySQL's join of a JSON array of ids, the parameter, to the
+// rows of table, as t, through the primary key: STRAIGHT_JOIN keeps the
+// optimizer from scanning a small table instead.
+func myIDsJoin(table string) string {
+	return "JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j STRAIGHT_JOIN " + table + " AS t ON t.id = j.id"
 }
 
 // UpdateFrom returns an UPDATE of table AS a that reads table AS b: each

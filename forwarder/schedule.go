@@ -1,0 +1,305 @@
+package forwarder
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/internal/sqldb"
+	"github.com/oncemill/oncemill/sqlschema"
+)
+
+// DueAtKey is the metadata key of a message's due time, an RFC 3339 time
+// (time.RFC3339Nano, in UTC), as [PublishAt] and [Delay] set it. A
+// message written through the outbox's publishers ([TxPublisher],
+// [InboxOutbox], [SQLInboxOutbox]) with a due time still ahead is written
+// to the outbox's scheduled table (sqlschema.Names.Scheduled, the outbox
+// table's name and "_scheduled") instead of the outbox; the relay moves
+// it into the outbox once it is due and publishes it from there. Without
+// the key, or with a time already past, the message goes to the outbox
+// as any other. The writer decides by its own clock which table a message
+// goes to; the relay decides by the database's when a row is due. The key
+// stays in the published message's metadata.
+const DueAtKey = "oncemill_due_at"
+
+// ErrNoScheduledTable is wrapped by the error of a write of a message
+// with a due time ahead, and of [Relay.PromoteDue], on a schema migrated
+// before the scheduled table existed (PostgreSQL migration 011, MySQL
+// 005, SQLite 007). Run sqlschema.Migrate (MigrateSQL, MigrateSQLite)
+// to add it. A relay runs on such a schema all the same: it relays the
+// outbox and looks for the table again now and then.
+var ErrNoScheduledTable = errors.New("forwarder: the outbox's scheduled table does not exist: migrate the schema (sqlschema.Migrate, MigrateSQL or MigrateSQLite) to add it")
+
+// PublishAt marks msg to be published at at, not before: written through
+// the outbox's publishers, it waits in the scheduled table until then
+// (see [DueAtKey]). A time already past publishes it at once. It sets
+// msg's metadata, so call it before Publish.
+//
+// Order: the relay moves a due row into the outbox at its due time, where
+// it goes out after the rows of its key already there and before those
+// written later; the rows it moves together go in (due time, write)
+// order. While a relay runs, a key's rows therefore go out in the order
+// of their due times, an immediate row's due time being its write, and
+// rows due at the same time in their write order.
+func PublishAt(msg *message.Message, at time.Time) {
+	if msg.Metadata == nil {
+		msg.Metadata = make(message.Metadata)
+	}
+	msg.Metadata.Set(DueAtKey, at.UTC().Format(time.RFC3339Nano))
+}
+
+// Delay marks msg to be published d from now, not before: [PublishAt]
+// with time.Now().Add(d).
+func Delay(msg *message.Message, d time.Duration) {
+	PublishAt(msg, time.Now().Add(d))
+}
+
+// dueAt returns the due time msg carries, if any.
+func dueAt(msg *message.Message) (time.Time, bool, error) {
+	v := msg.Metadata.Get(DueAtKey)
+	if v == "" {
+		return time.Time{}, false, nil
+	}
+	at, err := time.Parse(time.RFC3339Nano, v)
+	if err != nil {
+		return time.Time{}, false, fmt.Errorf("forwarder: message %s: metadata %s %q is not an RFC 3339 time: set it with forwarder.PublishAt or forwarder.Delay", msg.UUID, DueAtKey, v)
+	}
+	return at, true, nil
+}
+
+// scheduledRecheck is how long a relay that found no scheduled table
+// waits before it looks for it again.
+const scheduledRecheck = time.Minute
+
+// scheduled is the outbox's scheduled table, as the relay reads it: it
+// looks for the earliest due time and moves the due rows into the outbox.
+//
+// The writers put a row with a due time ahead here, not in the outbox,
+// so that the relay's takes, which walk each lane of the outbox in id
+// order, never meet a row that may not go yet: the takes stay as they
+// are, and a row enters its lane only once it is due, behind the rows
+// already there.
+type scheduled struct {
+	db      sqldb.DB
+	d       *sqldb.Dialect
+	table   string
+	limit   int
+	timeout time.Duration
+	// look is the earliest due time and the database's clock
+	// (microseconds); lookProbe is the relay's probe (whether the outbox
+	// has rows that may go out) and look in one statement.
+	look, lookProbe string
+	// due locks the first due rows' ids (argument: limit); move copies
+	// the rows of a JSON array of ids into the outbox in (due_at, id)
+	// order; remove deletes them.
+	due, move, remove string
+	// count is the rows and the earliest due time, for Lag.
+	count string
+}
+
+// newScheduled returns the scheduled table of names on db; probe is the
+// relay's probe, a SELECT of one column, which lookProbe extends.
+func newScheduled(cfg RelayConfig, db sqldb.DB, names sqlschema.Names, probe string) *scheduled {
+	d := db.Dialect()
+	t := names.Scheduled
+	now := d.Micros(d.Now())
+	minDue := `(SELECT ` + d.Micros("MIN(due_at)") + ` FROM ` + t + `)`
+	// The outbox's columns a writer fills, as the publisher fills them
+	// (see outboxSchema.on): the message's, the lane where the writer
+	// hashes it, and the writing session where the outbox records it,
+	// which is now the relay's.
+	cols, vals := "topic, uuid, partition_key, payload, metadata", "t.topic, t.uuid, t.partition_key, t.payload, t.metadata"
+	if d.WriterHashes() {
+		cols, vals = cols+", lane", vals+", t.lane"
+	}
+	if recordsWriter(d) {
+		cols, vals = cols+", created_at, writer", vals+", "+d.Now()+", "+d.SessionID()
+	}
+	return &scheduled{
+		db:        db,
+		d:         d,
+		table:     t,
+		limit:     cfg.BatchSize,
+		timeout:   cfg.DatabaseTimeout,
+		look:      `SELECT ` + minDue + `, ` + now,
+		lookProbe: probe + `, ` + minDue + `, ` + now,
+		due:       d.Rebind(`SELECT id FROM ` + t + ` WHERE due_at <= ` + d.Now() + ` ORDER BY due_at, id LIMIT ?` + d.LockRow(false)),
+		move: d.Rebind(`INSERT INTO ` + names.Outbox + ` (` + cols + `) SELECT ` + vals + d.FromIDs(t) +
+			` ORDER BY t.due_at, t.id`),
+		remove: d.Rebind(d.ByIDs(t, "", "")),
+		count:  `SELECT COUNT(*), ` + d.Micros("MIN(due_at)") + ` FROM ` + t,
+	}
+}
+
+// dueLook is what a look at the scheduled table found.
+type dueLook struct {
+	// probed: the look was the relay's probe too, and rows tells whether
+	// the outbox has rows that may go out.
+	probed, rows bool
+	// any: the table has rows; wait is how long until the earliest is
+	// due, by the database's clock, zero or less when it is.
+	any  bool
+	wait time.Duration
+}
+
+// lookDue reads the earliest due time, and with probe whether the outbox
+// has rows that may go out, in one statement.
+func (s *scheduled) lookDue(ctx context.Context, probe bool) (dueLook, error) {
+	var (
+		l   dueLook
+		due *time.Time
+		now time.Time
+		err error
+	)
+	if probe {
+		l.probed = true
+		err = s.db.QueryRow(ctx, s.lookProbe).Scan(&l.rows, sqldb.TimeOrNil(&due), sqldb.Time(&now))
+	} else {
+		err = s.db.QueryRow(ctx, s.look).Scan(sqldb.TimeOrNil(&due), sqldb.Time(&now))
+	}
+	if err != nil {
+		return dueLook{}, err
+	}
+	if due != nil {
+		l.any, l.wait = true, due.Sub(now)
+	}
+	return l, nil
+}
+
+// promote moves the due rows, at most limit of them, into the outbox in
+// (due_at, id) order, in one short transaction, and returns how many. It
+// locks them first (FOR UPDATE, where the database has row locks), so
+// that two relays moving rows at once take turns: a row is moved once,
+// and the second relay's rows, due later, get the higher ids. ctx bounds
+// the transaction; on any failure it rolls back and the rows stay.
+func (s *scheduled) promote(ctx context.Context) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	var n int
+	err := sqldb.InTx(ctx, s.db, sqldb.TxOptions{Isolation: sqldb.ReadCommitted}, func(tx sqldb.Tx) error {
+		rs, err := tx.Query(ctx, s.due, s.limit)
+		ids, err := sqldb.Collect(rs, err, sqldb.Value[int64])
+		if err != nil || len(ids) == 0 {
+			return wrap("take due rows", err)
+		}
+		list, err := json.Marshal(ids)
+		if err != nil {
+			return err
+		}
+		moved, err := tx.Exec(ctx, s.move, string(list))
+		if err != nil {
+			return fmt.Errorf("move %d due rows to the outbox: %w", len(ids), err)
+		}
+		removed, err := tx.Exec(ctx, s.remove, string(list))
+		if err != nil {
+			return fmt.Errorf("delete %d moved rows: %w", len(ids), err)
+		}
+		if moved != int64(len(ids)) || removed != int64(len(ids)) {
+			return fmt.Errorf("%d due rows locked, %d moved, %d deleted (deleted by something other than a relay?)", len(ids), moved, removed)
+		}
+		n = len(ids)
+		return nil
+	})
+	switch {
+	case s.d.UndefinedTable(err):
+		return 0, fmt.Errorf("forwarder: promote due rows: %w (%s): %w", ErrNoScheduledTable, s.table, err)
+	case err != nil:
+		return 0, fmt.Errorf("forwarder: promote due rows of %s: %w", s.table, err)
+	}
+	return n, nil
+}
+
+// PromoteDue moves the scheduled rows that are due (see [PublishAt]) into
+// the outbox, at most RelayConfig.BatchSize of them, in (due time, write)
+// order, in one short transaction, and returns how many it moved; the
+// next batches publish them. [Relay.Run] does it before its batches as
+// rows come due; call it only when driving the relay with
+// [Relay.RelayBatch] yourself. On a schema without the scheduled table
+// its error wraps [ErrNoScheduledTable].
+func (r *Relay) PromoteDue(ctx context.Context) (int, error) {
+	return r.sched.promote(ctx)
+}
+
+// dueWatch is Run's pacing of its looks at the scheduled table: a look
+// when the earliest due time known comes, and otherwise at most one per
+// PollInterval (one statement with the probe while the relay idles), or,
+// while the table is missing, one per scheduledRecheck.
+type dueWatch struct {
+	// next is when to look again.
+	next time.Time
+	// missing: the last look found no table, and said so in the log.
+	missing bool
+}
+
+// sleep is how long Run may sleep, at most d, before its next look.
+func (w *dueWatch) sleep(d time.Duration) time.Duration {
+	return max(0, min(d, time.Until(w.next)))
+}
+
+// promoteDue, when w says it is time, looks at the scheduled table (with
+// probe, in the same statement as the probe for due outbox rows) and
+// moves the due rows into the outbox. It reports whether the probe was
+// answered (probed) and by what (rows: the outbox has rows to take,
+// which moved rows count as), so that the caller need not probe again.
+func (r *Relay) promoteDue(ctx context.Context, w *dueWatch, probe bool) (probed, rows bool, err error) {
+	now := time.Now()
+	if now.Before(w.next) {
+		return false, false, nil
+	}
+	lctx, cancel := boundDB(ctx, r.cfg.DatabaseTimeout)
+	look, err := r.sched.lookDue(lctx, probe && !w.missing)
+	cancel()
+	switch {
+	case r.sched.d.UndefinedTable(err) && probe && !w.missing:
+		// The outbox or the scheduled table: the probe alone tells.
+		pctx, cancel := boundDB(ctx, r.cfg.DatabaseTimeout)
+		rows, err := r.db.probeRows(pctx)
+		cancel()
+		if err != nil {
+			return false, false, fmt.Errorf("forwarder: look for rows: %w", err)
+		}
+		r.scheduledMissing(w, now)
+		return true, rows, nil
+	case r.sched.d.UndefinedTable(err):
+		r.scheduledMissing(w, now)
+		return false, false, nil
+	case err != nil:
+		return false, false, fmt.Errorf("forwarder: look for due scheduled rows: %w", err)
+	}
+	if w.missing {
+		w.missing = false
+		r.cfg.Logger.Info("Outbox scheduled table found: moving due rows to the outbox", watermill.LogFields{"outbox": r.outbox, "table": r.names.Scheduled})
+	}
+	if !look.any || look.wait > 0 {
+		wait := r.cfg.PollInterval
+		if look.any {
+			wait = min(wait, look.wait)
+		}
+		w.next = now.Add(wait)
+		return look.probed, look.rows, nil
+	}
+	n, err := r.sched.promote(ctx)
+	if err != nil {
+		return false, false, err
+	}
+	// Look again at once: more may be due, and the next due time is
+	// unknown.
+	w.next = now
+	return look.probed, look.rows || n > 0, nil
+}
+
+// scheduledMissing notes that the scheduled table is missing, logs it
+// once, and puts the next look scheduledRecheck away.
+func (r *Relay) scheduledMissing(w *dueWatch, now time.Time) {
+	if !w.missing {
+		r.cfg.Logger.Info("Outbox scheduled table missing: messages written with a due time cannot be written nor moved; the outbox is relayed as before; migrate the schema to add the table",
+			watermill.LogFields{"outbox": r.outbox, "table": r.names.Scheduled, "look_again_in": r.recheck.String()})
+	}
+	w.missing = true
+	w.next = now.Add(r.recheck)
+}
