@@ -7,6 +7,8 @@ package middleware_test
 
 import (
 	"context"
+	"errors"
+	"syscall"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -18,6 +20,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/twotier"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/retry"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -84,6 +87,40 @@ func docsPoison(pool *pgxpool.Pool, router *message.Router, inbox *middleware.In
 	router.AddMiddleware(poison.Middleware, inbox.Middleware)
 	// endsnippet
 	return nil
+}
+
+func docsRetries(pool *pgxpool.Pool, router *message.Router, inbox *middleware.Inbox, table message.Publisher,
+	sub message.Subscriber, charge message.NoPublishHandlerFunc) error {
+	// snippet:retries
+	parked, err := retry.NewStore(pool, sqlschema.Config{}) // the oncemill.retries table
+	if err != nil {
+		return err
+	}
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: table, Retries: parked})
+	if err != nil {
+		return err
+	}
+	retries, err := parked.Subscriber(retry.SubscriberConfig{Consumer: "charge-orders"}) // the inbox's consumer
+	if err != nil {
+		return err
+	}
+	router.AddMiddleware(poison.Middleware, inbox.Middleware)
+	router.AddConsumerHandler("charge-orders", "orders", retry.Merge(sub, retries), charge)
+	// endsnippet
+	return nil
+}
+
+func docsClassify() middleware.PoisonConfig {
+	return middleware.PoisonConfig{
+		// snippet:classify
+		Classify: func(err error) middleware.Decision {
+			if errors.Is(err, syscall.ECONNREFUSED) {
+				return middleware.Pause
+			}
+			return middleware.DefaultClassify(err)
+		},
+		// endsnippet
+	}
 }
 
 func docsBatch(store *postgres.Store) (*middleware.Inbox, error) {
