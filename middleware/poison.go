@@ -196,8 +196,6 @@ func (c PoisonConfig) Validate() error {
 		return fmt.Errorf("middleware: PoisonConfig.PublishTimeout must not be negative, got %s", c.PublishTimeout)
 	case len(c.Delays) > 0 && c.Retries == nil:
 		return errors.New("middleware: PoisonConfig.Delays needs PoisonConfig.Retries, the store where messages wait for their delayed attempts (retry.NewStore)")
-	case typednil.Is(c.Retries):
-		return errors.New("middleware: PoisonConfig.Retries holds a nil *retry.Store: pass one made by retry.NewStore or retry.NewSQLStore")
 	}
 	for i, d := range c.Delays {
 		if d < 0 {
@@ -283,8 +281,11 @@ type Poison struct {
 	parked, parkedBehind, paused                                        atomic.Int64
 	// outages counts the infrastructure failures in a row, for the backoff.
 	outages atomic.Int64
-	// gate lets one attempt at a time run while outages > 0.
-	gate *gate
+	// pauses counts the attempts in a row whose handler said its
+	// dependency is down (Unavailable, or Classify's Pause); gate lets
+	// one attempt at a time run while pauses > 0.
+	pauses atomic.Int64
+	gate   *gate
 	// unparked remembers the consumers and topics told that no retry
 	// subscriber runs for them.
 	unparked sync.Map
@@ -313,7 +314,7 @@ func NewPoison(cfg PoisonConfig) (*Poison, error) {
 		return nil, err
 	}
 	p := &Poison{cfg: cfg, hooks: observe.New(cfg.Hooks...), local: map[string]localCount{}}
-	p.gate = newGate(func() bool { return p.outages.Load() > 0 })
+	p.gate = newGate(func() bool { return p.pauses.Load() > 0 })
 	return p, nil
 }
 
@@ -376,6 +377,7 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			if err == nil {
 				p.forget(msg.UUID)
 				p.outages.Store(0)
+				p.pauses.Store(0)
 				return produced, nil
 			}
 			class := classOf(base, err)
@@ -384,6 +386,9 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				return nil, err
 			case classInfrastructure:
 				slot.end()
+				if dependencyDown(err) {
+					p.pauses.Add(1)
+				}
 				return nil, p.outage(msg, err)
 			}
 			dec := DeadLetter
@@ -392,10 +397,12 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 			if dec.kind == decidePause {
 				slot.end()
+				p.pauses.Add(1)
 				return nil, p.outage(msg, err)
 			}
 			// The dependencies answered: an outage, if one was on, is over.
 			p.outages.Store(0)
+			p.pauses.Store(0)
 			now := time.Now()
 			attempts, first := p.count(msg, err, try, now)
 			if dec.kind == decideDeadLetter || attempts >= p.horizon(parking) {

@@ -311,11 +311,20 @@ func leaseAttempts(msg *message.Message) (int, time.Time, bool) {
 	return l.Attempts, l.FirstFailedAt, true
 }
 
+// dependencyDown reports whether err is the handler's word that its
+// dependency is down ([Unavailable]), not a store's own outage: only the
+// former closes the gate. A store that is down fails every attempt before
+// the handler runs, and is left to its own backoff.
+func dependencyDown(err error) bool {
+	var u unavailableError
+	return errors.As(err, &u)
+}
+
 // gate keeps a consumer whose dependency is down from spinning: while
-// attempts fail for the infrastructure ([Pause]), one attempt at a time
-// runs, and it holds the gate through its backoff, so the broker sees at
-// most one nack per backoff period per middleware, however many messages
-// are in flight; the others wait, unacked, before the handler.
+// the handler's attempts say so ([Pause], [Unavailable]), one attempt at
+// a time runs, and it holds the gate through its backoff, so the broker
+// sees at most one nack per backoff period per middleware, however many
+// messages are in flight; the others wait, unacked, before the handler.
 type gate struct {
 	token chan struct{}
 	down  func() bool
