@@ -100,12 +100,12 @@ func docsRetries(pool *pgxpool.Pool, router *message.Router, inbox *middleware.I
 	if err != nil {
 		return err
 	}
-	retries, err := parked.Subscriber(retry.SubscriberConfig{Consumer: "charge-orders"}) // the inbox's consumer
+	orders, err := poison.Subscriber(sub) // sub's messages, and the parked ones when due
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(poison.Middleware, inbox.Middleware)
-	router.AddConsumerHandler("charge-orders", "orders", retry.Merge(sub, retries), charge)
+	router.AddMiddleware(poison.Middleware, inbox.Middleware) // the inbox's Consumer is "charge-orders"
+	router.AddConsumerHandler("charge-orders", "orders", orders, charge)
 	// endsnippet
 	return nil
 }

@@ -348,3 +348,24 @@ func (g *gate) enter(ctx context.Context) (leave func(), ok bool) {
 		return func() {}, false
 	}
 }
+
+// Subscriber returns sub with this middleware's parked messages merged in
+// (retry.Merge with a subscriber of PoisonConfig.Retries for the
+// consumer): give it to the router in place of sub, so that a parked
+// message comes back to the same handler when due. It needs Retries and
+// the consumer's name (InboxConfig.Consumer through PoisonConfig.Inbox,
+// or PoisonConfig.Consumer): the name the messages are parked under.
+// Closing the returned subscriber closes sub.
+func (p *Poison) Subscriber(sub message.Subscriber) (message.Subscriber, error) {
+	switch {
+	case p.cfg.Retries == nil:
+		return nil, errors.New("middleware: Poison.Subscriber needs PoisonConfig.Retries, the store of parked messages")
+	case p.cfg.Consumer == "":
+		return nil, errors.New("middleware: Poison.Subscriber needs the consumer's name: set InboxConfig.Consumer (or PoisonConfig.Consumer without an inbox) to the router handler's name")
+	}
+	rs, err := p.cfg.Retries.Subscriber(retry.SubscriberConfig{Consumer: p.cfg.Consumer, Logger: p.cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	return retry.Merge(sub, rs), nil
+}

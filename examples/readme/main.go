@@ -22,6 +22,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/retry"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -58,7 +59,7 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Key: middleware.KeyFromJSON("orderId")})
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: "charge-orders", Key: middleware.KeyFromJSON("orderId")})
 	if err != nil {
 		return err
 	}
@@ -66,7 +67,11 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: deadLetters, MaxAttempts: 5}) // the inbox's key and consumer
+	parked, err := retry.NewStore(pool, sqlschema.Config{}) // the oncemill.retries table: retries that wait off the consumer
+	if err != nil {
+		return err
+	}
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: deadLetters, Retries: parked}) // the inbox's key and consumer
 	if err != nil {
 		return err
 	}
@@ -75,13 +80,16 @@ func run(ctx context.Context) error {
 		return err
 	}
 	defer broker.Close()
-
+	orders, err := poison.Subscriber(broker.Subscriber) // the broker's orders, and the parked ones when due
+	if err != nil {
+		return err
+	}
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NewSlogLogger(nil))
 	if err != nil {
 		return err
 	}
 	router.AddMiddleware(poison.Middleware, inbox.Middleware) // Poison in front of the inbox
-	router.AddConsumerHandler("charge-orders", "orders", broker.Subscriber, charge)
+	router.AddConsumerHandler("charge-orders", "orders", orders, charge)
 	return router.Run(ctx) // until SIGINT or SIGTERM; what is in flight is drained
 }
 
