@@ -240,7 +240,11 @@ type PoisonStats struct {
 // processed from blocking its partition or queue, without losing it: after
 // MaxAttempts failed attempts, or at once for a permanent error, the message
 // goes to the dead-letter queue with the reason, and only then is the
-// original acked. It starts no goroutines.
+// original acked. With PoisonConfig.Retries, the message is first parked
+// for each of Delays, off the consumer, and handed back to the handler by
+// the subscriber that [Poison.Subscriber] merges in, later messages of its
+// ordering key waiting behind it; it is dead-lettered after the last. It
+// starts no goroutines.
 //
 // Add it outside the inbox (first), so that it sees the inbox's errors:
 //
