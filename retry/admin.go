@@ -169,6 +169,20 @@ func (s *Store) List(ctx context.Context, f Filter) ([]Message, error) {
 	return out, nil
 }
 
+// Count returns how many parked messages f selects (at most f.Limit when
+// it is set).
+func (s *Store) Count(ctx context.Context, f Filter) (int, error) {
+	if err := f.Validate(); err != nil {
+		return 0, err
+	}
+	q, args := s.query(f, "p.id")
+	var n int
+	if err := s.db.QueryRow(ctx, `SELECT COUNT(*) FROM (`+q+`) AS s`, args...).Scan(&n); err != nil {
+		return 0, s.wrap("count parked messages", err)
+	}
+	return n, nil
+}
+
 // Missing returns those of ids that are not parked, in ascending order
 // and without repeats; none when all are.
 func (s *Store) Missing(ctx context.Context, ids []int64) ([]int64, error) {

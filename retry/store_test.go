@@ -359,6 +359,14 @@ func TestOperatorsOnEveryDatabase(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, []int64{ids[2]}, e.ids(t, retry.Filter{UUID: listed[0].UUID}))
 			require.Equal(t, []int64{ids[2]}, e.ids(t, retry.Filter{Key: listed[0].Key}))
+			for _, tc := range []struct {
+				f    retry.Filter
+				want int
+			}{{retry.Filter{}, len(ids)}, {retry.Filter{Consumer: "charge"}, 5}, {retry.Filter{Consumer: "charge", Limit: 2}, 2}, {retry.Filter{Topic: "none"}, 0}} {
+				n, err := e.store.Count(ctx, tc.f)
+				require.NoError(t, err)
+				require.Equal(t, tc.want, n, "%+v", tc.f)
+			}
 			missing, err := e.store.Missing(ctx, []int64{ids[2], 999999999, 999999998, 999999999})
 			require.NoError(t, err)
 			require.Equal(t, []int64{999999998, 999999999}, missing)
