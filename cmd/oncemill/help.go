@@ -177,15 +177,18 @@ queue with other arguments.`,
 	},
 	{
 		path: "console", args: "[--addr HOST:PORT] [--token T] [--read-only] [--broker URL]\n       [--inbox URL]",
-		short: "serve the operator console, a web UI over the inbox, outbox and dead letters",
+		short: "serve the operator console, a web UI over the inbox, outbox, dead letters and retries",
 		about: `Serves the operator console: the inbox, the outbox and the dead letters,
-which it filters, groups by error, replays and purges, each after a
-confirmation page. Every request needs the token, sent as
-"Authorization: Bearer T" or entered on the login page. It serves plain
-HTTP until interrupted (SIGINT, SIGTERM), then lets the requests in
-flight finish; beyond 127.0.0.1, put it behind a TLS proxy.
+which it filters, groups by error, replays and purges, and the messages
+parked for a delayed retry, which it retries now or cancels into the
+dead-letter table; each action after a confirmation page. Every request
+needs the token, sent as "Authorization: Bearer T" or entered on the
+login page. It serves plain HTTP until interrupted (SIGINT, SIGTERM),
+then lets the requests in flight finish; beyond 127.0.0.1, put it behind
+a TLS proxy.
 
-` + databaseHelp + ` --inbox-table and --outbox-table name the others.`,
+` + databaseHelp + ` --inbox-table, --outbox-table and
+--retry-table name the others.`,
 		run: (*cmd).serveConsole,
 	},
 	{
