@@ -24,6 +24,7 @@ import (
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/reconcile"
+	"github.com/oncemill/oncemill/retry"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -76,7 +77,9 @@ type Config struct {
 	// Pool.
 	Dialect sqlschema.Dialect
 	// Schema names the tables to read (defaults as sqlschema's): the
-	// inbox, the outbox and the dead-letter table.
+	// inbox, the outbox, the dead-letter table and the table of parked
+	// messages (RetryTable), whose cancelled messages move to the
+	// dead-letter table.
 	Schema sqlschema.Config
 	// Token is the secret every request must carry: "Authorization: Bearer
 	// <token>", or the cookie set by the login form at /login. Required
@@ -87,8 +90,8 @@ type Config struct {
 	// behind the caller's own auth. POSTs still need the CSRF field and a
 	// same-origin Origin.
 	DisableAuth bool
-	// ReadOnly refuses every mutation (replay, purge) with 403 and hides
-	// their buttons.
+	// ReadOnly refuses every mutation (replay, purge, retry now, cancel)
+	// with 403 and hides their buttons.
 	ReadOnly bool
 	// Publisher, when set, lets an operator also replay entries to their
 	// original topic (every consumer group of it receives them), as
@@ -164,10 +167,15 @@ type Console struct {
 	db    sqldb.DB
 	names sqlschema.Names
 	// dlq is the dead-letter table: its counts, copies and every action.
-	dlq    *dlq.Store
-	pages  map[string]*template.Template
-	static http.Handler
-	cross  *http.CrossOriginProtection
+	dlq *dlq.Store
+	// retryStore is the table of parked messages; deadPublisher writes
+	// the dead letters of those an operator cancels, in the dead-letter
+	// table of the same database.
+	retryStore    *retry.Store
+	deadPublisher *dlq.Publisher
+	pages         map[string]*template.Template
+	static        http.Handler
+	cross         *http.CrossOriginProtection
 
 	// tokenHash is the SHA-256 of the token, compared in constant time.
 	tokenHash [sha256.Size]byte
@@ -183,7 +191,7 @@ type Console struct {
 var _ http.Handler = (*Console)(nil)
 
 // pageNames are the templates, each parsed with the layout.
-var pageNames = []string{"overview", "dlq", "entry", "confirm", "inbox", "login", "error"}
+var pageNames = []string{"overview", "dlq", "entry", "confirm", "retries", "retries-confirm", "inbox", "login", "error"}
 
 // New returns a console on cfg's tables. cfg is copied, defaulted and
 // validated; nothing is read from the database until a request comes.
@@ -245,8 +253,20 @@ func New(cfg Config) (*Console, error) {
 	c.static = http.StripPrefix("/static/", http.FileServerFS(static))
 	if cfg.DB != nil {
 		c.dlq, err = dlq.NewSQLStore(cfg.DB, cfg.Dialect, cfg.Schema)
+		if err == nil {
+			c.retryStore, err = retry.NewSQLStore(cfg.DB, cfg.Dialect, cfg.Schema)
+		}
+		if err == nil {
+			c.deadPublisher, err = dlq.NewSQLPublisher(cfg.DB, cfg.Dialect, cfg.Schema)
+		}
 	} else {
 		c.dlq, err = dlq.NewStore(cfg.Pool, cfg.Schema)
+		if err == nil {
+			c.retryStore, err = retry.NewStore(cfg.Pool, cfg.Schema)
+		}
+		if err == nil {
+			c.deadPublisher, err = dlq.NewPublisher(cfg.Pool, cfg.Schema)
+		}
 	}
 	if err == nil && cfg.Granter != nil {
 		c.dlq, err = c.dlq.WithGranter(cfg.Granter)
@@ -344,6 +364,10 @@ func (c *Console) route(w http.ResponseWriter, r *http.Request) {
 		allow, serve = post, func() { c.confirm(w, r) }
 	case strings.HasPrefix(path, "/dlq/") && !strings.Contains(path[len("/dlq/"):], "/"):
 		allow, serve = get, func() { c.entry(w, r, path[len("/dlq/"):]) }
+	case path == "/retries":
+		allow, serve = get, func() { c.retries(w, r) }
+	case path == "/retries/confirm":
+		allow, serve = post, func() { c.retryConfirm(w, r) }
 	case path == "/inbox":
 		allow, serve = get, func() { c.inbox(w, r) }
 	case path == "/logout":

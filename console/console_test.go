@@ -228,11 +228,18 @@ func (c *client) follow(rec *httptest.ResponseRecorder, from string) string {
 	return c.page(path, http.StatusOK)
 }
 
-// confirm posts the first step of an action and returns the summary and
-// the confirm form's fields.
+// confirm posts the first step of an action on dead letters and returns
+// the summary and the confirm form's fields.
 func (c *client) confirm(form url.Values) (string, url.Values) {
 	c.t.Helper()
-	rec := c.post("/dlq/confirm", form)
+	return c.confirmAt("/dlq/confirm", form)
+}
+
+// confirmAt posts the first step of an action to path and returns the
+// summary and the confirm form's fields.
+func (c *client) confirmAt(path string, form url.Values) (string, url.Values) {
+	c.t.Helper()
+	rec := c.post(path, form)
 	require.Equal(c.t, http.StatusOK, rec.Code, rec.Body.String())
 	body := rec.Body.String()
 	m := regexp.MustCompile(`(?s)id="confirm-summary"[^>]*>(.*?)</p>`).FindStringSubmatch(body)

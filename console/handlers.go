@@ -12,6 +12,7 @@ import (
 
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
+	"github.com/oncemill/oncemill/retry"
 )
 
 // overviewData is the overview's.
@@ -33,6 +34,15 @@ type overviewData struct {
 	Holder        string
 	OutboxMissing bool
 	OutboxErr     string
+
+	// Retries counts the parked messages per consumer and topic, and
+	// RetryTotal all of them.
+	RetryTable     string
+	Retries        []retry.Count
+	RetryTotal     retry.Count
+	RetriesMissing bool
+	RetriesErr     string
+	Overdue        string
 
 	// DeadDiffer lists the consumers whose dead inbox rows and dead
 	// letters differ in number, which the page explains.
@@ -128,6 +138,22 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 	}
 
 	d.Reconcile = c.reconcileRows(ctx)
+
+	d.RetryTable, d.Overdue = sc.Schema+"."+sc.RetryTable, compact(retry.DefaultOverdue)
+	retries, err := c.retryStore.Counts(ctx, retry.DefaultOverdue)
+	switch {
+	case c.undefined(err):
+		d.RetriesMissing = true
+	case err != nil:
+		d.RetriesErr = err.Error()
+	default:
+		d.Retries = retries
+		for _, n := range retries {
+			d.RetryTotal.Parked += n.Parked
+			d.RetryTotal.Due += n.Due
+			d.RetryTotal.Overdue += n.Overdue
+		}
+	}
 
 	lag, err := c.outboxLag(ctx)
 	switch {

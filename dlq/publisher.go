@@ -88,7 +88,10 @@ func (p *Publisher) DefaultTopic() string { return DefaultTopic }
 // as the poison middleware's dead-lettering under a key's claim does, the
 // rows are written in that transaction, so that the dead letter and the
 // key's dead mark commit together (and on SQLite, whose one writer is the
-// inbox's transaction, the dead letter does not wait for it). The same
+// inbox's transaction, the dead letter does not wait for it). An
+// operator's cancel of a parked message (retry.Store.Cancel) carries its
+// own transaction the same way, so that the dead letter and the delete of
+// the parked row commit together. The same
 // database is what the two sessions' server reports, whatever host name
 // each connected to (sqldb.Identify): on PostgreSQL its
 // pg_control_system() system identifier (where the role may call it, as

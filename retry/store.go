@@ -61,6 +61,11 @@ type Message struct {
 	LeasedUntil *time.Time
 	// Version grows with every lease and every re-park.
 	Version int64
+	// WaitsFor is the id of the message of its ordering key (same
+	// consumer and topic) that goes out before it, the lowest such id;
+	// 0 when it is first of its key, or unordered. Set by [Store.List];
+	// 0 elsewhere.
+	WaitsFor int64
 	// Payload and Metadata are the message's, as it was consumed.
 	Payload  []byte
 	Metadata map[string]string
@@ -137,13 +142,23 @@ AND (r.order_key IS NULL OR NOT EXISTS (SELECT 1 FROM ` + r + ` AS e
 	WHERE e.consumer = r.consumer AND e.topic = r.topic AND e.order_key = r.order_key AND e.id < r.id))
 ORDER BY r.due_at, r.id LIMIT ?` + d.LockRow(true)
 	q.lease = `UPDATE ` + r + ` SET leased_until = ` + d.FromMicros("?") + `, version = version + 1 WHERE id = ?`
-	q.byIDs = `SELECT ` + s.cols + ` FROM ` + r + ` WHERE id IN (` + d.JSONInts("?") + `) ORDER BY id`
+	// A batch goes out in the order heads chose it: by due time.
+	q.byIDs = `SELECT ` + s.cols + ` FROM ` + r + ` WHERE id IN (` + d.JSONInts("?") + `) ORDER BY due_at, id`
 	q.get = `SELECT ` + s.cols + ` FROM ` + r + ` WHERE id = ?`
 	q.ack = `DELETE FROM ` + r + ` WHERE id = ? AND version = ?`
 	q.release = `UPDATE ` + r + ` SET leased_until = NULL WHERE id = ? AND version = ?`
-	q.counts = `SELECT consumer, topic, COUNT(*), SUM(CASE WHEN due_at <= ` + d.FromMicros("?") + ` THEN 1 ELSE 0 END),
-	SUM(CASE WHEN due_at <= ` + d.FromMicros("?") + ` THEN 1 ELSE 0 END), ` + d.Micros("MIN(due_at)") + `
-FROM ` + r + ` GROUP BY consumer, topic ORDER BY consumer, topic`
+	// Due and overdue count the messages that may go out (as heads
+	// selects them): first of their ordering key and not out. A message
+	// behind another of its key was parked with its park time as due
+	// time, and waits for that one, not for a subscriber.
+	ready := `(p.order_key IS NULL OR p.id = h.first) AND (p.leased_until IS NULL OR p.leased_until < ` + d.FromMicros("?") + `)`
+	q.counts = `SELECT p.consumer, p.topic, COUNT(*),
+	SUM(CASE WHEN p.due_at <= ` + d.FromMicros("?") + ` AND ` + ready + ` THEN 1 ELSE 0 END),
+	SUM(CASE WHEN p.due_at <= ` + d.FromMicros("?") + ` AND ` + ready + ` THEN 1 ELSE 0 END), ` + d.Micros("MIN(p.due_at)") + `
+FROM ` + r + ` AS p LEFT JOIN (SELECT consumer, topic, order_key, MIN(id) AS first FROM ` + r + `
+	WHERE order_key IS NOT NULL GROUP BY consumer, topic, order_key) AS h
+	ON h.consumer = p.consumer AND h.topic = p.topic AND h.order_key = p.order_key
+GROUP BY p.consumer, p.topic ORDER BY p.consumer, p.topic`
 	for _, p := range []*string{&q.park, &q.repark, &q.waiting, &q.heads, &q.lease, &q.byIDs, &q.get, &q.ack, &q.release, &q.counts} {
 		*p = d.Rebind(*p)
 	}
@@ -281,20 +296,24 @@ func (s *Store) Get(ctx context.Context, id int64) (Message, error) {
 // Count is what waits for one consumer and topic.
 type Count struct {
 	Consumer, Topic string
-	// Parked counts the messages waiting, Due those whose due time has
-	// passed, Overdue those whose due time passed more than the overdue
-	// threshold ago: a consumer that hands nothing back (its retry
-	// subscriber not running) shows here.
+	// Parked counts the messages waiting. Due counts those that may go
+	// out now and are not out: their due time has passed, and they are
+	// first of their ordering key (a message behind another waits for
+	// it, whatever its due time). Overdue counts those of Due whose due
+	// time passed more than the overdue threshold ago: a consumer that
+	// hands nothing back (its retry subscriber not running) shows here.
 	Parked, Due, Overdue int64
 	// NextDue is the earliest due time.
 	NextDue time.Time
 }
 
 // Counts returns what waits, per consumer and topic; a message is
-// overdue when it was due more than overdue ago.
+// overdue when it was due more than overdue ago ([DefaultOverdue] is the
+// threshold the console, the command and the metrics use).
 func (s *Store) Counts(ctx context.Context, overdue time.Duration) ([]Count, error) {
-	now := time.Now()
-	rows, err := s.db.Query(ctx, s.q.counts, now.UnixMicro(), now.Add(-overdue).UnixMicro())
+	t := time.Now()
+	now := t.UnixMicro()
+	rows, err := s.db.Query(ctx, s.q.counts, now, now, t.Add(-overdue).UnixMicro(), now)
 	out, err := sqldb.Collect(rows, err, func(r sqldb.Rows) (Count, error) {
 		var c Count
 		var due, over sql.NullInt64
@@ -308,15 +327,18 @@ func (s *Store) Counts(ctx context.Context, overdue time.Duration) ([]Count, err
 	return out, nil
 }
 
-func scanMessage(row sqldb.Row) (Message, error) {
+// scanMessage reads a row of cols, and then of extra (the columns a
+// query selects after them).
+func scanMessage(row sqldb.Row, extra ...any) (Message, error) {
 	var (
 		m     Message
 		order sql.NullString
 		md    []byte
 	)
-	if err := row.Scan(&m.ID, &m.Consumer, &m.Topic, &m.UUID, &m.Key, &order, &m.Attempts, &m.Error, &m.Behind,
+	dest := []any{&m.ID, &m.Consumer, &m.Topic, &m.UUID, &m.Key, &order, &m.Attempts, &m.Error, &m.Behind,
 		sqldb.Time(&m.FirstFailedAt), sqldb.Time(&m.LastFailedAt), sqldb.Time(&m.DueAt), sqldb.Time(&m.ParkedAt),
-		sqldb.TimeOrNil(&m.LeasedUntil), &m.Version, &m.Payload, &md); err != nil {
+		sqldb.TimeOrNil(&m.LeasedUntil), &m.Version, &m.Payload, &md}
+	if err := row.Scan(append(dest, extra...)...); err != nil {
 		return Message{}, err
 	}
 	m.OrderKey = order.String

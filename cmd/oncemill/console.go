@@ -53,11 +53,11 @@ type consoleOptions struct {
 // connects.
 func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	o := consoleOptions{}
-	var inboxTable, outboxTable, inboxURL string
+	var inboxTable, outboxTable, retryTable, inboxURL string
 	fs := newFlags(c.name)
 	fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "`HOST:PORT` to listen on")
 	fs.StringVar(&o.token, "token", "", "access `TOKEN`, at least 16 characters (default $"+consoleTokenEnv+", which stays out of the process list; without either, one is generated and printed once)")
-	fs.BoolVar(&o.readOnly, "read-only", false, "hide and refuse replays and purges")
+	fs.BoolVar(&o.readOnly, "read-only", false, "hide and refuse replays, purges, retries and cancels")
 	fs.StringVar(&o.broker, "broker", "", "`URL` of a broker through which to offer replays to the original topic too (never $BROKER_URL; gochannel:// and kafka:// or nats:// with no host are refused); without it a replay goes only to the entry's consumer, through the dlq.ReplaySubscriber it runs")
 	fs.StringVar(&inboxURL, "inbox", "", "`URL` of the consumers' inbox store, where replays to the topic write their grants, as for dlq replay (needs --broker)")
 	fs.StringVar(&c.database, "database", "", "`URL` of the database holding oncemill's tables: "+databaseURLs+" (default $DATABASE_URL)")
@@ -65,6 +65,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	fs.StringVar(&c.table, "table", sqlschema.DefaultDLQTable, "`NAME` of the dead-letter table")
 	fs.StringVar(&inboxTable, "inbox-table", sqlschema.DefaultInboxTable, "`NAME` of the inbox table")
 	fs.StringVar(&outboxTable, "outbox-table", sqlschema.DefaultOutboxTable, "`NAME` of the outbox table")
+	fs.StringVar(&retryTable, "retry-table", sqlschema.DefaultRetryTable, "`NAME` of the table of parked messages, waiting for a delayed retry")
 	fs.Func("reconcile", "`CONSUMER[=TOPIC,…]` whose inbox the overview checks against the relay's ledger, on the topics it reads (default every topic), as 'oncemill reconcile' does; repeated for each consumer", func(s string) error {
 		consumer, topics, hasTopics := strings.Cut(s, "=")
 		rc := reconcile.Config{Consumer: strings.TrimSpace(consumer)}
@@ -121,7 +122,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	} else if err := checkToken(o.token); err != nil {
 		return o, err
 	}
-	if err := checkNames("--inbox-table", inboxTable, "--outbox-table", outboxTable); err != nil {
+	if err := checkNames("--inbox-table", inboxTable, "--outbox-table", outboxTable, "--retry-table", retryTable); err != nil {
 		return o, err
 	}
 	if o.db, o.schema, err = c.target(false); err != nil {
@@ -129,6 +130,7 @@ func (c *cmd) consoleOptions(args []string) (consoleOptions, error) {
 	}
 	o.schema.InboxTable = inboxTable
 	o.schema.OutboxTable = outboxTable
+	o.schema.RetryTable = retryTable
 	return o, nil
 }
 

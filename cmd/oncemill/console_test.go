@@ -203,7 +203,7 @@ func TestConsoleHelp(t *testing.T) {
 		require.Empty(t, r.stderr, args)
 	}
 	r := oncemill(t, nil, "frobnicate")
-	require.Contains(t, r.stderr, "(want dlq, amqp, console, relay or reconcile)")
+	require.Contains(t, r.stderr, "(want dlq, retries, amqp, console, relay or reconcile)")
 }
 
 // consoleOptionsOf parses a console command line without running it.
@@ -237,14 +237,14 @@ func TestConsoleOptions(t *testing.T) {
 	require.NotEqual(t, o.token, consoleOptionsOf(t, nil, "--database", db).token, "a fresh token each run")
 
 	o = consoleOptionsOf(t, env, "--read-only", "--addr", "0.0.0.0:9999", "--schema", "ops", "--table", "dead", "--inbox-table", "in", "--outbox-table", "out",
-		"--database", db)
+		"--retry-table", "parked", "--database", db)
 	require.True(t, o.readOnly)
 	require.Equal(t, "0.0.0.0:9999", o.addr)
 	cfg := o.config(database{}, nil, nil, nil)
 	require.True(t, cfg.ReadOnly, "--read-only reaches the console")
 	require.Equal(t, "token-from-the-environment", cfg.Token)
 	require.Nil(t, cfg.Publisher, "no --broker: replays go to the consumers")
-	require.Equal(t, sqlschema.Config{Schema: "ops", DLQTable: "dead", InboxTable: "in", OutboxTable: "out"}, cfg.Schema)
+	require.Equal(t, sqlschema.Config{Schema: "ops", DLQTable: "dead", InboxTable: "in", OutboxTable: "out", RetryTable: "parked"}, cfg.Schema)
 	require.False(t, cfg.DisableAuth)
 
 	require.Empty(t, cfg.Reconcile, "no --reconcile: no checks")

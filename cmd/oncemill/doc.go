@@ -1,7 +1,8 @@
 // Command oncemill is the operator's tool for oncemill's tables: it lists,
 // shows, replays and purges the messages that consumers gave up on (package
-// dlq); it serves the operator console over them and the inbox and outbox
-// tables; it relays a service's outbox table to the broker as a process of
+// dlq); it lists, retries now and cancels the messages parked for a
+// delayed retry (package retry); it serves the operator console over them
+// and the inbox and outbox tables; it relays a service's outbox table to the broker as a process of
 // its own; it checks the relay's ledger against a consumer's inbox
 // (package reconcile). It also declares RabbitMQ topology ahead of the
 // consumers, for deploy pipelines.

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/oncemill/oncemill/retry"
 )
 
 // command is one of oncemill's commands: what runs it and what its --help
@@ -37,6 +39,16 @@ combine with each other and with IDs. TIME is RFC 3339
 // say: their usage lists the URLs --database takes.
 const databaseHelp = `A SQLite --database must exist; --schema and --table name the table
 sqlschema.Migrate created.`
+
+// retryFilterHelp explains the filter flags of the retries group.
+const retryFilterHelp = `Filter flags (--consumer, --topic, --uuid, --key, --order-key, --limit)
+combine with each other and with IDs; --limit keeps the first N in the
+order the messages go out.`
+
+// retryDatabaseHelp is what the flags that name the table of parked
+// messages do not say.
+const retryDatabaseHelp = `A SQLite --database must exist; --schema and --table name the table
+sqlschema.Migrate created (RetryTable).`
 
 // commands are oncemill's commands, in the order the global help lists
 // them.
@@ -98,6 +110,58 @@ must all exist, or nothing is done.
 		run: (*cmd).purge,
 	},
 	{
+		path: "retries list", args: "[filter flags] [--json]",
+		short: "list parked messages, waiting for a delayed retry, in the order they go out",
+		about: `Lists the messages the poison middleware parked for a delayed retry
+(middleware.PoisonConfig.Retries), in the order the consumer's retry
+subscriber hands them back: by due time, then id. STATE is one of:
+waiting (for DUE AT), due (the subscriber takes it at its next read),
+overdue (due more than a minute ago and not taken: no retry subscriber of
+its consumer and topic runs, or it is far behind), out (handed back, its
+handler runs), or "behind N" (it waits for message N of its ordering key,
+whatever its due time).
+` + retryFilterHelp + "\n\n" + retryDatabaseHelp,
+		run: (*cmd).retriesList,
+	},
+	{
+		path: "retries show", args: "ID [--json]",
+		short: "show one parked message in full: state, failures, metadata, payload",
+		about: `Shows every fact of one parked message, its metadata and its payload.
+
+` + retryDatabaseHelp,
+		run: (*cmd).retriesShow,
+	},
+	{
+		path: "retries now", args: "[ID ...] [filter flags] [--all] [--json]",
+		short: "make parked messages due now, so that their consumer retries them at once",
+		about: `Makes the selected parked messages due now: their consumer's retry
+subscriber hands them back at its next read (every second by default),
+to the same handler. A message that is due already is left as it is: one
+behind another of its ordering key goes out right after that one, so
+retry the first of the key. A message out to its consumer is left to its
+handler. Give IDs, a filter flag or --all; named IDs must all be parked,
+or nothing is done.
+
+` + retryFilterHelp + "\n\n" + retryDatabaseHelp,
+		run: (*cmd).retriesNow,
+	},
+	{
+		path: "retries cancel", args: "[ID ...] [filter flags] [--all] [--dlq-table NAME] [--json]",
+		short: "stop retrying parked messages: move them to the dead-letter table",
+		about: `Moves the selected parked messages to the dead-letter table of the same
+database and schema (--dlq-table), with the facts of their failures and
+an error that starts "` + retry.CancelReason + `" and ends with the last
+error, and deletes them from the table of parked messages, in one
+transaction: a message is never dropped. From there "oncemill dlq replay" sends one again, or
+"oncemill dlq purge" drops it for good. A message out to its consumer is
+left to its handler. The messages of an ordering key that waited behind a
+cancelled one go out next. Give IDs, a filter flag or --all; named IDs
+must all be parked, or nothing is done.
+
+` + retryFilterHelp + "\n\n" + retryDatabaseHelp,
+		run: (*cmd).retriesCancel,
+	},
+	{
 		path: "amqp declare", args: "--topic T [--topic T ...] [--group G] [--url URL]\n       [--delivery-limit N] [--dead-letter-exchange X]",
 		short: "declare on RabbitMQ the exchange, queue and binding of topics",
 		about: `Creates on RabbitMQ, for each --topic, what a subscriber of consumer group
@@ -113,15 +177,18 @@ queue with other arguments.`,
 	},
 	{
 		path: "console", args: "[--addr HOST:PORT] [--token T] [--read-only] [--broker URL]\n       [--inbox URL]",
-		short: "serve the operator console, a web UI over the inbox, outbox and dead letters",
+		short: "serve the operator console, a web UI over the inbox, outbox, dead letters and retries",
 		about: `Serves the operator console: the inbox, the outbox and the dead letters,
-which it filters, groups by error, replays and purges, each after a
-confirmation page. Every request needs the token, sent as
-"Authorization: Bearer T" or entered on the login page. It serves plain
-HTTP until interrupted (SIGINT, SIGTERM), then lets the requests in
-flight finish; beyond 127.0.0.1, put it behind a TLS proxy.
+which it filters, groups by error, replays and purges, and the messages
+parked for a delayed retry, which it retries now or cancels into the
+dead-letter table; each action after a confirmation page. Every request
+needs the token, sent as "Authorization: Bearer T" or entered on the
+login page. It serves plain HTTP until interrupted (SIGINT, SIGTERM),
+then lets the requests in flight finish; beyond 127.0.0.1, put it behind
+a TLS proxy.
 
-` + databaseHelp + ` --inbox-table and --outbox-table name the others.`,
+` + databaseHelp + ` --inbox-table, --outbox-table and
+--retry-table name the others.`,
 		run: (*cmd).serveConsole,
 	},
 	{

@@ -99,21 +99,28 @@ func exit(name string, err error, stderr io.Writer) int {
 
 // errorText is msg on one line, without the prefixes that repeat the
 // command's name: a library's error starts with its package
-// ("reconcile: read the ledger …", "dlq: no such entry"), which the
-// command's own prefix ("oncemill reconcile: ") already says.
+// ("reconcile: read the ledger …", "dlq: no such entry", "retry: no such
+// parked message"), which the command's own prefix ("oncemill
+// reconcile: ") already says.
 func errorText(name, msg string) string {
 	msg = oneLine(msg)
 	words := strings.Fields(name)
 	for trimmed := true; trimmed; {
 		trimmed = false
 		for _, w := range words[min(1, len(words)):] {
-			if rest, ok := strings.CutPrefix(msg, w+": "); ok {
-				msg, trimmed = rest, true
+			for _, prefix := range []string{w, packageOf[w]} {
+				if rest, ok := strings.CutPrefix(msg, prefix+": "); prefix != "" && ok {
+					msg, trimmed = rest, true
+				}
 			}
 		}
 	}
 	return msg
 }
+
+// packageOf is the package behind a command group whose word is not the
+// package's name.
+var packageOf = map[string]string{"retries": "retry"}
 
 // oneLine keeps an error message on one line.
 func oneLine(s string) string {

@@ -1,11 +1,12 @@
-// oncemill console: the select-all checkbox of the dead letters' list, and
-// the count of selected entries. Everything works without it.
+// oncemill console: the select-all checkbox of the dead letters' and the
+// parked messages' lists, and the count of selected rows. Everything works
+// without it.
 (function () {
   "use strict";
   var all = document.getElementById("select-all");
   var count = document.getElementById("selected-count");
   function boxes() {
-    return document.querySelectorAll('input[type=checkbox][name=id][form="dlq-select-form"]');
+    return document.querySelectorAll('input[type=checkbox][name=id][form$="-select-form"]');
   }
   function update() {
     var n = 0, list = boxes();

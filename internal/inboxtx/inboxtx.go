@@ -30,8 +30,12 @@ func Of(ctx context.Context) (pgx.Tx, *sql.Tx) {
 }
 
 // Executor returns the inbox transaction ctx carries as an
-// sqldb.Executor, or nil.
+// sqldb.Executor, or nil. A transaction that sqldb.Join put in ctx comes
+// first: a writer that joins the inbox's joins it the same way.
 func Executor(ctx context.Context) sqldb.Executor {
+	if tx := sqldb.Joined(ctx); tx != nil {
+		return tx
+	}
 	switch pgxTx, sqlTx := Of(ctx); {
 	case pgxTx != nil:
 		return sqldb.PgxTxOf(pgxTx)

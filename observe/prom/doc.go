@@ -74,6 +74,22 @@
 //	...
 //	reg.MustRegister(collector)
 //
+// # Parked messages
+//
+// [NewRetryCollector] does the same for the table of parked messages,
+// where the poison middleware parks a message for a delayed retry
+// ([retry.Store.Counts], bounded by [RetryCollectorConfig.Timeout]):
+// oncemill_retries_parked{consumer,topic}, oncemill_retries_due and
+// oncemill_retries_overdue, the messages due more than
+// [RetryCollectorConfig.Overdue] ago (a minute by default) that no retry
+// subscriber took. Alert on oncemill_retries_overdue > 0: the consumer's
+// retry subscriber does not run. A failed read counts
+// oncemill_retries_scrape_errors_total.
+//
+//	collector, err := prom.NewRetryCollector(retries, prom.RetryCollectorConfig{})
+//	...
+//	reg.MustRegister(collector)
+//
 // # Cost
 //
 // Hooks run on the message's path. The series of a consumer and topic (or
