@@ -108,7 +108,8 @@ type PoisonConfig struct {
 	// [DefaultKey].
 	Key KeyFunc
 	// Hooks are told of every message dead-lettered
-	// (observe.DeadLetterHook, with the reason's class), and see each
+	// (observe.DeadLetterHook, with the reason's class) and every message
+	// parked for a delayed retry (observe.RetryHook), and see each
 	// dead letter before it is published (observe.MessageOutHook), which
 	// is where a trace hook carries the trace into the copy.
 	Hooks []observe.Hook

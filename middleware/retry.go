@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/observe"
 	"github.com/oncemill/oncemill/retry"
 )
 
@@ -229,6 +230,7 @@ func (p *Poison) waitBehind(msg *message.Message) (bool, error) {
 		return false, err
 	}
 	p.parkedBehind.Add(1)
+	p.hooks.Retry(msg.Context(), observe.Retry{Consumer: consumer, Topic: topic, Behind: true})
 	p.cfg.Logger.Debug("Message parked behind a parked message of its ordering key", watermill.LogFields{
 		"message_uuid": delivery.Bound(msg.UUID), "consumer": consumer, "topic": topic, "order_key": delivery.Bound(order)})
 	return true, nil
@@ -291,6 +293,7 @@ func (p *Poison) park(msg *message.Message, slot *attemptSlot, cause error, atte
 	}
 	p.parked.Add(1)
 	p.retried.Add(1)
+	p.hooks.Retry(msg.Context(), observe.Retry{Consumer: consumer, Topic: topic, Attempts: attempts, Delay: delay})
 	p.cfg.Logger.Info("Message parked for a delayed retry", fields)
 	return nil
 }

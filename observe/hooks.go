@@ -14,6 +14,7 @@ type Hooks struct {
 	inbox      []InboxHook
 	inboxTrace []InboxTraceHook
 	dead       []DeadLetterHook
+	retry      []RetryHook
 	bloom      []BloomHook
 	relay      []RelayHook
 	lag        []OutboxLagHook
@@ -33,6 +34,9 @@ func New(hooks ...Hook) Hooks {
 		}
 		if x, ok := h.(DeadLetterHook); ok {
 			s.dead = append(s.dead, x)
+		}
+		if x, ok := h.(RetryHook); ok {
+			s.retry = append(s.retry, x)
 		}
 		if x, ok := h.(BloomHook); ok {
 			s.bloom = append(s.bloom, x)
@@ -81,6 +85,13 @@ func (s Hooks) InboxStep(ctx context.Context, step Step) {
 func (s Hooks) DeadLetter(ctx context.Context, d DeadLetter) {
 	for _, h := range s.dead {
 		h.OnDeadLetter(ctx, d)
+	}
+}
+
+// Retry calls every [RetryHook].
+func (s Hooks) Retry(ctx context.Context, r Retry) {
+	for _, h := range s.retry {
+		h.OnRetry(ctx, r)
 	}
 }
 

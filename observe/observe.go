@@ -149,6 +149,25 @@ type DeadLetterHook interface {
 	OnDeadLetter(ctx context.Context, d DeadLetter)
 }
 
+// Retry is a message a poison middleware parked for a delayed retry
+// (PoisonConfig.Retries).
+type Retry struct {
+	// Consumer and Topic are the consumer and topic it is parked for.
+	Consumer, Topic string
+	// Attempts is how many attempts of it failed; 0 when Behind.
+	Attempts int
+	// Delay is how long it waits before it may be handed back.
+	Delay time.Duration
+	// Behind is true for a message that did not fail itself: it waits
+	// behind a parked message of its ordering key.
+	Behind bool
+}
+
+// RetryHook is told of every message parked for a delayed retry.
+type RetryHook interface {
+	OnRetry(ctx context.Context, r Retry)
+}
+
 // BloomCheck describes one message through the Bloom prefilter.
 type BloomCheck struct {
 	Consumer, Topic string

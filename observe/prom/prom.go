@@ -123,7 +123,8 @@ func validateBuckets(field string, b []float64) error {
 
 // Metrics turns oncemill's hook events into Prometheus metrics. It
 // implements [observe.InboxHook], [observe.DeadLetterHook],
-// [observe.BloomHook], [observe.RelayHook] and [observe.OutboxLagHook]:
+// [observe.RetryHook], [observe.BloomHook], [observe.RelayHook] and
+// [observe.OutboxLagHook]:
 // pass it in the Hooks of every component's config. It is safe for
 // concurrent use and starts no goroutines.
 type Metrics struct {
@@ -139,17 +140,21 @@ type Metrics struct {
 	outboxLag       *prometheus.GaugeVec
 	outboxWaiting   *prometheus.GaugeVec
 	outboxOldest    *prometheus.GaugeVec
+	outboxScheduled *prometheus.GaugeVec
+	retriesParked   *prometheus.CounterVec
 
-	inbox cache[inboxKey, inboxSeries]
-	dead  cache[deadKey, prometheus.Counter]
-	bloom cache[pairKey, bloomSeries]
-	relay cache[string, relaySeries]
-	lag   cache[string, lagSeries]
+	inbox   cache[inboxKey, inboxSeries]
+	dead    cache[deadKey, prometheus.Counter]
+	retries cache[retryKey, prometheus.Counter]
+	bloom   cache[pairKey, bloomSeries]
+	relay   cache[string, relaySeries]
+	lag     cache[string, lagSeries]
 }
 
 var (
 	_ observe.InboxHook      = (*Metrics)(nil)
 	_ observe.DeadLetterHook = (*Metrics)(nil)
+	_ observe.RetryHook      = (*Metrics)(nil)
 	_ observe.BloomHook      = (*Metrics)(nil)
 	_ observe.RelayHook      = (*Metrics)(nil)
 	_ observe.OutboxLagHook  = (*Metrics)(nil)
@@ -181,7 +186,12 @@ type relaySeries struct {
 	duration              prometheus.Observer
 }
 
-type lagSeries struct{ pending, waiting, oldest prometheus.Gauge }
+type lagSeries struct{ pending, waiting, oldest, scheduled prometheus.Gauge }
+
+type retryKey struct {
+	consumer, topic string
+	behind          bool
+}
 
 // New registers oncemill's metrics on cfg.Registerer and returns the hook
 // that feeds them. When one of them cannot be registered (a collector of
@@ -214,6 +224,8 @@ func New(cfg Config) (*Metrics, error) {
 			"Time a delivery through the inbox spent outside the handler: the store's statements and, for in_flight, the wait for the other delivery.", cfg.StoreBuckets, "consumer", "topic"),
 		dlqMessages: counter("dlq", "messages_total",
 			"Messages dead-lettered, by reason, once the dead-letter publish succeeded.", "consumer", "topic", "reason"),
+		retriesParked: counter("retries", "parked_total",
+			`Messages parked for a delayed retry, by kind: "failed" (its attempt failed) or "behind" (it waits behind a parked message of its ordering key).`, "consumer", "topic", "kind"),
 		bloomChecks: counter("bloom", "checks_total",
 			`Messages through the Bloom prefilter, by result: "surely_new" (pre-check skipped) or "maybe" (store asked).`, "consumer", "topic", "result"),
 		bloomFalse: counter("bloom", "false_positives_total",
@@ -230,6 +242,8 @@ func New(cfg Config) (*Metrics, error) {
 			"Pending outbox rows that wait on an open transaction, as last measured by the relay.", "outbox"),
 		outboxOldest: gauge("outbox", "oldest_age_seconds",
 			"Age of the oldest pending outbox row, as last measured by the relay.", "outbox"),
+		outboxScheduled: gauge("outbox", "scheduled_rows",
+			"Outbox rows written with a due time still ahead, as last measured by the relay.", "outbox"),
 	}
 	collectors := []struct {
 		name string
@@ -239,6 +253,7 @@ func New(cfg Config) (*Metrics, error) {
 		{"inbox_handler_duration_seconds", m.inboxHandler},
 		{"inbox_store_duration_seconds", m.inboxStore},
 		{"dlq_messages_total", m.dlqMessages},
+		{"retries_parked_total", m.retriesParked},
 		{"bloom_checks_total", m.bloomChecks},
 		{"bloom_false_positives_total", m.bloomFalse},
 		{"outbox_batches_total", m.outboxBatches},
@@ -247,6 +262,7 @@ func New(cfg Config) (*Metrics, error) {
 		{"outbox_lag_rows", m.outboxLag},
 		{"outbox_waiting_rows", m.outboxWaiting},
 		{"outbox_oldest_age_seconds", m.outboxOldest},
+		{"outbox_scheduled_rows", m.outboxScheduled},
 	}
 	for i, c := range collectors {
 		if err := cfg.Registerer.Register(c.c); err != nil {
@@ -322,6 +338,22 @@ func (m *Metrics) OnDeadLetter(_ context.Context, d observe.DeadLetter) {
 	c.Inc()
 }
 
+// OnRetry counts the message in oncemill_retries_parked_total.
+func (m *Metrics) OnRetry(_ context.Context, r observe.Retry) {
+	k := retryKey{consumer: r.Consumer, topic: r.Topic, behind: r.Behind}
+	c, ok := m.retries.load(k)
+	if !ok {
+		c = m.retries.add(k, m.resolveRetry)
+	}
+	c.Inc()
+}
+
+func (m *Metrics) resolveRetry(k retryKey, set func(retryKey, prometheus.Counter)) {
+	consumer, topic := label(k.consumer), label(k.topic)
+	set(retryKey{consumer: k.consumer, topic: k.topic}, m.retriesParked.WithLabelValues(consumer, topic, "failed"))
+	set(retryKey{consumer: k.consumer, topic: k.topic, behind: true}, m.retriesParked.WithLabelValues(consumer, topic, "behind"))
+}
+
 func (m *Metrics) resolveDead(k deadKey, set func(deadKey, prometheus.Counter)) {
 	consumer, topic := label(k.consumer), label(k.topic)
 	for _, r := range append(reasons(), k.reason) {
@@ -386,8 +418,8 @@ func (m *Metrics) resolveRelay(key string, set func(string, relaySeries)) {
 	})
 }
 
-// OnOutboxLag sets oncemill_outbox_lag_rows, oncemill_outbox_waiting_rows
-// and oncemill_outbox_oldest_age_seconds.
+// OnOutboxLag sets oncemill_outbox_lag_rows, oncemill_outbox_waiting_rows,
+// oncemill_outbox_oldest_age_seconds and oncemill_outbox_scheduled_rows.
 func (m *Metrics) OnOutboxLag(_ context.Context, l observe.OutboxLag) {
 	s, ok := m.lag.load(l.Outbox)
 	if !ok {
@@ -396,14 +428,16 @@ func (m *Metrics) OnOutboxLag(_ context.Context, l observe.OutboxLag) {
 	s.pending.Set(float64(l.Pending))
 	s.waiting.Set(float64(l.Waiting))
 	s.oldest.Set(l.OldestAge.Seconds())
+	s.scheduled.Set(float64(l.Scheduled))
 }
 
 func (m *Metrics) resolveLag(key string, set func(string, lagSeries)) {
 	outbox := label(key)
 	set(key, lagSeries{
-		pending: m.outboxLag.WithLabelValues(outbox),
-		waiting: m.outboxWaiting.WithLabelValues(outbox),
-		oldest:  m.outboxOldest.WithLabelValues(outbox),
+		pending:   m.outboxLag.WithLabelValues(outbox),
+		waiting:   m.outboxWaiting.WithLabelValues(outbox),
+		oldest:    m.outboxOldest.WithLabelValues(outbox),
+		scheduled: m.outboxScheduled.WithLabelValues(outbox),
 	})
 }
 

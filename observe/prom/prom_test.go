@@ -255,6 +255,21 @@ oncemill_dlq_messages_total{consumer="charge",reason="undecodable",topic="orders
 `), "oncemill_dlq_messages_total"))
 }
 
+func TestRetry(t *testing.T) {
+	t.Parallel()
+	reg, m := setup(t)
+	ctx := context.Background()
+	m.OnRetry(ctx, observe.Retry{Consumer: "charge", Topic: "orders", Attempts: 5, Delay: 5 * time.Second})
+	m.OnRetry(ctx, observe.Retry{Consumer: "charge", Topic: "orders", Behind: true})
+	m.OnRetry(ctx, observe.Retry{Consumer: "charge", Topic: "orders", Behind: true})
+	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP oncemill_retries_parked_total Messages parked for a delayed retry, by kind: "failed" (its attempt failed) or "behind" (it waits behind a parked message of its ordering key).
+# TYPE oncemill_retries_parked_total counter
+oncemill_retries_parked_total{consumer="charge",kind="behind",topic="orders"} 2
+oncemill_retries_parked_total{consumer="charge",kind="failed",topic="orders"} 1
+`), "oncemill_retries_parked_total"))
+}
+
 func TestBloomCheck(t *testing.T) {
 	t.Parallel()
 	reg, m := setup(t)
