@@ -215,6 +215,15 @@ func (r *backlogReader) committed(client sarama.Client, topic string, partitions
 		return nil, fmt.Errorf("group coordinator: %w", err)
 	}
 	resp, err := coordinator.FetchOffset(sarama.NewOffsetFetchRequest(r.sc.Version, r.group, map[string][]int32{topic: partitions}))
+	offsets := make(map[int32]int64, len(partitions))
+	if err == nil && errors.Is(resp.Err, sarama.ErrGroupIDNotFound) {
+		// A group that has never joined: Kafka answers -1 for each
+		// partition, kfake that the group does not exist.
+		for _, p := range partitions {
+			offsets[p] = -1
+		}
+		return offsets, nil
+	}
 	if err == nil && !errors.Is(resp.Err, sarama.ErrNoError) {
 		err = resp.Err
 	}
@@ -223,7 +232,6 @@ func (r *backlogReader) committed(client sarama.Client, topic string, partitions
 		_ = client.RefreshCoordinator(r.group)
 		return nil, fmt.Errorf("committed offsets: %w", err)
 	}
-	offsets := make(map[int32]int64, len(partitions))
 	for _, p := range partitions {
 		block := resp.GetBlock(topic, p)
 		switch {
