@@ -7,9 +7,9 @@ import (
 )
 
 // ErrNoBacklog is wrapped by the error of a Backlog call that cannot tell
-// what the broker holds for the consumer: a subscriber that keeps no
-// position on the broker (a Kafka subscriber without a consumer group,
-// GoChannel, postgres://), or one that does not implement [Backlogger].
+// what the broker holds for the consumer: [PubSub.Backlog] of a
+// subscriber that keeps no position on a broker (gochannel://,
+// postgres://), or a [Backlogger] of another package that cannot tell.
 var ErrNoBacklog = errors.New("adapters: the subscriber cannot tell its backlog")
 
 // Backlog is what a broker still holds for one consumer (a consumer
@@ -56,7 +56,7 @@ type PartitionBacklog struct {
 }
 
 // Backlogger is implemented by the subscribers that can ask their broker
-// what it holds for them. The subscribers of adapters/kafka (with a
+// what it holds for them. The subscribers of adapters/kafka (those with a
 // consumer group), adapters/amqp, adapters/nats and adapters/sqs do: they
 // ask on their own connection, or a client of their own that their Close
 // closes.
@@ -69,13 +69,13 @@ type Backlogger interface {
 }
 
 // Backlog asks the broker what it holds for p's consumer of topic (see
-// [Backlogger]); p is itself a Backlogger. For a subscriber that cannot
-// tell (gochannel://, postgres://, kafka:// without a group) the error
-// wraps [ErrNoBacklog].
+// [Backlogger]); p is itself a Backlogger. Every broker scheme but
+// gochannel:// and postgres:// tells; for those the error wraps
+// [ErrNoBacklog].
 func (p *PubSub) Backlog(ctx context.Context, topic string) (Backlog, error) {
 	b, ok := p.Subscriber.(Backlogger)
 	if !ok {
-		return Backlog{}, fmt.Errorf("%w: the %s:// subscriber (%T) keeps no position on a broker to compare; kafka:// needs a consumer group for one",
+		return Backlog{}, fmt.Errorf("%w: the %s:// subscriber (%T) keeps no position on a broker to compare",
 			ErrNoBacklog, p.Scheme, p.Subscriber)
 	}
 	return b.Backlog(ctx, topic)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -24,9 +25,10 @@ import (
 // has not joined yet, or whose partitions all went to other members, still
 // wants to see its group's lag).
 //
-// Sarama's calls take no context and wait up to Net.ReadTimeout for an
-// answer: a read runs on a goroutine of the reader's, which Backlog stops
-// waiting for when ctx ends and close waits for. Callers that ask for one
+// Sarama's calls take no context and wait up to the read timeout for an
+// answer (backlogReadTimeout at most): a read runs on a goroutine of the
+// reader's, which Backlog stops waiting for when ctx ends and close waits
+// for. Callers that ask for one
 // topic while a read of it runs share that read, so a broker that does not
 // answer holds one goroutine per topic, not one per scrape.
 type backlogReader struct {
@@ -49,8 +51,21 @@ type backlogRead struct {
 	err  error
 }
 
+// backlogReadTimeout bounds the wait for each answer to the backlog's
+// client. The subscriber's Net.ReadTimeout is longer than the rebalance
+// timeout, for the JoinGroup requests a coordinator holds; the backlog
+// sends none, and Close waits for a read in flight.
+const backlogReadTimeout = 10 * time.Second
+
+// newBacklogReader returns a reader of group's lag with a copy of sc: its
+// read timeout at most backlogReadTimeout, its metadata requests not
+// retried (the next read asks again) and for the topics it reads only.
 func newBacklogReader(brokers []string, sc *sarama.Config, group string) *backlogReader {
-	return &backlogReader{brokers: slices.Clone(brokers), sc: sc, group: group, inFlight: map[string]*backlogRead{}}
+	c := *sc
+	c.Net.ReadTimeout = min(c.Net.ReadTimeout, backlogReadTimeout)
+	c.Metadata.Retry.Max = 0
+	c.Metadata.Full = false
+	return &backlogReader{brokers: slices.Clone(brokers), sc: &c, group: group, inFlight: map[string]*backlogRead{}}
 }
 
 // Backlog implements adapters.Backlogger.
@@ -245,10 +260,10 @@ func (r *backlogReader) committed(client sarama.Client, topic string, partitions
 	return offsets, nil
 }
 
-// offsets returns the offset at time (sarama.OffsetNewest or
+// offsets returns the offset at at (sarama.OffsetNewest or
 // sarama.OffsetOldest) of each of partitions, asking each leader once for
 // all of its partitions.
-func (r *backlogReader) offsets(client sarama.Client, topic string, partitions []int32, time int64, isolation sarama.IsolationLevel) (map[int32]int64, error) {
+func (r *backlogReader) offsets(client sarama.Client, topic string, partitions []int32, at int64, isolation sarama.IsolationLevel) (map[int32]int64, error) {
 	requests := map[*sarama.Broker]*sarama.OffsetRequest{}
 	for _, p := range partitions {
 		leader, err := client.Leader(topic, p)
@@ -260,7 +275,7 @@ func (r *backlogReader) offsets(client sarama.Client, topic string, partitions [
 			req = r.offsetRequest(isolation)
 			requests[leader] = req
 		}
-		req.AddBlock(topic, p, time, 1)
+		req.AddBlock(topic, p, at, 1)
 	}
 	offsets := make(map[int32]int64, len(partitions))
 	for leader, req := range requests {
