@@ -11,8 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// ErrSubscriberClosed is returned by Subscribe and SubscribeInitialize
-// once Close has begun.
+// ErrSubscriberClosed is returned by Subscribe, SubscribeInitialize and
+// Backlog (wrapped) once Close has begun.
 var ErrSubscriberClosed = errors.New("amqp: subscriber closed")
 
 // Subscriber is watermill-amqp's subscriber with a drain: its Close hands

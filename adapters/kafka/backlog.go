@@ -59,12 +59,14 @@ const backlogReadTimeout = 10 * time.Second
 
 // newBacklogReader returns a reader of group's lag with a copy of sc: its
 // read timeout at most backlogReadTimeout, its metadata requests not
-// retried (the next read asks again) and for the topics it reads only.
+// retried (the next read asks again), for the topics it reads only, and
+// never creating one: asking for a topic's backlog must not create it.
 func newBacklogReader(brokers []string, sc *sarama.Config, group string) *backlogReader {
 	c := *sc
 	c.Net.ReadTimeout = min(c.Net.ReadTimeout, backlogReadTimeout)
 	c.Metadata.Retry.Max = 0
 	c.Metadata.Full = false
+	c.Metadata.AllowAutoTopicCreation = false
 	return &backlogReader{brokers: slices.Clone(brokers), sc: &c, group: group, inFlight: map[string]*backlogRead{}}
 }
 

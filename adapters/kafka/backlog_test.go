@@ -160,7 +160,9 @@ func highWatermarks(t *testing.T, brokers []string, topic string, partitions int
 }
 
 // TestBacklogNewest: a group that starts from the newest record and has
-// committed nothing has no lag: it will never read what is there.
+// committed nothing has no lag: it will never read what is there. A topic
+// that does not exist is an error, and asking does not create it (the
+// embedded broker creates topics on first use).
 func TestBacklogNewest(t *testing.T) {
 	t.Parallel()
 	brokers := Brokers(t)
@@ -182,6 +184,19 @@ func TestBacklogNewest(t *testing.T) {
 		high += p.HighWatermark
 	}
 	require.Equal(t, int64(4), high, "the records are there")
+
+	missing := uniqueName("missing")
+	_, err = sub.(adapters.Backlogger).Backlog(context.Background(), missing)
+	require.ErrorIs(t, err, sarama.ErrUnknownTopicOrPartition)
+	sc := sarama.NewConfig()
+	sc.Version = sarama.V2_3_0_0
+	admin, err := sarama.NewClusterAdmin(brokers, sc)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, admin.Close()) }()
+	topics, err := admin.ListTopics()
+	require.NoError(t, err)
+	require.Contains(t, topics, topic)
+	require.NotContains(t, topics, missing, "asking for a backlog creates no topic")
 }
 
 // TestBacklogWithoutGroup: a subscriber without a group commits nothing

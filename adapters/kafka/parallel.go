@@ -15,7 +15,8 @@ import (
 	"github.com/oncemill/oncemill/adapters"
 )
 
-// ErrSubscriberClosed is returned by Subscribe after Close.
+// ErrSubscriberClosed is returned by Subscribe after Close, and wrapped
+// by the error of Backlog after Close.
 var ErrSubscriberClosed = errors.New("kafka: subscriber closed")
 
 // minBuffered is the least number of records a partition reads ahead of
