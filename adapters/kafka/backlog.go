@@ -245,6 +245,11 @@ func (r *backlogReader) committed(client sarama.Client, topic string, partitions
 		err = resp.Err
 	}
 	if err != nil {
+		var kerr sarama.KError
+		if !errors.As(err, &kerr) {
+			// A broken connection: the next request opens a fresh one.
+			_ = coordinator.Close()
+		}
 		// The coordinator may have moved: the next read looks it up again.
 		_ = client.RefreshCoordinator(r.group)
 		return nil, fmt.Errorf("committed offsets: %w", err)
@@ -283,6 +288,9 @@ func (r *backlogReader) offsets(client sarama.Client, topic string, partitions [
 	for leader, req := range requests {
 		resp, err := leader.GetAvailableOffsets(req)
 		if err != nil {
+			// As Sarama's GetOffset does: the next request opens a
+			// fresh connection.
+			_ = leader.Close()
 			return nil, fmt.Errorf("broker %s: %w", leader.Addr(), err)
 		}
 		for _, p := range partitions {
