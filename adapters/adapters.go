@@ -30,7 +30,9 @@
 // silently leave its default in place.
 //
 // Every adapter acknowledges to the broker only when the handler acks, and
-// sets the [delivery] metadata. Credentials in a URL never appear in errors
+// sets the [delivery] metadata. Every broker's subscriber but GoChannel's
+// and postgres:// can tell what the broker still holds for its consumer
+// (see [Backlogger] and [PubSub.Backlog]), which observe/prom exports. Credentials in a URL never appear in errors
 // or logs: not the password nor a user-only token (nats://TOKEN@host), nor
 // the value of a query parameter not known to be harmless (password=…,
 // an unknown one), nor those of a URL in a parameter (endpoint=…).

@@ -41,7 +41,7 @@ func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*Subscriber, err
 		"url":            redactURL(cfg.URL),
 		"consumer_group": cfg.ConsumerGroup,
 	})
-	return newSubscriber(sub, cfg.withDefaults().DrainTimeout, logger), nil
+	return newSubscriber(sub, cfg, logger), nil
 }
 
 // connectError wraps err, from creating a publisher or subscriber (what),

@@ -44,7 +44,8 @@ var (
 	ErrInvalidConfig = errors.New("amqp: invalid config")
 	// ErrConnect is wrapped by the error [NewPublisher], [NewSubscriber]
 	// and [Declare] return when the broker cannot be reached or refuses
-	// the connection, and by Publisher.Publish while it reconnects.
+	// the connection, and by Publisher.Publish and Subscriber.Backlog
+	// while they reconnect.
 	ErrConnect = errors.New("amqp: cannot connect to broker")
 )
 

@@ -11,8 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// ErrSubscriberClosed is returned by Subscribe and SubscribeInitialize
-// once Close has begun.
+// ErrSubscriberClosed is returned by Subscribe, SubscribeInitialize and
+// Backlog (wrapped) once Close has begun.
 var ErrSubscriberClosed = errors.New("amqp: subscriber closed")
 
 // Subscriber is watermill-amqp's subscriber with a drain: its Close hands
@@ -31,6 +31,10 @@ type Subscriber struct {
 	sub    *wamqp.Subscriber
 	drain  time.Duration
 	logger watermill.LoggerAdapter
+	// queueName is [Config.QueueName] of the subscriber's config, and url
+	// its URL, for the backlog and its errors.
+	queueName func(topic string) string
+	url       string
 
 	// closing is closed when Close begins: the forwarders stop handing
 	// out messages.
@@ -57,15 +61,17 @@ var (
 	_ message.SubscribeInitializer = (*Subscriber)(nil)
 )
 
-func newSubscriber(sub *wamqp.Subscriber, drain time.Duration, logger watermill.LoggerAdapter) *Subscriber {
+func newSubscriber(sub *wamqp.Subscriber, cfg Config, logger watermill.LoggerAdapter) *Subscriber {
 	return &Subscriber{
-		sub:     sub,
-		drain:   drain,
-		logger:  logger,
-		closing: make(chan struct{}),
-		abandon: make(chan struct{}),
-		done:    make(chan struct{}),
-		idle:    make(chan struct{}, 1),
+		sub:       sub,
+		drain:     cfg.withDefaults().DrainTimeout,
+		logger:    logger,
+		queueName: cfg.QueueName,
+		url:       cfg.URL,
+		closing:   make(chan struct{}),
+		abandon:   make(chan struct{}),
+		done:      make(chan struct{}),
+		idle:      make(chan struct{}, 1),
 	}
 }
 

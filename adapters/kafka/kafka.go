@@ -19,13 +19,19 @@ const BrokersEnv = "ONCEMILL_KAFKA_BROKERS"
 // above 1 (the default is 64) it is the key-parallel subscriber, built on
 // a Sarama consumer group with the Sarama config of
 // [SubscriberConfig.WatermillConfig]; otherwise it is watermill-kafka's
-// subscriber with that config, one message per partition at a time. See
-// the package doc for both.
+// subscriber with that config, one message per partition at a time
+// (wrapped, with a ConsumerGroup, to report the group's backlog). See the
+// package doc for both.
 //
-// It connects to nothing and starts no goroutine until Subscribe; each
+// It connects to nothing and starts no goroutine until Subscribe or
+// Backlog; each
 // Subscribe starts a Sarama client and goroutines that the subscriber's
 // Close stops, after it has committed what was acked. The subscriber also
-// implements message.SubscribeInitializer.
+// implements message.SubscribeInitializer and, with a ConsumerGroup,
+// adapters.Backlogger: its Backlog reports the group's lag per partition,
+// on a Sarama client of its own that it opens on first use and Close
+// closes. Without a ConsumerGroup nothing is committed, so there is no
+// lag to report, and the subscriber is watermill-kafka's own.
 func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (message.Subscriber, error) {
 	wcfg, err := cfg.WatermillConfig()
 	if err != nil {
@@ -41,7 +47,10 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (messag
 	if err != nil {
 		return nil, fmt.Errorf("kafka: new subscriber: %w", err)
 	}
-	return sub, nil
+	if cfg.ConsumerGroup == "" {
+		return sub, nil
+	}
+	return &groupSubscriber{Subscriber: sub, backlog: newBacklogReader(wcfg.Brokers, wcfg.OverwriteSaramaConfig, cfg.ConsumerGroup)}, nil
 }
 
 // BrokersFromEnv returns the seed brokers in the [BrokersEnv] environment

@@ -11,9 +11,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/adapters"
 )
 
-// ErrSubscriberClosed is returned by Subscribe after Close.
+// ErrSubscriberClosed is returned by Subscribe after Close, and wrapped
+// by the error of Backlog after Close.
 var ErrSubscriberClosed = errors.New("kafka: subscriber closed")
 
 // minBuffered is the least number of records a partition reads ahead of
@@ -38,6 +41,8 @@ type parallelSubscriber struct {
 	// init creates topics for SubscribeInitialize, as the one-at-a-time
 	// subscriber does; it connects to nothing otherwise.
 	init *wkafka.Subscriber
+	// backlog reads the group's lag, on a client of its own.
+	backlog *backlogReader
 
 	mu      sync.Mutex
 	closed  bool
@@ -69,6 +74,7 @@ func newParallelSubscriber(cfg SubscriberConfig, wcfg wkafka.SubscriberConfig, l
 		sc:      sc,
 		logger:  logger.With(watermill.LogFields{"subscriber_uuid": watermill.NewShortUUID()}),
 		init:    init,
+		backlog: newBacklogReader(cfg.Brokers, sc, cfg.ConsumerGroup),
 		closing: make(chan struct{}),
 	}, nil
 }
@@ -100,7 +106,17 @@ func (s *parallelSubscriber) Close() error {
 	close(s.closing)
 	s.mu.Unlock()
 	s.subs.Wait()
-	return s.init.Close()
+	return errors.Join(s.init.Close(), s.backlog.close())
+}
+
+// Backlog returns the group's lag on topic: per partition, the high
+// watermark minus the group's committed offset, which counts the messages
+// in flight too (their offsets are not committed yet). It asks on a
+// Sarama client of its own, opened on first use and closed by Close,
+// whether or not the subscriber has subscribed to topic. See
+// adapters.PartitionBacklog.
+func (s *parallelSubscriber) Backlog(ctx context.Context, topic string) (adapters.Backlog, error) {
+	return s.backlog.Backlog(ctx, topic)
 }
 
 // Subscribe joins the consumer group for topic and returns the messages

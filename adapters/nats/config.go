@@ -57,8 +57,8 @@ var (
 	// ErrInvalidConfig is wrapped by every error a Validate method
 	// returns; the message names the field.
 	ErrInvalidConfig = errors.New("nats: invalid config")
-	// ErrClosed is returned by Publish, Subscribe and SubscribeInitialize
-	// after Close.
+	// ErrClosed is returned by Publish, Subscribe, SubscribeInitialize
+	// and Backlog after Close.
 	ErrClosed = errors.New("nats: closed")
 	// ErrNoJetStream is wrapped by the error the constructors return when
 	// the server, or the account, has JetStream disabled.
@@ -68,7 +68,8 @@ var (
 	ErrInvalidTopic = errors.New("nats: invalid topic")
 	// ErrStreamNotFound is wrapped by the error Publish, Subscribe and
 	// SubscribeInitialize return when a topic's stream does not exist and
-	// [Config.CreateStreams] is false; the message names the stream.
+	// [Config.CreateStreams] is false, and by the error of Backlog, which
+	// never creates a stream; the message names the stream.
 	ErrStreamNotFound = errors.New("nats: stream does not exist")
 	// ErrTopicNotInStream is wrapped by the error returned when a topic's
 	// stream exists but its subjects do not hold the topic.

@@ -61,11 +61,12 @@ var (
 	// ErrInvalidConfig is wrapped by every error that a Validate method or
 	// [RedrivePolicy] returns; the message names the field.
 	ErrInvalidConfig = errors.New("sqs: invalid config")
-	// ErrClosed is returned by Publish, Subscribe and SubscribeInitialize
-	// after Close.
+	// ErrClosed is returned by Publish, Subscribe, SubscribeInitialize
+	// and Backlog after Close.
 	ErrClosed = errors.New("sqs: closed")
 	// ErrQueueNotFound is wrapped by the error Publish and Subscribe return
-	// when a topic's queue does not exist and CreateQueueIfMissing is false.
+	// when a topic's queue does not exist and CreateQueueIfMissing is
+	// false, and by the error of Backlog, which never creates a queue.
 	ErrQueueNotFound = errors.New("sqs: queue does not exist")
 	// ErrInvalidTopic is wrapped by the error returned for a topic that
 	// maps to no valid queue name.

@@ -87,6 +87,21 @@
 // oncemill_retries_scrape_errors_total.
 //
 //	collector, err := prom.NewRetryCollector(retries, prom.RetryCollectorConfig{})
+//
+// # Consumer backlog
+//
+// [NewBacklogCollector] returns a prometheus.Collector that asks the
+// brokers at scrape time what they still hold for each consumer it is
+// given (an [adapters.Backlogger]: the subscribers of adapters/kafka,
+// adapters/amqp, adapters/nats and adapters/sqs, or an
+// [*adapters.PubSub]), each read bounded by
+// [BacklogCollectorConfig.Timeout], and exports
+// oncemill_consumer_backlog_messages{consumer,topic},
+// oncemill_consumer_partition_lag{consumer,topic,partition} for Kafka,
+// and oncemill_consumer_backlog_scrape_errors_total{consumer,topic}:
+//
+//	collector, err := prom.NewBacklogCollector(prom.BacklogCollectorConfig{},
+//		prom.BacklogSource{Consumer: "charge", Topic: "orders", Backlogger: ps})
 //	...
 //	reg.MustRegister(collector)
 //
