@@ -9,9 +9,11 @@ GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 # root's ./... does not reach it). benchmarks/nats runs without -race:
 # watermill-nats v2.1.3, the baseline it measures, sends on a channel while
 # closing it (ThreeDotsLabs/watermill-nats#18); oncemill's own NATS adapter
-# does not use it and runs under -race with the library.
+# does not use it and runs under -race with the library. The adapters'
+# package runs a minute-long outage on every broker, past go test's
+# default 10m per package on a loaded machine: hence -timeout 30m.
 test: services
-	$(GO) test -race -count=1 ./...
+	$(GO) test -race -count=1 -timeout 30m ./...
 	cd benchmarks && $(GO) test -race -count=1 $$($(GO) list ./... | grep -v '/benchmarks/nats$$')
 	cd benchmarks && $(GO) test -count=1 ./nats/
 
