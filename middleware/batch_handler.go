@@ -58,7 +58,7 @@ func (e BatchErrors) Unwrap() []error {
 }
 
 // BatchHandler turns fn into a handler to add with
-// router.AddConsumerHandler behind this inbox's middleware. With
+// router.AddConsumerHandler behind an inbox's middleware. With
 // [InboxConfig.Batch] on, the inbox hands fn the new messages of each
 // batch at once, after their duplicates were dropped, in the batch's
 // transaction; every other delivery (batching off, a store without it, a
@@ -70,7 +70,10 @@ func (e BatchErrors) Unwrap() []error {
 // (Watermill's Timeout middleware), counted from when fn starts; a batch
 // cut short by it is split like a failed one, so that only a message
 // that overruns its deadline alone is counted.
-func (in *Inbox) BatchHandler(fn BatchFunc) message.NoPublishHandlerFunc {
+//
+// It needs no inbox to be made: the inbox that runs it tells it, through
+// the message's context, that it runs in a batch.
+func BatchHandler(fn BatchFunc) message.NoPublishHandlerFunc {
 	bh := &batchHandler{fn: fn}
 	return func(msg *message.Message) error {
 		if c, ok := msg.Context().Value(collectCtxKey{}).(*batchCollect); ok {

@@ -45,7 +45,7 @@ func newBulkRig(t *testing.T, maxAttempts int, poison string, fail func(ctx cont
 	r.batchRig = newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: maxAttempts},
 		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: 32, Parallel: 1, Linger: 300 * time.Millisecond}},
 		func(string, int, *message.Message) error { return nil })
-	bulk := r.inbox.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
+	bulk := middleware.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
 		keys := make([]string, len(msgs))
 		rows := make([][]any, len(msgs))
 		for i, msg := range msgs {
@@ -246,7 +246,7 @@ func TestBatchHandlerWithoutBatching(t *testing.T) {
 	txBackends(t, 4, func(t *testing.T, b txBackend) {
 		inbox := newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "charge"})
 		var sizes []int
-		h := inbox.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
+		h := middleware.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
 			sizes = append(sizes, len(msgs))
 			for _, msg := range msgs {
 				if string(msg.Payload) == "declined" {

@@ -135,9 +135,9 @@ func docsBatch(store *postgres.Store) (*middleware.Inbox, error) {
 	return inbox, nil
 }
 
-func docsBatchHandler(inbox *middleware.Inbox, router *message.Router, sub message.Subscriber) {
+func docsBatchHandler(router *message.Router, sub message.Subscriber) {
 	// snippet:batchhandler
-	router.AddConsumerHandler("charge-orders", "orders", sub, inbox.BatchHandler(
+	router.AddConsumerHandler("charge-orders", "orders", sub, middleware.BatchHandler(
 		func(ctx context.Context, msgs []*message.Message) error { // the batch's new messages, duplicates dropped
 			rows := make([][]any, len(msgs))
 			for i, msg := range msgs {
