@@ -18,8 +18,10 @@ import (
 
 // BatchFunc writes the effects of a batch of new messages at once, in
 // the transaction that ctx carries, read with the store package's
-// accessor as a handler reads it (postgres.Tx(ctx), sqlite.Tx(ctx)); each
-// message's context carries it too, with its key for [IdempotencyKey].
+// accessor as a handler reads it (postgres.Tx(ctx), sqlite.Tx(ctx)), and
+// ends at the batch's deadline. Each message's context carries the
+// transaction too, with what the message's context carried and its key
+// for [IdempotencyKey].
 //
 // It returns nil when every effect is written, a [BatchErrors] naming
 // the messages that failed, or any other error for the batch as a whole.
@@ -161,7 +163,8 @@ func (in *Inbox) callBatch(tx dedup.InboxTx, fn BatchFunc, qs []*queued) (err er
 	for i, q := range qs {
 		msgs[i] = q.msg
 		orig := q.msg.Context()
-		q.msg.SetContext(context.WithValue(ctx, keyCtxKey{}, q.key.Key))
+		// Its own drain keeps what its context carried (a trace span, say).
+		q.msg.SetContext(context.WithValue(tx.WithTx(q.drain), keyCtxKey{}, q.key.Key))
 		defer q.msg.SetContext(orig)
 	}
 	var began time.Time
