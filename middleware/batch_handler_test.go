@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -275,4 +276,49 @@ func TestBatchHandlerWithoutBatching(t *testing.T) {
 		require.Equal(t, "failed", b.status(t, "charge", "c"))
 		require.Equal(t, int64(1), inbox.Stats().Failed)
 	})
+}
+
+// TestBatchHandlerDeadlineIsolated: eight deliveries behind Watermill's
+// Timeout middleware (400 ms); the BatchFunc never returns while one of
+// them is in its call, until the call's context ends. The batch is split
+// until the slow message runs alone: it alone is counted, with the
+// deadline in its error; the seven others are applied, each once.
+func TestBatchHandlerDeadlineIsolated(t *testing.T) {
+	t.Parallel()
+	const n, slowKey = 8, "order-5"
+	rig := newBulkRig(t, 3, "none", func(ctx context.Context, msgs []*message.Message) error {
+		for _, msg := range msgs {
+			if msg.Metadata.Get(dlv.IdempotencyKey) == slowKey {
+				<-ctx.Done()
+				return ctx.Err()
+			}
+		}
+		return nil
+	})
+	rig.h = wmw.Timeout(400 * time.Millisecond)(rig.h)
+	keys := orderKeys(n)
+	for key, err := range rig.deliver(keys) {
+		if key == slowKey {
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			attempts, _, ok := middleware.StoredAttempts(err)
+			require.True(t, ok, "a counted attempt")
+			require.Equal(t, 1, attempts)
+			continue
+		}
+		require.NoError(t, err, key)
+	}
+	require.Equal(t, n-1, rig.rows(t, ""))
+	for _, key := range keys {
+		if key == slowKey {
+			require.Equal(t, "failed", rig.b.status(t, "charge", key))
+			require.Equal(t, 1, rig.b.attempts(t, "charge", key))
+			continue
+		}
+		require.Equal(t, 1, rig.rows(t, key), key)
+		require.Equal(t, 1, rig.b.attempts(t, "charge", key), "%s: never counted for the slow one", key)
+	}
+	is := rig.inbox.Stats()
+	require.Equal(t, int64(1), is.Failed)
+	require.Equal(t, int64(n-1), is.Applied)
+	t.Logf("deadline: %d applied, 1 failed; BatchFunc calls %d, the slow key in %d", is.Applied, len(rig.callsOf()), rig.handedTo(slowKey))
 }
