@@ -384,8 +384,9 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 		return
 	}
 
+	c := &batchCollect{}
 	for i, q := range held {
-		err := in.runInBatch(tx, q)
+		err := in.runInBatch(tx, q, c)
 		if err == nil {
 			continue
 		}
@@ -421,6 +422,10 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 		if len(rest) > 0 {
 			in.runBatch(store, rest, true)
 		}
+		return
+	}
+
+	if in.runBatchFuncs(store, tx, held, c) {
 		return
 	}
 
@@ -483,10 +488,11 @@ func (in *Inbox) endUncounted(ctx context.Context, q *queued, err error) error {
 // write; it keeps what the handler produced in q. The handler's deadline,
 // if the delivery has one, counts from now. A handler that returns nil
 // but leaves the transaction aborted (it swallowed the failure of one of
-// its statements) failed: [ErrTxAborted].
-func (in *Inbox) runInBatch(tx dedup.InboxTx, q *queued) error {
+// its statements) failed: [ErrTxAborted]. A BatchHandler adds its
+// message to c instead of running.
+func (in *Inbox) runInBatch(tx dedup.InboxTx, q *queued, c *batchCollect) error {
 	q.o.step(q.msg.Context(), observe.StepClaimed)
-	drain := q.drain
+	drain := context.WithValue(q.drain, collectCtxKey{}, c)
 	if q.budget > 0 {
 		var cancel context.CancelFunc
 		drain, cancel = context.WithTimeout(drain, q.budget)

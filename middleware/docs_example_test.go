@@ -11,6 +11,7 @@ import (
 	"syscall"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	goredis "github.com/redis/go-redis/v9"
 
@@ -132,6 +133,24 @@ func docsBatch(store *postgres.Store) (*middleware.Inbox, error) {
 	}
 	// endsnippet
 	return inbox, nil
+}
+
+func docsBatchHandler(router *message.Router, sub message.Subscriber) {
+	// snippet:batchhandler
+	router.AddConsumerHandler("charge-orders", "orders", sub, middleware.BatchHandler(
+		func(ctx context.Context, msgs []*message.Message) error { // the batch's new messages, duplicates dropped
+			rows := make([][]any, len(msgs))
+			for i, msg := range msgs {
+				if len(msg.Payload) == 0 {
+					return middleware.BatchErrors{msg.UUID: errors.New("empty order")} // fails this one; its mates run again
+				}
+				rows[i] = []any{middleware.IdempotencyKey(msg.Context()), msg.Payload}
+			}
+			_, err := postgres.Tx(ctx).CopyFrom(ctx, pgx.Identifier{"charges"},
+				[]string{"order_key", "payload"}, pgx.CopyFromRows(rows))
+			return err // any other error or a panic: the batch is split until the culprit runs alone
+		}))
+	// endsnippet
 }
 
 func docsBloom(ctx context.Context, store *postgres.Store, router *message.Router, poison *middleware.Poison) error {

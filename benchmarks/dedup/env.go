@@ -180,6 +180,9 @@ type fixture struct {
 	sqlStore *sqlstore.Store
 
 	insertEffect, rawClaim string
+	// insertEffects writes many effects at once: keys $1, payloads $2
+	// (PostgreSQL only).
+	insertEffects string
 }
 
 // sqliteInsertEffect is the effect in the SQLite database.
@@ -209,6 +212,7 @@ CREATE TABLE ` + s + `.raw_keys (key text PRIMARY KEY)`
 			return nil, fmt.Errorf("create effects table: %w", err)
 		}
 		f.insertEffect = `INSERT INTO ` + s + `.effects (key, payload) VALUES ($1, $2)`
+		f.insertEffects = `INSERT INTO ` + s + `.effects (key, payload) SELECT * FROM unnest($1::text[], $2::bytea[])`
 		f.rawClaim = `INSERT INTO ` + s + `.raw_keys (key) VALUES ($1) ON CONFLICT DO NOTHING RETURNING key`
 		if f.pg, err = postgres.New(e.pool, postgres.Config{Schema: f.schema}); err != nil {
 			return nil, fmt.Errorf("postgres store: %w", err)

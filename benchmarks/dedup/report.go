@@ -29,6 +29,8 @@ const (
 	targetFastestVsRaw  = 1.5  // the fastest exactly-once inbox mode over raw SQL, new keys, at 8 and 32 workers
 	targetRTDupDefault  = 1.0  // round trips per duplicate of the default postgres inbox
 	targetSQLStoreVsRaw = 1.0  // sqlstore-postgres and sqlstore-mysql over the raw SQL on their database and driver
+	targetBulkVsRaw     = 2.5  // postgres-inbox-batched-bulk over raw SQL, new keys, at 8 and 32 workers
+	targetBulkVsBatched = 0.9  // postgres-inbox-batched-bulk over raw-sql-batched, new keys, at 8 and 32 workers
 	sectionHead         = "## Deduplication strategies"
 )
 
@@ -613,6 +615,22 @@ func costTargets(rs []SpeedResult, dupPcts, concs []int) []Target {
 		floor, ok := findSpeed(rs, stRawBatched, 0, c)
 		if !ok || floor.MsgsPerSec == 0 {
 			continue
+		}
+		if r, ok := findSpeed(rs, stPGBatchBulk, 0, c); ok {
+			x := r.MsgsPerSec / floor.MsgsPerSec
+			ts = append(ts, Target{
+				Text: fmt.Sprintf("%s ≥ %.1f× raw-sql-batched (%d messages per transaction, an INSERT each), new keys, %s: %.0f of %.0f msgs/s = %.2f× (%s vs %s messages per COMMIT)",
+					stPGBatchBulk, targetBulkVsBatched, rawBatchSize, workers(c), r.MsgsPerSec, floor.MsgsPerSec, x, msgsPerCommit(r), msgsPerCommit(floor)),
+				Pass: x >= targetBulkVsBatched,
+			})
+			if raw, ok := findSpeed(rs, stRaw, 0, c); ok && raw.MsgsPerSec > 0 {
+				x := r.MsgsPerSec / raw.MsgsPerSec
+				ts = append(ts, Target{
+					Text: fmt.Sprintf("%s ≥ %.1f× raw SQL, new keys, %s: %.0f of %.0f msgs/s = %.2f×",
+						stPGBatchBulk, targetBulkVsRaw, workers(c), r.MsgsPerSec, raw.MsgsPerSec, x),
+					Pass: x >= targetBulkVsRaw,
+				})
+			}
 		}
 		for _, name := range []string{stPostgres, stPGBatch, stPGBatchNoStart} {
 			r, ok := findSpeed(rs, name, 0, c)

@@ -53,6 +53,9 @@ const (
 	// stPGBatchNoStart is group commit without the attempt record: what
 	// the crash-loop count costs a batch is the gap between the two.
 	stPGBatchNoStart = "postgres-inbox-batched-no-start"
+	// stPGBatchBulk is group commit with a middleware.BatchHandler: the
+	// effects of a batch's new messages written by one multi-row INSERT.
+	stPGBatchBulk = "postgres-inbox-batched-bulk"
 	// stPGProm is the postgres inbox with observe/prom's hooks on: what
 	// the metrics cost is the gap between the two.
 	stPGProm  = "postgres-inbox+prom"
@@ -117,6 +120,9 @@ const (
 	// effectSQLTx writes it in dedup/sqlstore's *sql.Tx (sqlstore.Tx),
 	// into the database of the strategy's store.
 	effectSQLTx
+	// effectPGBulk writes the effects of a batch in the inbox's PostgreSQL
+	// transaction with one multi-row INSERT (middleware.BatchHandler).
+	effectPGBulk
 )
 
 // strategyDef describes one way of deduplicating.
@@ -176,6 +182,8 @@ func strategies() []strategyDef {
 			What: fmt.Sprintf("the postgres inbox with group commit, Batch{MaxMessages: %d} (Parallel 4 and Linger 0, the defaults): deliveries of different keys that arrive together share one attempt record, one BEGIN + claim of all their keys and one COMMIT; the crash-loop count stays on", batchMax)},
 		{Name: stPGBatchNoStart, ExactlyOnce: true, NoStart: true, Postgres: true, Effect: effectPGTx,
 			What: "postgres-inbox-batched with SkipAttemptRecord: no attempt record before the batch's transaction, so no crash-loop count"},
+		{Name: stPGBatchBulk, ExactlyOnce: true, Postgres: true, Effect: effectPGBulk,
+			What: "postgres-inbox-batched with its handler a middleware.BatchHandler: the effects of a batch's new messages in one INSERT … SELECT unnest($1, $2); the crash-loop count stays on"},
 		{Name: stPGProm, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with observe/prom's Prometheus hooks (a fresh registry): every delivery counted and timed"},
 		{Name: stBloom, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
@@ -352,6 +360,8 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true, SkipAttemptRecord: true})
 	case stPGBatch:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o)})
+	case stPGBatchBulk:
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o)})
 	case stPGBatchNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o), SkipAttemptRecord: true})
 	case stPGProm:
@@ -430,6 +440,9 @@ func (p *process) ack(fn func()) bool {
 // effectHandler returns the business handler: one INSERT of (key, payload)
 // into the effects table, with the delivery's fault, if any, injected.
 func (p *process) effectHandler(kind effectKind) message.HandlerFunc {
+	if kind == effectPGBulk {
+		return p.bulkHandler()
+	}
 	f := p.f
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
@@ -765,4 +778,53 @@ func (t gatedInboxTx) Commit(ctx context.Context) error {
 // Rollback always rolls back: the database does it for a dead process.
 func (t gatedInboxTx) Rollback(ctx context.Context) error {
 	return t.InboxTx.Rollback(ctx)
+}
+
+// bulkHandler is effectHandler for a batch: a middleware.BatchHandler
+// that writes the effects of its messages with one INSERT, the faults of
+// its deliveries injected as effectHandler injects them (a handler error
+// fails its message alone, through middleware.BatchErrors).
+func (p *process) bulkHandler() message.HandlerFunc {
+	f := p.f
+	h := middleware.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
+		keys := make([]string, 0, len(msgs))
+		payloads := make([][]byte, 0, len(msgs))
+		var failed middleware.BatchErrors
+		crashAfter := false
+		for _, msg := range msgs {
+			d := deliveryOf(msg.Context())
+			switch {
+			case d.fault == faultAfterClaim:
+				p.crash()
+				return errCrashed
+			case d.fault == faultHandlerError:
+				if failed == nil {
+					failed = middleware.BatchErrors{}
+				}
+				failed[msg.UUID] = errTransient
+				continue
+			case p.dead.Load():
+				return errCrashed
+			}
+			crashAfter = crashAfter || d.fault == faultAfterEffect
+			keys = append(keys, msg.Metadata.Get(dlv.IdempotencyKey))
+			payloads = append(payloads, []byte(msg.Payload))
+		}
+		if failed != nil {
+			return failed
+		}
+		tx := postgres.Tx(ctx)
+		if tx == nil {
+			return errors.New("effect: no PostgreSQL transaction in the context")
+		}
+		if _, err := tx.Exec(ctx, f.insertEffects, keys, payloads); err != nil {
+			return fmt.Errorf("effect: %w", err)
+		}
+		if crashAfter {
+			p.crash()
+			return errCrashed
+		}
+		return nil
+	})
+	return func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) }
 }
