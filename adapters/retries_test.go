@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -229,7 +231,8 @@ func TestDependencyDownOnBrokers(t *testing.T) {
 // attempts, its account's later messages wait behind it and apply after
 // it, in order, and the 99 other accounts flow meanwhile: their messages
 // apply at least 0.8 times as fast as those of a run without the failing
-// account, at the same time on a topic of its own.
+// account, at the same time on a topic of its own (the median of three
+// rounds).
 func TestFailingKeyOnBrokers(t *testing.T) {
 	t.Parallel()
 	db := newRetryDB(t)
@@ -307,23 +310,32 @@ func TestFailingKeyOnBrokers(t *testing.T) {
 			}
 			// Both runs at once, each on its own topic and group, so that
 			// they share the machine's load and the ratio compares like
-			// with like.
-			var base, with time.Duration
-			t.Run("runs", func(t *testing.T) {
-				t.Run("without", func(t *testing.T) {
-					t.Parallel()
-					base = run(t, "_base", false)
+			// with like; three rounds, and the median ratio, so that one
+			// stall of a shared machine does not decide.
+			const rounds = 3
+			ratios := make([]float64, 0, rounds)
+			var times []string
+			for i := range rounds {
+				var base, with time.Duration
+				t.Run(fmt.Sprintf("round_%d", i), func(t *testing.T) {
+					t.Run("without", func(t *testing.T) {
+						t.Parallel()
+						base = run(t, fmt.Sprintf("_base%d", i), false)
+					})
+					t.Run("with", func(t *testing.T) {
+						t.Parallel()
+						with = run(t, fmt.Sprintf("_poisoned%d", i), true)
+					})
 				})
-				t.Run("with", func(t *testing.T) {
-					t.Parallel()
-					with = run(t, "_poisoned", true)
-				})
-			})
-			require.False(t, t.Failed())
-			ratio := float64(base) / float64(with)
-			t.Logf("%s: 99 healthy accounts × %d messages applied in %s without the failing account, %s with it: %.2f×; "+
-				"the failing message dead-lettered after %d attempts", b.name, perAccount, base.Round(time.Millisecond),
-				with.Round(time.Millisecond), ratio, horizon)
+				require.False(t, t.Failed())
+				ratios = append(ratios, float64(base)/float64(with))
+				times = append(times, fmt.Sprintf("%s/%s", base.Round(time.Millisecond), with.Round(time.Millisecond)))
+			}
+			slices.Sort(ratios)
+			ratio := ratios[rounds/2]
+			t.Logf("%s: 99 healthy accounts × %d messages applied without/with the failing account in %s: median %.2f× (%.2f–%.2f); "+
+				"the failing message dead-lettered after %d attempts", b.name, perAccount, strings.Join(times, ", "), ratio,
+				ratios[0], ratios[rounds-1], horizon)
 			require.GreaterOrEqual(t, ratio, 0.8, "the healthy accounts flow while one waits")
 		})
 	}
