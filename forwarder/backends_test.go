@@ -144,6 +144,13 @@ func (o outboxUnderTest) lag(t *testing.T) forwarder.Lag {
 // (NewTxPublisher or NewSQLTxPublisher), in one transaction, and commits
 // it or rolls it back.
 func (o outboxUnderTest) write(ctx context.Context, topic string, commit bool, events ...*message.Message) error {
+	return o.writeWith(ctx, commit, func(pub *forwarder.TxPublisher) error { return pub.Publish(topic, events...) })
+}
+
+// writeWith runs f with the outbox's publisher (NewTxPublisher or
+// NewSQLTxPublisher) on a transaction of its own, and then commits the
+// transaction, or rolls it back.
+func (o outboxUnderTest) writeWith(ctx context.Context, commit bool, f func(*forwarder.TxPublisher) error) error {
 	if o.Pool != nil {
 		tx, err := o.Pool.Begin(ctx)
 		if err != nil {
@@ -151,7 +158,7 @@ func (o outboxUnderTest) write(ctx context.Context, topic string, commit bool, e
 		}
 		defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
 		pub, err := forwarder.NewTxPublisher(ctx, tx, o.Schema)
-		return publishIn(pub, err, topic, events, commit, func() error { return tx.Commit(ctx) })
+		return publishIn(pub, err, f, commit, func() error { return tx.Commit(ctx) })
 	}
 	tx, err := o.DB.BeginTx(ctx, nil)
 	if err != nil {
@@ -159,14 +166,14 @@ func (o outboxUnderTest) write(ctx context.Context, topic string, commit bool, e
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
 	pub, err := forwarder.NewSQLTxPublisher(ctx, tx, o.Dialect, o.Schema)
-	return publishIn(pub, err, topic, events, commit, tx.Commit)
+	return publishIn(pub, err, f, commit, tx.Commit)
 }
 
-// publishIn publishes events to topic through pub, unless opening it
-// failed with err, and then commits the transaction if commit is set.
-func publishIn(pub *forwarder.TxPublisher, err error, topic string, events []*message.Message, commit bool, commitTx func() error) error {
+// publishIn runs f with pub, unless opening it failed with err, and then
+// commits the transaction if commit is set.
+func publishIn(pub *forwarder.TxPublisher, err error, f func(*forwarder.TxPublisher) error, commit bool, commitTx func() error) error {
 	if err == nil {
-		err = pub.Publish(topic, events...)
+		err = f(pub)
 	}
 	if err != nil || !commit {
 		return err

@@ -51,8 +51,11 @@
 // [PublishAt] and [Delay] mark a message with a due time ([DueAtKey]):
 // written through the publishers above, it waits in the outbox's
 // scheduled table until then, and the relay moves it into the outbox and
-// publishes it, not before its due time. A key's rows go out in (due
-// time, write) order; see "Scheduled messages" in [Relay].
+// publishes it, not before its due time. A key's messages with a due
+// time go out in (due time, write) order, a time already past counting
+// as the write's; one without a due time waits for nothing and can go
+// ahead of its key's rows that are due and not yet moved; see [PublishAt]
+// and "Scheduled messages" in [Relay].
 //
 // # Consumer outbox
 //

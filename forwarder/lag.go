@@ -103,9 +103,9 @@ type Lag struct {
 	// Age is a lower bound there: the row's age, or the transaction's as
 	// InnoDB reports it (to the second) less a second.
 	HeldBy *Holder
-	// Scheduled counts the rows written with a due time still ahead
-	// ([PublishAt]), which wait in the scheduled table and are not among
-	// Pending; 0 on a schema without the table.
+	// Scheduled counts the rows written with a due time ([PublishAt])
+	// that wait in the scheduled table (see [DueAtKey]) and are not
+	// among Pending; 0 on a schema without the table.
 	Scheduled int
 	// NextDue is the earliest due time of the scheduled rows; zero when
 	// there are none. One already past, by the database's clock, is a row

@@ -66,7 +66,7 @@ func (b myBundle) relay(t *testing.T, pub message.Publisher, mod func(*forwarder
 
 // writeOrdered is [writeOrdered] on b's database.
 func (b myBundle) writeOrdered(ctx context.Context, topic, key string, n int, commit bool) ([]string, error) {
-	return writeOrdered(ctx, b.db, sqldb.MySQL, b.schema, topic, key, n, commit, 0)
+	return writeOrdered(ctx, b.db, sqldb.MySQL, b.schema, topic, key, n, commit, 0, nil)
 }
 
 // inbox is the consuming side of a GoChannel topic: it acks and keeps

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"slices"
 	"strings"
 	"time"
 
@@ -35,14 +36,15 @@ var ErrNotForRelay = errors.New("forwarder: the outbox table is read by forwarde
 //
 // A message marked with [PublishAt] or [Delay] for a time still ahead is
 // written to the outbox's scheduled table instead, and the relay moves it
-// into the outbox once it is due (see [DueAtKey]).
+// into the outbox once it is due (see [DueAtKey]); so is one whose time
+// has passed while a row of its key that is due waits there.
 type TxPublisher struct {
 	ctx   context.Context
 	tx    wsql.ContextExecutor
 	pub   *wsql.Publisher
 	hooks observe.Hooks
-	// schema writes the outbox; scheduled, made on the first message with
-	// a due time ahead, writes the scheduled table with it.
+	// schema writes the outbox; scheduled, made on the first message for
+	// the scheduled table, writes that table.
 	schema    outboxSchema
 	names     sqlschema.Names
 	scheduled *wsql.Publisher
@@ -111,19 +113,26 @@ func newTxPublisher(ctx context.Context, tx wsql.ContextExecutor, schema outboxS
 }
 
 // Publish writes msgs to topic as outbox rows in the transaction: the
-// messages with no due time, or one already past, into the outbox, in
-// their order; those with a due time ahead ([PublishAt], [Delay]) into
-// the scheduled table, in their order. A due time that is not an RFC 3339
-// time fails the call before anything is written.
+// messages with no due time into the outbox, those with a due time ahead
+// ([PublishAt], [Delay]) into the scheduled table, each table's in their
+// order. A message whose due time has passed goes to the outbox as well,
+// unless a row of its partition key due by now still waits in the
+// scheduled table, as the transaction sees it (one this transaction
+// wrote while its due time was ahead, or one committed before and not
+// yet moved by a relay): it then goes to the scheduled table, due now,
+// behind that row, which it would otherwise overtake. A due time that is
+// not an RFC 3339 time fails the call before anything is written.
 func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
 	var (
-		now                = time.Now()
-		immediate, waiting []*message.Message
+		now    = time.Now()
+		copies = make([]*message.Message, len(msgs))
+		when   = make([]dueState, len(msgs))
+		past   []string // the keys of the messages due by now
 	)
-	for _, m := range msgs {
+	for i, m := range msgs {
 		at, ok, err := dueAt(m)
 		if err != nil {
 			return err
@@ -131,8 +140,32 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 		c := m.Copy()
 		c.SetContext(p.ctx)
 		p.hooks.MessageOut(p.ctx, observe.OutOutboxWrite, c)
-		if ok && at.After(now) {
-			waiting = append(waiting, c)
+		copies[i] = c
+		switch {
+		case !ok:
+			when[i] = dueNone
+		case at.After(now):
+			when[i] = dueAhead
+		default:
+			when[i] = duePast
+			past = append(past, partitionKey(c))
+		}
+	}
+	if len(past) > 0 {
+		waiting, err := p.keysWaiting(past, now)
+		if err != nil {
+			return fmt.Errorf("forwarder: write outbox rows for topic %q: %w", topic, err)
+		}
+		for i, c := range copies {
+			if when[i] == duePast && waiting[partitionKey(c)] {
+				when[i] = dueAhead
+			}
+		}
+	}
+	var immediate, scheduled []*message.Message
+	for i, c := range copies {
+		if when[i] == dueAhead {
+			scheduled = append(scheduled, c)
 		} else {
 			immediate = append(immediate, c)
 		}
@@ -142,12 +175,69 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 			return fmt.Errorf("forwarder: write outbox rows for topic %q: %w", topic, err)
 		}
 	}
-	if len(waiting) > 0 {
-		if err := p.publishScheduled(topic, waiting); err != nil {
+	if len(scheduled) > 0 {
+		if err := p.publishScheduled(topic, scheduled); err != nil {
 			return fmt.Errorf("forwarder: write scheduled outbox rows for topic %q: %w", topic, err)
 		}
 	}
 	return nil
+}
+
+// dueState is where Publish writes a message: dueNone and duePast to the
+// outbox, dueAhead to the scheduled table.
+type dueState uint8
+
+const (
+	dueNone  dueState = iota // no due time
+	duePast                  // a due time already past
+	dueAhead                 // a due time ahead, or behind a row that waits
+)
+
+// partitionKey is the key msg's row is ordered by: its partition key,
+// else its UUID.
+func partitionKey(msg *message.Message) string {
+	if key := delivery.PartitionKeyOf(msg); key != "" {
+		return key
+	}
+	return msg.UUID
+}
+
+// keysWaiting returns which of keys have a row in the scheduled table due
+// by now (the writer's clock, which decided what is due), as the
+// transaction sees it: rows a relay has not moved into the outbox yet,
+// which a row of the key written now into the outbox would overtake. A
+// relay moving such a row holds it until it commits, so the row is seen
+// in one table or the other, never in neither. On a schema migrated
+// before the scheduled table the error wraps [ErrNoScheduledTable].
+func (p *TxPublisher) keysWaiting(keys []string, now time.Time) (map[string]bool, error) {
+	keys = slices.Compact(slices.Sorted(slices.Values(keys)))
+	d := p.schema.d
+	q := d.Rebind(`SELECT DISTINCT partition_key FROM ` + p.names.Scheduled +
+		` WHERE due_at <= ` + d.FromMicros("?") + ` AND partition_key IN ` + sqldb.List(len(keys)))
+	rs, err := p.tx.QueryContext(p.ctx, q, append([]any{now.UnixMicro()}, d.Texts(keys)...)...)
+	if d.UndefinedTable(err) {
+		return nil, fmt.Errorf("look for due scheduled rows: %w (%s): %w", ErrNoScheduledTable, p.names.Scheduled, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("look for due scheduled rows: %w", err)
+	}
+	waiting := map[string]bool{}
+	for rs.Next() {
+		var key string
+		if err := rs.Scan(&key); err != nil {
+			_ = rs.Close()
+			return nil, fmt.Errorf("look for due scheduled rows: %w", err)
+		}
+		waiting[key] = true
+	}
+	if r, ok := rs.(interface{ Err() error }); ok && r.Err() != nil {
+		_ = rs.Close()
+		return nil, fmt.Errorf("look for due scheduled rows: %w", r.Err())
+	}
+	if err := rs.Close(); err != nil {
+		return nil, fmt.Errorf("look for due scheduled rows: %w", err)
+	}
+	return waiting, nil
 }
 
 // publishScheduled writes msgs into the scheduled table. On a schema
@@ -229,6 +319,9 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 	var (
 		b    strings.Builder
 		args = make([]any, 0, 6*len(params.Msgs))
+		// written is the rows' write, the earliest due time a scheduled
+		// row gets.
+		written = time.Now()
 	)
 	b.WriteString(s.insert)
 	for i, m := range params.Msgs {
@@ -236,10 +329,7 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 		if err != nil {
 			return wsql.Query{}, fmt.Errorf("encode metadata of %s: %w", m.UUID, err)
 		}
-		key := delivery.PartitionKeyOf(m)
-		if key == "" {
-			key = m.UUID
-		}
+		key := partitionKey(m)
 		if i > 0 {
 			b.WriteString(", ")
 		}
@@ -257,6 +347,11 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 			at, _, err := dueAt(m)
 			if err != nil {
 				return wsql.Query{}, err
+			}
+			if at.Before(written) {
+				// Due already (see Publish): due now, so that it goes
+				// behind the key's rows due before it.
+				at = written
 			}
 			args = append(args, at.UnixMicro())
 		}

@@ -316,10 +316,15 @@ func (c RelayConfig) Validate() error {
 // batches, Run moves the rows that are due into the outbox, in (due time,
 // write) order, in one short transaction ([Relay.PromoteDue]); from there
 // they go out as any row, after the rows of their key already in the
-// outbox and before those written later. So while a relay runs, a key's
-// rows go out in the order of their due times (an immediate row's is its
-// write), rows due together in their write order; rows that came due
-// while no relay ran go out after the rows written meanwhile. Run
+// outbox and before those written later. A message whose due time has
+// passed when it is written goes to the outbox at once, or, while a row
+// of its key that is due still waits, into the scheduled table behind it.
+// So a key's messages with a due time go out in the order of their due
+// times (a time already past counting as the write's), rows due together
+// in their write order, whether or not a relay ran meanwhile. A message
+// without a due time waits for nothing: written while a row of its key is
+// due and not yet moved (the few milliseconds a running relay takes to
+// move it, or an outage), it goes out first; see [PublishAt]. Run
 // remembers the earliest due time and wakes for it, and otherwise reads
 // the scheduled table at most once per PollInterval (while idle, in the
 // statement that looks for rows). Relays moving rows at once take turns

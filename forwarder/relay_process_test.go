@@ -9,6 +9,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -194,6 +195,7 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 		wg        sync.WaitGroup
 		errs      = make(chan error, writers)
 		written   = make(chan struct{})
+		late      atomic.Int64 // events written after their due time
 	)
 	for w := 0; w < writers; w++ {
 		wg.Add(1)
@@ -202,7 +204,7 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 			rng := mrand.New(mrand.NewPCG(uint64(w), k.writerSeed))
 			for i := 0; i < txPerWriter; i++ {
 				commit := rng.IntN(6) != 0
-				ids, err := writeOrdered(ctx, k.db, d, k.schema, topic, fmt.Sprintf("key-%d", rng.IntN(keys)), 1+rng.IntN(perTx), commit, k.delay)
+				ids, err := writeOrdered(ctx, k.db, d, k.schema, topic, fmt.Sprintf("key-%d", rng.IntN(keys)), 1+rng.IntN(perTx), commit, k.delay, &late)
 				if err != nil {
 					errs <- fmt.Errorf("writer %d: %w", w, err)
 					return
@@ -310,7 +312,7 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 	earlyDeliveries := early
 	deliveriesMu.Unlock()
 	t.Logf("%d relay kills (%d with scheduled rows waiting); %d events committed, %d applied: %d lost, %d doubled, %d order violations, %d rolled back and applied, %d delivered before their due time; "+
-		"%d copies republished after a kill, absorbed by the inbox", kills, killsScheduled, len(committed), applies, lost, doubled, outOfOrder, notCommitted, earlyDeliveries, copies)
+		"%d copies republished after a kill, absorbed by the inbox; %d events written after their due time", kills, killsScheduled, len(committed), applies, lost, doubled, outOfOrder, notCommitted, earlyDeliveries, copies, late.Load())
 	require.Zero(t, lost, "lost")
 	require.Zero(t, earlyDeliveries, "delivered before the due time")
 	if k.delay > 0 {
@@ -336,8 +338,10 @@ func testRelaySIGKILL(t *testing.T, k relayKill) {
 // topic with the key's next sequence numbers (half in one insert, the
 // rest one insert each), each due delay after its write when delay is
 // set, advances the sequence and commits, or rolls back. It returns the
-// events' UUIDs.
-func writeOrdered(ctx context.Context, db *sql.DB, d *sqldb.Dialect, schema sqlschema.Config, topic, key string, n int, commit bool, delay time.Duration) ([]string, error) {
+// events' UUIDs. With late, it counts the events whose due time had
+// passed when the writer began to publish them (a writer held up past
+// its delay: they go behind the key's rows that are due and wait).
+func writeOrdered(ctx context.Context, db *sql.DB, d *sqldb.Dialect, schema sqlschema.Config, topic, key string, n int, commit bool, delay time.Duration, late *atomic.Int64) ([]string, error) {
 	orders := qualified(d, schema, "orders")
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
@@ -361,12 +365,23 @@ func writeOrdered(ctx context.Context, db *sql.DB, d *sqldb.Dialect, schema sqls
 			forwarder.Delay(events[i], delay)
 		}
 	}
+	publish := func(events ...*message.Message) error {
+		if late != nil {
+			now := time.Now()
+			for _, e := range events {
+				if due, err := time.Parse(time.RFC3339Nano, e.Metadata.Get(forwarder.DueAtKey)); err == nil && !due.After(now) {
+					late.Add(1)
+				}
+			}
+		}
+		return pub.Publish(topic, events...)
+	}
 	half := n / 2
-	if err := pub.Publish(topic, events[:half]...); err != nil {
+	if err := publish(events[:half]...); err != nil {
 		return nil, err
 	}
 	for _, e := range events[half:] {
-		if err := pub.Publish(topic, e); err != nil {
+		if err := publish(e); err != nil {
 			return nil, err
 		}
 	}

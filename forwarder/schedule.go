@@ -21,31 +21,48 @@ import (
 // to the outbox's scheduled table (sqlschema.Names.Scheduled, the outbox
 // table's name and "_scheduled") instead of the outbox; the relay moves
 // it into the outbox once it is due and publishes it from there. Without
-// the key, or with a time already past, the message goes to the outbox
-// as any other. The writer decides by its own clock which table a message
-// goes to; the relay decides by the database's when a row is due. The key
-// stays in the published message's metadata.
+// the key the message goes to the outbox as any other, and with a time
+// already past too, unless a row of its partition key that is due still
+// waits in the scheduled table: then it is written there, due at its
+// write, behind that row (see [PublishAt]). The writer decides by its own
+// clock which table a message goes to; the relay decides by the
+// database's when a row is due. The key stays in the published message's
+// metadata.
 const DueAtKey = "oncemill_due_at"
 
 // ErrNoScheduledTable is wrapped by the error of a write of a message
-// with a due time ahead, and of [Relay.PromoteDue], on a schema migrated
-// before the scheduled table existed (PostgreSQL migration 011, MySQL
-// 005, SQLite 007). Run sqlschema.Migrate (MigrateSQL, MigrateSQLite)
-// to add it. A relay runs on such a schema all the same: it relays the
+// with a due time, ahead or past, and of [Relay.PromoteDue], on a schema
+// migrated before the scheduled table existed (PostgreSQL migration 011,
+// MySQL 005, SQLite 007). Run sqlschema.Migrate (MigrateSQL,
+// MigrateSQLite) to add it. A relay runs on such a schema all the same: it relays the
 // outbox and looks for the table again now and then.
 var ErrNoScheduledTable = errors.New("forwarder: the outbox's scheduled table does not exist: migrate the schema (sqlschema.Migrate, MigrateSQL or MigrateSQLite) to add it")
 
 // PublishAt marks msg to be published at at, not before: written through
 // the outbox's publishers, it waits in the scheduled table until then
-// (see [DueAtKey]). A time already past publishes it at once. It sets
-// msg's metadata, so call it before Publish.
+// (see [DueAtKey]). A time already past publishes it at once, unless a
+// row of its key that is due still waits: then it goes behind that row.
+// It sets msg's metadata, so call it before Publish.
 //
 // Order: the relay moves a due row into the outbox at its due time, where
 // it goes out after the rows of its key already there and before those
 // written later; the rows it moves together go in (due time, write)
-// order. While a relay runs, a key's rows therefore go out in the order
-// of their due times, an immediate row's due time being its write, and
-// rows due at the same time in their write order.
+// order. A message whose due time has passed when it is written (a time
+// in the past, or a writer slower than its [Delay]) goes to the outbox
+// at once when no row of its key that is due waits in the scheduled
+// table, as its transaction sees it, and else into the scheduled table,
+// due at its write, behind those rows. A key's messages with a due time
+// therefore go out in the order of their due times, a time already past
+// counting as the write's, and rows due at the same time in their write
+// order, whether or not a relay ran meanwhile.
+//
+// A message without a due time is written to the outbox at once and
+// waits for nothing: written while a row of its key is due and not yet
+// moved (in the few milliseconds a running relay takes to move it, or
+// while no relay runs), it goes out first. Give such messages a due time
+// too, PublishAt(msg, time.Now()), to keep them in the order of the
+// key's due times, at the cost of one more statement per Publish that
+// writes them (the look at the scheduled table).
 func PublishAt(msg *message.Message, at time.Time) {
 	if msg.Metadata == nil {
 		msg.Metadata = make(message.Metadata)
@@ -83,7 +100,9 @@ const scheduledRecheck = time.Minute
 // so that the relay's takes, which walk each lane of the outbox in id
 // order, never meet a row that may not go yet: the takes stay as they
 // are, and a row enters its lane only once it is due, behind the rows
-// already there.
+// already there. A row whose due time has passed comes here too, due at
+// its write, while a due row of its key waits here: in the outbox it
+// would go out ahead of that row.
 type scheduled struct {
 	db      sqldb.DB
 	d       *sqldb.Dialect

@@ -29,7 +29,8 @@ const scheduleDelay = 300 * time.Millisecond
 // (a move is one transaction), double none (the consumer's inbox absorbs
 // what a killed relay had published and not deleted), publish none before
 // its due time, and each key's in its write order (one delay for all, so
-// its due order).
+// its due order), the events a writer held up past its delay (a loaded
+// machine) writes after their due time included.
 func TestScheduledRelaySIGKILL(t *testing.T) {
 	t.Parallel()
 	t.Run("postgres-sql", func(t *testing.T) {

@@ -172,11 +172,73 @@ func TestScheduledOnEveryBackend(t *testing.T) {
 	}
 }
 
+// TestScheduledPastDueKeepsOrder: on every backend, a message whose due
+// time has passed when it is written goes out after the rows of its key
+// due before it that still wait in the scheduled table: a row its own
+// transaction wrote while that row's due time was ahead (a writer slower
+// than its delay: b after a), and rows of an earlier transaction that no
+// relay has moved yet (c after a and b). A message of a key with nothing
+// waiting goes to the outbox at once, its due time past or not (other).
+// Each is published once, none before its due time.
+func TestScheduledPastDueKeepsOrder(t *testing.T) {
+	t.Parallel()
+	for _, backend := range sqltest.Backends {
+		t.Run(backend.Name, func(t *testing.T) {
+			t.Parallel()
+			o := openOutbox(t, backend)
+			ctx := context.Background()
+			const key = "order-9"
+			a, b := named("a", key), named("b", key)
+			dueA := time.Now().Add(100 * time.Millisecond)
+			forwarder.PublishAt(a, dueA)
+			forwarder.PublishAt(b, dueA.Add(time.Millisecond))
+			require.NoError(t, o.writeWith(ctx, true, func(pub *forwarder.TxPublisher) error {
+				if err := pub.Publish("orders", a); err != nil { // ahead: scheduled
+					return err
+				}
+				// The writer is held up past both due times.
+				time.Sleep(time.Until(dueA.Add(20 * time.Millisecond)))
+				return pub.Publish("orders", b)
+			}))
+			c, other := named("c", key), named("other", "order-10")
+			forwarder.PublishAt(c, time.Now())
+			forwarder.PublishAt(other, time.Now())
+			require.NoError(t, o.write(ctx, "orders", true, c, other))
+
+			lag := o.lag(t)
+			require.Equal(t, 1, lag.Pending, "other is in the outbox")
+			require.Equal(t, 3, lag.Scheduled, "b and c wait behind a")
+
+			s := &timedSink{}
+			run(t, o.relay(t, s, func(c *forwarder.RelayConfig) { c.LockOrderedWriters = true }))
+			require.Eventually(t, func() bool {
+				ids, _ := s.published()
+				return len(ids) >= 4 && o.pending(t) == 0 && o.scheduledCount(t) == 0
+			}, 20*time.Second, 10*time.Millisecond, "every row published, both tables drained")
+
+			ids, at := s.published()
+			var order []string
+			for _, id := range ids {
+				if !strings.HasPrefix(id, "other") {
+					order = append(order, id)
+				}
+			}
+			require.Equal(t, []string{a.UUID, b.UUID, c.UUID}, order, "%s in (due time, write) order", key)
+			for _, m := range []*message.Message{a, b, c, other} {
+				require.Len(t, at[m.UUID], 1, "%s published once", m.UUID)
+				due, err := time.Parse(time.RFC3339Nano, m.Metadata.Get(forwarder.DueAtKey))
+				require.NoError(t, err)
+				require.False(t, at[m.UUID][0].Before(due), "%s published before its due time", m.UUID)
+			}
+		})
+	}
+}
+
 // TestRelayWithoutScheduledTable: on a schema migrated before the
 // scheduled table (every backend, the table dropped), the relay relays
 // the outbox as before and logs the missing table once, however often it
-// looks again; Lag counts nothing scheduled; a write with a due time
-// ahead fails with ErrNoScheduledTable. Once the table is created, the
+// looks again; Lag counts nothing scheduled; a write with a due time,
+// ahead or past, fails with ErrNoScheduledTable. Once the table is created, the
 // relay finds it at its next look, says so once, and publishes a
 // scheduled message after its due time.
 func TestRelayWithoutScheduledTable(t *testing.T) {
@@ -205,6 +267,10 @@ func TestRelayWithoutScheduledTable(t *testing.T) {
 			scheduled := named("later", "k")
 			forwarder.Delay(scheduled, time.Minute)
 			require.ErrorIs(t, o.write(ctx, "orders", true, scheduled), forwarder.ErrNoScheduledTable)
+			past := named("past", "k")
+			forwarder.PublishAt(past, time.Now().Add(-time.Second))
+			require.ErrorIs(t, o.write(ctx, "orders", true, past), forwarder.ErrNoScheduledTable,
+				"a due time already past needs the table too: rows of its key may wait there")
 			require.Zero(t, o.lag(t).Scheduled)
 
 			// A window of five looks again, each finding nothing.

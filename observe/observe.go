@@ -213,8 +213,8 @@ type OutboxLag struct {
 	Pending, Waiting int
 	// OldestAge is the age of the oldest pending row.
 	OldestAge time.Duration
-	// Scheduled counts the rows written with a due time still ahead,
-	// which wait in the outbox's scheduled table, not among Pending.
+	// Scheduled counts the rows written with a due time that wait in
+	// the outbox's scheduled table, not among Pending.
 	Scheduled int
 }
 
