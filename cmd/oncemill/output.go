@@ -121,6 +121,16 @@ func writeEntry(w io.Writer, e dlq.Entry, copiesSince *int) error {
 	fields = append(fields,
 		dlq.Fact{Label: "Dead at", Value: optTime(e.DeadAt)},
 		dlq.Fact{Label: "Copies since", Value: optInt(copiesSince)})
+	if err := writeMessage(w, fields, e.Metadata, e.Payload); err != nil {
+		return fmt.Errorf("write entry: %w", err)
+	}
+	return nil
+}
+
+// writeMessage writes what show prints of a stored message, a dead
+// letter's or a parked one's: its facts, a label and a value a line ("-"
+// for an empty value), then its metadata sorted by key, then its payload.
+func writeMessage(w io.Writer, fields []dlq.Fact, metadata map[string]string, payload []byte) error {
 	width := 0
 	for _, f := range fields {
 		width = max(width, utf8.RuneCountInString(f.Label)+3)
@@ -133,21 +143,19 @@ func writeEntry(w io.Writer, e dlq.Entry, copiesSince *int) error {
 		}
 		fmt.Fprintf(&b, "%-*s%s\n", width, f.Label+":", indent(v, width))
 	}
-	keys := make([]string, 0, len(e.Metadata))
-	for k := range e.Metadata {
+	keys := make([]string, 0, len(metadata))
+	for k := range metadata {
 		keys = append(keys, k)
 	}
 	sort.Strings(keys)
 	fmt.Fprintf(&b, "Metadata (%d):\n", len(keys))
 	for _, k := range keys {
-		fmt.Fprintf(&b, "  %s = %s\n", k, indent(e.Metadata[k], 2+utf8.RuneCountInString(k)+3))
+		fmt.Fprintf(&b, "  %s = %s\n", k, indent(metadata[k], 2+utf8.RuneCountInString(k)+3))
 	}
-	text, enc := payloadText(e.Payload)
-	fmt.Fprintf(&b, "Payload (%s, %d bytes):\n%s\n", enc, len(e.Payload), text)
-	if _, err := io.WriteString(w, b.String()); err != nil {
-		return fmt.Errorf("write entry: %w", err)
-	}
-	return nil
+	text, enc := payloadText(payload)
+	fmt.Fprintf(&b, "Payload (%s, %d bytes):\n%s\n", enc, len(payload), text)
+	_, err := io.WriteString(w, b.String())
+	return err
 }
 
 // indent puts n spaces before every line of s but the first.

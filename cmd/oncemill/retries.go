@@ -6,12 +6,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"sort"
 	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
-	"unicode/utf8"
 
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/retry"
@@ -327,30 +325,7 @@ func writeParked(w io.Writer, m retry.Message, now time.Time) error {
 	if m.WaitsFor != 0 {
 		fields = append(fields, dlq.Fact{Label: "Waits for", Value: strconv.FormatInt(m.WaitsFor, 10)})
 	}
-	width := 0
-	for _, f := range fields {
-		width = max(width, utf8.RuneCountInString(f.Label)+3)
-	}
-	var b strings.Builder
-	for _, f := range fields {
-		v := f.Value
-		if v == "" {
-			v = "-"
-		}
-		fmt.Fprintf(&b, "%-*s%s\n", width, f.Label+":", indent(v, width))
-	}
-	keys := make([]string, 0, len(m.Metadata))
-	for k := range m.Metadata {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	fmt.Fprintf(&b, "Metadata (%d):\n", len(keys))
-	for _, k := range keys {
-		fmt.Fprintf(&b, "  %s = %s\n", k, indent(m.Metadata[k], 2+utf8.RuneCountInString(k)+3))
-	}
-	text, enc := payloadText(m.Payload)
-	fmt.Fprintf(&b, "Payload (%s, %d bytes):\n%s\n", enc, len(m.Payload), text)
-	if _, err := io.WriteString(w, b.String()); err != nil {
+	if err := writeMessage(w, fields, m.Metadata, m.Payload); err != nil {
 		return fmt.Errorf("write parked message: %w", err)
 	}
 	return nil
