@@ -38,7 +38,8 @@ func counted(key string, attempts int) *message.Message {
 // attempt record, and no record of the attempt exists while its handler
 // runs; a redelivery (Attempts 2) is recorded as every delivery is
 // without a count. A producer's duplicate of a done key, a first delivery
-// too, does not run the handler and gets the stored result back. Under a
+// too, does not run the handler and gets the stored result back, in three
+// round trips (BEGIN, claim, ROLLBACK) where a start answers it in one. Under a
 // poison limit of 1 even a first delivery is recorded.
 func TestBrokerFirstDeliverySkipsAttemptRecord(t *testing.T) {
 	t.Parallel()
@@ -106,6 +107,10 @@ func TestBrokerFirstDeliverySkipsAttemptRecord(t *testing.T) {
 	require.Equal(t, "shipped-first-1", out[0].UUID, "the stored result is returned")
 	require.Equal(t, int32(3), runs.Load(), "the duplicate did not run the handler")
 	require.Equal(t, int64(1), inbox.Stats().Duplicates)
+	dup := tr.reset()
+	require.Equal(t, 1, dup["rollback"], "the duplicate's claim is rolled back: %v", dup)
+	require.Zero(t, dup["commit"])
+	require.Equal(t, 3, total(dup), "BEGIN, claim, ROLLBACK: %v", dup)
 
 	// Under a poison limit of 1 a first delivery is recorded: a cut of it
 	// counted all the same would dead-letter a healthy message.
