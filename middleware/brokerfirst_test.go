@@ -133,7 +133,8 @@ func (nopPublisher) Close() error                              { return nil }
 // deliveries. Its first delivery left no record (a broker-counted first
 // delivery), the next two left their starts, as deliveries that died do;
 // the fourth delivery (Attempts 4) is dead-lettered without running, as
-// when every start is recorded, and the dead letter says 3 attempts. A
+// when every start is recorded, and the dead letter says 3 attempts; so
+// is a redelivery that a RabbitMQ classic queue only flags as one. A
 // message whose first two deliveries died runs on its third.
 func TestBrokerCountStopsCrashLoopAtTheSameHorizon(t *testing.T) {
 	t.Parallel()
@@ -155,6 +156,26 @@ func TestBrokerCountStopsCrashLoopAtTheSameHorizon(t *testing.T) {
 		require.Equal(t, int32(0), rig.calls.Load(), "the handler never ran")
 		require.Equal(t, "dead", b.status(t, killer.Consumer, killer.Key))
 		require.Equal(t, int64(1), rig.inbox.Stats().CrashLooped)
+
+		// A RabbitMQ classic queue counts nothing: the adapter stamps
+		// Attempts 1 on a first delivery and only the redelivered flag on
+		// the others. The same deaths stop the message at the same
+		// delivery.
+		classic := dedup.Key{Consumer: "charge", Key: "order-oom-classic"}
+		for range 2 {
+			_, err := b.store.InboxStart(context.Background(), classic, time.Hour)
+			require.NoError(t, err)
+		}
+		msg = delivery(classic.Key, "charge "+classic.Key)
+		msg.Metadata.Set(dlv.Redelivered, "true")
+		require.NoError(t, rig.pubSub.Publish(poisonTopic, msg))
+		dead = msgtest.Receive(t, rig.dead, 30*time.Second)
+		dead.Ack()
+		require.Equal(t, classic.Key, dead.Metadata.Get(dlv.IdempotencyKey))
+		require.Equal(t, "3", dead.Metadata.Get(dlv.DeadAttempts))
+		require.Contains(t, dead.Metadata.Get(dlv.DeadError), middleware.ErrCrashLoop.Error())
+		require.Equal(t, int32(0), rig.calls.Load(), "the handler never ran")
+		require.Equal(t, int64(2), rig.inbox.Stats().CrashLooped)
 
 		survivor := dedup.Key{Consumer: "charge", Key: "order-ok"}
 		_, err := b.store.InboxStart(context.Background(), survivor, time.Hour) // delivery 2 died

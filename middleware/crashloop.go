@@ -122,11 +122,14 @@ func brokerFirst(msg *message.Message) bool {
 // never more than the broker counted: a deploy that cut the first
 // delivery is thus counted as one attempt, once per message (later cuts
 // are taken back as always), so that a message that kills its process is
-// stopped at the same horizon as when every start is recorded. A message
-// without a broker count, handed back from parking, or under a poison
-// limit of 1 (every start recorded) keeps c.
+// stopped at the same horizon as when every start is recorded. A
+// redelivery that says so (delivery.Redelivered) without a count, as a
+// RabbitMQ classic queue's, whose first delivery the adapter stamps
+// Attempts 1, counts its first delivery too. A message without either,
+// handed back from parking, or under a poison limit of 1 (every start
+// recorded) keeps c.
 func withBrokerCount(msg *message.Message, c dedup.Claim) dedup.Claim {
-	n, ok := delivery.AttemptsOf(msg)
+	n, ok := brokerCount(msg, c.Attempts+1)
 	if !ok || c.State != dedup.StateNew {
 		return c
 	}
@@ -143,9 +146,15 @@ func withBrokerCount(msg *message.Message, c dedup.Claim) dedup.Claim {
 	return c
 }
 
-// hasBrokerCount reports whether msg carries the broker's count of its
-// deliveries.
-func hasBrokerCount(msg *message.Message) bool {
-	_, ok := delivery.AttemptsOf(msg)
-	return ok
+// brokerCount returns the broker's count of msg's deliveries, or
+// uncounted for a redelivery that the broker flags without counting it;
+// false when the broker says neither.
+func brokerCount(msg *message.Message, uncounted int) (int, bool) {
+	if n, ok := delivery.AttemptsOf(msg); ok {
+		return n, true
+	}
+	if msg.Metadata.Get(delivery.Redelivered) == "true" {
+		return uncounted, true
+	}
+	return 0, false
 }

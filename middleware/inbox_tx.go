@@ -185,11 +185,13 @@ func (in *Inbox) attemptClaimed(msg *message.Message, d *drain, key dedup.Key, h
 	switch {
 	case o.unrecorded:
 		start.Attempts = claim.Attempts // the failed attempts, this one included
-	case hasBrokerCount(msg):
+	default:
 		// Copies of the key that went unrecorded (a producer's
 		// duplicates, each a broker's first delivery) are counted in the
 		// failed attempts only.
-		start.Attempts = max(start.Attempts, claim.Attempts)
+		if _, ok := brokerCount(msg, 0); ok {
+			start.Attempts = max(start.Attempts, claim.Attempts)
+		}
 	}
 	switch claim.State {
 	case dedup.StateDone:
