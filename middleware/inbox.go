@@ -87,6 +87,22 @@ type InboxConfig struct {
 	// the process is stopped only by the broker's own limit (RabbitMQ's
 	// delivery_limit, an SQS redrive policy), and a duplicate costs
 	// three round trips. Defaults to false.
+	//
+	// Without it, the statement is left out on its own where the broker
+	// counts deliveries and says this is a message's first
+	// (delivery.Attempts 1: RabbitMQ quorum queues, SQS, JetStream): the
+	// first delivery of a new key then costs what it costs with
+	// SkipAttemptRecord, and a producer's duplicate delivered for the first
+	// time three round trips. A redelivery is recorded, and its count takes
+	// the unrecorded first delivery into account (one more, never more than
+	// the broker counted), so that a message that kills the process is
+	// dead-lettered at the same attempt as when every start is recorded.
+	// The price: a first delivery that a deploy cut short is counted as one
+	// attempt, where a recorded one is taken back. That is one at most per
+	// message (later cuts are taken back): a message whose next attempts
+	// succeed is never dead-lettered for it (under a Poison MaxAttempts of
+	// 1 every delivery is recorded), and one that then fails MaxAttempts-1
+	// times is dead-lettered one failure early.
 	SkipAttemptRecord bool
 	// PipelineClaim sends the BEGIN and the claim in one round trip, and the
 	// attempt record with them, with stores that can (dedupdriver.StartClaimer
@@ -246,7 +262,9 @@ type InboxStats struct {
 // [InboxConfig.FinishTimeout], and an attempt cut short is rolled back
 // without counting. Each attempt is recorded before its handler runs, so a
 // message whose deliveries kill the process is stopped after MaxAttempts
-// without running again ([ErrCrashLoop]). A key that the poison
+// without running again ([ErrCrashLoop]); a broker-counted first delivery
+// is left to the broker's count (see [InboxConfig.SkipAttemptRecord]). A
+// key that the poison
 // middleware dead-lettered is recorded dead: its later copies are acked
 // without running until the dead letter is replayed.
 type Inbox struct {

@@ -376,7 +376,7 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			// Every try starts from the delivery's own context: a Timeout
 			// middleware behind this one leaves its cancelled context on
 			// the message.
-			slot = &attemptSlot{maxAttempts: p.horizon(parking)}
+			slot = &attemptSlot{maxAttempts: p.horizon(parking), try: try}
 			msg.SetContext(withSlot(base, slot))
 			produced, err := p.call(h, msg)
 			if err == nil {
