@@ -135,8 +135,13 @@ type InboxConfig struct {
 	// times only when a hook wants them.
 	Hooks []observe.Hook
 
-	// Logger receives a line for every duplicate dropped (at Debug),
-	// failures and state changes. Defaults to watermill.NopLogger.
+	// Logger receives a line for every duplicate dropped (at Debug), every
+	// copy of a dead key dropped (at Info), failures and state changes
+	// (at Error: a message that stops every attempt, a lease lost). Set
+	// watermill.NopLogger{} to silence it. Defaults to
+	// watermill.NewSlogLogger(nil): slog.Default() when the inbox is
+	// built, which writes Info and above to standard error unless the
+	// program set another default.
 	Logger watermill.LoggerAdapter
 }
 
@@ -161,7 +166,7 @@ func (c *InboxConfig) setDefaults() {
 	}
 	c.Batch.setDefaults()
 	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
+		c.Logger = watermill.NewSlogLogger(nil)
 	}
 }
 

@@ -192,6 +192,12 @@ a TLS proxy.
 		run: (*cmd).serveConsole,
 	},
 	{
+		path: "publish", args: "--topic T [--broker URL] [--uuid U] [--key K] [--partition-key K]\n       [--meta NAME=VALUE ...] [PAYLOAD ...]",
+		short: "publish messages, from arguments or JSON lines on standard input",
+		about: publishHelp,
+		run:   (*cmd).publish,
+	},
+	{
 		path: "relay", args: "--database URL --broker URL [--schema NAME] [--table NAME]\n       [--batch-size N] [--lanes-per-batch N] [--poll-interval DURATION]\n       [--drain-timeout DURATION] [--lock-ordered-writers] [--listen HOST:PORT]\n       [--migrate] [--ledger] [--ledger-retention DURATION]",
 		short: "relay a service's outbox table to the broker, as a process of its own",
 		about: relayHelp,
