@@ -3,11 +3,14 @@
 package chaos_test
 
 import (
+	"context"
 	"fmt"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/internal/testing/amqptest"
 	"github.com/oncemill/oncemill/internal/testing/brokertest"
@@ -78,4 +81,14 @@ func TestChaosBatchHandler(t *testing.T) {
 			return fmt.Sprintf("batch handler: %d SIGKILLs, PostgreSQL restarted once (3 s down), RabbitMQ's app restarted once (3 s down)", kills)
 		},
 	})
+
+	// The effects were written in bulk: on each broker, transactions that
+	// committed more than one.
+	for _, l := range lanes {
+		var shared, largest int
+		require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE n > 1), coalesce(max(n), 0)
+FROM (SELECT count(*) AS n FROM `+schema+`.effects WHERE broker = $1 GROUP BY tx) AS per_tx`, l.name).Scan(&shared, &largest))
+		t.Logf("%s: %d transactions committed more than one effect, the largest %d", l.name, shared, largest)
+		require.Positive(t, shared, "%s: effects committed together", l.name)
+	}
 }
