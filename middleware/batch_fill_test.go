@@ -13,8 +13,7 @@ import (
 	"github.com/oncemill/oncemill/middleware"
 )
 
-// fillRig is a batching inbox (MaxMessages 8, Parallel 4, MinFill at its
-// default) whose handler for order-0 waits for release, so that a test
+// fillRig is a batching inbox (MaxMessages 8, Parallel 4, MinFill 4) whose handler for order-0 waits for release, so that a test
 // holds one batch running while it queues others.
 type fillRig struct {
 	b       txBackend
@@ -32,7 +31,7 @@ func newFillRig(t *testing.T) *fillRig {
 	r := &fillRig{b: b, store: &batchCounting{Store: b.store.(*postgres.Store)},
 		ran0: make(chan struct{}), release: make(chan struct{})}
 	r.inbox = newInbox(t, middleware.InboxConfig{TxStore: r.store, Consumer: "charge",
-		Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 4}})
+		Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 4, MinFill: 4}})
 	r.h = r.inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		key := middleware.IdempotencyKey(msg.Context())
 		if key == "order-0" {
@@ -67,7 +66,7 @@ func (r *fillRig) batchSizes() []int {
 // TestBatchWaitsForMinFillBeforeASecondSlot: while order-0's batch runs,
 // three more deliveries of its consumer do not take the three free slots
 // (the fixed scheme spread them one per slot): they wait, and the fourth
-// (MinFill, 4 by default) starts one batch of all four. order-0, alone
+// (MinFill) starts one batch of all four. order-0, alone
 // when it arrived, started at once.
 func TestBatchWaitsForMinFillBeforeASecondSlot(t *testing.T) {
 	t.Parallel()
@@ -122,9 +121,9 @@ func TestBatchBelowMinFillRunsWhenItsBatchEnds(t *testing.T) {
 
 // TestBatchFillsAtEightInFlight: eight workers, each delivering new keys
 // one after the other (a consumer with eight deliveries in flight), with
-// the default MinFill and with MinFill 1 (every free slot starts a batch
-// at once, the fixed scheme). The default's batches hold more messages:
-// eight in flight over four slots made batches of one or two.
+// MinFill 4 and with MinFill 1 (the default: every free slot starts a
+// batch at once). MinFill 4's batches hold more messages: eight in flight
+// over four slots made batches of one or two.
 func TestBatchFillsAtEightInFlight(t *testing.T) {
 	t.Parallel()
 	average := func(t *testing.T, minFill int) float64 {
@@ -157,11 +156,11 @@ func TestBatchFillsAtEightInFlight(t *testing.T) {
 		require.Equal(t, workers*each, sum, "every message claimed in one batch")
 		return float64(sum) / float64(len(store.sizes))
 	}
-	fixed := average(t, 1)
-	adaptive := average(t, 0)
-	t.Logf("messages per batch at 8 in flight: %.2f with MinFill 1, %.2f with the default", fixed, adaptive)
-	require.Greater(t, adaptive, fixed, "the default gathers fuller batches than a slot per free delivery")
-	require.Greater(t, adaptive, 3.0, "the default's batches hold more than three messages on average")
+	fixed := average(t, 0)
+	filled := average(t, 4)
+	t.Logf("messages per batch at 8 in flight: %.2f with MinFill 1 (the default), %.2f with MinFill 4", fixed, filled)
+	require.Greater(t, filled, fixed, "MinFill 4 gathers fuller batches than a slot per free delivery")
+	require.Greater(t, filled, 3.0, "MinFill 4's batches hold more than three messages on average")
 }
 
 // TestBatchMinFillMustBePositive: a negative MinFill is refused with the
