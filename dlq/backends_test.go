@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -245,8 +246,8 @@ func checkWrittenOnce(t *testing.T, b backend) {
 	require.Equal(t, []byte(m.Payload), []byte(replay.Payload))
 	require.Equal(t, map[string]string{
 		delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1", "long": long,
-		delivery.Replay: "grant-1", delivery.ReplayConsumer: "charge",
-	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay granted for its consumer")
+		delivery.Replay: "grant-1", delivery.ReplayConsumer: "charge", dlq.ReplayedFrom: strconv.FormatInt(got.ID, 10),
+	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay granted for its consumer, from this entry")
 	require.Equal(t, map[string]string{delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1", "long": long},
 		map[string]string(got.Message("").Metadata), "no grant, no replay marker")
 
