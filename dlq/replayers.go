@@ -139,18 +139,19 @@ func (s *Store) PendingReplays(ctx context.Context) ([]PendingReplay, error) {
 }
 
 // NoReplayerError says that a replay to consumer would not be picked up:
-// no replay subscriber of it announced itself lately (Seen is the last
-// time one did; ok false when none ever did).
+// no replay subscriber of it announced itself lately (p.SeenAt is the
+// last time one did; ok is false when none ever did). It wraps
+// [ErrNoReplayer].
 func NoReplayerError(consumer string, p Replayer, ok bool) error {
 	since := "ever"
 	if ok {
 		since = "since " + p.SeenAt.Format(time.RFC3339)
 	}
-	return fmt.Errorf("%w: no replay subscriber seen for consumer %q %s", ErrNoReplayer, consumer, since)
+	return fmt.Errorf("%w for consumer %q %s", ErrNoReplayer, consumer, since)
 }
 
 // ErrNoReplayer is wrapped by the error of a replay to a consumer whose
 // replay subscriber has not announced itself lately ([Store.Replayer]):
 // the request would wait in the table until one runs. Replay the entry to
 // its topic instead ([Store.Replay]; oncemill dlq replay --broker URL).
-var ErrNoReplayer = errors.New("dlq: no replay subscriber is running for the consumer")
+var ErrNoReplayer = errors.New("dlq: no replay subscriber seen")

@@ -140,7 +140,7 @@ func TestReplayToConsumerWithoutSubscriber(t *testing.T) {
 	r := f.dlq(t, "replay", id, "--to-consumer")
 	require.Equal(t, exitFailure, r.code)
 	requireOneLine(t, r.stderr)
-	require.Contains(t, r.stderr, `nothing requested: dlq: no replay subscriber is running for the consumer: no replay subscriber seen for consumer "ship" ever`)
+	require.Contains(t, r.stderr, `nothing requested: dlq: no replay subscriber seen for consumer "ship" ever; the request would wait in the table until one runs`)
 	require.Contains(t, r.stderr, "use --broker URL (or BROKER_URL) to replay to the topic instead")
 	require.Equal(t, 0, f.requested(t), "nothing requested")
 
