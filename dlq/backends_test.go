@@ -449,6 +449,8 @@ func checkReplayToConsumer(t *testing.T, b backend) {
 
 	_, err = b.replays(dlq.ReplaySubscriberConfig{})
 	require.ErrorContains(t, err, "ReplaySubscriberConfig.Consumer")
+	_, err = b.replays(dlq.ReplaySubscriberConfig{Consumer: "charge", BeatEvery: -time.Second})
+	require.EqualError(t, err, "dlq: ReplaySubscriberConfig.BeatEvery must not be negative, got -1s")
 	sub, err := b.replays(dlq.ReplaySubscriberConfig{Consumer: "charge", PollInterval: 10 * time.Millisecond})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sub.Close()) })
