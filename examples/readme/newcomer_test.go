@@ -24,10 +24,13 @@ import (
 // The README's first steps, as a newcomer takes them, with the command
 // built and the consumer run as processes of their own: start the
 // consumer, "oncemill publish" an order, the same order again (a
-// producer's retry: another UUID) and a payload that is not JSON; read the
-// consumer's own log (its default logger, nothing configured) for the dead
-// letter, and find the entry with "oncemill dlq list". On RabbitMQ, and on
-// PostgreSQL as the broker.
+// producer's retry: another UUID) and an order whose amount is a string;
+// read the consumer's own log (its default logger, nothing configured) for
+// the dead letter, and find the entry with "oncemill dlq list". Then the
+// operator's steps: "dlq replay --to-consumer" reaches the consumer (the
+// entry dies again), "dlq reopen" and the corrected order charge B-7 once,
+// and a further copy is not charged. On RabbitMQ, and on PostgreSQL as the
+// broker.
 func TestNewcomer(t *testing.T) {
 	t.Parallel()
 	bin := buildCommand(t)
