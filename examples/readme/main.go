@@ -80,7 +80,11 @@ func run(ctx context.Context) error {
 		return err
 	}
 	defer broker.Close()
-	orders, err := poison.Subscriber(broker.Subscriber) // the broker's orders, and the parked ones when due
+	replays, err := dlq.NewReplaySubscriber(pool, sqlschema.Config{}, dlq.ReplaySubscriberConfig{Consumer: "charge-orders"}) // for "oncemill dlq replay --to-consumer"
+	if err != nil {
+		return err
+	}
+	orders, err := poison.Subscriber(dlq.WithReplays(broker.Subscriber, replays)) // the broker's orders, the replays asked for, and the parked ones when due
 	if err != nil {
 		return err
 	}

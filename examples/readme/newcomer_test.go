@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -23,10 +24,13 @@ import (
 // The README's first steps, as a newcomer takes them, with the command
 // built and the consumer run as processes of their own: start the
 // consumer, "oncemill publish" an order, the same order again (a
-// producer's retry: another UUID) and a payload that is not JSON; read the
-// consumer's own log (its default logger, nothing configured) for the dead
-// letter, and find the entry with "oncemill dlq list". On RabbitMQ, and on
-// PostgreSQL as the broker.
+// producer's retry: another UUID) and an order whose amount is a string;
+// read the consumer's own log (its default logger, nothing configured) for
+// the dead letter, and find the entry with "oncemill dlq list". Then the
+// operator's steps: "dlq replay --to-consumer" reaches the consumer (the
+// entry dies again), "dlq reopen" and the corrected order charge B-7 once,
+// and a further copy is not charged. On RabbitMQ, and on PostgreSQL as the
+// broker.
 func TestNewcomer(t *testing.T) {
 	t.Parallel()
 	bin := buildCommand(t)
@@ -162,16 +166,12 @@ func newcomer(t *testing.T, bin, dbURL, brokerURL string) {
 		return string(out)
 	}
 	// The README's command: the order, the same order again (a
-	// producer's retry: another UUID) and a payload that is not JSON.
+	// producer's retry: another UUID) and an order whose amount is a
+	// string, which the handler refuses as permanent.
 	order := `{"orderId":"A-42","amountCents":1999}`
-	out := oncemill("", "publish", "--topic", "orders", order, order, "PAYMENT OK A-42")
-	var sent []string
-	for _, l := range strings.Split(strings.TrimSuffix(out, "\n"), "\n") {
-		id, ok := strings.CutPrefix(strings.TrimSuffix(l, " key -"), "sent ")
-		require.True(t, ok, "one line per message sent: %q", out)
-		sent = append(sent, id)
-	}
-	require.Len(t, sent, 3, out)
+	bad := `{"orderId":"B-7","amountCents":"19.99"}`
+	sent := publish(t, oncemill, order, order, bad)
+	require.Len(t, sent, 3)
 	malformed := sent[2]
 
 	line := waitFor("Message dead-lettered", "message_uuid="+malformed)
@@ -179,8 +179,73 @@ func newcomer(t *testing.T, bin, dbURL, brokerURL string) {
 	require.Contains(t, line, "INFO")
 	require.Contains(t, line, "consumer=charge-orders")
 	require.Contains(t, line, "topic=orders")
+	require.Contains(t, line, "key=B-7")
 	require.Contains(t, line, "error=", "the reason is on the line")
 	require.Len(t, logs.matching("Message dead-lettered"), 1, "one line per dead letter:\n%s", logs)
+
+	db, err := pgxpool.New(ctx, dbURL)
+	require.NoError(t, err)
+	defer db.Close()
+	charged := func(orderID string) int {
+		t.Helper()
+		var n int
+		require.NoError(t, db.QueryRow(ctx, `SELECT count(*) FROM charges WHERE order_id = $1`, orderID).Scan(&n))
+		return n
+	}
+
+	list := oncemill("", "dlq", "list", "--topic", "orders")
+	rows := strings.Split(strings.TrimSuffix(list, "\n"), "\n")
+	require.Len(t, rows, 2, "a header and the malformed entry:\n%s", list)
+	require.Contains(t, rows[1], "charge-orders", list)
+	entries := dlqEntries(t, oncemill)
+	require.Len(t, entries, 1)
+	require.Equal(t, malformed, entries[0].UUID)
+	require.Equal(t, bad, entries[0].Payload)
+	require.Equal(t, "B-7", entries[0].Key)
+	first := strconv.FormatInt(entries[0].ID, 10)
+
+	// A replay to the consumer reaches it through its replay subscriber:
+	// the same payload fails the same way and is dead-lettered again, as
+	// a new entry, and nothing is charged.
+	out := oncemill("", "dlq", "replay", "--to-consumer", first)
+	require.Contains(t, out, "requested a replay of 1 ", out)
+	waitFor("Dead key reopened for its replay", "key=B-7")
+	deadline := time.Now().Add(time.Minute)
+	for {
+		entries = dlqEntries(t, oncemill)
+		if len(entries) == 1 && strconv.FormatInt(entries[0].ID, 10) != first {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "the replayed entry %s is not dead-lettered again in a minute: %+v\n%s", first, entries, logs)
+		time.Sleep(100 * time.Millisecond)
+	}
+	require.Equal(t, "B-7", entries[0].Key)
+	require.Equal(t, bad, entries[0].Payload)
+	require.Len(t, logs.matching("Message dead-lettered", "key=B-7"), 2, "the replay died again:\n%s", logs)
+	require.Zero(t, charged("B-7"))
+
+	// Corrected data: reopen the dead key, and the producer sends the
+	// order again with its amount. It is charged once, the entry is gone,
+	// and a further copy is a duplicate.
+	second := strconv.FormatInt(entries[0].ID, 10)
+	out = oncemill("", "dlq", "reopen", second)
+	require.Contains(t, out, `reopened consumer "charge-orders" key "B-7" and deleted entry `+second, out)
+	require.Empty(t, dlqEntries(t, oncemill), "the dead letter is gone once reopened")
+	corrected := `{"orderId":"B-7","amountCents":1999}`
+	publish(t, oncemill, corrected)
+	deadline = time.Now().Add(time.Minute)
+	for charged("B-7") == 0 {
+		require.True(t, time.Now().Before(deadline), "the corrected order is not charged in a minute:\n%s", logs)
+		time.Sleep(100 * time.Millisecond)
+	}
+	// The copy, then an order of another key behind it: once that one is
+	// charged, the copy before it has been handled.
+	publish(t, oncemill, corrected, `{"orderId":"C-1","amountCents":500}`)
+	deadline = time.Now().Add(time.Minute)
+	for charged("C-1") == 0 {
+		require.True(t, time.Now().Before(deadline), "C-1 is not charged in a minute:\n%s", logs)
+		time.Sleep(100 * time.Millisecond)
+	}
 
 	require.NoError(t, consumer.Process.Signal(syscall.SIGTERM))
 	select {
@@ -189,28 +254,40 @@ func newcomer(t *testing.T, bin, dbURL, brokerURL string) {
 	case <-time.After(45 * time.Second):
 		t.Fatalf("no exit 45s after SIGTERM\n%s", logs)
 	}
+	require.Equal(t, 1, charged("A-42"), "the order sent twice is charged once\n%s", logs)
+	require.Equal(t, 1, charged("B-7"), "the corrected order, sent twice after the reopen, is charged once\n%s", logs)
+	require.Empty(t, dlqEntries(t, oncemill))
+	require.Len(t, logs.matching("Message dead-lettered"), 2, "no other dead letter:\n%s", logs)
+}
 
-	db, err := pgxpool.New(ctx, dbURL)
-	require.NoError(t, err)
-	defer db.Close()
-	var charged int
-	require.NoError(t, db.QueryRow(ctx, `SELECT count(*) FROM charges WHERE order_id = 'A-42'`).Scan(&charged))
-	require.Equal(t, 1, charged, "the order sent twice is charged once\n%s", logs)
-
-	list := oncemill("", "dlq", "list", "--topic", "orders")
-	rows := strings.Split(strings.TrimSuffix(list, "\n"), "\n")
-	require.Len(t, rows, 2, "a header and the malformed entry:\n%s", list)
-	require.Contains(t, rows[1], "charge-orders", list)
-	var entries []struct {
-		UUID    string `json:"uuid"`
-		Payload string `json:"payload"`
+// publish runs "oncemill publish --topic orders" with payloads and returns
+// the UUIDs sent, one per payload.
+func publish(t *testing.T, oncemill func(string, ...string) string, payloads ...string) []string {
+	t.Helper()
+	out := oncemill("", append([]string{"publish", "--topic", "orders"}, payloads...)...)
+	var sent []string
+	for _, l := range strings.Split(strings.TrimSuffix(out, "\n"), "\n") {
+		id, ok := strings.CutPrefix(strings.TrimSuffix(l, " key -"), "sent ")
+		require.True(t, ok, "one line per message sent: %q", out)
+		sent = append(sent, id)
 	}
-	require.NoError(t, json.Unmarshal([]byte(oncemill("", "dlq", "list", "--topic", "orders", "--json")), &entries))
-	require.Len(t, entries, 1)
-	require.Equal(t, malformed, entries[0].UUID)
-	require.Equal(t, "PAYMENT OK A-42", entries[0].Payload)
+	require.Len(t, sent, len(payloads), out)
+	return sent
+}
 
-	// NEXT STEP, when the command has "dlq reopen": reopen the entry,
-	// publish the corrected order with "oncemill publish", and assert
-	// that the consumer charges it, and A-42 still once.
+// entry is a line of "oncemill dlq list --json".
+type entry struct {
+	ID      int64  `json:"id"`
+	UUID    string `json:"uuid"`
+	Key     string `json:"key"`
+	Payload string `json:"payload"`
+}
+
+// dlqEntries are the entries of topic orders, as "oncemill dlq list --json"
+// prints them.
+func dlqEntries(t *testing.T, oncemill func(string, ...string) string) []entry {
+	t.Helper()
+	var entries []entry
+	require.NoError(t, json.Unmarshal([]byte(oncemill("", "dlq", "list", "--topic", "orders", "--json")), &entries))
+	return entries
 }
