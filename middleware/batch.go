@@ -64,11 +64,11 @@ func (c *BatchConfig) setDefaults() {
 func (c BatchConfig) validate() error {
 	switch {
 	case c.MaxMessages < 0:
-		return fmt.Errorf("middleware: InboxConfig.Batch.MaxMessages must not be negative, got %d", c.MaxMessages)
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Batch.MaxMessages must not be negative, got %d", c.MaxMessages)
 	case c.Linger < 0:
-		return fmt.Errorf("middleware: InboxConfig.Batch.Linger must not be negative, got %s", c.Linger)
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Batch.Linger must not be negative, got %s", c.Linger)
 	case c.Parallel < 1:
-		return fmt.Errorf("middleware: InboxConfig.Batch.Parallel must be at least 1, got %d", c.Parallel)
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Batch.Parallel must be at least 1, got %d", c.Parallel)
 	}
 	return nil
 }
@@ -157,7 +157,7 @@ func (b *batcher) handle(msg *message.Message, key dedup.Key, h message.HandlerF
 	b.seq++
 	q.seq = b.seq
 	b.queues[key.Consumer] = append(b.queues[key.Consumer], q)
-	lead := b.leaders < b.in.cfg.Batch.Parallel
+	lead := b.leaders < b.in.cfg.Tuning.Batch.Parallel
 	if lead {
 		b.leaders++
 	}
@@ -241,7 +241,7 @@ func (b *batcher) slots() int {
 // MaxMessages deliveries of distinct keys that no running batch holds,
 // after the linger when the batch would not be full.
 func (b *batcher) take(consumer string) []*queued {
-	cfg := b.in.cfg.Batch
+	cfg := b.in.cfg.Tuning.Batch
 	if cfg.Linger > 0 {
 		b.mu.Lock()
 		n, since := len(b.queues[consumer]), b.linger[consumer]
@@ -303,7 +303,7 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 	// context ends must not fail its batch mates.
 	base := batch[0].msg.Context()
 
-	if !counted && !in.cfg.SkipAttemptRecord {
+	if !counted && !in.cfg.Tuning.SkipAttemptRecord {
 		ctx, cancel := in.finishContext(base)
 		for _, q := range batch {
 			in.debts.pay(ctx, in.cfg.TxStore, q.key)
@@ -372,7 +372,7 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 			q.single = q.err == nil
 			continue
 		}
-		if in.cfg.SkipAttemptRecord {
+		if in.cfg.Tuning.SkipAttemptRecord {
 			q.start.Attempts = claims[i].Attempts
 		}
 		held = append(held, q)

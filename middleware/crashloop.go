@@ -65,7 +65,7 @@ func (in *Inbox) settle(base context.Context, key dedup.Key) (dedup.Claim, error
 func (in *Inbox) abandoned(ctx context.Context, msg *message.Message, key dedup.Key, err error, o *attemptObs) error {
 	in.abandonedN.Add(1)
 	o.outcome = observe.Abandoned
-	if in.cfg.TxStore != nil && !in.cfg.SkipAttemptRecord {
+	if in.cfg.TxStore != nil && !in.cfg.Tuning.SkipAttemptRecord {
 		if uerr := in.cfg.TxStore.InboxUnstart(ctx, key); uerr != nil {
 			in.debts.owe(key)
 			err = errors.Join(err, uerr)
@@ -78,7 +78,7 @@ func (in *Inbox) abandoned(ctx context.Context, msg *message.Message, key dedup.
 // unstart takes back the count of an attempt that stopped before its
 // handler ran, and returns cause.
 func (in *Inbox) unstart(base context.Context, key dedup.Key, cause error) error {
-	if in.cfg.SkipAttemptRecord {
+	if in.cfg.Tuning.SkipAttemptRecord {
 		return cause
 	}
 	ctx, cancel := in.finishContext(base)

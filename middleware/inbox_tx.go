@@ -27,7 +27,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	// the message's: database/sql rolls a transaction back when the
 	// context it was begun with ends, and the router cancels the
 	// message's the moment it closes.
-	if !in.cfg.SkipAttemptRecord && !reopened {
+	if !in.cfg.Tuning.SkipAttemptRecord && !reopened {
 		// A reopened key is handled inside the turn of the copy that
 		// found it dead.
 		give, err := in.turns.take(base, key)
@@ -40,10 +40,10 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	}
 	d := newDrain(base, in.cfg.DrainTimeout)
 	defer d.end()
-	if !in.cfg.SkipAttemptRecord {
+	if !in.cfg.Tuning.SkipAttemptRecord {
 		in.debts.pay(base, in.cfg.TxStore, key)
 		var err error
-		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.cfg.PipelineClaim {
+		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.cfg.Tuning.PipelineClaim {
 			start, pre, preClaim, err = sc.InboxStartClaim(d.ctx, key, in.cfg.Window)
 			if err != nil && start.Attempts > 0 {
 				// Counted, but the transaction did not begin or claim.
@@ -144,7 +144,7 @@ const (
 func (in *Inbox) attemptTx(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	store := in.cfg.TxStore
-	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.cfg.PipelineClaim {
+	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.cfg.Tuning.PipelineClaim {
 		// Nothing is held after an error: the claim failed, or BEGIN did.
 		tx, claim, err := bc.InboxBeginClaim(d.ctx, key, in.cfg.Window)
 		if err != nil {
@@ -177,7 +177,7 @@ func (in *Inbox) claimFailed(base context.Context, key dedup.Key, err error) err
 // handler, on d's handler context, and the commit.
 func (in *Inbox) attemptClaimed(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, start dedup.Claim, tx dedup.InboxTx, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
-	if in.cfg.SkipAttemptRecord {
+	if in.cfg.Tuning.SkipAttemptRecord {
 		start.Attempts = claim.Attempts // the failed attempts, this one included
 	}
 	switch claim.State {

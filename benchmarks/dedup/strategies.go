@@ -46,7 +46,7 @@ const (
 	// stPGPipeNoStart is PipelineClaim without the attempt record: BEGIN
 	// and the claim in one round trip, no crash-loop count.
 	stPGPipeNoStart = "postgres-inbox-pipelined-no-start"
-	// stPGBatch is the postgres inbox with group commit (InboxConfig.Batch):
+	// stPGBatch is the postgres inbox with group commit (InboxConfig.Tuning.Batch):
 	// deliveries of different keys that arrive together share one start,
 	// one claim and one commit. The attempt record stays on.
 	stPGBatch = "postgres-inbox-batched"
@@ -353,17 +353,17 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 	case stPostgres:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
 	case stPGNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), SkipAttemptRecord: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{SkipAttemptRecord: true}})
 	case stPGPipe:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{PipelineClaim: true}})
 	case stPGPipeNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true, SkipAttemptRecord: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{PipelineClaim: true, SkipAttemptRecord: true}})
 	case stPGBatch:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o)})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o)}})
 	case stPGBatchBulk:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o)})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o)}})
 	case stPGBatchNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o), SkipAttemptRecord: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o), SkipAttemptRecord: true}})
 	case stPGProm:
 		metrics, merr := prom.New(prom.Config{Registerer: prometheus.NewRegistry()})
 		if merr != nil {
