@@ -249,7 +249,8 @@ func seeded(t *testing.T) (uint64, func(n int) int) {
 }
 
 // chaosDB connects to the database at url, migrates oncemill's tables
-// into the suite's schema and creates the effects table beside them.
+// into the suite's schema and creates the effects table beside them; an
+// effect row records the transaction that wrote it.
 func chaosDB(t *testing.T, url string) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
@@ -257,7 +258,8 @@ func chaosDB(t *testing.T, url string) *pgxpool.Pool {
 	require.NoError(t, sqlschema.Migrate(ctx, pool, sqlschema.Config{Schema: schema}))
 	_, err := pool.Exec(ctx, `CREATE TABLE `+schema+`.effects (
     broker text NOT NULL, key text NOT NULL, pid integer NOT NULL,
-    at timestamptz NOT NULL DEFAULT clock_timestamp())`)
+    at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    tx xid8 NOT NULL DEFAULT pg_current_xact_id())`)
 	require.NoError(t, err)
 	return pool
 }

@@ -17,6 +17,11 @@
 // both NATS servers on their ports and stores, restarts PostgreSQL and
 // SIGKILLs the nats-server process.
 //
+// TestChaosBatchHandler runs the consumers with the inbox's group commit
+// and a middleware.BatchHandler that writes a batch's effects with one
+// multi-row INSERT, on Kafka and RabbitMQ, two consumer processes each,
+// under SIGKILLs, a PostgreSQL restart and a RabbitMQ restart.
+//
 // At the end each checks from the database that every key was applied
 // exactly once or dead-lettered, never both and never neither, that only
 // the poison messages were dead-lettered and that every broker holds

@@ -39,6 +39,11 @@ type consumerConfig struct {
 	Broker    string // the lane: kafka, amqp, sqs, nats or nats_embedded
 	Store     string // "postgres" or "twotier"
 	RedisAddr string // for twotier
+	// Batch runs the inbox's group commit and writes a batch's effects
+	// with one multi-row INSERT through a middleware.BatchHandler, on
+	// Subscriptions router handlers of the topic.
+	Batch         bool
+	Subscriptions int
 }
 
 // consumerRole is a consumer process: the standard stack on its broker,
@@ -78,16 +83,38 @@ var consumerRole = proctest.NewRole("chaos consumer", func(cfg consumerConfig, t
 	}
 	effects := cfg.Table("effects")
 	pid := os.Getpid()
+	if cfg.Batch {
+		c.MaxConns = 8
+		c.Subscriptions = cfg.Subscriptions
+		c.Inbox.Batch = middleware.BatchConfig{MaxMessages: 16, Linger: 5 * time.Millisecond, Parallel: 2}
+		return c.Run(term, middleware.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
+			keys := make([]string, 0, len(msgs))
+			failed := middleware.BatchErrors{}
+			for _, msg := range msgs {
+				key := middleware.IdempotencyKey(msg.Context())
+				if err := rejected(msg, key); err != nil {
+					failed[msg.UUID] = err
+					continue
+				}
+				keys = append(keys, key)
+			}
+			if len(failed) > 0 {
+				return failed
+			}
+			if len(keys) == 0 {
+				return nil
+			}
+			if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (broker, key, pid) SELECT $1, unnest($2::text[]), $3`, cfg.Broker, keys, pid); err != nil {
+				return err
+			}
+			return pause(ctx, time.Duration(crc32.ChecksumIEEE([]byte(keys[0]))%10)*time.Millisecond)
+		}))
+	}
 	return c.Run(term, func(msg *message.Message) error {
 		ctx := msg.Context()
 		key := middleware.IdempotencyKey(ctx)
-		if strings.HasPrefix(key, poisonPrefix) {
-			return fmt.Errorf("chaos: the ledger rejects %s", key)
-		}
-		if flakyKey(key) && msg.Metadata.Get(delivery.RetryID) == "" {
-			// Fails while the broker delivers it: it succeeds only once
-			// parked and handed back by the retry subscriber.
-			return fmt.Errorf("chaos: the ledger is busy for %s", key)
+		if err := rejected(msg, key); err != nil {
+			return err
 		}
 		if _, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO `+effects+` (broker, key, pid) VALUES ($1, $2, $3)`, cfg.Broker, key, pid); err != nil {
 			return err
@@ -97,6 +124,20 @@ var consumerRole = proctest.NewRole("chaos consumer", func(cfg consumerConfig, t
 		return pause(ctx, time.Duration(crc32.ChecksumIEEE([]byte(key))%10)*time.Millisecond)
 	})
 })
+
+// rejected is the ledger's answer to msg, of key, before its effect: the
+// poison keys always fail, and a flaky key fails while the broker
+// delivers it, so that it succeeds only once parked and handed back by
+// the retry subscriber.
+func rejected(msg *message.Message, key string) error {
+	if strings.HasPrefix(key, poisonPrefix) {
+		return fmt.Errorf("chaos: the ledger rejects %s", key)
+	}
+	if flakyKey(key) && msg.Metadata.Get(delivery.RetryID) == "" {
+		return fmt.Errorf("chaos: the ledger is busy for %s", key)
+	}
+	return nil
+}
 
 // chaosDelays are the delayed attempts of the suite's consumers: short,
 // so that a poison key reaches the dead-letter table within a few seconds

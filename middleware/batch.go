@@ -303,38 +303,58 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 	// context ends must not fail its batch mates.
 	base := batch[0].msg.Context()
 
-	if !counted && !in.cfg.Tuning.SkipAttemptRecord {
-		ctx, cancel := in.finishContext(base)
+	if !counted {
+		// Broker-counted first deliveries go unrecorded (brokerFirst);
+		// the others are counted in one start.
+		var recorded []*queued
 		for _, q := range batch {
-			in.debts.pay(ctx, in.cfg.TxStore, q.key)
-		}
-		starts, err := store.InboxStartBatch(ctx, consumer, keysOf(batch), in.cfg.Window)
-		cancel()
-		if err != nil {
-			for _, q := range batch {
-				if errors.Is(err, dedupdriver.ErrMaybeCounted) {
-					in.debts.owe(q.key)
-				}
-				q.err = err
+			q.o.unrecorded = in.cfg.Tuning.SkipAttemptRecord || brokerFirst(q.msg)
+			if !q.o.unrecorded {
+				recorded = append(recorded, q)
 			}
-			return
 		}
-		var keep []*queued
-		for i, q := range batch {
-			q.start = starts[i]
+		var starts []dedup.Claim
+		if len(recorded) > 0 {
+			ctx, cancel := in.finishContext(base)
+			for _, q := range recorded {
+				in.debts.pay(ctx, in.cfg.TxStore, q.key)
+			}
+			var err error
+			starts, err = store.InboxStartBatch(ctx, consumer, keysOf(recorded), in.cfg.Window)
+			cancel()
+			if err != nil {
+				for _, q := range batch {
+					if !q.o.unrecorded && errors.Is(err, dedupdriver.ErrMaybeCounted) {
+						in.debts.owe(q.key)
+					}
+					q.err = err
+				}
+				return
+			}
+		}
+		out := map[*queued]bool{} // answered, or sent to the single-message path
+		for i, q := range recorded {
+			q.start = withBrokerCount(q.msg, starts[i])
+			out[q] = true
 			switch {
 			case starts[i].State == dedup.StateDone:
 				q.produced, q.err = in.duplicate(q.msg, q.key, starts[i], q.o)
 			case starts[i].State != dedup.StateNew:
 				q.single = true // a dead key: nothing was counted
-			case starts[i].Attempts > 1:
+			case q.start.Attempts > 1:
 				// An earlier attempt failed or died with its process: the
 				// key runs alone, so that a message that kills the process
 				// is not counted against batch mates again, and a crash
 				// loop is judged on the single-message path.
-				q.err = in.unstart(q.msg.Context(), q.key, nil)
+				q.err = in.unstart(q.msg.Context(), q.key, q.o, nil)
 				q.single = q.err == nil
 			default:
+				out[q] = false
+			}
+		}
+		var keep []*queued // in arrival order
+		for _, q := range batch {
+			if !out[q] {
 				keep = append(keep, q)
 			}
 		}
@@ -351,7 +371,7 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 		for _, q := range batch {
 			if errors.Is(err, dedup.ErrConflict) {
 				// A key is held elsewhere: each waits for its own key.
-				q.err = in.unstart(q.msg.Context(), q.key, nil)
+				q.err = in.unstart(q.msg.Context(), q.key, q.o, nil)
 				q.single = q.err == nil
 				continue
 			}
@@ -359,7 +379,7 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 				in.infra.Add(1)
 				q.o.outcome = observe.Unavailable
 			}
-			q.err = in.unstart(q.msg.Context(), q.key, err)
+			q.err = in.unstart(q.msg.Context(), q.key, q.o, err)
 		}
 		return
 	}
@@ -368,11 +388,11 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 		if claims[i].State != dedup.StateNew {
 			// A record exists already (a failed key retried, done or dead
 			// meanwhile): the single-message path knows what to do.
-			q.err = in.unstart(q.msg.Context(), q.key, nil)
+			q.err = in.unstart(q.msg.Context(), q.key, q.o, nil)
 			q.single = q.err == nil
 			continue
 		}
-		if in.cfg.Tuning.SkipAttemptRecord {
+		if q.o.unrecorded {
 			q.start.Attempts = claims[i].Attempts
 		}
 		held = append(held, q)
@@ -402,7 +422,7 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 			// Lost to another transaction: nothing is known against q. It
 			// runs alone, where a conflict is run again at once.
 			q.produced, q.o.outcome = nil, ""
-			q.err = in.unstart(ctx, q.key, nil)
+			q.err = in.unstart(ctx, q.key, q.o, nil)
 			q.single = q.err == nil
 		} else {
 			q.err = in.endFailed(ctx, q, err)
@@ -454,13 +474,13 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 				// redeliveries find their keys done, or apply them once.
 				in.infra.Add(1)
 				q.o.outcome = observe.Unavailable
-				q.err = in.unstart(ctx, q.key, err)
+				q.err = in.unstart(ctx, q.key, q.o, err)
 				continue
 			}
 			// The commit itself refused (a deferred constraint, say):
 			// which message is at fault is unknown, so each runs alone.
 			q.o.outcome = ""
-			q.err = in.unstart(ctx, q.key, nil)
+			q.err = in.unstart(ctx, q.key, q.o, nil)
 			q.single = q.err == nil
 		}
 		return
@@ -481,7 +501,7 @@ func (in *Inbox) endUncounted(ctx context.Context, q *queued, err error) error {
 	}
 	in.infra.Add(1)
 	q.o.outcome = observe.Unavailable
-	return in.unstart(ctx, q.key, fmt.Errorf("%w: %w", dedup.ErrUnavailable, err))
+	return in.unstart(ctx, q.key, q.o, fmt.Errorf("%w: %w", dedup.ErrUnavailable, err))
 }
 
 // runInBatch runs q's handler in the batch's transaction, and its outbox

@@ -234,14 +234,14 @@ func (in *Inbox) batchFailed(store dedupdriver.BatchClaimer, tx dedup.InboxTx, h
 		for _, q := range held {
 			in.infra.Add(1)
 			q.o.outcome = observe.Unavailable
-			q.err = in.unstart(ctx, q.key, err)
+			q.err = in.unstart(ctx, q.key, q.o, err)
 		}
 		return
 	case errors.Is(err, dedup.ErrConflict):
 		// Lost to another transaction: each runs alone, where a conflict
 		// is run again at once.
 		for _, q := range held {
-			q.err = in.unstart(ctx, q.key, nil)
+			q.err = in.unstart(ctx, q.key, q.o, nil)
 			q.single = q.err == nil
 		}
 		return

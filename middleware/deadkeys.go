@@ -44,7 +44,7 @@ func (in *Inbox) deadCopy(msg *message.Message, key dedup.Key, h message.Handler
 	}
 	in.deadCopies.Add(1)
 	o.outcome = observe.Dead
-	in.cfg.Logger.Debug("Copy of a dead-lettered key acked without running", logFields(msg, key))
+	in.cfg.Logger.Info("Copy of a dead-lettered key acked without running", logFields(msg, key))
 	return nil, nil
 }
 

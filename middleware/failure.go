@@ -60,6 +60,10 @@ func ignoreLost(err error) error {
 // and the dead letter names the key and consumer the inbox used.
 type attemptSlot struct {
 	maxAttempts int
+	// try numbers the attempts of one delivery that the poison middleware
+	// retries in process, from 0: only try 0 of a broker's first delivery
+	// is one that the broker counted once (see [Inbox.brokerFirst]).
+	try int
 
 	inbox *Inbox
 	key   dedup.Key

@@ -29,7 +29,7 @@ type InboxConfig struct {
 	Key KeyFunc
 	// Window is how long a key is remembered; it must exceed the longest time in which the broker may redeliver. Defaults to 72 hours.
 	Window time.Duration
-	// Logger receives a line for every duplicate dropped (at Debug), failures and state changes. Defaults to watermill.NopLogger.
+	// Logger receives duplicates dropped (Debug), copies of dead keys dropped (Info), failures and state changes (Error); watermill.NopLogger{} silences it. Defaults to watermill.NewSlogLogger(nil), slog.Default() when the inbox is built.
 	Logger watermill.LoggerAdapter
 
 	// Consumer scopes keys, so that two consumers of one topic keep separate records. Defaults to the router handler's name.
@@ -53,7 +53,7 @@ type InboxConfig struct {
 // trip, a wait or a guarantee for throughput; docs/stores.md ("Round trips
 // per delivery") counts what each one costs and saves.
 type InboxTuning struct {
-	// SkipAttemptRecord leaves out the attempt record before the transaction: one round trip less per new key, but no crash-loop count and three round trips per duplicate. Transactional mode. Defaults to false.
+	// SkipAttemptRecord leaves out the attempt record before the transaction for every delivery, not only a broker-counted first one: one round trip less per new key, but no crash-loop count and three round trips per duplicate. Transactional mode. Defaults to false.
 	SkipAttemptRecord bool
 	// PipelineClaim sends BEGIN, the claim and the attempt record in one round trip, with stores that can (dedupdriver.StartClaimer, dedupdriver.BeginClaimer). Transactional mode. Defaults to false.
 	PipelineClaim bool
@@ -84,7 +84,7 @@ func (c *InboxConfig) setDefaults() {
 	}
 	c.Tuning.Batch.setDefaults()
 	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
+		c.Logger = watermill.NewSlogLogger(nil)
 	}
 }
 
@@ -185,7 +185,9 @@ type InboxStats struct {
 // [InboxConfig.FinishTimeout], and an attempt cut short is rolled back
 // without counting. Each attempt is recorded before its handler runs, so a
 // message whose deliveries kill the process is stopped after MaxAttempts
-// without running again ([ErrCrashLoop]). A key that the poison
+// without running again ([ErrCrashLoop]); a broker-counted first delivery
+// is left to the broker's count (see [InboxTuning.SkipAttemptRecord]). A
+// key that the poison
 // middleware dead-lettered is recorded dead: its later copies are acked
 // without running until the dead letter is replayed.
 type Inbox struct {

@@ -27,7 +27,8 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	// the message's: database/sql rolls a transaction back when the
 	// context it was begun with ends, and the router cancels the
 	// message's the moment it closes.
-	if !in.cfg.Tuning.SkipAttemptRecord && !reopened {
+	o.unrecorded = in.cfg.Tuning.SkipAttemptRecord || brokerFirst(msg)
+	if !o.unrecorded && !reopened {
 		// A reopened key is handled inside the turn of the copy that
 		// found it dead.
 		give, err := in.turns.take(base, key)
@@ -40,7 +41,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	}
 	d := newDrain(base, in.cfg.DrainTimeout)
 	defer d.end()
-	if !in.cfg.Tuning.SkipAttemptRecord {
+	if !o.unrecorded {
 		in.debts.pay(base, in.cfg.TxStore, key)
 		var err error
 		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.cfg.Tuning.PipelineClaim {
@@ -61,6 +62,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			}
 			return nil, err
 		}
+		start = withBrokerCount(msg, start)
 		switch start.State {
 		case dedup.StateDone:
 			return in.duplicate(msg, key, start, o)
@@ -75,7 +77,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			// that a running attempt is never taken for a dead one.
 			if pre != nil {
 				if err := in.rollback(base, pre); err != nil {
-					return nil, in.unstart(base, key, err)
+					return nil, in.unstart(base, key, o, err)
 				}
 				pre, preErr = nil, nil
 			}
@@ -83,6 +85,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			if start, err = in.settle(base, key); err != nil {
 				return nil, err
 			}
+			start = withBrokerCount(msg, start)
 			switch start.State {
 			case dedup.StateDone:
 				return in.duplicate(msg, key, start, o)
@@ -112,11 +115,11 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		)
 		switch {
 		case try == 1 && preErr != nil:
-			err = in.claimFailed(base, key, preErr)
+			err = in.claimFailed(base, key, o, preErr)
 		case try == 1 && pre != nil:
-			produced, err = in.attemptClaimed(msg, d, key, h, start, pre, preClaim, o)
+			produced, err = in.attemptClaimed(msg, d, key, h, reopened, start, pre, preClaim, o)
 		default:
-			produced, err = in.attemptTx(msg, d, key, h, start, o)
+			produced, err = in.attemptTx(msg, d, key, h, reopened, start, o)
 		}
 		if !errors.Is(err, dedup.ErrConflict) {
 			return produced, err
@@ -125,7 +128,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 		// another one, which says nothing about the message. Run it again
 		// at once, a few times, then nack without counting.
 		if try >= maxConflictRetries || stopping(base) || !sleepCtx(base, time.Duration(try)*conflictBackoff) {
-			return nil, in.unstart(base, key, err)
+			return nil, in.unstart(base, key, o, err)
 		}
 		in.conflictRetries.Add(1)
 	}
@@ -141,44 +144,54 @@ const (
 // attemptTx runs one transaction of an attempt, begun on d's context:
 // claim, handler, commit. An error wrapping dedup.ErrConflict leaves the
 // attempt's count for the caller, which runs it again.
-func (in *Inbox) attemptTx(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
+func (in *Inbox) attemptTx(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, reopened bool, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	store := in.cfg.TxStore
 	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.cfg.Tuning.PipelineClaim {
 		// Nothing is held after an error: the claim failed, or BEGIN did.
 		tx, claim, err := bc.InboxBeginClaim(d.ctx, key, in.cfg.Window)
 		if err != nil {
-			return nil, in.claimFailed(base, key, err)
+			return nil, in.claimFailed(base, key, o, err)
 		}
-		return in.attemptClaimed(msg, d, key, h, start, tx, claim, o)
+		return in.attemptClaimed(msg, d, key, h, reopened, start, tx, claim, o)
 	}
 	tx, err := store.InboxBegin(d.ctx)
 	if err != nil {
-		return nil, in.unstart(base, key, err)
+		return nil, in.unstart(base, key, o, err)
 	}
 	claim, err := tx.InboxClaim(base, key, in.cfg.Window)
 	if err != nil {
-		return nil, in.claimFailed(base, key, errors.Join(err, in.rollback(base, tx)))
+		return nil, in.claimFailed(base, key, o, errors.Join(err, in.rollback(base, tx)))
 	}
-	return in.attemptClaimed(msg, d, key, h, start, tx, claim, o)
+	return in.attemptClaimed(msg, d, key, h, reopened, start, tx, claim, o)
 }
 
 // claimFailed ends an attempt whose claim failed, its transaction ended:
 // a conflict is left for the caller to run again, anything else takes the
 // attempt's count back.
-func (in *Inbox) claimFailed(base context.Context, key dedup.Key, err error) error {
+func (in *Inbox) claimFailed(base context.Context, key dedup.Key, o *attemptObs, err error) error {
 	if errors.Is(err, dedup.ErrConflict) {
 		return err
 	}
-	return in.unstart(base, key, err)
+	return in.unstart(base, key, o, err)
 }
 
 // attemptClaimed runs the rest of an attempt whose key tx claimed: the
-// handler, on d's handler context, and the commit.
-func (in *Inbox) attemptClaimed(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, start dedup.Claim, tx dedup.InboxTx, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
+// handler, on d's handler context, and the commit. reopened is true when
+// the attempt runs for a replay that reopened the key already: a key found
+// dead is then a copy's, not the replay's to reopen again.
+func (in *Inbox) attemptClaimed(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, reopened bool, start dedup.Claim, tx dedup.InboxTx, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
-	if in.cfg.Tuning.SkipAttemptRecord {
+	switch {
+	case o.unrecorded:
 		start.Attempts = claim.Attempts // the failed attempts, this one included
+	default:
+		// Copies of the key that went unrecorded (a producer's
+		// duplicates, each a broker's first delivery) are counted in the
+		// failed attempts only.
+		if _, ok := brokerCount(msg, 0); ok {
+			start.Attempts = max(start.Attempts, claim.Attempts)
+		}
 	}
 	switch claim.State {
 	case dedup.StateDone:
@@ -190,11 +203,13 @@ func (in *Inbox) attemptClaimed(msg *message.Message, d *drain, key dedup.Key, h
 		if err := in.rollback(base, tx); err != nil {
 			return nil, err
 		}
-		return in.deadCopy(msg, key, h, true, o)
+		// A replay whose delivery was not recorded meets its dead key
+		// here, not at a start: it reopens the key unless it did already.
+		return in.deadCopy(msg, key, h, reopened, o)
 	case dedup.StateInFlight:
 		// A store with a lock in front of its record (two-tier) answers
 		// this when another delivery holds the key right now.
-		if err := in.unstart(base, key, in.rollback(base, tx)); err != nil {
+		if err := in.unstart(base, key, o, in.rollback(base, tx)); err != nil {
 			return nil, err
 		}
 		return in.awaitInFlight(msg, key, claim, o)
@@ -267,7 +282,7 @@ func (in *Inbox) failAttempt(ctx context.Context, msg *message.Message, key dedu
 	case IsInfrastructure(err):
 		in.infra.Add(1)
 		o.outcome = observe.Unavailable
-		return in.unstart(ctx, key, err)
+		return in.unstart(ctx, key, o, err)
 	}
 	in.failed.Add(1)
 	o.failed(err)

@@ -113,8 +113,13 @@ type PoisonConfig struct {
 	// dead letter before it is published (observe.MessageOutHook), which
 	// is where a trace hook carries the trace into the copy.
 	Hooks []observe.Hook
-	// Logger receives a line for every message dead-lettered and every
-	// dead-letter publish that failed. Defaults to watermill.NopLogger.
+	// Logger receives a line for every message dead-lettered (at Info,
+	// with its UUID, key and the error), every message parked for a
+	// delayed retry (Info), and every outage and dead-letter publish that
+	// failed (Error). Set watermill.NopLogger{} to silence it. Defaults to
+	// the Inbox's Logger when Inbox is set, else to
+	// watermill.NewSlogLogger(nil): slog.Default() when the middleware is
+	// built, which writes Info and above to standard error.
 	Logger watermill.LoggerAdapter
 }
 
@@ -138,6 +143,9 @@ func (c *PoisonConfig) fromInbox() error {
 		}
 	}
 	c.Consumer, c.Key = in.cfg.Consumer, in.cfg.Key
+	if c.Logger == nil {
+		c.Logger = in.cfg.Logger
+	}
 	return nil
 }
 
@@ -161,7 +169,7 @@ func (c *PoisonConfig) setDefaults() {
 		c.Key = DefaultKey
 	}
 	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
+		c.Logger = watermill.NewSlogLogger(nil)
 	}
 	if c.Retries != nil && c.Delays == nil {
 		c.Delays = DefaultDelays
@@ -376,7 +384,7 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			// Every try starts from the delivery's own context: a Timeout
 			// middleware behind this one leaves its cancelled context on
 			// the message.
-			slot = &attemptSlot{maxAttempts: p.horizon(parking)}
+			slot = &attemptSlot{maxAttempts: p.horizon(parking), try: try}
 			msg.SetContext(withSlot(base, slot))
 			produced, err := p.call(h, msg)
 			if err == nil {

@@ -21,6 +21,10 @@ type attemptObs struct {
 	outcome  observe.Outcome
 	handler  time.Duration
 	panicked bool
+	// unrecorded is set when no start was recorded for the attempt
+	// (SkipAttemptRecord, or a broker-counted first delivery): nothing
+	// is taken back when it ends uncounted.
+	unrecorded bool
 }
 
 // failed notes a failed attempt: panicked when the handler panicked.

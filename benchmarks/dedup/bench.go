@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -58,6 +59,9 @@ func (p *process) deliver(spec *msgSpec, d *delivery, ack func()) (outcome, erro
 func (p *process) message(spec *msgSpec, d *delivery) *message.Message {
 	msg := message.NewMessage(spec.UUID, spec.Payload)
 	msg.Metadata.Set(dlv.IdempotencyKey, spec.Key)
+	if p.brokerCount {
+		msg.Metadata.Set(dlv.Attempts, strconv.Itoa(p.f.delivered(spec.UUID)))
+	}
 	msg.SetContext(context.WithValue(p.ctx, deliveryKey{}, d))
 	return msg
 }

@@ -183,6 +183,17 @@ type fixture struct {
 	// insertEffects writes many effects at once: keys $1, payloads $2
 	// (PostgreSQL only).
 	insertEffects string
+
+	// deliveries counts the deliveries of each message by UUID, as a
+	// broker that counts them does: the count outlives a process.
+	deliveries sync.Map // string → *atomic.Int32
+}
+
+// delivered counts one more delivery of the message uuid and returns the
+// count, this one included.
+func (f *fixture) delivered(uuid string) int {
+	n, _ := f.deliveries.LoadOrStore(uuid, new(atomic.Int32))
+	return int(n.(*atomic.Int32).Add(1))
 }
 
 // sqliteInsertEffect is the effect in the SQLite database.

@@ -36,6 +36,12 @@ const (
 	stMemory    = "memory-lease"
 	stRedis     = "redis-lease"
 	stPostgres  = "postgres-inbox"
+	// stPGBrokerCount is the postgres inbox, defaults unchanged, on a
+	// stream that stamps delivery.Attempts on each delivery as the adapter
+	// of a broker that counts deliveries does (RabbitMQ quorum, SQS,
+	// JetStream): a first delivery (Attempts 1) goes without the attempt
+	// record, a redelivery keeps it.
+	stPGBrokerCount = "postgres-inbox-broker-counted"
 	// stPGNoStart is the postgres inbox without the attempt-start record
 	// that counts attempts whose process died: what the crash-loop
 	// protection costs is the gap between the two.
@@ -139,6 +145,11 @@ type strategyDef struct {
 	// NoStart marks the inbox strategies that skip the attempt-start
 	// record (SkipAttemptRecord): no crash-loop protection.
 	NoStart bool
+	// BrokerCount stamps each delivery with the broker's count of the
+	// message's deliveries (delivery.Attempts: 1, then one more on each
+	// redelivery, across restarts), as RabbitMQ quorum, SQS and JetStream
+	// adapters do.
+	BrokerCount bool
 	// Postgres, Redis and SQLite say which durable state it needs.
 	Postgres, Redis, SQLite bool
 	// Stdlib says it reaches PostgreSQL through database/sql on pgx's
@@ -172,6 +183,8 @@ func strategies() []strategyDef {
 			What: "Inbox lease mode on dedup/redis; the effect is outside any transaction"},
 		{Name: stPostgres, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "Inbox transactional mode on dedup/postgres"},
+		{Name: stPGBrokerCount, ExactlyOnce: true, BrokerCount: true, Postgres: true, Effect: effectPGTx,
+			What: "the postgres inbox, defaults unchanged, behind a broker that counts deliveries (delivery.Attempts stamped as RabbitMQ quorum, SQS and JetStream adapters do): a first delivery goes without the attempt record, a redelivery keeps it, so the crash-loop count stays on"},
 		{Name: stPGNoStart, ExactlyOnce: true, NoStart: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with SkipAttemptRecord: no statement before the transaction, so no crash-loop count, and duplicates go through BEGIN, claim, ROLLBACK"},
 		{Name: stPGPipe, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
@@ -292,10 +305,13 @@ type procOptions struct {
 // handler chain over the fixture's durable state. A crash kills it; a
 // restart is a new process on the same fixture.
 type process struct {
-	f       *fixture
-	handler message.HandlerFunc
-	ctx     context.Context
-	cancel  context.CancelFunc
+	f *fixture
+	// brokerCount stamps delivery.Attempts on each message (see
+	// strategyDef.BrokerCount).
+	brokerCount bool
+	handler     message.HandlerFunc
+	ctx         context.Context
+	cancel      context.CancelFunc
 
 	mu   sync.Mutex // orders crash against ack
 	dead atomic.Bool
@@ -309,7 +325,7 @@ type process struct {
 // store, a new Watermill repository, a new Bloom filter warmed from the
 // store), as a process that starts, or restarts after a crash, would have.
 func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*process, error) {
-	p := &process{f: f}
+	p := &process{f: f, brokerCount: d.BrokerCount}
 	p.ctx, p.cancel = context.WithCancel(ctx)
 	if o.Logger == nil {
 		o.Logger = watermill.NopLogger{}
@@ -350,7 +366,7 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{LeaseStore: p.lease(o, memory.New())})
 	case stRedis:
 		p.handler, err = newInbox(middleware.InboxConfig{LeaseStore: p.lease(o, f.redis)})
-	case stPostgres:
+	case stPostgres, stPGBrokerCount:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
 	case stPGNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{SkipAttemptRecord: true}})

@@ -45,22 +45,29 @@ const (
 	// commit (InboxConfig.Tuning.Batch): the deliveries in flight share
 	// transactions, the same guarantees.
 	sysBatched = "parallel-batched"
+	// sysBatchHandler is the batched row with a middleware.BatchHandler:
+	// the batch's new payments written by one multi-row INSERT in the
+	// batch's transaction, the same guarantees.
+	sysBatchHandler = "batch-handler"
 	// sysNoInbox is the key-parallel subscriber with the same handler and
 	// no inbox: the effect is autocommitted, deduplicated by a unique
 	// index (INSERT … ON CONFLICT DO NOTHING).
 	sysNoInbox = "no-inbox"
 )
 
-// batchConfig is the group commit of the batched row.
+// batchConfig is the group commit of the batched rows.
 var batchConfig = middleware.BatchConfig{MaxMessages: 32}
 
 // systems lists every subscriber row, in report order.
 func systems() []string {
-	return []string{sysStock, sysSerial, sysParallel, sysPipelined, sysBatched, sysNoInbox}
+	return []string{sysStock, sysSerial, sysParallel, sysPipelined, sysBatched, sysBatchHandler, sysNoInbox}
 }
 
 // usesInbox reports whether sys runs the handler under the inbox.
 func usesInbox(sys string) bool { return sys != sysNoInbox }
+
+// batches reports whether sys runs the inbox's group commit.
+func batches(sys string) bool { return sys == sysBatched || sys == sysBatchHandler }
 
 // handlerName is the router handler's name, and so the inbox's consumer.
 const handlerName = "payments"
@@ -234,8 +241,9 @@ type fixture struct {
 	topic      string
 	group      string
 	partitions int
-	// insert is the handler's effect statement.
-	insert string
+	// insert is the handler's effect statement; bulkInsert the batch
+	// handler's, one row per element of its four arrays.
+	insert, bulkInsert string
 }
 
 // newFixture creates the schema, its tables and the topic of a run of sys
@@ -262,6 +270,8 @@ func (e *env) newFixture(ctx context.Context, sys string, partitions int) (_ *fi
 	applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
 )`
 	f.insert = `INSERT INTO ` + effects + ` (idem_key, order_id, seq, amount_cents) VALUES ($1, $2, $3, $4)`
+	f.bulkInsert = `INSERT INTO ` + effects + ` (idem_key, order_id, seq, amount_cents)
+SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[])`
 	if !usesInbox(sys) {
 		// The baseline deduplicates by itself; with the inbox, a double
 		// effect must be a second row, so there is no such index.
@@ -395,17 +405,17 @@ func (t *tracker) progress() int {
 	return len(t.handled)
 }
 
-// effectHandler is the handler every row runs: it decodes the payment and
-// inserts its effect. Under the inbox it uses only the inbox's
-// transaction; without one (direct set) it autocommits on the pool.
+// effectHandler is the handler of every row but the batch handler's: it
+// decodes the payment and inserts its effect. Under the inbox it uses
+// only the inbox's transaction; without one (direct set) it autocommits
+// on the pool.
 func effectHandler(insert string, direct *pgxpool.Pool) message.NoPublishHandlerFunc {
 	return func(msg *message.Message) error {
 		ctx := msg.Context()
-		var p payment
-		if err := json.Unmarshal(msg.Payload, &p); err != nil {
-			return fmt.Errorf("decode payment %s: %w", msg.UUID, err)
+		key, p, err := decodePayment(msg)
+		if err != nil {
+			return err
 		}
-		key := msg.Metadata.Get(delivery.IdempotencyKey)
 		var db interface {
 			Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 		}
@@ -421,6 +431,47 @@ func effectHandler(insert string, direct *pgxpool.Pool) message.NoPublishHandler
 		}
 		return nil
 	}
+}
+
+// batchEffectHandler is the batch handler's: it decodes the batch's
+// payments, as effectHandler does each, and inserts their effects with
+// one statement (bulkInsert) in the batch's transaction. A payment that
+// does not decode fails alone; its mates run again without it.
+func batchEffectHandler(bulkInsert string) message.NoPublishHandlerFunc {
+	return middleware.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
+		tx := postgres.Tx(ctx)
+		if tx == nil {
+			return errors.New("no inbox transaction in the batch's context")
+		}
+		keys, orders := make([]string, 0, len(msgs)), make([]string, 0, len(msgs))
+		seqs, amounts := make([]int32, 0, len(msgs)), make([]int64, 0, len(msgs))
+		bad := middleware.BatchErrors{}
+		for _, msg := range msgs {
+			key, p, err := decodePayment(msg)
+			if err != nil {
+				bad[msg.UUID] = err
+				continue
+			}
+			keys, orders = append(keys, key), append(orders, p.OrderID)
+			seqs, amounts = append(seqs, int32(p.Seq)), append(amounts, p.AmountCents)
+		}
+		if len(bad) > 0 {
+			return bad
+		}
+		if _, err := tx.Exec(ctx, bulkInsert, keys, orders, seqs, amounts); err != nil {
+			return fmt.Errorf("insert the effects of %d payments: %w", len(keys), err)
+		}
+		return nil
+	})
+}
+
+// decodePayment returns msg's idempotency key and payment.
+func decodePayment(msg *message.Message) (string, payment, error) {
+	var p payment
+	if err := json.Unmarshal(msg.Payload, &p); err != nil {
+		return "", p, fmt.Errorf("decode payment %s: %w", msg.UUID, err)
+	}
+	return msg.Metadata.Get(delivery.IdempotencyKey), p, nil
 }
 
 // newSubscriber returns the subscriber of sys for the fixture's group.
@@ -444,7 +495,7 @@ func (e *env) newSubscriber(sys, group string, logger watermill.LoggerAdapter) (
 		return sub, nil
 	case sysSerial:
 		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: 1}, logger)
-	case sysParallel, sysPipelined, sysBatched, sysNoInbox:
+	case sysParallel, sysPipelined, sysBatched, sysBatchHandler, sysNoInbox:
 		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: e.cfg.MaxInFlight}, logger)
 	}
 	return nil, fmt.Errorf("unknown subscriber %q", sys)
@@ -482,7 +533,7 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 			return smp, errors.Join(fmt.Errorf("postgres store: %w", err), sub.Close())
 		}
 		icfg := middleware.InboxConfig{TxStore: store, Logger: logger, Tuning: middleware.InboxTuning{PipelineClaim: sys == sysPipelined}}
-		if sys == sysBatched {
+		if batches(sys) {
 			icfg.Tuning.Batch = batchConfig
 		}
 		if inbox, err = middleware.NewInbox(icfg); err != nil {
@@ -492,7 +543,11 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 		direct = e.pool
 	}
 	t := newTracker(len(s.Events))
-	h := router.AddConsumerHandler(handlerName, f.topic, sub, effectHandler(f.insert, direct))
+	handler := effectHandler(f.insert, direct)
+	if sys == sysBatchHandler {
+		handler = batchEffectHandler(f.bulkInsert)
+	}
+	h := router.AddConsumerHandler(handlerName, f.topic, sub, handler)
 	h.AddMiddleware(t.middleware)
 	if inbox != nil {
 		h.AddMiddleware(inbox.Middleware)

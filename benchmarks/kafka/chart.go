@@ -25,6 +25,8 @@ func chartName(sys string, cfg Config) string {
 		return fmt.Sprintf("key-parallel (%d), pipelined", cfg.maxInFlight())
 	case sysBatched:
 		return fmt.Sprintf("key-parallel (%d), batched", cfg.maxInFlight())
+	case sysBatchHandler:
+		return fmt.Sprintf("key-parallel (%d), batch handler", cfg.maxInFlight())
 	case sysNoInbox:
 		return fmt.Sprintf("key-parallel (%d), no inbox", cfg.maxInFlight())
 	}

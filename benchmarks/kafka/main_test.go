@@ -29,7 +29,7 @@ func TestSmoke(t *testing.T) {
 	pgtest.Pool(t, 1)
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent(), goleak.IgnoreTopFunction(saramaMetrics))
 
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	var out strings.Builder
 	cfg := Config{
@@ -77,7 +77,8 @@ func TestSmoke(t *testing.T) {
 	}
 
 	table := Markdown(res, cfg)
-	for _, want := range []string{"| watermill-kafka `NewSubscriber` (stock) | 1 |", "| oncemill key-parallel (64), **no inbox** | 2 |",
+	for _, want := range []string{"| watermill-kafka `NewSubscriber` (stock) | 1 |", "| oncemill key-parallel (64), **no inbox** | 2 |", "| oncemill key-parallel (64), `Batch` (32), `BatchHandler` | 1 |",
+		"`BatchHandler` with the inbox ≥ 1.0× the same handler with no inbox, 1 partition",
 		"key-parallel ≥ 5× watermill-kafka at 1 partition", fmt.Sprintf("0 order violations — **PASS** (%d runs)", len(cfg.Partitions)*len(systems()))} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)

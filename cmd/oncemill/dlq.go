@@ -19,7 +19,9 @@ type cmd struct {
 	env    func(string) string
 	stdout io.Writer
 	stderr io.Writer
-	now    time.Time
+	// stdin is what publish reads messages from. Defaults to os.Stdin.
+	stdin io.Reader
+	now   time.Time
 
 	database string
 	schema   string

@@ -205,6 +205,13 @@ a TLS proxy.
 		run:     (*cmd).serveConsole,
 	},
 	{
+		path: "publish", args: "--topic T [--broker URL] [--uuid U] [--key K] [--partition-key K]\n       [--meta NAME=VALUE ...] [PAYLOAD ...]",
+		short:   "publish messages, from arguments or JSON lines on standard input",
+		about:   publishHelp,
+		example: `oncemill publish --broker amqp://guest:guest@rabbit:5672/ --topic orders --key A-42 '{"orderId":"A-42","amountCents":1999}'`,
+		run:     (*cmd).publish,
+	},
+	{
 		path: "relay", args: "--database URL --broker URL [--schema NAME] [--table NAME]\n       [--batch-size N] [--lanes-per-batch N] [--poll-interval DURATION]\n       [--drain-timeout DURATION] [--lock-ordered-writers] [--listen HOST:PORT]\n       [--migrate] [--ledger] [--ledger-retention DURATION]",
 		short:   "relay a service's outbox table to the broker, as a process of its own",
 		about:   relayHelp,
