@@ -1,6 +1,8 @@
 package console
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -8,6 +10,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 
@@ -26,6 +29,7 @@ const (
 	actReplayConsumer = "replay-consumer"
 	actReplayTopic    = "replay-topic"
 	actPurge          = "purge"
+	actReopen         = "reopen"
 )
 
 // destination is where some of an action's entries go.
@@ -62,13 +66,18 @@ func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
 	action := r.PostFormValue("action")
 	switch action {
 	case actReplayConsumer, actPurge:
+	case actReopen:
+		if r.PostFormValue("scope") != "entry" {
+			c.fail(w, r, http.StatusBadRequest, "Reopen takes one entry: use it from the entry's page.")
+			return
+		}
 	case actReplayTopic:
 		if c.cfg.Publisher == nil {
 			c.fail(w, r, http.StatusBadRequest, "This console has no publisher: it replays entries to their consumer only.")
 			return
 		}
 	default:
-		c.fail(w, r, http.StatusBadRequest, "Unknown action "+strconv.Quote(action)+": use replay-consumer, replay-topic or purge.")
+		c.fail(w, r, http.StatusBadRequest, "Unknown action "+strconv.Quote(action)+": use replay-consumer, replay-topic, reopen or purge.")
 		return
 	}
 	back := backQuery(r.PostFormValue("back"))
@@ -134,6 +143,15 @@ func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
 		d.Notes = append(d.Notes, fmt.Sprintf("%d of the selected entries are gone (replayed or purged meanwhile).", len(cr.IDs)-len(ts)))
 	}
 	ts, d.Notes = eligible(action, ts, d.Notes)
+	d.Notes = append(d.Notes, hopeless(action, ts)...)
+	if action == actReplayConsumer {
+		notes, err := c.unserved(r.Context(), ts)
+		if err != nil {
+			c.internal(w, r, "read the replay subscribers", err)
+			return
+		}
+		d.Notes = append(d.Notes, notes...)
+	}
 	d.Entries = len(ts)
 	d.Destinations = destinations(action, ts)
 	d.Summary = summary(action, len(ts), d.Destinations)
@@ -159,6 +177,8 @@ func eligible(action string, ts []target, notes []string) ([]target, []string) {
 			dropped++
 		case action == actReplayTopic && t.Topic == "":
 			dropped++
+		case action == actReopen && (t.Consumer == "" || t.Key == ""):
+			dropped++
 		default:
 			out = append(out, t)
 			if action == actReplayConsumer && t.ReplayRequested {
@@ -167,6 +187,8 @@ func eligible(action string, ts []target, notes []string) ([]target, []string) {
 		}
 	}
 	switch {
+	case dropped > 0 && action == actReopen:
+		notes = append(notes, "The entry has no consumer or no key: there is no dead key to reopen.")
 	case dropped > 0 && action == actReplayConsumer:
 		notes = append(notes, fmt.Sprintf("%d %s no consumer or no topic and %s left out: no replay subscriber would deliver %s.",
 			dropped, plural(dropped, "entry has", "entries have"), plural(dropped, "is", "are"), plural(dropped, "it", "them")))
@@ -179,6 +201,78 @@ func eligible(action string, ts []target, notes []string) ([]target, []string) {
 			waiting, plural(waiting, "is", "are"), plural(waiting, "its", "their"), plural(waiting, "is", "are"), plural(waiting, "it is", "they are")))
 	}
 	return out, notes
+}
+
+// maxHopeless bounds the entries hopeless names one by one.
+const maxHopeless = 3
+
+// hopeless notes the entries of a replay that cannot succeed as they
+// are (dlq.Entry.Hopeless), before anything is sent: by id when they are
+// few, else counted.
+func hopeless(action string, ts []target) []string {
+	if action != actReplayConsumer && action != actReplayTopic {
+		return nil
+	}
+	var notes []string
+	n := 0
+	for _, t := range ts {
+		why := dlq.Entry{Key: t.Key, Permanent: t.Permanent}.Hopeless()
+		if why == "" {
+			continue
+		}
+		if n++; n <= maxHopeless {
+			notes = append(notes, fmt.Sprintf("Entry %d cannot succeed as it is: %s.", t.ID, why))
+		}
+	}
+	if n > maxHopeless {
+		notes = append(notes, fmt.Sprintf("%d more entries cannot succeed as they are (no key, or a permanent error).", n-maxHopeless))
+	}
+	return notes
+}
+
+// unserved notes the consumers of ts whose replay subscriber has not
+// announced itself lately: a replay requested for them would wait in the
+// table until one runs.
+func (c *Console) unserved(ctx context.Context, ts []target) ([]string, error) {
+	var notes []string
+	seen := map[string]bool{}
+	for _, t := range ts {
+		if seen[t.Consumer] {
+			continue
+		}
+		seen[t.Consumer] = true
+		if msg, err := c.noReplayer(ctx, t.Consumer); err != nil || msg != "" {
+			if err != nil {
+				return nil, err
+			}
+			notes = append(notes, msg)
+		}
+	}
+	return notes, nil
+}
+
+// noReplayer is the warning for a consumer whose replay subscriber has
+// not announced itself lately, or "" when one runs (or the table of
+// announcements is not migrated yet: nothing is known).
+func (c *Console) noReplayer(ctx context.Context, consumer string) (string, error) {
+	p, ok, err := c.dlq.Replayer(ctx, consumer)
+	switch {
+	case errors.Is(err, dlq.ErrNotMigrated):
+		return "", nil
+	case err != nil:
+		return "", err
+	case ok && p.Alive:
+		return "", nil
+	}
+	since := "ever"
+	if ok {
+		since = "since " + p.SeenAt.UTC().Format(time.RFC3339)
+	}
+	what := "the request waits in the table until one runs: replay to the topic instead"
+	if c.cfg.Publisher == nil {
+		what = "the request waits in the table until one runs: start the consumer with dlq.WithReplays, or replay to the topic with oncemill dlq replay --broker"
+	}
+	return fmt.Sprintf("No replay subscriber seen for consumer %s %s; %s.", consumer, since, what), nil
 }
 
 // destinations counts ts by consumer and topic, or by topic for a replay
@@ -223,6 +317,9 @@ func summary(action string, n int, dests []destination) string {
 				entries, dests[0].Consumer, dests[0].Topic, plural(n, "it", "them"))
 		}
 		return fmt.Sprintf("Replay %s to their consumers, %d of them: only the consumer of each receives it, through its replay subscriber.", entries, len(dests))
+	case actReopen:
+		return fmt.Sprintf("Reopen the dead key of consumer %s for its next copy, whatever its payload, and delete the entry: the producer's corrected message runs once, and the copies after it are duplicates.",
+			dests[0].Consumer)
 	case actReplayTopic:
 		if len(dests) == 1 {
 			return fmt.Sprintf("Replay %s to topic %s: every consumer group of it receives %s.", entries, dests[0].Topic, plural(n, "it", "them"))
@@ -262,6 +359,17 @@ func (c *Console) execute(w http.ResponseWriter, r *http.Request, action string,
 	case actReplayTopic:
 		verb, rest = "Replayed", " to their topic"
 		n, err = store.Replay(ctx, c.cfg.Publisher, f, nil)
+	case actReopen:
+		verb = "Reopened"
+		if len(ids) != 1 {
+			c.fail(w, r, http.StatusBadRequest, "Reopen takes one entry.")
+			return
+		}
+		var e dlq.Entry
+		if e, err = store.Reopen(ctx, ids[0]); err == nil {
+			n = 1
+			rest = fmt.Sprintf(" (consumer %s, key %s): the next copy of the key runs once, whatever its payload", e.Consumer, e.Key)
+		}
 	}
 	fields := watermill.LogFields{"action": action, "entries": n, "confirmed": len(ids), "ids": formatRanges(ids), "remote": r.RemoteAddr}
 	fl := flash{OK: err == nil, Text: outcome(verb, n, len(ids), rest)}

@@ -170,6 +170,9 @@ func TestConsoleOnEveryDatabase(t *testing.T) {
 			_, next := cl.confirm(url.Values{"action": {"replay-consumer"}, "scope": {"selection"}, "id": {idText(ids[0]), idText(ids[1])}})
 			require.Contains(t, flashOf(cl.follow(cl.post("/dlq/confirm", next), "/dlq/confirm")), "Requested a replay of 2 entries")
 			require.Equal(t, ids[:2], s.ids(`WHERE replay_requested_at IS NOT NULL`), "the replay of the two requested")
+			require.Regexp(t, `(?s)id="overview-pending-replays".*<td class="mono">charge</td><td class="mono">orders</td>\s*<td class="num"><a [^>]*>2</a>.*`+
+				`No replay subscriber seen for consumer charge ever`, cl.page("/", http.StatusOK),
+				"the overview shows the requests that no replay subscriber picks up")
 			_, next = cl.confirm(url.Values{"action": {"purge"}, "scope": {"selection"}, "id": {idText(ids[2]), idText(ids[3])}})
 			require.Contains(t, flashOf(cl.follow(cl.post("/dlq/confirm", next), "/dlq/confirm")), "Purged 2 entries")
 			require.Equal(t, ids[:2], s.ids(``), "the two purged")

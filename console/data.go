@@ -247,16 +247,20 @@ type target struct {
 	ID              int64
 	Consumer, Topic string
 	ReplayRequested bool
+	// Key and Permanent say whether a replay can succeed
+	// (dlq.Entry.Hopeless).
+	Key       string
+	Permanent bool
 }
 
 // targets returns, in id order, at most limit of the entries cr selects.
 func (c *Console) targets(ctx context.Context, cr criteria, limit int) ([]target, error) {
 	where, args := c.where(cr)
-	rows, err := c.db.Query(ctx, c.stmt(`SELECT id, consumer, topic, replay_requested_at IS NOT NULL FROM {DLQ}`+where+
+	rows, err := c.db.Query(ctx, c.stmt(`SELECT id, consumer, topic, replay_requested_at IS NOT NULL, {key}, permanent FROM {DLQ}`+where+
 		` ORDER BY id LIMIT ?`), append(args, limit)...)
 	ts, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (target, error) {
 		var t target
-		err := row.Scan(&t.ID, &t.Consumer, &t.Topic, &t.ReplayRequested)
+		err := row.Scan(&t.ID, &t.Consumer, &t.Topic, &t.ReplayRequested, &t.Key, &t.Permanent)
 		return t, err
 	})
 	if err != nil {

@@ -1,6 +1,7 @@
 package console
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -29,6 +30,11 @@ type overviewData struct {
 	Groups     []group
 	DLQMissing bool
 	DLQErr     string
+	// Pending are the replays to a consumer requested and not delivered
+	// yet, each with the warning when no replay subscriber of its
+	// consumer runs; PendingErr is why they could not be read.
+	Pending    []pendingReplay
+	PendingErr string
 
 	Outbox        forwarder.Lag
 	Holder        string
@@ -89,6 +95,31 @@ func deadDiffs(inbox []inboxStat, letters []dlq.Count) []deadDiff {
 	return out
 }
 
+// pendingReplay is a line of the overview's waiting replays.
+type pendingReplay struct {
+	dlq.PendingReplay
+	// NoReplayer says that nobody would pick them up; "" when a replay
+	// subscriber of the consumer runs.
+	NoReplayer string
+}
+
+// pendingReplays are the replays requested and not delivered, with a
+// warning for each consumer that no replay subscriber serves.
+func (c *Console) pendingReplays(ctx context.Context) ([]pendingReplay, error) {
+	ps, err := c.dlq.PendingReplays(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]pendingReplay, len(ps))
+	for i, p := range ps {
+		out[i].PendingReplay = p
+		if out[i].NoReplayer, err = c.noReplayer(ctx, p.Consumer); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
 // overview serves GET /: the inbox per consumer, the dead letters per
 // consumer and topic and by error, and the outbox's backlog. A section
 // whose table is missing says so; one whose query fails shows the error,
@@ -135,6 +166,11 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 
 	if !d.InboxMissing && d.InboxErr == "" && !d.DLQMissing && d.DLQErr == "" {
 		d.DeadDiffer = deadDiffs(d.Inbox, d.DLQ)
+	}
+	if !d.DLQMissing && d.DLQErr == "" {
+		if d.Pending, err = c.pendingReplays(ctx); err != nil {
+			d.PendingErr = err.Error()
+		}
 	}
 
 	d.Reconcile = c.reconcileRows(ctx)
@@ -407,6 +443,12 @@ type entryData struct {
 	// allows: one to its consumer needs a consumer and a topic, one to
 	// its topic a topic (and a Publisher).
 	CanReplayConsumer, CanReplayTopic bool
+	// CanReopen says that the entry's key is dead in the inbox table
+	// beside, where a reopen lets its next copy run (dlq.Store.Reopen).
+	CanReopen bool
+	// NoReplayer warns that the entry's consumer has no replay subscriber
+	// running; Hopeless says why a replay cannot succeed as it is.
+	NoReplayer, Hopeless string
 	// Counted says what E.Attempts counts and who counted it; Place is
 	// the broker's place of the original, only what the entry has.
 	Counted dlq.Counted
@@ -439,8 +481,15 @@ func (c *Console) entry(w http.ResponseWriter, r *http.Request, idText string) {
 		CanReplayConsumer: e.Consumer != "" && e.Topic != "",
 		CanReplayTopic:    e.Topic != "" && p.CanReplayTopic,
 	}
-	facts := dlq.Entry{Attempts: e.Attempts, Partition: e.Partition, Offset: e.Offset, Metadata: e.Metadata}
-	d.Counted, d.Place = facts.AttemptsCounted(), facts.Place()
+	facts := dlq.Entry{Attempts: e.Attempts, Partition: e.Partition, Offset: e.Offset, Metadata: e.Metadata, Key: e.Key, Permanent: e.Permanent}
+	d.Counted, d.Place, d.Hopeless = facts.AttemptsCounted(), facts.Place(), facts.Hopeless()
+	d.CanReopen = e.Consumer != "" && e.Key != "" && e.CopiesKnown
+	if d.CanReplayConsumer {
+		if d.NoReplayer, err = c.noReplayer(ctx, e.Consumer); err != nil {
+			c.internal(w, r, "read the replay subscribers", err)
+			return
+		}
+	}
 	d.GroupURL = listURL(p.Base, url.Values{"group": {d.Group}})
 	if e.Consumer != "" && e.Key != "" {
 		d.InboxURL = p.Base + "inbox?" + url.Values{"consumer": {e.Consumer}, "key": {e.Key}}.Encode()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -245,8 +246,8 @@ func checkWrittenOnce(t *testing.T, b backend) {
 	require.Equal(t, []byte(m.Payload), []byte(replay.Payload))
 	require.Equal(t, map[string]string{
 		delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1", "long": long,
-		delivery.Replay: "grant-1", delivery.ReplayConsumer: "charge",
-	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay granted for its consumer")
+		delivery.Replay: "grant-1", delivery.ReplayConsumer: "charge", dlq.ReplayedFrom: strconv.FormatInt(got.ID, 10),
+	}, map[string]string(replay.Metadata), "the original metadata, marked as the replay granted for its consumer, from this entry")
 	require.Equal(t, map[string]string{delivery.IdempotencyKey: "key-" + m.UUID, "trace_id": "tr-1", "long": long},
 		map[string]string(got.Message("").Metadata), "no grant, no replay marker")
 
@@ -448,6 +449,8 @@ func checkReplayToConsumer(t *testing.T, b backend) {
 
 	_, err = b.replays(dlq.ReplaySubscriberConfig{})
 	require.ErrorContains(t, err, "ReplaySubscriberConfig.Consumer")
+	_, err = b.replays(dlq.ReplaySubscriberConfig{Consumer: "charge", BeatEvery: -time.Second})
+	require.EqualError(t, err, "dlq: ReplaySubscriberConfig.BeatEvery must not be negative, got -1s")
 	sub, err := b.replays(dlq.ReplaySubscriberConfig{Consumer: "charge", PollInterval: 10 * time.Millisecond})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sub.Close()) })

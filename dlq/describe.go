@@ -47,9 +47,14 @@ type Fact struct {
 // Place returns where the broker kept the original, only as far as e
 // records it: the Kafka partition and offset of a Kafka delivery, the
 // JetStream stream and sequence of a NATS one; nothing for RabbitMQ or
-// SQS, whose queue is the topic.
+// SQS, whose queue is the topic. It starts with the entry e was replayed
+// from ("Replayed from", "#N"), for a replay that died again
+// ([Entry.ReplayedFrom]).
 func (e Entry) Place() []Fact {
 	var facts []Fact
+	if id, ok := e.ReplayedFrom(); ok {
+		facts = append(facts, Fact{"Replayed from", "#" + strconv.FormatInt(id, 10)})
+	}
 	if e.Partition != nil {
 		facts = append(facts, Fact{"Kafka partition", strconv.FormatInt(int64(*e.Partition), 10)})
 	}

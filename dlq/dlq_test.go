@@ -374,6 +374,7 @@ func TestReplayToGoChannel(t *testing.T) {
 		delete(md, delivery.Replay)
 		require.Equal(t, map[string]string{
 			delivery.IdempotencyKey: want.Key, "trace_id": "tr-1", delivery.ReplayConsumer: "charge",
+			dlq.ReplayedFrom: strconv.FormatInt(want.ID, 10),
 		}, md)
 	}
 	require.Equal(t, []int64{ids[2], ids[3], ids[4], ids[5]}, e.ids(t), "replayed rows deleted, the others kept")

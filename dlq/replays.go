@@ -52,6 +52,12 @@ type ReplaySubscriberConfig struct {
 	// there is not delivered: its request is withdrawn and an error
 	// wrapping [ErrNoDeadKey] is logged, and the entry stays.
 	Granter Granter
+	// BeatEvery is how often each subscription announces, in the table
+	// beside the dead-letter table, that the consumer's replays are picked
+	// up ([Store.Replayer]): a consumer that missed three beats counts as
+	// having no replay subscriber, and replays to it are refused before
+	// they are requested. Defaults to [DefaultBeatEvery].
+	BeatEvery time.Duration
 }
 
 func (c *ReplaySubscriberConfig) setDefaults() {
@@ -60,6 +66,9 @@ func (c *ReplaySubscriberConfig) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
+	}
+	if c.BeatEvery == 0 {
+		c.BeatEvery = DefaultBeatEvery
 	}
 }
 
@@ -70,6 +79,8 @@ func (c ReplaySubscriberConfig) Validate() error {
 		return errors.New("dlq: ReplaySubscriberConfig.Consumer is required: the consumer whose replays are delivered")
 	case c.PollInterval < 0:
 		return fmt.Errorf("dlq: ReplaySubscriberConfig.PollInterval must not be negative, got %s", c.PollInterval)
+	case c.BeatEvery < 0:
+		return fmt.Errorf("dlq: ReplaySubscriberConfig.BeatEvery must not be negative, got %s", c.BeatEvery)
 	}
 	return nil
 }
@@ -142,7 +153,8 @@ func (r *ReplaySubscriber) Subscribe(ctx context.Context, topic string) (<-chan 
 	default:
 	}
 	out := make(chan *message.Message)
-	r.wg.Add(1)
+	r.wg.Add(2)
+	go r.announce(ctx, topic)
 	go func() {
 		defer r.wg.Done()
 		defer close(out)
@@ -164,6 +176,25 @@ func (r *ReplaySubscriber) Subscribe(ctx context.Context, topic string) (<-chan 
 		}
 	}()
 	return out, nil
+}
+
+// announce writes the consumer's beat at once and every BeatEvery until
+// ctx is done or the subscriber closes. A failed beat is logged: the
+// replays still run, the console and the command only warn wrongly.
+func (r *ReplaySubscriber) announce(ctx context.Context, topic string) {
+	defer r.wg.Done()
+	for {
+		if err := r.t.beat(ctx, r.cfg.Consumer, r.cfg.BeatEvery); err != nil && ctx.Err() == nil {
+			r.cfg.Logger.Error("Replay subscriber beat failed", err, watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic})
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.closing:
+			return
+		case <-time.After(r.cfg.BeatEvery):
+		}
+	}
 }
 
 // deliverOne hands out the first requested entry, if any, and ends its

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -102,10 +103,40 @@ func (e Entry) Message(grant string) *message.Message {
 		return msg
 	}
 	msg.Metadata.Set(delivery.Replay, grant)
+	msg.Metadata.Set(ReplayedFrom, strconv.FormatInt(e.ID, 10))
 	if e.Consumer != "" {
 		msg.Metadata.Set(delivery.ReplayConsumer, e.Consumer)
 	}
 	return msg
+}
+
+// ReplayedFrom is the metadata key a replayed message carries with the id
+// of the entry it was replayed from ([Entry.Message]). It is no fact of
+// one delivery: a replay that dies again keeps it in its new entry, whose
+// [Entry.ReplayedFrom] says where it came from.
+const ReplayedFrom = "oncemill_replayed_from"
+
+// ReplayedFrom returns the id of the entry e's message was replayed from,
+// when it died again after a replay; ok is false for a first death.
+func (e Entry) ReplayedFrom() (id int64, ok bool) {
+	id, err := strconv.ParseInt(e.Metadata[ReplayedFrom], 10, 64)
+	return id, err == nil && id > 0
+}
+
+// Hopeless says why a replay of e would only die again, or "" when it
+// may succeed: an entry without a key failed to give one, and its replay
+// fails the same way; a permanent error fails the same payload again
+// unless the handler changed since. A corrected payload is sent by the
+// producer after [Store.Reopen].
+func (e Entry) Hopeless() string {
+	switch {
+	case e.Key == "":
+		return "it has no key: its replay fails to give one again, and is dead-lettered again"
+	case e.Permanent:
+		return "its error is permanent: its replay fails the same way unless the handler changed; " +
+			"for corrected data, reopen the key and have the producer send the message again"
+	}
+	return ""
 }
 
 // Store reads and changes the dead-letter table. It is safe for concurrent

@@ -31,6 +31,8 @@ type table struct {
 	q    struct {
 		insert, get, lockOne, nextReplay, removeOne, removeIDs, request, counts string
 		twin, adopt, clear, grant, hasRecord, copies                            string
+		beatUpdate, beatInsert, replayer, replayers, pending                    string
+		reopen, forgetStarts                                                    string
 	}
 }
 
@@ -96,8 +98,17 @@ GROUP BY consumer, topic ORDER BY consumer, topic`
 WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead'`
 	q.hasRecord = `SELECT COUNT(*) FROM ` + inbox + ` WHERE consumer = ? AND ` + key + ` = ?`
 	q.copies = `SELECT dead_copies FROM ` + inbox + ` WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead'`
+	// Reopen for the next copy, whatever its payload: the dead key is made
+	// a failed one with no attempts, as the inbox stores reopen it for a
+	// granted replay, and its started attempts are forgotten, or the copy
+	// would be taken for a crash loop.
+	q.reopen = `UPDATE ` + inbox + ` SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, replay_grant = NULL,
+	updated_at = ` + d.Now() + ` WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead'`
+	q.forgetStarts = `DELETE FROM ` + t.names.InboxStarts + ` WHERE consumer = ? AND ` + key + ` = ?`
+	t.replayerQueries(d)
 	for _, s := range []*string{&q.insert, &q.get, &q.lockOne, &q.nextReplay, &q.removeOne, &q.removeIDs, &q.request,
-		&q.counts, &q.twin, &q.adopt, &q.clear, &q.grant, &q.hasRecord, &q.copies} {
+		&q.counts, &q.twin, &q.adopt, &q.clear, &q.grant, &q.hasRecord, &q.copies,
+		&q.beatUpdate, &q.beatInsert, &q.replayer, &q.replayers, &q.pending, &q.reopen, &q.forgetStarts} {
 		*s = d.Rebind(*s)
 	}
 	return t, nil

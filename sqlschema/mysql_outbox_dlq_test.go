@@ -15,7 +15,8 @@ import (
 // consumer, topic and UUID until its replay is requested, 004 the relay's
 // ledger with its published_at and idempotency_key indexes, 005 the
 // outbox's scheduled table with its (due_at, id) index, 006 the table of
-// parked messages, one row per consumer, topic and UUID; applied twice
+// parked messages, one row per consumer, topic and UUID, 007 the replay
+// subscribers' announcements; applied twice
 // they change nothing, and their down steps undo them.
 func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 	t.Parallel()
@@ -27,12 +28,13 @@ func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 	cfg := sqlschema.Config{Schema: name, OutboxTable: "events"}
 	ms, err := sqlschema.Migrations(sqlschema.MySQL, cfg)
 	require.NoError(t, err)
-	require.Len(t, ms, 6)
+	require.Len(t, ms, 7)
 	require.Equal(t, "outbox", ms[1].Name)
 	require.Equal(t, "dlq", ms[2].Name)
 	require.Equal(t, "ledger", ms[3].Name)
 	require.Equal(t, "outbox_scheduled", ms[4].Name)
 	require.Equal(t, "retries", ms[5].Name)
+	require.Equal(t, "dlq_replayers", ms[6].Name)
 	for range 2 {
 		for _, m := range ms {
 			_, err := db.ExecContext(ctx, m.Up)

@@ -69,6 +69,7 @@ func main() {
 		skipSpeed    = flag.Bool("skip-speed", false, "run the correctness runs only")
 		skipCrash    = flag.Bool("skip-correctness", false, "run the speed runs only")
 		pacedRate    = flag.Float64("paced-rate", 1000, "offered msgs/s of the paced latency runs")
+		minFill      = flag.Int("batch-min-fill", 0, "Batch.MinFill of the batched inboxes (0: the library's default)")
 		pacedN       = flag.Int("paced-n", 0, "messages in each paced latency run (default 5000, -quick 500; 0 with -paced-rate 0 skips them)")
 	)
 	flag.Parse()
@@ -91,6 +92,7 @@ func main() {
 		PacedRate:       *pacedRate,
 		PacedWorkers:    32,
 		SkipSpeed:       *skipSpeed,
+		BatchMinFill:    *minFill,
 		SkipCorrectness: *skipCrash,
 		Out:             os.Stderr,
 	}
@@ -229,6 +231,9 @@ type Config struct {
 	PacedWorkers int
 	// SkipSpeed and SkipCorrectness leave out one half.
 	SkipSpeed, SkipCorrectness bool
+	// BatchMinFill is the batched inboxes' Batch.MinFill; 0 keeps the
+	// library's default.
+	BatchMinFill int
 	// Out receives progress lines.
 	Out io.Writer
 }

@@ -105,8 +105,8 @@ const (
 )
 
 // batchConfig is the Batch setting of the batched strategies.
-func batchConfig(o procOptions) middleware.BatchConfig {
-	return middleware.BatchConfig{MaxMessages: batchMax, Linger: o.Linger}
+func batchConfig(o procOptions, minFill int) middleware.BatchConfig {
+	return middleware.BatchConfig{MaxMessages: batchMax, Linger: o.Linger, MinFill: minFill}
 }
 
 // consumer scopes every key the inboxes write.
@@ -375,11 +375,11 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 	case stPGPipeNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{PipelineClaim: true, SkipAttemptRecord: true}})
 	case stPGBatch:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o)}})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill)}})
 	case stPGBatchBulk:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o)}})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill)}})
 	case stPGBatchNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o), SkipAttemptRecord: true}})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill), SkipAttemptRecord: true}})
 	case stPGProm:
 		metrics, merr := prom.New(prom.Config{Registerer: prometheus.NewRegistry()})
 		if merr != nil {

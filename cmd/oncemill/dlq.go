@@ -260,7 +260,7 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 		case inboxURL != "", force:
 			return usagef("--to-consumer writes no grant (the consumer's replay subscriber does): drop --inbox and --force")
 		}
-		return c.requestReplay(ctx, f)
+		return c.requestReplay(ctx, f, broker == "" && c.env("BROKER_URL") != "")
 	}
 	var inbox *inboxTarget
 	if inboxURL != "" {
@@ -281,6 +281,9 @@ func (c *cmd) replay(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeDB()
+	if err := c.warnHopeless(ctx, store, f); err != nil {
+		return err
+	}
 	if inbox != nil {
 		g, closeInbox, err := inbox.open(ctx)
 		if err != nil {
@@ -341,13 +344,46 @@ func (c *cmd) openReplay(ctx context.Context, f dlq.Filter, verb string) (*dlq.S
 }
 
 // requestReplay marks the selected entries for their consumers'
-// ReplaySubscribers, which deliver and delete them.
-func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter) error {
+// ReplaySubscribers, which deliver and delete them. A consumer whose
+// replay subscriber has not announced itself lately would strand its
+// entries in the table: nothing is requested, and the error offers the
+// replay to the topic (haveBroker: BROKER_URL is set already).
+func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter, haveBroker bool) error {
 	store, closeDB, total, err := c.openReplay(ctx, f, "requested")
 	if err != nil || total == 0 {
 		return err
 	}
 	defer closeDB()
+	entries, err := store.List(ctx, f)
+	if err != nil {
+		return err
+	}
+	var absent []string
+	seen := map[string]bool{}
+	for _, e := range entries {
+		if seen[e.Consumer] || e.Consumer == "" {
+			continue
+		}
+		seen[e.Consumer] = true
+		p, ok, err := store.Replayer(ctx, e.Consumer)
+		if err != nil {
+			return fmt.Errorf("nothing requested: %w", err)
+		}
+		if !ok || !p.Alive {
+			absent = append(absent, dlq.NoReplayerError(e.Consumer, p, ok).Error())
+		}
+	}
+	if len(absent) > 0 {
+		fix := "use --broker URL (or BROKER_URL) to replay to the topic instead"
+		if haveBroker {
+			fix = "drop --to-consumer to replay to the topic through BROKER_URL instead"
+		}
+		return fmt.Errorf("nothing requested: %s; the request would wait in the table until one runs: %s, or start the consumer with dlq.WithReplays",
+			strings.Join(absent, "; "), fix)
+	}
+	if err := c.warnHopeless(ctx, store, f); err != nil {
+		return err
+	}
 	n, err := store.RequestReplay(ctx, f)
 	if err != nil {
 		return err
@@ -357,6 +393,74 @@ func (c *cmd) requestReplay(ctx context.Context, f dlq.Filter) error {
 	}
 	fmt.Fprintf(c.stdout, "requested a replay of %d %s to %s; each is delivered by its consumer's replay subscriber and deleted once handled\n",
 		n, plural(n, "entry", "entries"), plural(n, "its consumer", "their consumers"))
+	return nil
+}
+
+// maxHopeless bounds the warnings of warnHopeless; the rest are counted.
+const maxHopeless = 10
+
+// warnHopeless says on stderr, before anything is sent, which of the
+// entries f selects would only die again (dlq.Entry.Hopeless), so that a
+// replay that makes new entries is not a surprise. They are replayed all
+// the same: a handler fixed since may take them.
+func (c *cmd) warnHopeless(ctx context.Context, store *dlq.Store, f dlq.Filter) error {
+	entries, err := store.List(ctx, f)
+	if err != nil {
+		return err
+	}
+	n := 0
+	for _, e := range entries {
+		why := e.Hopeless()
+		if why == "" {
+			continue
+		}
+		if n++; n <= maxHopeless {
+			fmt.Fprintf(c.stderr, "warning: entry %d cannot succeed as it is: %s\n", e.ID, why)
+		}
+	}
+	if n > maxHopeless {
+		fmt.Fprintf(c.stderr, "warning: %d more entries cannot succeed as they are\n", n-maxHopeless)
+	}
+	return nil
+}
+
+// reopenResult is reopen's JSON output.
+type reopenResult struct {
+	Reopened int64  `json:"reopened"`
+	Consumer string `json:"consumer"`
+	Key      string `json:"key"`
+}
+
+func (c *cmd) reopen(ctx context.Context, args []string) error {
+	fs := c.flags()
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(pos) == 0:
+		return usagef("missing ID: reopen takes one entry ID")
+	case len(pos) > 1:
+		return usagef("unexpected argument %q: reopen takes one entry ID", pos[1])
+	}
+	ids, err := parseIDs(pos)
+	if err != nil {
+		return err
+	}
+	store, closeDB, err := c.open(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	e, err := store.Reopen(ctx, ids[0])
+	if err != nil {
+		return fmt.Errorf("nothing reopened: %w", err)
+	}
+	if c.json {
+		return c.writeJSON(reopenResult{Reopened: e.ID, Consumer: e.Consumer, Key: e.Key})
+	}
+	fmt.Fprintf(c.stdout, "reopened consumer %q key %q and deleted entry %d: the next copy of the key runs once, whatever its payload; the copies after it are duplicates\n",
+		e.Consumer, e.Key, e.ID)
 	return nil
 }
 

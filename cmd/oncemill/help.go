@@ -100,11 +100,32 @@ entry whose key has no record there is refused and stays; --force replays
 it anyway, as a new key (its record expired).
 
 --to-consumer publishes nothing: it marks the entries for their own
-consumer's dlq.ReplaySubscriber, which delivers and deletes them.
+consumer's dlq.ReplaySubscriber, which delivers and deletes them. It
+requests nothing when a consumer's replay subscriber has not announced
+itself lately: replay to the topic with --broker instead.
+
+An entry that cannot succeed as it is (no key, a permanent error) is
+named in a warning before anything is sent; for corrected data, see
+dlq reopen.
 
 ` + filterHelp + "\n\n" + databaseHelp,
 		example: "oncemill dlq replay --database postgres://app@db:5432/shop --broker kafka://10.0.0.5:9092 --topic payments --since 2h",
 		run:     (*cmd).replay,
+	},
+	{
+		path: "dlq reopen", args: "ID [--json]",
+		short: "let the next copy of a dead key run once, whatever its payload",
+		about: `Reopens the dead key of one entry for its next copy, whichever payload
+it carries, and deletes the entry: for corrected data, where the producer
+sends the message again with the data fixed (a replay would run the old
+payload). The next copy of the key to reach the consumer runs once; the
+copies after it are duplicates. It works on the inbox table beside the
+dead-letter table; an entry whose key is not dead there, or that has no
+key, is refused and stays.
+
+` + databaseHelp,
+		example: "oncemill dlq reopen 42 --database postgres://app@db:5432/shop",
+		run:     (*cmd).reopen,
 	},
 	{
 		path: "dlq purge", args: "[ID ...] [filter flags] [--all] [--json]",

@@ -499,9 +499,11 @@ func requireReplayed(t *testing.T, want *message.Message, got *message.Message) 
 	require.NotEmpty(t, md[delivery.Replay], "marked as a replay")
 	require.Equal(t, want.Metadata.Get(delivery.DeadConsumer), md[delivery.ReplayConsumer],
 		"marked for the consumer that dead-lettered it")
+	require.Regexp(t, `^[1-9][0-9]*$`, md[dlq.ReplayedFrom], "names the entry it was replayed from")
 	md = maps.Clone(md)
 	delete(md, delivery.Replay)
 	delete(md, delivery.ReplayConsumer)
+	delete(md, dlq.ReplayedFrom)
 	require.Equal(t, original(want), md, "original metadata, no oncemill_dlq_* keys")
 	for k := range got.Metadata {
 		require.False(t, strings.HasPrefix(k, "oncemill_dlq_"), k)
@@ -733,6 +735,7 @@ func TestReplayToConsumer(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ids := f.seed(t, dead("orders", "charge", "card declined"), dead("orders", "ship", "no address"))
+	f.announce(t, "charge", time.Second)
 
 	r := f.dlq(t, "replay", strconv.FormatInt(ids[0], 10), "--to-consumer")
 	require.Equal(t, exitOK, r.code, r.stderr)

@@ -206,7 +206,19 @@ func TestMySQLDLQListShowReplay(t *testing.T) {
 	require.True(t, granted, "written on the dead key in the MariaDB inbox")
 	require.Equal(t, ids[1:], f.ids(t), "the replayed entry is gone")
 
-	// To the consumer: a request its replay subscriber serves.
+	// To the consumer: a request its replay subscriber serves, once it
+	// announced itself (on a topic of its own: it delivers nothing here).
+	replays, err := dlq.NewSQLReplaySubscriber(f.db, sqlschema.MySQL, sqlschema.Config{Schema: f.name},
+		dlq.ReplaySubscriberConfig{Consumer: "ship", PollInterval: 50 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, replays.Close()) })
+	_, err = replays.Subscribe(context.Background(), "announce-only")
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		p, ok, err := f.store.Replayer(context.Background(), "ship")
+		require.NoError(t, err)
+		return ok && p.Alive
+	}, 30*time.Second, 10*time.Millisecond, "the replay subscriber announced itself")
 	r = f.dlq(t, "replay", "--to-consumer", "--consumer", "ship")
 	require.Equal(t, exitOK, r.code, r.stderr)
 	require.Contains(t, r.stdout, "requested a replay of 1 entry")

@@ -27,12 +27,14 @@ type consumer struct {
 	mu      sync.Mutex
 	effects map[string]int
 	calls   map[string]int
+	// applied is the payload of the last copy applied, per key.
+	applied map[string]string
 }
 
 // newConsumer returns a consumer named name on the env's inbox; fail,
 // when not nil, gives the handler's error for a key.
 func (e *env) newConsumer(name string, fail func(key string) error) *consumer {
-	return &consumer{e: e, name: name, store: e.inbox(), fail: fail, effects: map[string]int{}, calls: map[string]int{}}
+	return &consumer{e: e, name: name, store: e.inbox(), fail: fail, effects: map[string]int{}, calls: map[string]int{}, applied: map[string]string{}}
 }
 
 // key is the consumer's inbox key k.
@@ -65,6 +67,7 @@ func (c *consumer) run(topic string, sub message.Subscriber) (stop func()) {
 		}
 		c.mu.Lock()
 		c.effects[key]++
+		c.applied[key] = string(msg.Payload)
 		c.mu.Unlock()
 		return nil
 	})
@@ -96,4 +99,11 @@ func (c *consumer) callsOf(key string) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.calls[key]
+}
+
+// appliedOf is the payload the handler last applied for key.
+func (c *consumer) appliedOf(key string) string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.applied[key]
 }

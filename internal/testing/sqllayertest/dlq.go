@@ -1,6 +1,7 @@
 package sqllayertest
 
 import (
+	"context"
 	"errors"
 	"slices"
 	"sync/atomic"
@@ -278,4 +279,154 @@ func purge(t *testing.T, e *env) {
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
 	require.Zero(t, e.count(store, dlq.Filter{}))
+}
+
+// reopen: a reopened dead key lets its next copy run once, whatever its
+// payload (the producer's corrected message, under a new UUID), and the
+// entry is gone; the copy after it is a duplicate. An entry with no key,
+// or whose key is no longer dead, is refused and stays.
+func reopen(t *testing.T, e *env) {
+	broker := e.broker(false)
+	var broken atomic.Bool
+	broken.Store(true)
+	c, msg, en := e.deadLettered(&broken, broker, broker, "pay-1")
+	broken.Store(false)
+	store := e.dlqStore()
+
+	got, err := store.Reopen(e.ctx(), en.ID)
+	require.NoError(t, err)
+	require.Equal(t, en.UUID, got.UUID)
+	require.Zero(t, e.count(store, dlq.Filter{}), "the reopened entry is gone")
+	require.Equal(t, dedup.StateNew, e.state(c.store, c.key("pay-1")), "the key is claimable again")
+
+	corrected := order("pay-1")
+	corrected.Payload = []byte(`{"order":"pay-1","amount":"12.50"}`)
+	require.NotEqual(t, msg.UUID, corrected.UUID)
+	require.NoError(t, broker.Publish("orders", corrected))
+	e.eventually("the corrected copy applied and its key done", func() bool {
+		return c.effectsOf("pay-1") == 1 && e.state(c.store, c.key("pay-1")) == dedup.StateDone
+	})
+	require.Equal(t, string(corrected.Payload), c.appliedOf("pay-1"), "the corrected payload ran")
+
+	again := order("pay-1")
+	again.Payload = []byte(`{"order":"pay-1","amount":"99.00"}`)
+	require.NoError(t, broker.Publish("orders", again, msg.Copy()))
+	time.Sleep(200 * time.Millisecond)
+	require.Equal(t, 1, c.effectsOf("pay-1"), "the copies after it are duplicates")
+	require.Equal(t, string(corrected.Payload), c.appliedOf("pay-1"))
+	require.Zero(t, e.count(store, dlq.Filter{}), "no new entry")
+
+	_, err = store.Reopen(e.ctx(), en.ID)
+	require.ErrorIs(t, err, dlq.ErrNotFound)
+
+	// An entry without a key, and one whose key has no dead record.
+	pub := e.dlqPublisher()
+	nokey := dead("orders", "charge", "no key")
+	nokey.Metadata.Set(delivery.DeadKey, "")
+	live := dead("orders", "charge", "handled since")
+	require.NoError(t, pub.Publish("orders.dlq", nokey, live))
+	entries := e.list(store, dlq.Filter{})
+	require.Len(t, entries, 2)
+	_, err = store.Reopen(e.ctx(), entries[0].ID)
+	require.ErrorIs(t, err, dlq.ErrNoKey)
+	_, err = store.Reopen(e.ctx(), entries[1].ID)
+	require.ErrorIs(t, err, dlq.ErrNoDeadKey)
+	require.ErrorContains(t, err, `consumer "charge" key "key-`+live.UUID+`" is not dead`)
+	require.Equal(t, 2, e.count(store, dlq.Filter{}), "refused entries stay")
+}
+
+// replayLineage: a replayed message that dies again says, in its new
+// entry, which entry it came from; a first death says nothing. An entry
+// whose replay would die again says why.
+func replayLineage(t *testing.T, e *env) {
+	broker := e.broker(false)
+	var broken atomic.Bool
+	broken.Store(true)
+	_, _, first := e.deadLettered(&broken, broker, broker, "pay-1")
+	_, ok := first.ReplayedFrom()
+	require.False(t, ok, "a first death was replayed from nothing")
+	require.Contains(t, first.Hopeless(), "permanent", "a permanent error's replay fails the same way")
+
+	store := e.dlqStore()
+	n, err := store.Replay(e.ctx(), broker, dlq.Filter{IDs: []int64{first.ID}}, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	var again dlq.Entry
+	e.eventually("the replay dead-lettered again", func() bool {
+		entries := e.list(store, dlq.Filter{})
+		if len(entries) != 1 {
+			return false
+		}
+		again = entries[0]
+		return true
+	})
+	require.NotEqual(t, first.ID, again.ID)
+	from, ok := again.ReplayedFrom()
+	require.True(t, ok, "the new entry says where it came from")
+	require.Equal(t, first.ID, from)
+
+	nokey := dead("orders", "charge", "no key")
+	nokey.Metadata.Set(delivery.DeadKey, "")
+	nokey.Metadata.Set(delivery.DeadPermanent, "false")
+	require.NoError(t, e.dlqPublisher().Publish("orders.dlq", nokey))
+	en := e.list(store, dlq.Filter{ErrorContains: "no key"})
+	require.Len(t, en, 1)
+	require.Contains(t, en[0].Hopeless(), "no key")
+	transient := dead("orders", "charge", "timeout")
+	require.NoError(t, e.dlqPublisher().Publish("orders.dlq", transient))
+	en = e.list(store, dlq.Filter{ErrorContains: "timeout"})
+	require.Len(t, en, 1)
+	require.Empty(t, en[0].Hopeless(), "a transient failure may succeed")
+}
+
+// replayerBeat: a running replay subscriber announces its consumer, and
+// a consumer whose subscriber stopped beating counts as having none; the
+// requested replays that nobody delivered are counted.
+func replayerBeat(t *testing.T, e *env) {
+	store := e.dlqStore()
+	_, ok, err := store.Replayer(e.ctx(), "charge")
+	require.NoError(t, err)
+	require.False(t, ok, "no subscriber ever ran")
+
+	const beat = 100 * time.Millisecond
+	r := e.replaySubscriberBeating("charge", beat)
+	ctx, cancel := context.WithCancel(e.ctx())
+	_, err = r.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	var p dlq.Replayer
+	e.eventually("the subscriber announced", func() bool {
+		p, ok, err = store.Replayer(e.ctx(), "charge")
+		require.NoError(t, err)
+		return ok && p.Alive
+	})
+	require.Equal(t, "charge", p.Consumer)
+	require.Equal(t, beat, p.BeatEvery)
+	all, err := store.Replayers(e.ctx())
+	require.NoError(t, err)
+	require.Len(t, all, 1)
+	cancel()
+	e.eventually("the stopped subscriber counts as gone", func() bool {
+		p, ok, err = store.Replayer(e.ctx(), "charge")
+		require.NoError(t, err)
+		return ok && !p.Alive
+	})
+	require.WithinDuration(t, time.Now(), p.SeenAt, time.Minute)
+	require.ErrorIs(t, dlq.NoReplayerError("charge", p, ok), dlq.ErrNoReplayer)
+
+	pub := e.dlqPublisher()
+	a, b := dead("orders", "charge", "one"), dead("orders", "charge", "two")
+	require.NoError(t, pub.Publish("orders.dlq", a, b, dead("refunds", "ship", "three")))
+	pending, err := store.PendingReplays(e.ctx())
+	require.NoError(t, err)
+	require.Empty(t, pending)
+	n, err := store.RequestReplay(e.ctx(), dlq.Filter{Consumer: "charge"})
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+	pending, err = store.PendingReplays(e.ctx())
+	require.NoError(t, err)
+	require.Len(t, pending, 1)
+	require.Equal(t, "charge", pending[0].Consumer)
+	require.Equal(t, "orders", pending[0].Topic)
+	require.Equal(t, 2, pending[0].Entries)
+	require.WithinDuration(t, time.Now(), pending[0].Since, time.Minute)
 }

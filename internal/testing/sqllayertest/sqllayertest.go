@@ -90,6 +90,9 @@ func Run(t *testing.T, s Subject) {
 		{"ReplayOnce", replayOnce},
 		{"RequestReplay", requestReplay},
 		{"Purge", purge},
+		{"Reopen", reopen},
+		{"ReplayLineage", replayLineage},
+		{"ReplayerBeat", replayerBeat},
 		{"Console", consoleCounts},
 		{"Reconcile", reconcileReports},
 	} {
@@ -237,8 +240,14 @@ func (e *env) dlqStore() *dlq.Store {
 
 // replaySubscriber delivers the requested replays of consumer.
 func (e *env) replaySubscriber(consumer string) *dlq.ReplaySubscriber {
+	return e.replaySubscriberBeating(consumer, 0)
+}
+
+// replaySubscriberBeating is replaySubscriber, announcing itself every
+// beat (the default when 0).
+func (e *env) replaySubscriberBeating(consumer string, beat time.Duration) *dlq.ReplaySubscriber {
 	e.t.Helper()
-	cfg := dlq.ReplaySubscriberConfig{Consumer: consumer, PollInterval: 10 * time.Millisecond}
+	cfg := dlq.ReplaySubscriberConfig{Consumer: consumer, PollInterval: 10 * time.Millisecond, BeatEvery: beat}
 	var (
 		r   *dlq.ReplaySubscriber
 		err error
