@@ -60,7 +60,7 @@ var batchRole = proctest.NewRole("batch", func(cfg batchConsumer, term <-chan os
 		Pool: func(pc *pgxpool.Config) { pc.ConnConfig.RuntimeParams["application_name"] = cfg.App },
 		Poison: &middleware.PoisonConfig{Topic: "dlq", MaxAttempts: cfg.MaxAttempts,
 			InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond},
-		Inbox: middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: batchMaxMessages, Linger: 5 * time.Millisecond, Parallel: 2}},
+		Inbox: middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: batchMaxMessages, Linger: 5 * time.Millisecond, Parallel: 2}}},
 	}
 	effects := cfg.Table("effects")
 	pid := os.Getpid()
@@ -283,7 +283,7 @@ func TestBatchKeepsPerKeyOrder(t *testing.T) {
 	require.NoError(t, err)
 	store := &batchSizes{Store: pg}
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: "ledger",
-		Batch: middleware.BatchConfig{MaxMessages: 16, Parallel: 4, Linger: 5 * time.Millisecond}})
+		Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 16, Parallel: 4, Linger: 5 * time.Millisecond}}})
 	require.NoError(t, err)
 
 	producer := b.open(t, "producer_"+id)

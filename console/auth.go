@@ -169,9 +169,18 @@ type loginData struct {
 	Next, Error string
 }
 
-// unauthorized answers a request without a valid token: 401, with the
-// login form for a browser's page.
+// unauthorized answers a request without a valid token: the console's
+// root, asked for with no credential at all (someone opening the
+// console's address, whatever their client accepts), is sent to the login
+// page; any other request gets 401, with the login form for a browser's
+// page, so that it can come back to the page it asked for.
 func (c *Console) unauthorized(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/" && (r.Method == http.MethodGet || r.Method == http.MethodHead) &&
+		r.Header.Get("Authorization") == "" && !hasCookie(r, sessionCookie) {
+		w.Header().Set("Cache-Control", "no-store")
+		seeOther(w, "login")
+		return
+	}
 	w.Header().Set("WWW-Authenticate", `Bearer realm="oncemill console"`)
 	w.Header().Set("Cache-Control", "no-store")
 	if (r.Method == http.MethodGet || r.Method == http.MethodHead) && strings.Contains(r.Header.Get("Accept"), "text/html") {
@@ -187,6 +196,12 @@ func (c *Console) unauthorized(w http.ResponseWriter, r *http.Request) {
 		msg = "The token is wrong."
 	}
 	c.fail(w, r, http.StatusUnauthorized, msg)
+}
+
+// hasCookie reports whether r carries a cookie called name.
+func hasCookie(r *http.Request, name string) bool {
+	_, err := r.Cookie(name)
+	return err == nil
 }
 
 // loginPage renders the login form; with DisableAuth there is nothing to

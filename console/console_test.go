@@ -311,7 +311,19 @@ func TestAuth(t *testing.T) {
 	ids := f.seedErrors("boom")
 	c := f.console(nil)
 	anon := &client{t: t, h: c}
-	for _, path := range []string{"/", "/dlq", "/dlq/" + strconv.FormatInt(ids[0], 10), "/inbox?consumer=charge&key=k", "/no-such-page"} {
+	// The console's address, opened with no credential, leads to the login
+	// page, whatever the client accepts.
+	for _, accept := range []string{"text/html", "*/*", ""} {
+		rec := (&client{t: t, h: c, header: http.Header{"Accept": {accept}}}).get("/")
+		require.Equal(t, http.StatusSeeOther, rec.Code, "Accept %q", accept)
+		require.Equal(t, "login", rec.Header().Get("Location"))
+		require.NotContains(t, rec.Body.String(), "boom")
+	}
+	require.Contains(t, anon.page("/login", http.StatusOK), `id="login-form"`)
+	require.Equal(t, http.StatusUnauthorized, (&client{t: t, h: c, bearer: "wrong-token-0123456789"}).get("/").Code,
+		"a wrong token is refused, not sent to the login page")
+
+	for _, path := range []string{"/dlq", "/dlq/" + strconv.FormatInt(ids[0], 10), "/inbox?consumer=charge&key=k", "/no-such-page"} {
 		rec := anon.get(path)
 		require.Equal(t, http.StatusUnauthorized, rec.Code, path)
 		require.Contains(t, rec.Header().Get("WWW-Authenticate"), "Bearer")

@@ -2,6 +2,7 @@ package console
 
 import (
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -50,7 +51,7 @@ func step(pattern, repl string) normalizer {
 // backslash, so that they read the same as SQL string literals whatever
 // standard_conforming_strings says; the whitespace class holds a real tab,
 // carriage return and line feed.
-var normalizers = []normalizer{
+var normalizers = slices.Concat(keepTypeNames(true), []normalizer{
 	// UUIDs.
 	step(`[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}`, `<uuid>`),
 	// Double-quoted strings (Go's %q: keys, ids, names).
@@ -70,6 +71,35 @@ var normalizers = []normalizer{
 	step(`[0-9]+`, `<n>`),
 	// Runs of whitespace, line breaks included.
 	step("[ \t\r\n]+", " "),
+}, keepTypeNames(false))
+
+// typeNames are the Go type names with digits in them ("cannot unmarshal
+// string into int64"), which name a type, not a figure that varies: the
+// decimal step must not make them int<n>. uint8 … uint64 contain int8 …
+// int64.
+var typeNames = []string{"int8", "int16", "int32", "int64", "float32", "float64", "complex64", "complex128"}
+
+// keepTypeNames returns the steps that hide each type name's digits
+// behind a spelling without digits (before, true) and bring them back
+// (after, false). The steps replace literal text only, so that the SQL
+// form stays as simple as the others: a backreference would read
+// differently in each database.
+func keepTypeNames(before bool) []normalizer {
+	digits := []string{"ZERO", "ONE", "TWO", "THREE", "FOUR", "FIVE", "SIX", "SEVEN", "EIGHT", "NINE"}
+	steps := make([]normalizer, 0, len(typeNames))
+	for _, name := range typeNames {
+		i := strings.IndexAny(name, "0123456789")
+		hidden := name[:i]
+		for _, d := range name[i:] {
+			hidden += digits[d-'0']
+		}
+		if before {
+			steps = append(steps, step(name, hidden))
+		} else {
+			steps = append(steps, step(hidden, name))
+		}
+	}
+	return steps
 }
 
 // NormalizeError returns the group of a dead letter's error text: the text
@@ -81,7 +111,8 @@ var normalizers = []normalizer{
 //   - double-quoted strings become "<s>";
 //   - 0x numbers, and runs of hex digits that mix letters and digits
 //     (hashes, trace ids), become <hex>;
-//   - decimal numbers become <n>;
+//   - decimal numbers become <n>, except in Go's sized type names
+//     (int64, uint8, float32, …), which stay as they are;
 //   - runs of spaces, tabs and line breaks become one space, and the
 //     text is trimmed.
 //

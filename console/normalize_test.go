@@ -38,6 +38,9 @@ var normalizeCases = map[string]string{
 	"nul \x00 char":     "nul \uFFFD char",
 	"décodé 42 ĳ 日本 7":  "décodé <n> ĳ 日本 <n>",
 	"facade and decade": "facade and decade",
+	`json: cannot unmarshal string into Go struct field Order.amount of type int64`: `json: cannot unmarshal string into Go struct field Order.amount of type int64`,
+	"value 300 overflows uint8, float32 and complex128":                             "value <n> overflows uint8, float32 and complex128",
+	"int64(42) and int<n>": "int64(<n>) and int<n>",
 }
 
 func TestNormalizeError(t *testing.T) {

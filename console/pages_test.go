@@ -231,12 +231,12 @@ func TestEntryPage(t *testing.T) {
 
 	body = wide.page("/dlq/"+strconv.FormatInt(ids[1], 10), http.StatusOK)
 	require.Contains(t, body, `id="payload-kind">binary<`)
-	require.Contains(t, body, `<div><dt>Broker deliveries</dt><dd id="entry-attempts">5 <span class="muted">the broker&#39;s count (RabbitMQ x-delivery-count or SQS ApproximateReceiveCount), not failures</span></dd></div>`)
+	require.Contains(t, body, `<div><dt>Broker deliveries</dt><dd id="entry-attempts">5 <span class="muted">the broker&#39;s count, not failures: RabbitMQ x-delivery-count or SQS ApproximateReceiveCount</span></dd></div>`)
 	require.NotContains(t, body, "Kafka", "a RabbitMQ entry has no Kafka facts")
 	require.NotContains(t, body, "JetStream")
 
 	list := wide.page("/dlq", http.StatusOK)
-	require.Regexp(t, `title="Broker deliveries: 5, the broker&#39;s count [^"]*">5 <span class="hint-inline">broker</span>`, list)
+	require.Regexp(t, `title="Broker deliveries: 5, the broker&#39;s count, not failures: [^"]*">5 <span class="hint-inline">broker</span>`, list)
 	require.Regexp(t, `title="Failed attempts: 5, counted in the consumer&#39;s memory[^"]*">5 <span class="hint-inline">process</span>`, list)
 	require.Contains(t, list, `5 <span class="hint-inline">-</span>`, "an entry that does not say who counted")
 	require.Contains(t, body, "00000000  00 01 02 ff 41")

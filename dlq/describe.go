@@ -32,7 +32,7 @@ func (e Entry) AttemptsCounted() Counted {
 		if e.Metadata[delivery.DeadStream] != "" {
 			which = "JetStream NumDelivered"
 		}
-		return Counted{Label: "Broker deliveries", Source: "the broker's count (" + which + "), not failures", Short: "broker"}
+		return Counted{Label: "Broker deliveries", Source: "the broker's count, not failures: " + which, Short: "broker"}
 	case delivery.AttemptsFromProcess:
 		return Counted{Label: "Failed attempts", Source: "counted in the consumer's memory since it started", Short: "process"}
 	}

@@ -36,7 +36,7 @@ func TestBatchHandlerWritesTheOutbox(t *testing.T) {
 	outbox := forwarder.InboxOutbox("orders.shipped", b.schema)
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{
 		TxStore: store, Consumer: "shipping", Outbox: outbox,
-		Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond},
+		Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}},
 	})
 	require.NoError(t, err)
 

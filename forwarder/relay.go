@@ -102,7 +102,7 @@ type RelayConfig struct {
 	MinPollInterval time.Duration
 	// MinBackoff and MaxBackoff bound the wait after a failed batch (the
 	// broker down, say); it doubles from MinBackoff up to MaxBackoff. The
-	// rows stay in the table. Default to 100ms and 10s.
+	// rows stay in the table. Defaults to 100ms and 10s.
 	MinBackoff, MaxBackoff time.Duration
 	// DrainTimeout bounds how long Run, once stopped, lets the batch in
 	// flight finish publishing and deleting its rows. Past it the relay

@@ -83,13 +83,13 @@ func (c *BatchConfig) setDefaults() {
 func (c BatchConfig) validate() error {
 	switch {
 	case c.MaxMessages < 0:
-		return fmt.Errorf("middleware: InboxConfig.Batch.MaxMessages must not be negative, got %d", c.MaxMessages)
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Batch.MaxMessages must not be negative, got %d", c.MaxMessages)
 	case c.Linger < 0:
-		return fmt.Errorf("middleware: InboxConfig.Batch.Linger must not be negative, got %s", c.Linger)
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Batch.Linger must not be negative, got %s", c.Linger)
 	case c.Parallel < 1:
-		return fmt.Errorf("middleware: InboxConfig.Batch.Parallel must be at least 1, got %d", c.Parallel)
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Batch.Parallel must be at least 1, got %d", c.Parallel)
 	case c.MinFill < 1:
-		return fmt.Errorf("middleware: InboxConfig.Batch.MinFill must be at least 1 (1 starts a batch whenever a slot is free), got %d", c.MinFill)
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Batch.MinFill must be at least 1 (1 starts a batch whenever a slot is free), got %d", c.MinFill)
 	}
 	return nil
 }
@@ -167,8 +167,8 @@ func newBatcher(in *Inbox, store dedupdriver.BatchClaimer) *batcher {
 // queued deliveries: none of its batches runs, or MinFill of them wait.
 // Called with b.mu held.
 func (b *batcher) startable(consumer string) bool {
-	return b.leaders < b.in.cfg.Batch.Parallel &&
-		(b.leadersOf[consumer] == 0 || len(b.queues[consumer]) >= b.in.cfg.Batch.MinFill)
+	return b.leaders < b.in.cfg.Tuning.Batch.Parallel &&
+		(b.leadersOf[consumer] == 0 || len(b.queues[consumer]) >= b.in.cfg.Tuning.Batch.MinFill)
 }
 
 // takeSlot gives a slot to a delivery of consumer. Called with b.mu held.
@@ -297,7 +297,7 @@ func (b *batcher) slots() int {
 // MaxMessages deliveries of distinct keys that no running batch holds,
 // after the linger when the batch would not be full.
 func (b *batcher) take(consumer string) []*queued {
-	cfg := b.in.cfg.Batch
+	cfg := b.in.cfg.Tuning.Batch
 	if cfg.Linger > 0 {
 		b.mu.Lock()
 		n, since := len(b.queues[consumer]), b.linger[consumer]
@@ -364,7 +364,7 @@ func (in *Inbox) runBatch(store dedupdriver.BatchClaimer, batch []*queued, count
 		// the others are counted in one start.
 		var recorded []*queued
 		for _, q := range batch {
-			q.o.unrecorded = in.cfg.SkipAttemptRecord || brokerFirst(q.msg)
+			q.o.unrecorded = in.cfg.Tuning.SkipAttemptRecord || brokerFirst(q.msg)
 			if !q.o.unrecorded {
 				recorded = append(recorded, q)
 			}

@@ -33,7 +33,7 @@ func TestBatchLeadPassesAcrossConsumers(t *testing.T) {
 	schema := pgtest.Schema(t, pool)
 	b := postgresBackendIn(t, pool, schema)
 	inbox := newInbox(t, middleware.InboxConfig{TxStore: b.store,
-		Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 1}})
+		Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 1}}})
 
 	pubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
@@ -92,7 +92,7 @@ func TestBatchSlotsAreAlwaysReturned(t *testing.T) {
 	schema := pgtest.Schema(t, pool)
 	b := postgresBackendIn(t, pool, schema)
 	rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: 3},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: 2, Parallel: parallel}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 2, Parallel: parallel}}},
 		func(string, int, *message.Message) error { return nil })
 	leaked := 0
 	for round := range rounds {
@@ -130,7 +130,7 @@ func TestBatchMateUnavailableDoesNotStallOthers(t *testing.T) {
 	schema := pgtest.Schema(t, pool)
 	b := postgresBackendIn(t, pool, schema)
 	rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: 2},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}}},
 		func(key string, _ int, _ *message.Message) error {
 			if key == downKey {
 				return middleware.Unavailable(errors.New("payment API: 503 Service Unavailable"))
@@ -179,7 +179,7 @@ func TestBatchMateConflictRunsAlone(t *testing.T) {
 	schema := pgtest.Schema(t, pool)
 	b := postgresBackendIn(t, pool, schema)
 	rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: 2},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}}},
 		func(key string, run int, msg *message.Message) error {
 			if key != unluckyKey || run > 1 {
 				return nil
@@ -219,7 +219,7 @@ func TestBatchDeadlineCountsFromHandlerStart(t *testing.T) {
 	var mu sync.Mutex
 	var lateness []time.Duration
 	rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: 3},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}}},
 		func(_ string, _ int, msg *message.Message) error {
 			d, ok := msg.Context().Deadline()
 			if !ok {
@@ -275,7 +275,7 @@ func TestBatchSwallowedStatementFailureIsBlamedOnItsHandler(t *testing.T) {
 	_, err = pool.Exec(context.Background(), `INSERT INTO `+q+`.payments VALUES ('p-1')`)
 	require.NoError(t, err)
 	rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: 1},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}}},
 		func(key string, _ int, msg *message.Message) error {
 			if key == culprit {
 				// "Already paid": the error is swallowed, the transaction

@@ -220,7 +220,7 @@ func TestBatchCommitAnswerLostIsNotCounted(t *testing.T) {
 	b.store = store
 	const n = 8
 	rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: 1},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}}},
 		func(string, int, *message.Message) error { return nil })
 	keys := orderKeys(n)
 
@@ -289,7 +289,7 @@ func TestBatchPoisonKeyAmongGoodOnes(t *testing.T) {
 			schema := pgtest.Schema(t, pool)
 			b := postgresBackendIn(t, pool, schema)
 			rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: maxAttempts},
-				middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}},
+				middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}}},
 				func(key string, _ int, msg *message.Message) error {
 					if key != poisonKey {
 						return nil
@@ -408,7 +408,7 @@ func TestBatchStoreOutageMidBatch(t *testing.T) {
 	var runs atomic.Int32
 	var cutAt atomic.Int32
 	rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: 2},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 300 * time.Millisecond}}},
 		func(_ string, _ int, _ *message.Message) error {
 			if runs.Add(1) == cutAt.Load() {
 				// The effect that follows fails, and so would the COMMIT.
@@ -508,7 +508,7 @@ func TestBatchCloseDrainsInFlightBatch(t *testing.T) {
 			b := postgresBackend(t, 8)
 			store := &batchKeys{Store: b.store.(*postgres.Store)}
 			in := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "charge", DrainTimeout: c.drain,
-				Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 500 * time.Millisecond}})
+				Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: n, Parallel: 1, Linger: 500 * time.Millisecond}}})
 			pubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 			t.Cleanup(func() { require.NoError(t, pubSub.Close()) })
 			router, err := message.NewRouter(message.RouterConfig{CloseTimeout: time.Minute}, watermill.NopLogger{})
@@ -623,7 +623,7 @@ func TestBatchNeverHoldsOneKeyTwice(t *testing.T) {
 	b := postgresBackend(t, 8)
 	const keys, copies = 30, 4
 	rig := newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: 3},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: 16, Parallel: 1, Linger: 100 * time.Millisecond}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 16, Parallel: 1, Linger: 100 * time.Millisecond}}},
 		func(string, int, *message.Message) error { return nil })
 	var (
 		wg   sync.WaitGroup

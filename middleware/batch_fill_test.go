@@ -31,7 +31,7 @@ func newFillRig(t *testing.T) *fillRig {
 	r := &fillRig{b: b, store: &batchCounting{Store: b.store.(*postgres.Store)},
 		ran0: make(chan struct{}), release: make(chan struct{})}
 	r.inbox = newInbox(t, middleware.InboxConfig{TxStore: r.store, Consumer: "charge",
-		Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 4, MinFill: 4}})
+		Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 4, MinFill: 4}}})
 	r.h = r.inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		key := middleware.IdempotencyKey(msg.Context())
 		if key == "order-0" {
@@ -130,7 +130,7 @@ func TestBatchFillsAtEightInFlight(t *testing.T) {
 		b := postgresBackend(t, 8)
 		store := &batchCounting{Store: b.store.(*postgres.Store)}
 		in := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "charge",
-			Batch: middleware.BatchConfig{MaxMessages: 32, MinFill: minFill}})
+			Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 32, MinFill: minFill}}})
 		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 			return nil, b.effect(msg.Context(), middleware.IdempotencyKey(msg.Context()))
 		})
@@ -169,6 +169,6 @@ func TestBatchMinFillMustBePositive(t *testing.T) {
 	t.Parallel()
 	b := postgresBackend(t, 2)
 	_, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store,
-		Batch: middleware.BatchConfig{MaxMessages: 8, MinFill: -1}})
-	require.EqualError(t, err, "middleware: InboxConfig.Batch.MinFill must be at least 1 (1 starts a batch whenever a slot is free), got -1")
+		Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 8, MinFill: -1}}})
+	require.EqualError(t, err, "middleware: InboxConfig.Tuning.Batch.MinFill must be at least 1 (1 starts a batch whenever a slot is free), got -1")
 }

@@ -61,7 +61,7 @@ func (e BatchErrors) Unwrap() []error {
 
 // BatchHandler turns fn into a handler to add with
 // router.AddConsumerHandler behind an inbox's middleware. With
-// [InboxConfig.Batch] on, the inbox hands fn the new messages of each
+// [InboxTuning.Batch] on, the inbox hands fn the new messages of each
 // batch at once, after their duplicates were dropped, in the batch's
 // transaction; every other delivery (batching off, a store without it, a
 // key retried after a failure, which runs alone) calls fn with its one

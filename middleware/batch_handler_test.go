@@ -44,7 +44,7 @@ func newBulkRig(t *testing.T, maxAttempts int, poison string, fail func(ctx cont
 	require.NoError(t, err)
 	r := &bulkRig{pool: pool, table: table}
 	r.batchRig = newBatchRig(t, b, middleware.PoisonConfig{MaxAttempts: maxAttempts},
-		middleware.InboxConfig{Batch: middleware.BatchConfig{MaxMessages: 32, Parallel: 1, Linger: 300 * time.Millisecond}},
+		middleware.InboxConfig{Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 32, Parallel: 1, Linger: 300 * time.Millisecond}}},
 		func(string, int, *message.Message) error { return nil })
 	bulk := middleware.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
 		keys := make([]string, len(msgs))

@@ -53,8 +53,8 @@ func TestBatchAppliesEachKeyOnce(t *testing.T) {
 			t.Parallel()
 			b := postgresBackend(t, 8)
 			store := &batchCounting{Store: b.store.(*postgres.Store)}
-			in := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "charge", SkipAttemptRecord: skip,
-				Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 1}})
+			in := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "charge",
+				Tuning: middleware.InboxTuning{SkipAttemptRecord: skip, Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 1}}})
 			var runs atomic.Int32
 			h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 				runs.Add(1)
@@ -99,7 +99,7 @@ func TestBatchMateFailureFailsOnlyItself(t *testing.T) {
 	b := postgresBackend(t, 8)
 	store := &batchCounting{Store: b.store.(*postgres.Store)}
 	in := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "charge",
-		Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 1, Linger: 200 * time.Millisecond}})
+		Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 8, Parallel: 1, Linger: 200 * time.Millisecond}}})
 	var runs atomic.Int32
 	h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		runs.Add(1)

@@ -66,7 +66,7 @@ func (in *Inbox) settle(base context.Context, key dedup.Key) (dedup.Claim, error
 func (in *Inbox) abandoned(ctx context.Context, msg *message.Message, key dedup.Key, err error, o *attemptObs) error {
 	in.abandonedN.Add(1)
 	o.outcome = observe.Abandoned
-	if in.cfg.TxStore != nil && !in.cfg.SkipAttemptRecord && !o.unrecorded {
+	if in.cfg.TxStore != nil && !in.cfg.Tuning.SkipAttemptRecord && !o.unrecorded {
 		if uerr := in.cfg.TxStore.InboxUnstart(ctx, key); uerr != nil {
 			in.debts.owe(key)
 			err = errors.Join(err, uerr)
@@ -80,7 +80,7 @@ func (in *Inbox) abandoned(ctx context.Context, msg *message.Message, key dedup.
 // handler ran, and returns cause. An attempt whose start was not recorded
 // (o.unrecorded) has nothing to take back; o is nil for one that was.
 func (in *Inbox) unstart(base context.Context, key dedup.Key, o *attemptObs, cause error) error {
-	if in.cfg.SkipAttemptRecord || (o != nil && o.unrecorded) {
+	if in.cfg.Tuning.SkipAttemptRecord || (o != nil && o.unrecorded) {
 		return cause
 	}
 	ctx, cancel := in.finishContext(base)

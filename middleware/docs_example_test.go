@@ -127,7 +127,7 @@ func docsClassify() middleware.PoisonConfig {
 func docsBatch(store *postgres.Store) (*middleware.Inbox, error) {
 	// snippet:batch
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store,
-		Batch: middleware.BatchConfig{MaxMessages: 32}}) // Linger 0, Parallel 4
+		Tuning: middleware.InboxTuning{Batch: middleware.BatchConfig{MaxMessages: 32}}}) // Linger 0, Parallel 4
 	if err != nil {
 		return nil, err
 	}

@@ -314,7 +314,7 @@ func TestLeaseRenewedWhileHandlerRuns(t *testing.T) {
 	t.Parallel()
 	leaseStores(t, func(t *testing.T, store dedup.LeaseStore) {
 		const lease = 1500 * time.Millisecond
-		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", Lease: lease, InFlightDelay: time.Millisecond})
+		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", Lease: lease, Tuning: middleware.InboxTuning{InFlightDelay: time.Millisecond}})
 		var runs atomic.Int32
 		release := make(chan struct{})
 		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -472,7 +472,7 @@ func TestDeadLetterRowCommitsWithDeadMark(t *testing.T) {
 func TestInboxSkipAttemptRecord(t *testing.T) {
 	t.Parallel()
 	txBackends(t, 4, func(t *testing.T, b txBackend) {
-		in := newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "billing", SkipAttemptRecord: true})
+		in := newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "billing", Tuning: middleware.InboxTuning{SkipAttemptRecord: true}})
 		fail := true
 		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 			if fail {

@@ -108,7 +108,7 @@ func TestHooksSeeInFlightOncePerDelivery(t *testing.T) {
 	leaseStores(t, func(t *testing.T, store dedup.LeaseStore) {
 		entered, release := make(chan struct{}), make(chan struct{})
 		var once sync.Once
-		c := newHookChain(t, middleware.InboxConfig{LeaseStore: store, InFlightDelay: 10 * time.Millisecond}, 1,
+		c := newHookChain(t, middleware.InboxConfig{LeaseStore: store, Tuning: middleware.InboxTuning{InFlightDelay: 10 * time.Millisecond}}, 1,
 			func(msg *message.Message) ([]*message.Message, error) {
 				once.Do(func() { close(entered) })
 				<-release

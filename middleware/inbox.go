@@ -18,131 +18,49 @@ import (
 )
 
 // InboxConfig configures an [Inbox]. Exactly one of TxStore and LeaseStore
-// must be set; it chooses the mode.
+// must be set; it chooses the mode. The first fields are the ones most
+// consumers set; [InboxTuning] holds the performance knobs.
 type InboxConfig struct {
-	// TxStore claims keys in the transaction that holds the handler's
-	// effect (transactional mode). The handler reads the transaction from
-	// the message context with the store package's accessor, e.g.
-	// postgres.Tx(msg.Context()).
+	// TxStore claims keys in the handler's own transaction (transactional mode); the handler reads it with the store's accessor, e.g. postgres.Tx(msg.Context()).
 	TxStore dedup.TxStore
-	// LeaseStore claims keys as fenced leases (lease mode), for effects
-	// outside the database. The handler passes IdempotencyKey(ctx) to the
-	// effect's own idempotency mechanism where it has one.
+	// LeaseStore claims keys as fenced leases (lease mode), for effects outside the database; the handler passes IdempotencyKey(ctx) to the effect.
 	LeaseStore dedup.LeaseStore
-
 	// Key extracts the key from a message. Defaults to [DefaultKey].
 	Key KeyFunc
-	// Consumer scopes keys, so that two consumers of one topic keep
-	// separate records. Defaults to the router handler's name.
-	Consumer string
-	// Window is how long a key is remembered; it must exceed the longest
-	// time in which the broker may redeliver. Defaults to 72 hours.
+	// Window is how long a key is remembered; it must exceed the longest time in which the broker may redeliver. Defaults to 72 hours.
 	Window time.Duration
-	// Lease is how long a lease-mode claim holds the key before another
-	// delivery may take it over. While the handler runs, the inbox renews
-	// the lease every Lease/3; when it cannot, the handler's context is
-	// cancelled before the lease ends, and the attempt is recorded only if
-	// the handler finished all the same and its token is still current
-	// (the completion is fenced). It must be shorter than Window. Lease mode only. Defaults
-	// to 30 seconds.
+	// Logger receives duplicates dropped (Debug), copies of dead keys dropped (Info), failures and state changes (Error); watermill.NopLogger{} silences it. Defaults to watermill.NewSlogLogger(nil), slog.Default() when the inbox is built.
+	Logger watermill.LoggerAdapter
+
+	// Consumer scopes keys, so that two consumers of one topic keep separate records. Defaults to the router handler's name.
+	Consumer string
+	// Lease is how long a lease-mode claim holds the key, renewed every Lease/3 while the handler runs; it must be shorter than Window. Lease mode only. Defaults to 30 seconds.
 	Lease time.Duration
-	// FinishTimeout bounds the commit, complete or release that ends an
-	// attempt whose handler has returned. It runs on a context detached
-	// from the message's, so that work finished when the consumer begins
-	// to shut down is committed, not rolled back; keep DrainTimeout plus
-	// this within the router's CloseTimeout, and that within the
-	// platform's grace period. Defaults to 5 seconds.
+	// FinishTimeout bounds the commit, complete or release that ends an attempt, on a context detached from the message's (docs/guarantee.md, shutdown). Defaults to 5 seconds.
 	FinishTimeout time.Duration
-	// DrainTimeout is how long a handler that is running when the
-	// consumer begins to shut down keeps a live context. Watermill's
-	// router cancels every in-flight message's context the moment it
-	// closes; the inbox hands the handler a context that ignores that
-	// cancellation for DrainTimeout, so that work in flight at a SIGTERM
-	// finishes and is committed and acked, and only then cancels it (the
-	// attempt is rolled back and not counted). A deadline on the message's
-	// context (Watermill's Timeout middleware) still applies. With the
-	// defaults, 20 s of drain and 5 s of FinishTimeout fit the router's
-	// CloseTimeout (30 s by default) and Kubernetes'
-	// terminationGracePeriodSeconds (30 s by default). Defaults to 20
-	// seconds.
+	// DrainTimeout is how long a handler running at shutdown keeps a live context before it is cancelled and rolled back (docs/guarantee.md, shutdown). Defaults to 20 seconds.
 	DrainTimeout time.Duration
-	// InFlightDelay is how long a delivery whose key is held by another
-	// live lease waits before it is nacked, so that it is not redelivered
-	// in a tight loop. It is cut short when the lease ends sooner, and
-	// when the holder finishes meanwhile (stores that implement
-	// dedupdriver.Peeker) the delivery is answered as a duplicate. Used in
-	// lease mode, and with transactional stores that keep a lock in front
-	// of their record (dedup/twotier). Defaults to 1 second.
-	InFlightDelay time.Duration
-	// SkipAttemptRecord leaves out the statement that records each
-	// attempt before the handler's transaction begins (transactional mode;
-	// a lease claim records it by itself). That statement is what counts
-	// an attempt whose process dies (an OOM kill, os.Exit, a crash in
-	// cgo), so that such a message is dead-lettered after MaxAttempts
-	// instead of looping forever on Kafka, and it also answers a
-	// duplicate in one round trip, without a transaction. Skipping it
-	// saves a round trip per new key (measured in bench-dedup: 25–35 %
-	// more new keys per second when the effect is one INSERT, less the
-	// more the handler does), at the price of both: a message that kills
-	// the process is stopped only by the broker's own limit (RabbitMQ's
-	// delivery_limit, an SQS redrive policy), and a duplicate costs
-	// three round trips. Defaults to false.
-	//
-	// Without it, the statement is left out on its own where the broker
-	// counts deliveries and says this is a message's first
-	// (delivery.Attempts 1: RabbitMQ quorum queues, SQS, JetStream): the
-	// first delivery of a new key then costs what it costs with
-	// SkipAttemptRecord, and a producer's duplicate delivered for the first
-	// time three round trips. A redelivery is recorded, and its count takes
-	// the unrecorded first delivery into account (one more, never more than
-	// the broker counted), so that a message that kills the process is
-	// dead-lettered at the same attempt as when every start is recorded.
-	// The price: a first delivery that a deploy cut short is counted as one
-	// attempt, where a recorded one is taken back. That is one at most per
-	// message (later cuts are taken back): a message whose next attempts
-	// succeed is never dead-lettered for it (under a Poison MaxAttempts of
-	// 1 every delivery is recorded), and one that then fails MaxAttempts-1
-	// times is dead-lettered one failure early.
-	SkipAttemptRecord bool
-	// PipelineClaim sends the BEGIN and the claim in one round trip, and the
-	// attempt record with them, with stores that can (dedupdriver.StartClaimer
-	// and dedupdriver.BeginClaimer: the PostgreSQL store on a pool). With the
-	// attempt record a new key then costs three round trips with a
-	// one-statement effect (the pipeline, the effect, the COMMIT) instead of
-	// five, and a duplicate two instead of one, since the transaction is open
-	// before the record says the key is done. With SkipAttemptRecord a new key
-	// costs three instead of four, fewer than the naive BEGIN, claim, effect,
-	// COMMIT, and a duplicate two instead of three. bench-dedup measures both.
-	// Transactional mode. Defaults to false.
-	PipelineClaim bool
-	// Batch groups deliveries of different keys into one transaction
-	// (group commit); see [BatchConfig]. Transactional mode, with a store
-	// that implements dedupdriver.BatchClaimer. Off unless Batch.MaxMessages is
-	// above 1.
-	Batch BatchConfig
-
-	// Outbox, when set, writes the messages the handler produced into an
-	// outbox inside the inbox's transaction (the consumer outbox), instead
-	// of returning them to the router: consume, update and produce then
-	// commit as one step, and a relay publishes them. The context it gets
-	// carries the transaction. Transactional mode only. See
-	// forwarder.InboxOutbox for the PostgreSQL outbox.
+	// Outbox, when set, writes the handler's produced messages into an outbox in the inbox's transaction instead of returning them (forwarder.InboxOutbox). Transactional mode only. Defaults to nil (returned to the router).
 	Outbox func(ctx context.Context, produced []*message.Message) error
-
-	// Hooks receive each delivery's outcome and timings
-	// (observe.InboxHook) and trace its steps (observe.InboxTraceHook):
-	// observe/prom and observe/tracing implement them. The inbox measures
-	// times only when a hook wants them.
+	// Hooks receive each delivery's outcome, timings and trace steps (observe.InboxHook, observe.InboxTraceHook; observe/prom, observe/tracing). Defaults to none.
 	Hooks []observe.Hook
 
-	// Logger receives a line for every duplicate dropped (at Debug), every
-	// copy of a dead key dropped (at Info), failures and state changes
-	// (at Error: a message that stops every attempt, a lease lost). Set
-	// watermill.NopLogger{} to silence it. Defaults to
-	// watermill.NewSlogLogger(nil): slog.Default() when the inbox is
-	// built, which writes Info and above to standard error unless the
-	// program set another default.
-	Logger watermill.LoggerAdapter
+	// Tuning holds the performance knobs; their costs are measured in docs/stores.md and docs/benchmarks.md. Defaults to the zero value.
+	Tuning InboxTuning
+}
+
+// InboxTuning holds an [Inbox]'s performance knobs. Each trades a round
+// trip, a wait or a guarantee for throughput; docs/stores.md ("Round trips
+// per delivery") counts what each one costs and saves.
+type InboxTuning struct {
+	// SkipAttemptRecord leaves out the attempt record before the transaction for every delivery, not only a broker-counted first one: one round trip less per new key, but no crash-loop count and three round trips per duplicate. Transactional mode. Defaults to false.
+	SkipAttemptRecord bool
+	// PipelineClaim sends BEGIN, the claim and the attempt record in one round trip, with stores that can (dedupdriver.StartClaimer, dedupdriver.BeginClaimer). Transactional mode. Defaults to false.
+	PipelineClaim bool
+	// Batch groups deliveries of different keys into one transaction (group commit; [BatchConfig]), with a store that implements dedupdriver.BatchClaimer. Defaults to off (Batch.MaxMessages 0).
+	Batch BatchConfig
+	// InFlightDelay is how long a delivery whose key another live claim holds waits before it is nacked, cut short when that claim ends (lease mode and dedup/twotier). Defaults to 1 second.
+	InFlightDelay time.Duration
 }
 
 func (c *InboxConfig) setDefaults() {
@@ -158,13 +76,13 @@ func (c *InboxConfig) setDefaults() {
 	if c.FinishTimeout == 0 {
 		c.FinishTimeout = 5 * time.Second
 	}
-	if c.InFlightDelay == 0 {
-		c.InFlightDelay = time.Second
+	if c.Tuning.InFlightDelay == 0 {
+		c.Tuning.InFlightDelay = time.Second
 	}
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = defaultDrainTimeout
 	}
-	c.Batch.setDefaults()
+	c.Tuning.Batch.setDefaults()
 	if c.Logger == nil {
 		c.Logger = watermill.NewSlogLogger(nil)
 	}
@@ -189,18 +107,18 @@ func (c InboxConfig) Validate() error {
 		return fmt.Errorf("middleware: InboxConfig.Lease (%s) must be shorter than Window (%s): a record must outlive its lease", c.Lease, c.Window)
 	case c.FinishTimeout < 0:
 		return fmt.Errorf("middleware: InboxConfig.FinishTimeout must not be negative, got %s", c.FinishTimeout)
-	case c.PipelineClaim && c.TxStore == nil:
-		return errors.New("middleware: InboxConfig.PipelineClaim needs TxStore: it pipelines the claim with its transaction's BEGIN")
+	case c.Tuning.PipelineClaim && c.TxStore == nil:
+		return errors.New("middleware: InboxConfig.Tuning.PipelineClaim needs TxStore: it pipelines the claim with its transaction's BEGIN")
 	case c.Outbox != nil && c.TxStore == nil:
 		return errors.New("middleware: InboxConfig.Outbox needs TxStore: the outbox is written in the claim's transaction")
-	case c.InFlightDelay < 0:
-		return fmt.Errorf("middleware: InboxConfig.InFlightDelay must not be negative, got %s", c.InFlightDelay)
+	case c.Tuning.InFlightDelay < 0:
+		return fmt.Errorf("middleware: InboxConfig.Tuning.InFlightDelay must not be negative, got %s", c.Tuning.InFlightDelay)
 	case c.DrainTimeout < 0:
 		return fmt.Errorf("middleware: InboxConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
-	case c.Batch.enabled() && !isBatchClaimer(c.TxStore):
-		return errors.New("middleware: InboxConfig.Batch needs a TxStore that implements dedupdriver.BatchClaimer (the PostgreSQL store)")
+	case c.Tuning.Batch.enabled() && !isBatchClaimer(c.TxStore):
+		return errors.New("middleware: InboxConfig.Tuning.Batch needs a TxStore that implements dedupdriver.BatchClaimer (the PostgreSQL store)")
 	}
-	return c.Batch.validate()
+	return c.Tuning.Batch.validate()
 }
 
 func isBatchClaimer(s dedup.TxStore) bool {
@@ -268,7 +186,7 @@ type InboxStats struct {
 // without counting. Each attempt is recorded before its handler runs, so a
 // message whose deliveries kill the process is stopped after MaxAttempts
 // without running again ([ErrCrashLoop]); a broker-counted first delivery
-// is left to the broker's count (see [InboxConfig.SkipAttemptRecord]). A
+// is left to the broker's count (see [InboxTuning.SkipAttemptRecord]). A
 // key that the poison
 // middleware dead-lettered is recorded dead: its later copies are acked
 // without running until the dead letter is replayed.
@@ -293,7 +211,7 @@ func NewInbox(cfg InboxConfig) (*Inbox, error) {
 		return nil, err
 	}
 	in := &Inbox{cfg: cfg, hooks: observe.New(cfg.Hooks...)}
-	if cfg.Batch.enabled() {
+	if cfg.Tuning.Batch.enabled() {
 		in.batcher = newBatcher(in, cfg.TxStore.(dedupdriver.BatchClaimer))
 	}
 	return in, nil

@@ -303,7 +303,7 @@ func TestInboxConfigValidate(t *testing.T) {
 		{middleware.InboxConfig{}, "set TxStore (transactional mode) or LeaseStore"},
 		{middleware.InboxConfig{LeaseStore: store, Window: time.Second}, "InboxConfig.Window"},
 		{middleware.InboxConfig{LeaseStore: store, Lease: time.Nanosecond}, "InboxConfig.Lease"},
-		{middleware.InboxConfig{LeaseStore: store, InFlightDelay: -time.Second}, "InboxConfig.InFlightDelay"},
+		{middleware.InboxConfig{LeaseStore: store, Tuning: middleware.InboxTuning{InFlightDelay: -time.Second}}, "InboxConfig.Tuning.InFlightDelay"},
 		{middleware.InboxConfig{LeaseStore: store, Lease: time.Hour, Window: time.Hour}, "InboxConfig.Lease (1h0m0s) must be shorter than Window"},
 		{middleware.InboxConfig{LeaseStore: store, FinishTimeout: -time.Second}, "InboxConfig.FinishTimeout"},
 	}
@@ -333,7 +333,7 @@ func leaseStores(t *testing.T, fn func(t *testing.T, store dedup.LeaseStore)) {
 func TestInboxLeaseInFlightDuplicateIsNacked(t *testing.T) {
 	t.Parallel()
 	leaseStores(t, func(t *testing.T, store dedup.LeaseStore) {
-		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", InFlightDelay: 10 * time.Millisecond})
+		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", Tuning: middleware.InboxTuning{InFlightDelay: 10 * time.Millisecond}})
 		var charges atomic.Int32
 		entered, release := make(chan string), make(chan struct{})
 		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -372,7 +372,7 @@ func TestInboxLeaseInFlightDuplicateIsNacked(t *testing.T) {
 func TestInboxLeaseInFlightDuplicateAnsweredWhenHolderFinishes(t *testing.T) {
 	t.Parallel()
 	leaseStores(t, func(t *testing.T, store dedup.LeaseStore) {
-		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", InFlightDelay: time.Minute})
+		in := newInbox(t, middleware.InboxConfig{LeaseStore: store, Consumer: "payments", Tuning: middleware.InboxTuning{InFlightDelay: time.Minute}})
 		entered, release := make(chan struct{}), make(chan struct{})
 		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 			close(entered)

@@ -27,7 +27,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	// the message's: database/sql rolls a transaction back when the
 	// context it was begun with ends, and the router cancels the
 	// message's the moment it closes.
-	o.unrecorded = in.cfg.SkipAttemptRecord || brokerFirst(msg)
+	o.unrecorded = in.cfg.Tuning.SkipAttemptRecord || brokerFirst(msg)
 	if !o.unrecorded && !reopened {
 		// A reopened key is handled inside the turn of the copy that
 		// found it dead.
@@ -44,7 +44,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	if !o.unrecorded {
 		in.debts.pay(base, in.cfg.TxStore, key)
 		var err error
-		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.cfg.PipelineClaim {
+		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.cfg.Tuning.PipelineClaim {
 			start, pre, preClaim, err = sc.InboxStartClaim(d.ctx, key, in.cfg.Window)
 			if err != nil && start.Attempts > 0 {
 				// Counted, but the transaction did not begin or claim.
@@ -147,7 +147,7 @@ const (
 func (in *Inbox) attemptTx(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, reopened bool, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	store := in.cfg.TxStore
-	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.cfg.PipelineClaim {
+	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.cfg.Tuning.PipelineClaim {
 		// Nothing is held after an error: the claim failed, or BEGIN did.
 		tx, claim, err := bc.InboxBeginClaim(d.ctx, key, in.cfg.Window)
 		if err != nil {

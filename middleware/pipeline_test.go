@@ -24,7 +24,7 @@ func TestPipelineClaim(t *testing.T) {
 	t.Parallel()
 	b := postgresBackend(t, 16)
 	ctx := context.Background()
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", PipelineClaim: true})
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", Tuning: middleware.InboxTuning{PipelineClaim: true}})
 	require.NoError(t, err)
 	sink := &deadSink{}
 	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: sink, Topic: "dlq", MaxAttempts: 3, Consumer: "ledger"})
@@ -92,7 +92,7 @@ func TestPipelineClaim(t *testing.T) {
 func TestPipelineClaimWithoutRecord(t *testing.T) {
 	t.Parallel()
 	b := postgresBackend(t, 16)
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", PipelineClaim: true, SkipAttemptRecord: true})
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", Tuning: middleware.InboxTuning{PipelineClaim: true, SkipAttemptRecord: true}})
 	require.NoError(t, err)
 	var declines atomic.Int32
 	chain := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {

@@ -117,7 +117,7 @@ func (in *Inbox) awaitInFlight(msg *message.Message, key dedup.Key, claim dedup.
 	ctx := msg.Context()
 	in.inFlight.Add(1)
 	o.outcome = observe.InFlight
-	wait := in.cfg.InFlightDelay
+	wait := in.cfg.Tuning.InFlightDelay
 	if left := time.Until(claim.Until); left > 0 && left < wait {
 		wait = left
 	}

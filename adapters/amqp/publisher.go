@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"unicode/utf8"
 
@@ -271,8 +272,8 @@ func (p *Publisher) publishOne(pc *pubChannel, topic, exchange string, msg *mess
 	select {
 	case ret, ok := <-pc.returns:
 		if ok {
-			return fmt.Errorf("%w: message %s to exchange %q (topic %q): no queue is bound: broker replied %d %s",
-				ErrUnroutable, msg.UUID, exchange, topic, ret.ReplyCode, ret.ReplyText)
+			return fmt.Errorf("%w: message %s to exchange %q (topic %q): no queue is bound: broker replied %d %s; %s",
+				ErrUnroutable, msg.UUID, exchange, topic, ret.ReplyCode, ret.ReplyText, p.declareHint(topic))
 		}
 	default:
 	}
@@ -286,6 +287,30 @@ func (p *Publisher) publishOne(pc *pubChannel, topic, exchange string, msg *mess
 	}
 	p.logger.Trace("Message published and confirmed", watermill.LogFields{"topic": topic, "message_uuid": msg.UUID})
 	return nil
+}
+
+// declareHint names the command that declares topic's queue, so that an
+// unroutable publish says how to fix it. The publisher does not know its
+// consumers' groups: with no ConsumerGroup in its own config it leaves a
+// placeholder.
+func (p *Publisher) declareHint(topic string) string {
+	group := "GROUP"
+	if p.cfg.ConsumerGroup != "" {
+		group = shellQuote(p.cfg.ConsumerGroup)
+	}
+	return fmt.Sprintf("declare each consumer group's queue before publishing: oncemill amqp declare --topic %s --group %s (or amqp.Declare; a subscriber declares its own when it subscribes)",
+		shellQuote(topic), group)
+}
+
+// shellQuote returns s as one shell word: unchanged when it holds only
+// characters no shell treats specially, else in single quotes.
+func shellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("._-:/@+=,", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // Close waits for the Publish calls in flight (they end when the broker

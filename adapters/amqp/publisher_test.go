@@ -3,6 +3,7 @@ package amqp_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 
@@ -13,6 +14,23 @@ import (
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
+
+// TestPublishUnroutableNamesGroup: a publisher configured with a consumer
+// group names that group in the fix, and quotes a topic the shell would
+// split.
+func TestPublishUnroutableNamesGroup(t *testing.T) {
+	a := newAdmin(t)
+	cfg := testConfig()
+	cfg.ConsumerGroup = "billing"
+	topic := uniqueName("unroutable group") + "'s"
+	a.track(cfg, topic)
+	pub := newPublisher(t, cfg)
+
+	err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("lost")))
+	require.ErrorIs(t, err, amqp.ErrUnroutable)
+	quoted := "'" + strings.ReplaceAll(topic, "'", `'\''`) + "'"
+	require.Contains(t, err.Error(), "oncemill amqp declare --topic "+quoted+" --group billing (or amqp.Declare")
+}
 
 // TestPublishUnroutable publishes to a topic whose fanout exchange has no
 // queue bound: RabbitMQ confirms such a message although it dropped it, so
@@ -32,6 +50,8 @@ func TestPublishUnroutable(t *testing.T) {
 	require.Contains(t, err.Error(), fmt.Sprintf("exchange %q", cfg.ExchangeName(topic)))
 	require.Contains(t, err.Error(), fmt.Sprintf("topic %q", topic))
 	require.Contains(t, err.Error(), "312 NO_ROUTE", "the broker's reply code and text")
+	require.Contains(t, err.Error(), "declare each consumer group's queue before publishing: oncemill amqp declare --topic "+topic+" --group GROUP",
+		"the error names the command that fixes it, with the topic filled in")
 
 	// A batch stops at its first message.
 	err = pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("a")), message.NewMessage(watermill.NewUUID(), []byte("b")))

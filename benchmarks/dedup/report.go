@@ -703,7 +703,7 @@ Source: [benchmarks/dedup](dedup/); every measured row is in [dedup/results.csv]
   worker in flight; the inboxes get one delivery per worker, so with c workers an inbox batch holds
   at most c messages, about c/Parallel when its Parallel batches (4, the default) run at once:
   msgs/COMMIT in the speed table shows the sizes each actually committed.
-- **Batched inbox** (postgres-inbox-batched, -no-start): InboxConfig.Batch{MaxMessages: %d}, Parallel
+- **Batched inbox** (postgres-inbox-batched, -no-start): InboxConfig.Tuning.Batch{MaxMessages: %d}, Parallel
   (4) and Linger (0) at their defaults, the fastest of Parallel 1, 2 and 4 in short runs on new keys
   at 8 and 32 workers (figures in strategies.go); crashes and handler errors go through the same faults as every
   exactly-once strategy (a crash ends the whole batch: nothing of it is acked).

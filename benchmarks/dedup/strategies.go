@@ -52,7 +52,7 @@ const (
 	// stPGPipeNoStart is PipelineClaim without the attempt record: BEGIN
 	// and the claim in one round trip, no crash-loop count.
 	stPGPipeNoStart = "postgres-inbox-pipelined-no-start"
-	// stPGBatch is the postgres inbox with group commit (InboxConfig.Batch):
+	// stPGBatch is the postgres inbox with group commit (InboxConfig.Tuning.Batch):
 	// deliveries of different keys that arrive together share one start,
 	// one claim and one commit. The attempt record stays on.
 	stPGBatch = "postgres-inbox-batched"
@@ -369,17 +369,17 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 	case stPostgres, stPGBrokerCount:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
 	case stPGNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), SkipAttemptRecord: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{SkipAttemptRecord: true}})
 	case stPGPipe:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{PipelineClaim: true}})
 	case stPGPipeNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), PipelineClaim: true, SkipAttemptRecord: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{PipelineClaim: true, SkipAttemptRecord: true}})
 	case stPGBatch:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o, f.e.cfg.BatchMinFill)})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill)}})
 	case stPGBatchBulk:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o, f.e.cfg.BatchMinFill)})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill)}})
 	case stPGBatchNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Batch: batchConfig(o, f.e.cfg.BatchMinFill), SkipAttemptRecord: true})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill), SkipAttemptRecord: true}})
 	case stPGProm:
 		metrics, merr := prom.New(prom.Config{Registerer: prometheus.NewRegistry()})
 		if merr != nil {

@@ -42,7 +42,7 @@ const (
 	// trip, the same guarantees.
 	sysPipelined = "parallel-pipelined"
 	// sysBatched is the key-parallel subscriber with the inbox's group
-	// commit (InboxConfig.Batch): the deliveries in flight share
+	// commit (InboxConfig.Tuning.Batch): the deliveries in flight share
 	// transactions, the same guarantees.
 	sysBatched = "parallel-batched"
 	// sysBatchHandler is the batched row with a middleware.BatchHandler:
@@ -532,9 +532,9 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 		if err != nil {
 			return smp, errors.Join(fmt.Errorf("postgres store: %w", err), sub.Close())
 		}
-		icfg := middleware.InboxConfig{TxStore: store, Logger: logger, PipelineClaim: sys == sysPipelined}
+		icfg := middleware.InboxConfig{TxStore: store, Logger: logger, Tuning: middleware.InboxTuning{PipelineClaim: sys == sysPipelined}}
 		if batches(sys) {
-			icfg.Batch = batchConfig
+			icfg.Tuning.Batch = batchConfig
 		}
 		if inbox, err = middleware.NewInbox(icfg); err != nil {
 			return smp, errors.Join(fmt.Errorf("inbox: %w", err), sub.Close())

@@ -203,7 +203,7 @@ func TestConsoleHelp(t *testing.T) {
 		require.Empty(t, r.stderr, args)
 	}
 	r := oncemill(t, nil, "frobnicate")
-	require.Contains(t, r.stderr, "(want dlq, retries, amqp, console, relay or reconcile)")
+	require.Contains(t, r.stderr, "(want dlq, retries, amqp, console, publish, relay or reconcile)")
 }
 
 // consoleOptionsOf parses a console command line without running it.
@@ -282,10 +282,15 @@ func TestConsole(t *testing.T) {
 	require.Empty(t, r.stderr.String(), "loopback: no warning")
 
 	code, _ := get(t, r.url, "", "")
+	require.Equal(t, http.StatusSeeOther, code, "the console's address with no token leads to the login page")
+	code, body := get(t, r.url, "login", "")
+	require.Equal(t, http.StatusOK, code)
+	require.Contains(t, body, `id="login-form"`)
+	code, _ = get(t, r.url, "dlq", "")
 	require.Equal(t, http.StatusUnauthorized, code, "no token")
 	code, _ = get(t, r.url, "", strings.Repeat("0", 64))
 	require.Equal(t, http.StatusUnauthorized, code, "a wrong token")
-	code, body := get(t, r.url, "", token)
+	code, body = get(t, r.url, "", token)
 	require.Equal(t, http.StatusOK, code, body)
 	require.Contains(t, body, `id="overview-dlq"`)
 	for _, text := range []string{"billing", "payments", "labels", "shipments", "card declined for order &lt;n&gt;"} {

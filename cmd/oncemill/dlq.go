@@ -203,7 +203,11 @@ func (c *cmd) show(ctx context.Context, args []string) error {
 		v.CopiesSince = copies
 		return c.writeJSON(v)
 	}
-	return writeEntry(c.stdout, e, copies)
+	table := c.table
+	if c.schema != "" {
+		table = c.schema + "." + table
+	}
+	return writeEntry(c.stdout, e, table, copies)
 }
 
 // selection parses the IDs and flags of replay and purge; it refuses an

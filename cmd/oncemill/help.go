@@ -26,6 +26,9 @@ type command struct {
 	short string
 	// about is what its own help says before the flags.
 	about string
+	// example is one typical command line, printed after the flags; its
+	// flags must be the command's own (help_test checks it).
+	example string
 	// run runs it with the arguments after the path.
 	run func(c *cmd, ctx context.Context, args []string) error
 }
@@ -62,7 +65,8 @@ durably), broker (the broker's count of deliveries, which also grows with
 deliveries that did not fail), process (failures counted in the consumer's
 memory since it started) or - (not recorded).
 ` + filterHelp + "\n\n" + databaseHelp,
-		run: (*cmd).list,
+		example: "oncemill dlq list --database postgres://app@db:5432/shop --topic payments --since 2h",
+		run:     (*cmd).list,
 	},
 	{
 		path: "dlq show", args: "ID [--json]",
@@ -75,7 +79,8 @@ NumDelivered). The broker's place of the original is shown when the entry
 has it: Kafka partition and offset, JetStream stream and sequence.
 
 ` + databaseHelp,
-		run: (*cmd).show,
+		example: "oncemill dlq show 42 --database postgres://app@db:5432/shop",
+		run:     (*cmd).show,
 	},
 	{
 		path: "dlq replay", args: "[ID ...] [filter flags] [--all] [--broker URL] [--inbox URL]\n       [--force] [--to-consumer] [--json]",
@@ -104,7 +109,8 @@ named in a warning before anything is sent; for corrected data, see
 dlq reopen.
 
 ` + filterHelp + "\n\n" + databaseHelp,
-		run: (*cmd).replay,
+		example: "oncemill dlq replay --database postgres://app@db:5432/shop --broker kafka://10.0.0.5:9092 --topic payments --since 2h",
+		run:     (*cmd).replay,
 	},
 	{
 		path: "dlq reopen", args: "ID [--json]",
@@ -118,7 +124,8 @@ dead-letter table; an entry whose key is not dead there, or that has no
 key, is refused and stays.
 
 ` + databaseHelp,
-		run: (*cmd).reopen,
+		example: "oncemill dlq reopen 42 --database postgres://app@db:5432/shop",
+		run:     (*cmd).reopen,
 	},
 	{
 		path: "dlq purge", args: "[ID ...] [filter flags] [--all] [--json]",
@@ -127,7 +134,8 @@ key, is refused and stays.
 must all exist, or nothing is done.
 
 ` + filterHelp + "\n\n" + databaseHelp,
-		run: (*cmd).purge,
+		example: "oncemill dlq purge 42 43 --database postgres://app@db:5432/shop",
+		run:     (*cmd).purge,
 	},
 	{
 		path: "retries list", args: "[filter flags] [--json]",
@@ -141,7 +149,8 @@ its consumer and topic runs, or it is far behind), out (handed back, its
 handler runs), or "behind N" (it waits for message N of its ordering key,
 whatever its due time).
 ` + retryFilterHelp + "\n\n" + retryDatabaseHelp,
-		run: (*cmd).retriesList,
+		example: "oncemill retries list --database postgres://app@db:5432/shop --consumer charge-orders",
+		run:     (*cmd).retriesList,
 	},
 	{
 		path: "retries show", args: "ID [--json]",
@@ -149,7 +158,8 @@ whatever its due time).
 		about: `Shows every fact of one parked message, its metadata and its payload.
 
 ` + retryDatabaseHelp,
-		run: (*cmd).retriesShow,
+		example: "oncemill retries show 7 --database postgres://app@db:5432/shop",
+		run:     (*cmd).retriesShow,
 	},
 	{
 		path: "retries now", args: "[ID ...] [filter flags] [--all] [--json]",
@@ -163,7 +173,8 @@ handler. Give IDs, a filter flag or --all; named IDs must all be parked,
 or nothing is done.
 
 ` + retryFilterHelp + "\n\n" + retryDatabaseHelp,
-		run: (*cmd).retriesNow,
+		example: "oncemill retries now --database postgres://app@db:5432/shop --order-key customer-17",
+		run:     (*cmd).retriesNow,
 	},
 	{
 		path: "retries cancel", args: "[ID ...] [filter flags] [--all] [--dlq-table NAME] [--json]",
@@ -179,7 +190,8 @@ cancelled one go out next. Give IDs, a filter flag or --all; named IDs
 must all be parked, or nothing is done.
 
 ` + retryFilterHelp + "\n\n" + retryDatabaseHelp,
-		run: (*cmd).retriesCancel,
+		example: "oncemill retries cancel 7 --database postgres://app@db:5432/shop",
+		run:     (*cmd).retriesCancel,
 	},
 	{
 		path: "amqp declare", args: "--topic T [--topic T ...] [--group G] [--url URL]\n       [--delivery-limit N] [--dead-letter-exchange X]",
@@ -193,7 +205,8 @@ RabbitMQ drops messages published while no queue is bound.
 A flag and the URL's parameter (see --url) must not differ. Queue arguments
 must be those the consumers use: the broker refuses to declare an existing
 queue with other arguments.`,
-		run: (*cmd).amqpDeclare,
+		example: "oncemill amqp declare --url amqp://guest:guest@rabbit:5672/ --topic payments --group billing",
+		run:     (*cmd).amqpDeclare,
 	},
 	{
 		path: "console", args: "[--addr HOST:PORT] [--token T] [--read-only] [--broker URL]\n       [--inbox URL]",
@@ -209,25 +222,29 @@ a TLS proxy.
 
 ` + databaseHelp + ` --inbox-table, --outbox-table and
 --retry-table name the others.`,
-		run: (*cmd).serveConsole,
+		example: "oncemill console --database postgres://app@db:5432/shop --addr 127.0.0.1:8080 --read-only",
+		run:     (*cmd).serveConsole,
 	},
 	{
 		path: "publish", args: "--topic T [--broker URL] [--uuid U] [--key K] [--partition-key K]\n       [--meta NAME=VALUE ...] [PAYLOAD ...]",
-		short: "publish messages, from arguments or JSON lines on standard input",
-		about: publishHelp,
-		run:   (*cmd).publish,
+		short:   "publish messages, from arguments or JSON lines on standard input",
+		about:   publishHelp,
+		example: `oncemill publish --broker amqp://guest:guest@rabbit:5672/ --topic orders --key A-42 '{"orderId":"A-42","amountCents":1999}'`,
+		run:     (*cmd).publish,
 	},
 	{
 		path: "relay", args: "--database URL --broker URL [--schema NAME] [--table NAME]\n       [--batch-size N] [--lanes-per-batch N] [--poll-interval DURATION]\n       [--drain-timeout DURATION] [--lock-ordered-writers] [--listen HOST:PORT]\n       [--migrate] [--ledger] [--ledger-retention DURATION]",
-		short: "relay a service's outbox table to the broker, as a process of its own",
-		about: relayHelp,
-		run:   (*cmd).relay,
+		short:   "relay a service's outbox table to the broker, as a process of its own",
+		about:   relayHelp,
+		example: "oncemill relay --database postgres://app@db:5432/shop --broker kafka://10.0.0.5:9092 --listen :9090",
+		run:     (*cmd).relay,
 	},
 	{
 		path: "reconcile", args: "--database URL --consumer NAME [--inbox-database URL] [--grace DURATION]\n       [--since DURATION] [--strict] [--schema NAME] [--inbox-schema NAME]\n       [--ledger-table NAME] [--inbox-table NAME] [--dlq-table NAME]",
-		short: "check that every event the relay published reached a consumer exactly once",
-		about: reconcileHelp,
-		run:   (*cmd).reconcile,
+		short:   "check that every event the relay published reached a consumer exactly once",
+		about:   reconcileHelp,
+		example: "oncemill reconcile --database postgres://app@db:5432/shop --consumer charge-orders --since 24h",
+		run:     (*cmd).reconcile,
 	},
 }
 
@@ -307,6 +324,9 @@ func writeHelp(w io.Writer, c *command, fs *flag.FlagSet) {
 			fmt.Fprintf(&b, "      %s\n", line)
 		}
 	})
+	if c.example != "" {
+		fmt.Fprintf(&b, "\nExample:\n  %s\n", c.example)
+	}
 	io.WriteString(w, b.String()) //nolint:errcheck // nowhere to report it
 }
 

@@ -27,7 +27,8 @@ func flagsOf(t *testing.T, c command) []string {
 }
 
 // TestEveryCommandHelpListsItsFlags: each command's --help and -h print
-// that command's usage, with every flag the command accepts, and exit 0;
+// that command's usage, with every flag the command accepts and an example
+// that uses only those flags, and exit 0;
 // the global help lists the commands and where their flags are.
 func TestEveryCommandHelpListsItsFlags(t *testing.T) {
 	t.Parallel()
@@ -46,6 +47,14 @@ func TestEveryCommandHelpListsItsFlags(t *testing.T) {
 			require.True(t, strings.HasPrefix(r.stdout, "Usage: oncemill "+c.path+" "), "%v prints its own usage, not the global one:\n%s", args, r.stdout)
 			for _, f := range flags {
 				require.Contains(t, r.stdout, "\n  --"+f, "%v lists --%s", args, f)
+			}
+			require.Contains(t, r.stdout, "\nExample:\n  "+c.example+"\n", "%v ends with its example", args)
+		}
+		require.True(t, strings.HasPrefix(c.example, "oncemill "+c.path+" "), "%s has an example of itself: %q", c.path, c.example)
+		for _, w := range strings.Fields(c.example) {
+			if name, ok := strings.CutPrefix(w, "--"); ok {
+				name, _, _ = strings.Cut(name, "=")
+				require.Contains(t, flags, name, "the example of %s uses only its flags", c.path)
 			}
 		}
 	}

@@ -393,20 +393,21 @@ func TestShow(t *testing.T) {
 	r := f.dlq(t, "show", strconv.FormatInt(ids[0], 10))
 	require.Equal(t, exitOK, r.code, r.stderr)
 	for _, want := range []string{
-		"ID:               " + strconv.FormatInt(ids[0], 10) + "\n",
-		"UUID:             " + text.UUID + "\n",
-		"Topic:            orders\n",
-		"DLQ topic:        dead-letters\n",
-		"Consumer:         charge\n",
-		"Key:              key-" + text.UUID + "\n",
-		"Attempts:         4 (source not recorded)\n",
-		"Permanent:        false\n",
-		"Error:            card declined\n                  by issuer\n",
-		"First failed at:  2026-03-01T10:00:00Z\n",
-		"Last failed at:   2026-03-01T10:04:00.5Z\n",
-		"Kafka partition:  3\n",
-		"Dead at:          ",
-		"Copies since:     2\n",
+		"ID:                 " + strconv.FormatInt(ids[0], 10) + "\n",
+		"UUID:               " + text.UUID + "\n",
+		"Topic:              orders\n",
+		"Dead-letter table:  " + f.schema + ".dlq\n",
+		"Dead-letter topic:  dead-letters (the name the dead-letter publisher was given, such as PoisonConfig.Topic; the entry is in the table above, not on a broker)\n",
+		"Consumer:           charge\n",
+		"Key:                key-" + text.UUID + "\n",
+		"Attempts:           4 (source not recorded)\n",
+		"Permanent:          false\n",
+		"Error:              card declined\n                    by issuer\n",
+		"First failed at:    2026-03-01T10:00:00Z\n",
+		"Last failed at:     2026-03-01T10:04:00.5Z\n",
+		"Kafka partition:    3\n",
+		"Dead at:            ",
+		"Copies since dead:  2 (later deliveries of the key, acked by the inbox without running)\n",
 		fmt.Sprintf("Metadata (%d):\n", len(text.Metadata)),
 		"  oncemill_dlq_topic = orders\n",
 		"  oncemill_dlq_error = card declined\n" + strings.Repeat(" ", len("  oncemill_dlq_error = ")) + "by issuer\n",
@@ -431,7 +432,7 @@ func TestShow(t *testing.T) {
 	r = f.dlq(t, "show", strconv.FormatInt(ids[1], 10))
 	require.Equal(t, exitOK, r.code, r.stderr)
 	require.Contains(t, r.stdout, "Payload (base64, 4 bytes):\n3q2+7w==\n")
-	require.Contains(t, r.stdout, "Copies since:     -\n")
+	require.Contains(t, r.stdout, "Copies since dead:  - (no dead record of the key in an inbox table beside the dead-letter table)\n")
 
 	r = f.dlq(t, "show", "abc")
 	require.Equal(t, exitUsage, r.code)

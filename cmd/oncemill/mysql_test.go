@@ -176,12 +176,12 @@ func TestMySQLDLQListShowReplay(t *testing.T) {
 	r = f.dlq(t, "show", strconv.FormatInt(ids[0], 10))
 	require.Equal(t, exitOK, r.code, r.stderr)
 	for _, want := range []string{
-		"UUID:             " + declined.UUID + "\n",
-		"Topic:            orders_mysql\n",
-		"Consumer:         charge\n",
-		"Error:            card declined\n                  by issuer\n",
-		"Kafka partition:  3\n",
-		"Copies since:     0\n",
+		"UUID:               " + declined.UUID + "\n",
+		"Topic:              orders_mysql\n",
+		"Consumer:           charge\n",
+		"Error:              card declined\n                    by issuer\n",
+		"Kafka partition:    3\n",
+		"Copies since dead:  0 (later deliveries of the key, acked by the inbox without running)\n",
 	} {
 		require.Contains(t, r.stdout, want)
 	}

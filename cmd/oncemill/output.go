@@ -95,8 +95,9 @@ func cell(s string, width int) string {
 // attempt count is labelled with what it counts and who counted it, and
 // the broker's place of the original (Kafka partition and offset,
 // JetStream stream and sequence) is printed only as far as e has it. A
-// value of several lines continues under its first line.
-func writeEntry(w io.Writer, e dlq.Entry, copiesSince *int) error {
+// value of several lines continues under its first line. table is the
+// dead-letter table the entry was read from.
+func writeEntry(w io.Writer, e dlq.Entry, table string, copiesSince *int) error {
 	optTime := func(t time.Time) string {
 		if t.IsZero() {
 			return "-"
@@ -108,7 +109,8 @@ func writeEntry(w io.Writer, e dlq.Entry, copiesSince *int) error {
 		{Label: "ID", Value: strconv.FormatInt(e.ID, 10)},
 		{Label: "UUID", Value: e.UUID},
 		{Label: "Topic", Value: e.Topic},
-		{Label: "DLQ topic", Value: e.DLQTopic},
+		{Label: "Dead-letter table", Value: table},
+		{Label: "Dead-letter topic", Value: e.DLQTopic + " (the name the dead-letter publisher was given, such as PoisonConfig.Topic; the entry is in the table above, not on a broker)"},
 		{Label: "Consumer", Value: e.Consumer},
 		{Label: "Key", Value: e.Key},
 		{Label: counted.Label, Value: strconv.Itoa(e.Attempts) + " (" + counted.Source + ")"},
@@ -120,7 +122,7 @@ func writeEntry(w io.Writer, e dlq.Entry, copiesSince *int) error {
 	fields = append(fields, e.Place()...)
 	fields = append(fields,
 		dlq.Fact{Label: "Dead at", Value: optTime(e.DeadAt)},
-		dlq.Fact{Label: "Copies since", Value: optInt(copiesSince)})
+		dlq.Fact{Label: "Copies since dead", Value: copiesText(copiesSince)})
 	if err := writeMessage(w, fields, e.Metadata, e.Payload); err != nil {
 		return fmt.Errorf("write entry: %w", err)
 	}
@@ -209,9 +211,11 @@ func isTerminal(w io.Writer) bool {
 	return err == nil && fi.Mode()&os.ModeCharDevice != 0
 }
 
-func optInt(n *int) string {
+// copiesText says how many copies of a dead key its consumer acked
+// without running since the entry was written, or why that is unknown.
+func copiesText(n *int) string {
 	if n == nil {
-		return "-"
+		return "- (no dead record of the key in an inbox table beside the dead-letter table)"
 	}
-	return strconv.Itoa(*n)
+	return strconv.Itoa(*n) + " (later deliveries of the key, acked by the inbox without running)"
 }

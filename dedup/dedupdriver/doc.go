@@ -20,7 +20,7 @@
 //     handler's error came from a connection lost under it, and
 //     [AbortReporter] that a handler left its transaction aborted;
 //     [StartClaimer], [BeginClaimer] and [BatchClaimer] save round trips
-//     (InboxConfig.PipelineClaim and InboxConfig.Batch need them).
+//     (InboxConfig.Tuning.PipelineClaim and InboxConfig.Tuning.Batch need them).
 //   - deduptest: the conformance suite the store's tests run, which checks
 //     the contract and each capability the store implements.
 //

@@ -34,9 +34,9 @@ func txDrain(t *testing.T, x txSubject) {
 		pipelined bool
 	}{
 		{name: "AttemptRecord"},
-		{name: "SkipAttemptRecord", cfg: middleware.InboxConfig{SkipAttemptRecord: true}},
-		{name: "PipelineClaim", cfg: middleware.InboxConfig{PipelineClaim: true}, pipelined: true},
-		{name: "PipelineClaimSkipAttemptRecord", cfg: middleware.InboxConfig{PipelineClaim: true, SkipAttemptRecord: true}, pipelined: true},
+		{name: "SkipAttemptRecord", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{SkipAttemptRecord: true}}},
+		{name: "PipelineClaim", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{PipelineClaim: true}}, pipelined: true},
+		{name: "PipelineClaimSkipAttemptRecord", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{PipelineClaim: true, SkipAttemptRecord: true}}, pipelined: true},
 	} {
 		t.Run(v.name, func(t *testing.T) {
 			if v.pipelined && !startClaimer && !beginClaimer {

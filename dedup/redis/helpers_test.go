@@ -86,10 +86,10 @@ type harness struct {
 func newHarness(t *testing.T, store dedup.LeaseStore, handlers int) *harness {
 	t.Helper()
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{
-		LeaseStore:    store,
-		Consumer:      "payments",
-		Lease:         time.Minute,
-		InFlightDelay: 5 * time.Millisecond,
+		LeaseStore: store,
+		Consumer:   "payments",
+		Lease:      time.Minute,
+		Tuning:     middleware.InboxTuning{InFlightDelay: 5 * time.Millisecond},
 	})
 	require.NoError(t, err)
 	h := &harness{inbox: inbox, effects: map[string]int{}}

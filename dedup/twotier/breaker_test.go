@@ -217,7 +217,8 @@ func TestStaleLeaseAfterAPartition(t *testing.T) {
 
 	// The same through an inbox that skips the attempt record.
 	skipStart, err := middleware.NewInbox(middleware.InboxConfig{
-		TxStore: store, Consumer: "billing", InFlightDelay: 5 * time.Millisecond, SkipAttemptRecord: true,
+		TxStore: store, Consumer: "billing",
+		Tuning: middleware.InboxTuning{InFlightDelay: 5 * time.Millisecond, SkipAttemptRecord: true},
 	})
 	require.NoError(t, err)
 	out, err := skipStart.Middleware(handler)(delivery("o-stale"))

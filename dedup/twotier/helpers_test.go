@@ -152,7 +152,7 @@ func delivery(key string) *message.Message {
 
 func newInbox(t *testing.T, store dedup.TxStore, consumer string) *middleware.Inbox {
 	t.Helper()
-	in, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: consumer, InFlightDelay: 5 * time.Millisecond})
+	in, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: consumer, Tuning: middleware.InboxTuning{InFlightDelay: 5 * time.Millisecond}})
 	require.NoError(t, err)
 	return in
 }
