@@ -28,7 +28,7 @@ type fuzzConsole struct {
 	csrf string
 }
 
-func newFuzzConsole(f *testing.F) fuzzConsole {
+func newFuzzConsole(f testing.TB) fuzzConsole {
 	ctx := context.Background()
 	db := sqltest.OpenSQLite(f, filepath.Join(f.TempDir(), "console.db"))
 	if err := sqlschema.MigrateSQLite(ctx, db, sqlschema.Config{}); err != nil {
