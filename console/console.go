@@ -61,6 +61,10 @@ const (
 	maxConsumers = 1000
 )
 
+// MinTokenLength is the shortest Config.Token that New accepts, and
+// the command's --token.
+const MinTokenLength = 16
+
 // Config configures New. Pool or DB is required.
 type Config struct {
 	// Pool is the PostgreSQL database of the tables, through pgx. Set
@@ -83,8 +87,8 @@ type Config struct {
 	Schema sqlschema.Config
 	// Token is the secret every request must carry: "Authorization: Bearer
 	// <token>", or the cookie set by the login form at /login. Required
-	// unless DisableAuth; ignored with it. Use a long random value (32
-	// bytes from a CSPRNG, say).
+	// unless DisableAuth, at least 16 characters; ignored with it. Use a
+	// long random value (32 bytes from a CSPRNG, say).
 	Token string
 	// DisableAuth serves every request without the token, for mounting
 	// behind the caller's own auth. POSTs still need the CSRF field and a
@@ -136,6 +140,8 @@ func (c Config) Validate() error {
 	switch {
 	case c.Token == "" && !c.DisableAuth:
 		return fmt.Errorf("%w: Token is required (or set DisableAuth to serve behind your own authentication)", ErrInvalidConfig)
+	case len(c.Token) < MinTokenLength && !c.DisableAuth:
+		return fmt.Errorf("%w: Token must be at least %d characters, got %d: use a long random value (32 bytes from a CSPRNG, say)", ErrInvalidConfig, MinTokenLength, len(c.Token))
 	case c.PageSize < 0 || c.PageSize > maxPageSize:
 		return fmt.Errorf("%w: PageSize must be 0 (default %d) to %d, got %d", ErrInvalidConfig, defaultPageSize, maxPageSize, c.PageSize)
 	case c.MaxPayload < 0 || c.MaxPayload > maxMaxPayload:
@@ -317,6 +323,14 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		r.Body = http.MaxBytesReader(w, r.Body, maxForm)
 		if err := c.sameOrigin(r); err != nil {
 			c.fail(w, r, http.StatusForbidden, "Refused: "+err.Error()+".")
+			return
+		}
+		// Read now, so that a body over the limit is said as such, not
+		// as the CSRF field it cut off. Other errors keep what parsed,
+		// as the handlers' PostFormValue would.
+		var tooLarge *http.MaxBytesError
+		if err := r.ParseForm(); errors.As(err, &tooLarge) {
+			c.fail(w, r, http.StatusRequestEntityTooLarge, "Refused: form too large (limit 1 MiB).")
 			return
 		}
 	}

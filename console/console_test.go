@@ -284,15 +284,16 @@ func TestConfigValidate(t *testing.T) {
 		cfg   console.Config
 		field string
 	}{
-		"no pool":                {console.Config{Token: "t"}, "Pool"},
+		"no pool":                {console.Config{Token: testToken}, "Pool"},
 		"no token":               {console.Config{Pool: pool}, "Token"},
-		"negative page":          {console.Config{Pool: pool, Token: "t", PageSize: -1}, "PageSize"},
-		"page too large":         {console.Config{Pool: pool, Token: "t", PageSize: 5000}, "PageSize"},
-		"negative payload":       {console.Config{Pool: pool, Token: "t", MaxPayload: -1}, "MaxPayload"},
-		"bad schema":             {console.Config{Pool: pool, Token: "t", Schema: sqlschema.Config{Schema: "x;y"}}, "Schema"},
-		"payload too large":      {console.Config{Pool: pool, Token: "t", MaxPayload: 1 << 30}, "MaxPayload"},
-		"check without consumer": {console.Config{Pool: pool, Token: "t", Reconcile: []reconcile.Config{{Consumer: "charge"}, {Topics: []string{"orders"}}}}, "Reconcile[1]: reconcile: invalid config: Consumer"},
-		"check window":           {console.Config{Pool: pool, Token: "t", Reconcile: []reconcile.Config{{Consumer: "charge", Since: time.Minute}}}, "Reconcile[0]: reconcile: invalid config: Since"},
+		"short token":            {console.Config{Pool: pool, Token: "hunter2"}, "Token must be at least 16 characters, got 7"},
+		"negative page":          {console.Config{Pool: pool, Token: testToken, PageSize: -1}, "PageSize"},
+		"page too large":         {console.Config{Pool: pool, Token: testToken, PageSize: 5000}, "PageSize"},
+		"negative payload":       {console.Config{Pool: pool, Token: testToken, MaxPayload: -1}, "MaxPayload"},
+		"bad schema":             {console.Config{Pool: pool, Token: testToken, Schema: sqlschema.Config{Schema: "x;y"}}, "Schema"},
+		"payload too large":      {console.Config{Pool: pool, Token: testToken, MaxPayload: 1 << 30}, "MaxPayload"},
+		"check without consumer": {console.Config{Pool: pool, Token: testToken, Reconcile: []reconcile.Config{{Consumer: "charge"}, {Topics: []string{"orders"}}}}, "Reconcile[1]: reconcile: invalid config: Consumer"},
+		"check window":           {console.Config{Pool: pool, Token: testToken, Reconcile: []reconcile.Config{{Consumer: "charge", Since: time.Minute}}}, "Reconcile[0]: reconcile: invalid config: Since"},
 	} {
 		err := tc.cfg.Validate()
 		require.ErrorIs(t, err, console.ErrInvalidConfig, name)
@@ -300,7 +301,7 @@ func TestConfigValidate(t *testing.T) {
 		_, err = console.New(tc.cfg)
 		require.ErrorIs(t, err, console.ErrInvalidConfig, name)
 	}
-	require.NoError(t, console.Config{Pool: pool, Token: "t"}.Validate())
+	require.NoError(t, console.Config{Pool: pool, Token: testToken}.Validate())
 	require.NoError(t, console.Config{Pool: pool, DisableAuth: true}.Validate(), "no token behind the caller's auth")
 }
 

@@ -59,6 +59,7 @@ func (c *JanitorConfig) setDefaults() {
 
 // Validate reports the first field out of range.
 func (c JanitorConfig) Validate() error {
+	c.setDefaults()
 	if c.Interval < time.Millisecond {
 		return fmt.Errorf("dedup: JanitorConfig.Interval must be at least 1ms, got %s", c.Interval)
 	}

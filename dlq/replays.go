@@ -74,6 +74,7 @@ func (c *ReplaySubscriberConfig) setDefaults() {
 
 // Validate reports the first field that is missing or out of range.
 func (c ReplaySubscriberConfig) Validate() error {
+	c.setDefaults()
 	switch {
 	case c.Consumer == "":
 		return errors.New("dlq: ReplaySubscriberConfig.Consumer is required: the consumer whose replays are delivered")

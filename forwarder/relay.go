@@ -212,6 +212,7 @@ func (c *RelayConfig) setDefaults() {
 
 // Validate reports the first field that is missing or out of range.
 func (c RelayConfig) Validate() error {
+	c.setDefaults()
 	switch {
 	case c.Pool == nil && c.DB == nil:
 		return errors.New("forwarder: RelayConfig.Pool (pgx, PostgreSQL) or RelayConfig.DB (database/sql, with Dialect) is required")

@@ -105,6 +105,7 @@ func (c *BloomConfig) setDefaults() {
 
 // Validate reports the first field that is missing or out of range.
 func (c BloomConfig) Validate() error {
+	c.setDefaults()
 	switch {
 	case c.Store == nil:
 		return errors.New("middleware: BloomConfig.Store is required: it answers for keys the filter may have seen")

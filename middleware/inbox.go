@@ -90,6 +90,7 @@ func (c *InboxConfig) setDefaults() {
 
 // Validate reports the first field that is missing or out of range.
 func (c InboxConfig) Validate() error {
+	c.setDefaults()
 	switch {
 	case c.TxStore != nil && typednil.Is(c.TxStore):
 		return fmt.Errorf("middleware: InboxConfig.TxStore holds a nil %T: pass a store made by its New", c.TxStore)

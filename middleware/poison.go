@@ -181,6 +181,7 @@ func (c *PoisonConfig) setDefaults() {
 
 // Validate reports the first field that is missing or out of range.
 func (c PoisonConfig) Validate() error {
+	c.setDefaults()
 	switch {
 	case c.Publisher == nil:
 		return errors.New("middleware: PoisonConfig.Publisher is required: it receives the dead-lettered messages")

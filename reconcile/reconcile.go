@@ -102,6 +102,7 @@ type Config struct {
 // Validate reports the first field of c that is missing or out of range;
 // the error wraps [ErrInvalidConfig] and names the field.
 func (c Config) Validate() error {
+	c = c.withDefaults()
 	if err := c.Ledger.validate("Ledger"); err != nil {
 		return err
 	}

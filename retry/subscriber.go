@@ -83,6 +83,7 @@ func (c *SubscriberConfig) setDefaults() {
 
 // Validate reports the first field that is missing or out of range.
 func (c SubscriberConfig) Validate() error {
+	c.setDefaults()
 	switch {
 	case c.Consumer == "":
 		return errors.New("retry: SubscriberConfig.Consumer is required: the consumer whose parked messages are handed back (the inbox's consumer, or the router handler's name)")

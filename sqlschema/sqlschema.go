@@ -97,26 +97,24 @@ func (c Config) WithDefaults() Config {
 	return c
 }
 
-// Validate reports whether every name is a safe identifier. Names are
-// validated, never escaped from message data: no SQL is built from anything
-// else.
+// Validate reports the first name of c, its empty fields taken as their
+// defaults, that is not a safe identifier, or two tables that would share
+// a name, a table named after another included (InboxTable + "_starts",
+// OutboxTable + "_scheduled"), and the indexes and sequences the tables
+// bring, which share the namespace of tables in PostgreSQL. The error
+// names the field. Names are validated, never escaped from message data:
+// no SQL is built from anything else.
 func (c Config) Validate() error {
-	if err := ValidateIdentifier("Schema", c.Schema); err != nil {
-		return err
+	c = c.WithDefaults()
+	for _, f := range []struct{ field, value string }{
+		{"Schema", c.Schema}, {"InboxTable", c.InboxTable}, {"OutboxTable", c.OutboxTable},
+		{"DLQTable", c.DLQTable}, {"LedgerTable", c.LedgerTable}, {"RetryTable", c.RetryTable},
+	} {
+		if err := ValidateIdentifier(f.field, f.value); err != nil {
+			return err
+		}
 	}
-	if err := ValidateIdentifier("InboxTable", c.InboxTable); err != nil {
-		return err
-	}
-	if err := ValidateIdentifier("OutboxTable", c.OutboxTable); err != nil {
-		return err
-	}
-	if err := ValidateIdentifier("DLQTable", c.DLQTable); err != nil {
-		return err
-	}
-	if err := ValidateIdentifier("LedgerTable", c.LedgerTable); err != nil {
-		return err
-	}
-	return ValidateIdentifier("RetryTable", c.RetryTable)
+	return c.distinctTables()
 }
 
 // scheduledSuffix ends the name of the outbox's scheduled table, which
@@ -124,24 +122,54 @@ func (c Config) Validate() error {
 // the outbox: "<OutboxTable>_scheduled".
 const scheduledSuffix = "_scheduled"
 
+// derived are the suffixes of the relations (tables, sequences, indexes)
+// that the migrations of some database name after each table field:
+// "_starts" is the inbox's table of started attempts, "_lanes" the
+// outbox's lanes (MySQL).
+var derived = map[string][]string{
+	"InboxTable":  {"_starts", "_token_seq", "_expires_at_idx", "_starts_expires_at_idx"},
+	"OutboxTable": {scheduledSuffix, "_lanes", "_due_idx", "_lane_idx", "_lane_id_idx"},
+	"DLQTable":    {"_consumer_idx", "_dead_at_idx", "_once_idx", "_replay_idx", "_topic_idx", "_uuid_idx"},
+	"LedgerTable": {"_key_idx", "_published_at_idx"},
+	"RetryTable":  {"_due_idx", "_once_idx", "_order_idx"},
+}
+
 // distinctTables reports two tables of c that share a name: they would be
 // one table, and the second CREATE TABLE IF NOT EXISTS would silently keep
-// the first one's columns. The tables named after another (the outbox's
-// scheduled table) are among them: InboxTable "outbox_scheduled" would be
-// the default outbox's scheduled table.
+// the first one's columns. The relations named after a table (the
+// outbox's scheduled table, the inbox's table of started attempts, the
+// indexes) are among them: InboxTable "outbox_scheduled" would be the
+// default outbox's scheduled table, DLQTable "inbox_starts" the inbox's
+// table of started attempts.
 func (c Config) distinctTables() error {
-	tables := []struct{ field, name string }{
-		{"InboxTable", c.InboxTable},
-		{"OutboxTable", c.OutboxTable},
-		{"DLQTable", c.DLQTable},
-		{"LedgerTable", c.LedgerTable},
-		{"RetryTable", c.RetryTable},
-		{"the scheduled table of OutboxTable", c.OutboxTable + scheduledSuffix},
+	type relation struct{ what, name string }
+	var rels []relation
+	for _, t := range []struct{ field, name string }{
+		{"InboxTable", c.InboxTable}, {"OutboxTable", c.OutboxTable}, {"DLQTable", c.DLQTable},
+		{"LedgerTable", c.LedgerTable}, {"RetryTable", c.RetryTable},
+	} {
+		rels = append(rels, relation{t.field, t.name})
 	}
-	for i := range tables {
-		for j := i + 1; j < len(tables); j++ {
-			if tables[i].name == tables[j].name {
-				return fmt.Errorf("sqlschema: %s and %s are both %q: each table needs its own name", tables[i].field, tables[j].field, tables[i].name)
+	for _, t := range rels[:5] {
+		for _, suffix := range derived[t.what] {
+			what := "an index of " + t.what
+			switch suffix {
+			case scheduledSuffix:
+				what = "the scheduled table of OutboxTable"
+			case "_starts":
+				what = "the table of started attempts of InboxTable"
+			case "_token_seq":
+				what = "the token sequence of InboxTable"
+			case "_lanes":
+				what = "the lanes table of OutboxTable"
+			}
+			rels = append(rels, relation{what, t.name + suffix})
+		}
+	}
+	for i := range rels {
+		for j := i + 1; j < len(rels); j++ {
+			if rels[i].name == rels[j].name {
+				return fmt.Errorf("sqlschema: %s and %s are both %q: each table needs its own name", rels[i].what, rels[j].what, rels[i].name)
 			}
 		}
 	}
@@ -287,9 +315,6 @@ func Migrations(d Dialect, cfg Config) ([]Migration, error) {
 	}
 	if d != Postgres && d != SQLite && d != MySQL {
 		return nil, fmt.Errorf("sqlschema: unknown dialect %q", d)
-	}
-	if err := cfg.distinctTables(); err != nil {
-		return nil, err
 	}
 	names := NamesFor(d, cfg)
 	entries, err := fs.ReadDir(files, string(d))

@@ -251,3 +251,42 @@ func tableExists(t *testing.T, pool *pgxpool.Pool, schema, table string) bool {
 		`SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2`, schema, table).Scan(&n))
 	return n == 1
 }
+
+// TestConfigNamesRefused: a name that is not a safe identifier, or that
+// is the name of another table or of a relation named after one, is
+// refused by Validate and by Migrations on every database, the error
+// naming the field; empty names are their defaults.
+func TestConfigNamesRefused(t *testing.T) {
+	t.Parallel()
+	long := strings.Repeat("a", 64)
+	for name, tc := range map[string]struct {
+		cfg  sqlschema.Config
+		want string
+	}{
+		"InboxTable of 64 characters": {sqlschema.Config{InboxTable: long},
+			`sqlschema: InboxTable "` + long + `" is not a valid identifier: use 1 to 48 characters of a-z, 0-9 and _, not starting with a digit`},
+		"Schema with a semicolon": {sqlschema.Config{Schema: "x;y"},
+			`sqlschema: Schema "x;y" is not a valid identifier: use 1 to 48 characters of a-z, 0-9 and _, not starting with a digit`},
+		"upper-case OutboxTable": {sqlschema.Config{OutboxTable: "Outbox"},
+			`sqlschema: OutboxTable "Outbox" is not a valid identifier`},
+		"LedgerTable starting with a digit": {sqlschema.Config{LedgerTable: "1ledger"},
+			`sqlschema: LedgerTable "1ledger" is not a valid identifier`},
+		"DLQTable inbox_starts": {sqlschema.Config{DLQTable: "inbox_starts"},
+			`sqlschema: DLQTable and the table of started attempts of InboxTable are both "inbox_starts": each table needs its own name`},
+		"RetryTable an index of the outbox": {sqlschema.Config{RetryTable: "outbox_due_idx"},
+			`sqlschema: RetryTable and an index of OutboxTable are both "outbox_due_idx": each table needs its own name`},
+		"LedgerTable the token sequence": {sqlschema.Config{InboxTable: "events", LedgerTable: "events_token_seq"},
+			`sqlschema: LedgerTable and the token sequence of InboxTable are both "events_token_seq": each table needs its own name`},
+		"DLQTable the same as InboxTable": {sqlschema.Config{DLQTable: "inbox"},
+			`sqlschema: InboxTable and DLQTable are both "inbox": each table needs its own name`},
+	} {
+		t.Run(name, func(t *testing.T) {
+			require.ErrorContains(t, tc.cfg.Validate(), tc.want, "Validate")
+			for _, d := range []sqlschema.Dialect{sqlschema.Postgres, sqlschema.MySQL, sqlschema.SQLite} {
+				_, err := sqlschema.Migrations(d, tc.cfg)
+				require.ErrorContains(t, err, tc.want, d)
+			}
+		})
+	}
+	require.NoError(t, sqlschema.Config{}.Validate(), "the zero Config is the defaults")
+}

@@ -312,6 +312,7 @@ type SubscriberConfig struct {
 // [ErrInvalidConfig]. It checks the fields, not the Sarama config that the
 // Sarama hook produces; [SubscriberConfig.WatermillConfig] checks that.
 func (c SubscriberConfig) Validate() error {
+	c = c.withDefaults()
 	if err := validateBrokers("SubscriberConfig", c.Brokers); err != nil {
 		return err
 	}
@@ -572,6 +573,7 @@ type PublisherConfig struct {
 // [ErrInvalidConfig]. It checks the fields, not the Sarama config that the
 // Sarama hook produces; [PublisherConfig.WatermillConfig] checks that.
 func (c PublisherConfig) Validate() error {
+	c = c.withDefaults()
 	if err := validateBrokers("PublisherConfig", c.Brokers); err != nil {
 		return err
 	}

@@ -350,13 +350,15 @@ func (c SubscriberConfig) Validate() error {
 	if len(safeName(c.ConsumerGroup)) > MaxNameLength {
 		return fmt.Errorf("%w: ConsumerGroup is longer than %d characters", ErrInvalidConfig, MaxNameLength)
 	}
-	if c.AckWait < MinAckWait {
-		return fmt.Errorf("%w: AckWait must be at least %s, got %s", ErrInvalidConfig, MinAckWait, c.AckWait)
-	}
+	// BackOff first: AckWait defaults to BackOff[0], whose error it would
+	// otherwise report.
 	for i, d := range c.BackOff {
 		if d < MinAckWait {
 			return fmt.Errorf("%w: BackOff[%d] must be at least %s, got %s", ErrInvalidConfig, i, MinAckWait, d)
 		}
+	}
+	if c.AckWait < MinAckWait {
+		return fmt.Errorf("%w: AckWait must be at least %s, got %s", ErrInvalidConfig, MinAckWait, c.AckWait)
 	}
 	if len(c.BackOff) > 0 && c.AckWait != c.BackOff[0] {
 		return fmt.Errorf("%w: AckWait %s must equal BackOff[0] %s, or be 0: JetStream takes the first step as the ack wait", ErrInvalidConfig, c.AckWait, c.BackOff[0])

@@ -48,16 +48,17 @@ func TestSubscriberConfigValidate(t *testing.T) {
 	require.NoError(t, nats.SubscriberConfig{Config: base, ConsumerGroup: "billing",
 		BackOff: []time.Duration{time.Second, time.Minute}}.Validate(), "AckWait defaults to BackOff[0]")
 	for want, cfg := range map[string]nats.SubscriberConfig{
-		"ConsumerGroup is required":             {Config: base},
-		"AckWait must be at least 1s, got 10ms": {Config: base, ConsumerGroup: "g", AckWait: 10 * time.Millisecond},
-		"BackOff[1] must be at least 1s":        {Config: base, ConsumerGroup: "g", BackOff: []time.Duration{time.Second, time.Millisecond}},
-		"AckWait 30s must equal BackOff[0] 1s":  {Config: base, ConsumerGroup: "g", AckWait: 30 * time.Second, BackOff: []time.Duration{time.Second}},
-		"MaxDeliver must be positive, or -1":    {Config: base, ConsumerGroup: "g", MaxDeliver: -2},
-		"MaxDeliver 1 must be at least the 2":   {Config: base, ConsumerGroup: "g", MaxDeliver: 1, BackOff: []time.Duration{time.Second, time.Second}},
-		"MaxAckPending must be at least 1":      {Config: base, ConsumerGroup: "g", MaxAckPending: -1},
-		"MaxInFlight must be between 1 and Max": {Config: base, ConsumerGroup: "g", MaxAckPending: 4, MaxInFlight: 5},
-		"DrainTimeout must be > 0":              {Config: base, ConsumerGroup: "g", DrainTimeout: -time.Second},
-		"URL is required":                       {ConsumerGroup: "g"},
+		"ConsumerGroup is required":               {Config: base},
+		"AckWait must be at least 1s, got 10ms":   {Config: base, ConsumerGroup: "g", AckWait: 10 * time.Millisecond},
+		"BackOff[1] must be at least 1s":          {Config: base, ConsumerGroup: "g", BackOff: []time.Duration{time.Second, time.Millisecond}},
+		"BackOff[0] must be at least 1s, got -1s": {Config: base, ConsumerGroup: "g", BackOff: []time.Duration{-time.Second}},
+		"AckWait 30s must equal BackOff[0] 1s":    {Config: base, ConsumerGroup: "g", AckWait: 30 * time.Second, BackOff: []time.Duration{time.Second}},
+		"MaxDeliver must be positive, or -1":      {Config: base, ConsumerGroup: "g", MaxDeliver: -2},
+		"MaxDeliver 1 must be at least the 2":     {Config: base, ConsumerGroup: "g", MaxDeliver: 1, BackOff: []time.Duration{time.Second, time.Second}},
+		"MaxAckPending must be at least 1":        {Config: base, ConsumerGroup: "g", MaxAckPending: -1},
+		"MaxInFlight must be between 1 and Max":   {Config: base, ConsumerGroup: "g", MaxAckPending: 4, MaxInFlight: 5},
+		"DrainTimeout must be > 0":                {Config: base, ConsumerGroup: "g", DrainTimeout: -time.Second},
+		"URL is required":                         {ConsumerGroup: "g"},
 	} {
 		err := cfg.Validate()
 		require.ErrorIs(t, err, nats.ErrInvalidConfig, want)

@@ -29,7 +29,7 @@ const (
 	consoleTokenEnv = "ONCEMILL_CONSOLE_TOKEN"
 	// minTokenLength is the shortest token accepted: the token is the
 	// console's only lock.
-	minTokenLength = 16
+	minTokenLength = console.MinTokenLength
 	// consoleShutdownTimeout bounds the graceful shutdown: requests in
 	// flight get this long to finish once the command is told to stop.
 	consoleShutdownTimeout = 10 * time.Second

@@ -175,11 +175,36 @@ func (c *cmd) relayFromEnv(fs *flag.FlagSet) (fromEnv map[string]bool, err error
 			return // target reads $DATABASE_URL
 		}
 		if serr := fs.Set(f.Name, v); serr != nil {
-			err = usagef("$%s (--%s): %v", name, f.Name, serr)
+			err = usagef("$%s=%q (--%s) is not valid: want %s", name, v, f.Name, flagWants(f, serr))
 		}
 		fromEnv[f.Name] = true
 	})
 	return fromEnv, err
+}
+
+// flagWants says what value f takes, for the error of a variable that
+// set it to a value it refused with err: the kind of number or duration,
+// with the default as an example, or err itself for other flags.
+func flagWants(f *flag.Flag, err error) string {
+	example := ""
+	if f.DefValue != "" {
+		example = ", like " + f.DefValue + " (the default)"
+	}
+	g, ok := f.Value.(flag.Getter)
+	if !ok {
+		return err.Error()
+	}
+	switch g.Get().(type) {
+	case int, int64, uint, uint64:
+		return "a whole number" + example
+	case float64:
+		return "a number" + example
+	case time.Duration:
+		return "a duration such as 500ms, 30s or 5m" + example
+	case bool:
+		return "true or false"
+	}
+	return err.Error()
 }
 
 // checkDurableBroker refuses, as a usage error, a broker that lives inside

@@ -422,7 +422,11 @@ func TestRelayUsageErrors(t *testing.T) {
 		{nil, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_LANES_PER_BATCH": "65"},
 			"$ONCEMILL_RELAY_LANES_PER_BATCH (--lanes-per-batch) must be 1 to 64, got 65"},
 		{nil, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_POLL_INTERVAL": "soon"},
-			"$ONCEMILL_RELAY_POLL_INTERVAL (--poll-interval): "},
+			`$ONCEMILL_RELAY_POLL_INTERVAL="soon" (--poll-interval) is not valid: want a duration such as 500ms, 30s or 5m`},
+		{nil, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_BATCH_SIZE": "abc"},
+			`$ONCEMILL_RELAY_BATCH_SIZE="abc" (--batch-size) is not valid: want a whole number, like 500 (the default)`},
+		{nil, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_LOCK_ORDERED_WRITERS": "maybe"},
+			`$ONCEMILL_RELAY_LOCK_ORDERED_WRITERS="maybe" (--lock-ordered-writers) is not valid: want true or false`},
 		// The flag beats its variable, which is then not even read.
 		{[]string{"--drain-timeout", "0s"}, map[string]string{"BROKER_URL": "amqp://127.0.0.1:1/", "ONCEMILL_RELAY_DRAIN_TIMEOUT": "bad"},
 			"--drain-timeout must be positive, got 0s"},

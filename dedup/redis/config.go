@@ -107,6 +107,7 @@ func (c Config) withDefaults() Config {
 // Validate reports the first field that is missing or out of range; the
 // error names it.
 func (c Config) Validate() error {
+	c = c.withDefaults()
 	switch {
 	case c.Client == nil:
 		return errors.New("redis: Config.Client is required")

@@ -129,6 +129,7 @@ func (c Config) withDefaults() Config {
 // Validate reports the first field that is missing or out of range; the
 // error names it.
 func (c Config) Validate() error {
+	c = c.withDefaults()
 	switch {
 	case c.Lock == nil:
 		return errors.New("twotier: Config.Lock is required")

@@ -73,6 +73,7 @@ func (c *BacklogCollectorConfig) setDefaults() {
 // Validate reports the first field that is out of range; the error names
 // it. Empty fields that have a default are valid.
 func (c BacklogCollectorConfig) Validate() error {
+	c.setDefaults()
 	if err := validateNamespace("BacklogCollectorConfig", c.Namespace); err != nil {
 		return err
 	}

@@ -46,6 +46,7 @@ func (c *DLQCollectorConfig) setDefaults() {
 // Validate reports the first field that is out of range; the error names
 // it. Empty fields that have a default are valid.
 func (c DLQCollectorConfig) Validate() error {
+	c.setDefaults()
 	if err := validateNamespace("DLQCollectorConfig", c.Namespace); err != nil {
 		return err
 	}

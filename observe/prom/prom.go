@@ -74,6 +74,7 @@ func (c *Config) setDefaults() {
 // Validate reports the first field that is missing or out of range; the
 // error names it. Empty fields that have a default are valid.
 func (c Config) Validate() error {
+	c.setDefaults()
 	if c.Registerer == nil {
 		return errors.New("prom: Config.Registerer is required: a *prometheus.Registry or prometheus.DefaultRegisterer")
 	}

@@ -54,6 +54,7 @@ func (c *RetryCollectorConfig) setDefaults() {
 // Validate reports the first field that is out of range; the error names
 // it. Empty fields that have a default are valid.
 func (c RetryCollectorConfig) Validate() error {
+	c.setDefaults()
 	if err := validateNamespace("RetryCollectorConfig", c.Namespace); err != nil {
 		return err
 	}

@@ -85,6 +85,7 @@ type Config struct {
 // Validate reports the first invalid field of c. Zero values, which take
 // defaults, are valid.
 func (c Config) Validate() error {
+	c = c.withDefaults()
 	if c.Brokers < 0 {
 		return fmt.Errorf("%w: Config.Brokers is %d, want >= 0", ErrInvalidConfig, c.Brokers)
 	}
