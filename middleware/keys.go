@@ -73,6 +73,9 @@ func KeyFromJSON(path string) KeyFunc {
 		dec := json.NewDecoder(bytes.NewReader(msg.Payload))
 		dec.UseNumber()
 		var doc any
+		if len(bytes.TrimLeft(msg.Payload, " \t\r\n")) == 0 {
+			return "", keyError(nil, "payload is empty, so key field %q cannot be read", path)
+		}
 		if err := dec.Decode(&doc); err != nil {
 			return "", keyError(err, "payload is not JSON, so key field %q cannot be read", path)
 		}
@@ -82,6 +85,9 @@ func KeyFromJSON(path string) KeyFunc {
 		v := doc
 		for i, p := range parts {
 			obj, ok := v.(map[string]any)
+			if !ok && i == 0 {
+				return "", keyError(nil, "key field %q: the payload is not a JSON object", path)
+			}
 			if !ok {
 				return "", keyError(nil, "key field %q: %q is not a JSON object", path, strings.Join(parts[:i], "."))
 			}

@@ -169,3 +169,101 @@ func decodeNumber(payload []byte, v *any) error {
 	dec.UseNumber()
 	return dec.Decode(v)
 }
+
+// TestBadKeys: each key a message cannot give is refused with the error
+// the user reads, which wraps ErrKey (and ErrEmptyKey for an empty key)
+// and is permanent, so the message is dead-lettered on its first
+// delivery. The case names are the rows of "Bad input" in
+// docs/testing.md.
+func TestBadKeys(t *testing.T) {
+	payload := func(p string) *message.Message { return message.NewMessage("u", []byte(p)) }
+	meta := func(k, v string) *message.Message {
+		m := message.NewMessage("u", nil)
+		m.Metadata.Set(k, v)
+		return m
+	}
+	const prefix = "middleware: cannot read message key: "
+	for _, tc := range []struct {
+		name  string
+		fn    KeyFunc
+		msg   *message.Message
+		empty bool
+		want  string
+	}{
+		{"payload not JSON", KeyFromJSON("orderId"), payload(`not json`), false,
+			`payload is not JSON, so key field "orderId" cannot be read: invalid character 'o' in literal null (expecting 'u')`},
+		{"empty payload", KeyFromJSON("orderId"), payload(" \n"), false,
+			`payload is empty, so key field "orderId" cannot be read`},
+		{"data after the JSON value", KeyFromJSON("orderId"), payload(`{"orderId":"A"} trailing garbage {{{`), false,
+			`payload has data after its JSON value at byte 15, so key field "orderId" cannot be read: send one JSON object per message`},
+		{"second JSON value", KeyFromJSON("orderId"), payload(`{"orderId":"A"} {"orderId":"B"}`), false,
+			`payload has data after its JSON value at byte 15, so key field "orderId" cannot be read: send one JSON object per message`},
+		{"payload a JSON array", KeyFromJSON("orderId"), payload(`[{"orderId":"A"}]`), false,
+			`key field "orderId": the payload is not a JSON object`},
+		{"key field missing", KeyFromJSON("orderId"), payload(`{"amount":5}`), true,
+			`key field "orderId" is missing from the payload: middleware: message key is empty`},
+		{"key field null", KeyFromJSON("orderId"), payload(`{"orderId":null}`), true,
+			`key field "orderId" is missing from the payload: middleware: message key is empty`},
+		{"key field empty string", KeyFromJSON("orderId"), payload(`{"orderId":""}`), true,
+			`key field "orderId" is an empty string: middleware: message key is empty`},
+		{"key field a bool", KeyFromJSON("orderId"), payload(`{"orderId":true}`), false,
+			`key field "orderId" is a bool, want a string or a number`},
+		{"key field an object", KeyFromJSON("orderId"), payload(`{"orderId":{"id":1}}`), false,
+			`key field "orderId" is a JSON object, want a string or a number`},
+		{"key field an array", KeyFromJSON("orderId"), payload(`{"orderId":[1]}`), false,
+			`key field "orderId" is a JSON array, want a string or a number`},
+		{"key number too long", KeyFromJSON("orderId"), payload(`{"orderId":1e600}`), false,
+			`key field "orderId" is the number "1e600", whose plain decimal form is longer than 512 bytes: use a string or KeyFromHash`},
+		{"dotted path through a string", KeyFromJSON("order.id"), payload(`{"order":"A"}`), false,
+			`key field "order.id": "order" is not a JSON object`},
+		{"idempotency_key present but empty", DefaultKey, meta(delivery.IdempotencyKey, ""), true,
+			`metadata "idempotency_key" is present but empty: middleware: message key is empty`},
+		{"no idempotency_key and no UUID", DefaultKey, message.NewMessage("", nil), true,
+			`no "idempotency_key" metadata and no message UUID: middleware: message key is empty`},
+		{"metadata key field missing", KeyFromMetadata("order_id"), meta("x", "y"), true,
+			`metadata field "order_id" is missing or empty: middleware: message key is empty`},
+		{"key over 512 bytes", KeyFromMetadata("order_id"), meta("order_id", strings.Repeat("k", 513)), false,
+			`key is 513 bytes, more than 512: hash it with KeyFromHash`},
+		{"key with a NUL byte", KeyFromMetadata("order_id"), meta("order_id", "a\x00b"), false,
+			`key "a\x00b" is not valid UTF-8 text without NUL bytes`},
+		{"key not UTF-8", KeyFromMetadata("order_id"), meta("order_id", "a\xffb"), false,
+			`key "a\xffb" is not valid UTF-8 text without NUL bytes`},
+		{"key function panics", func(*message.Message) (string, error) { panic("boom") }, meta("x", "y"), false,
+			`key function panicked: boom`},
+		{"key function returns an empty key", func(*message.Message) (string, error) { return "", nil }, meta("x", "y"), true,
+			`key function returned an empty key: middleware: message key is empty`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			k, err := keyOf(tc.fn, tc.msg)
+			if err == nil {
+				t.Fatalf("key %q accepted", k)
+			}
+			if got := err.Error(); got != prefix+tc.want {
+				t.Fatalf("error\n got %s\nwant %s", got, prefix+tc.want)
+			}
+			if !errors.Is(err, ErrKey) || !IsPermanent(err) || errors.Is(err, ErrEmptyKey) != tc.empty {
+				t.Fatalf("error %v: ErrKey %v, permanent %v, ErrEmptyKey %v (want %v)",
+					err, errors.Is(err, ErrKey), IsPermanent(err), errors.Is(err, ErrEmptyKey), tc.empty)
+			}
+		})
+	}
+}
+
+// TestKeyFromJSONNumbers: one key for every spelling of a number's value.
+func TestKeyFromJSONNumbers(t *testing.T) {
+	for want, spellings := range map[string][]string{
+		"1":        {"1", "1.0", "1e0", "10e-1", "0.1e1", "1.000E+0"},
+		"-42":      {"-42", "-42.00", "-4.2e1", "-420e-1"},
+		"0":        {"0", "-0", "0.0", "0e5", "-0.0e-9", "0e99999999999999999999"},
+		"1.5":      {"1.5", "1.50", "15e-1", "0.15E1"},
+		"0.000123": {"0.000123", "1.23e-4", "123e-6"},
+		"12300":    {"12300", "1.23e4", "123e2", "12300.000"},
+	} {
+		for _, s := range spellings {
+			got, err := KeyFromJSON("id")(message.NewMessage("u", []byte(`{"id":`+s+`}`)))
+			if err != nil || got != want {
+				t.Errorf("%s: got %q, %v; want %q", s, got, err, want)
+			}
+		}
+	}
+}
