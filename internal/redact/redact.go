@@ -103,6 +103,11 @@ func Query(raw string) string {
 			continue
 		}
 		if !hasValue {
+			// A part without "=" is a flag, unless it holds user info:
+			// "?0://user:pass@host" parses as a query of one part.
+			if strings.Contains(key, "@") {
+				parts[i] = Mask
+			}
 			continue
 		}
 		decoded, err := url.QueryUnescape(value)
