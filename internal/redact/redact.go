@@ -75,6 +75,11 @@ func URL(raw string) string {
 			u.User = url.User(Mask)
 		}
 	}
+	if u.Fragment != "" {
+		// No broker or database URL has a fragment: one is a mistyped
+		// query, which may hold a secret.
+		u.Fragment, u.RawFragment = Mask, ""
+	}
 	query := u.RawQuery
 	u.RawQuery, u.ForceQuery = "", false
 	s := u.String()
