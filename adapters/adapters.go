@@ -40,8 +40,10 @@ package adapters
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/url"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -123,6 +125,10 @@ var brokerPackages = map[string]string{
 
 func init() {
 	brokerurl.Register(openGoChannel, "gochannel")
+	brokerurl.RegisterChecker(func(u *url.URL, opts brokerurl.Options) error {
+		_, err := goChannelConfig(u, opts)
+		return err
+	}, "gochannel")
 }
 
 // Open returns a publisher and subscriber for rawURL. It checks that the
@@ -145,31 +151,121 @@ func Open(ctx context.Context, rawURL string, opts Options) (*PubSub, error) {
 	if opts.Logger == nil {
 		opts.Logger = watermill.NopLogger{}
 	}
-	u, err := url.Parse(rawURL)
+	u, open, err := checkURL(rawURL, opts)
 	if err != nil {
-		// url.Parse's error repeats the URL, password included.
-		return nil, fmt.Errorf("%w: cannot parse %q", ErrBadURL, redact.URL(rawURL))
-	}
-	safe := redact.URL(rawURL)
-	const schemes = "kafka://, amqp://, sqs://, nats://, postgres:// or gochannel://"
-	if u.Scheme == "" {
-		return nil, fmt.Errorf("%w: %q has no scheme; use %s", ErrUnknownScheme, safe, schemes)
-	}
-	open, ok := brokerurl.Lookup(u.Scheme)
-	if !ok {
-		if pkg, known := brokerPackages[u.Scheme]; known {
-			return nil, fmt.Errorf("%w: %s:// in %q needs its broker package; add import _ %q",
-				ErrNotLinked, u.Scheme, safe, "github.com/oncemill/oncemill/adapters/"+pkg)
-		}
-		return nil, fmt.Errorf("%w %q in %q; use %s", ErrUnknownScheme, u.Scheme, safe, schemes)
+		return nil, err
 	}
 	o, err := open(ctx, u, brokerurl.Options{Logger: opts.Logger, ConsumerGroup: opts.ConsumerGroup, ConnectTimeout: opts.ConnectTimeout})
 	if err != nil {
-		return nil, fmt.Errorf("adapters: open %s: %w", safe, redact.Error(err, rawURL))
+		return nil, fmt.Errorf("adapters: open %s: %w", redact.URL(rawURL), redact.Error(err, rawURL))
 	}
 	pub := o.Publisher
 	if o.InProcess != "" {
 		pub = &inProcessPublisher{Publisher: pub, reason: o.InProcess}
 	}
 	return &PubSub{Publisher: pub, Subscriber: o.Subscriber, Scheme: u.Scheme, closers: o.Closers}, nil
+}
+
+// schemes lists the schemes, for the errors of a URL without a known one.
+const schemes = "kafka://, amqp://, sqs://, nats://, postgres:// or gochannel://"
+
+// defaultSchemes guess the scheme of an address written without one from
+// its port, for the error that says to add it.
+var defaultSchemes = map[string]string{"9092": "kafka", "5672": "amqp", "5671": "amqps", "4222": "nats", "5432": "postgres"}
+
+// defaultScheme returns the scheme of the broker that usually listens on
+// port, else amqp.
+func defaultScheme(port string) string {
+	if s, ok := defaultSchemes[port]; ok {
+		return s
+	}
+	return "amqp"
+}
+
+// checkURL reads rawURL and opts as Open does, without connecting: it
+// returns the parsed URL and the opener of its scheme, or the error Open
+// returns for them, which names the part at fault and the fix and never
+// holds a credential of rawURL.
+func checkURL(rawURL string, opts Options) (*url.URL, brokerurl.Opener, error) {
+	safe := redact.URL(rawURL)
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return nil, nil, parseError(rawURL, safe, err)
+	}
+	if u.Scheme == "" {
+		return nil, nil, fmt.Errorf("%w: %q has no scheme; use %s", ErrUnknownScheme, safe, schemes)
+	}
+	open, ok := brokerurl.Lookup(u.Scheme)
+	if !ok {
+		if pkg, known := brokerPackages[u.Scheme]; known {
+			return nil, nil, fmt.Errorf("%w: %s:// in %q needs its broker package; add import _ %q",
+				ErrNotLinked, u.Scheme, safe, "github.com/oncemill/oncemill/adapters/"+pkg)
+		}
+		if port := strings.TrimRight(u.Opaque, "/"); port != "" && strings.Trim(port, "0123456789") == "" {
+			// localhost:5672 parses as scheme "localhost".
+			return nil, nil, fmt.Errorf("%w %q in %q: it looks like host:port without a scheme; write it as %s://%s/",
+				ErrUnknownScheme, u.Scheme, safe, defaultScheme(port), strings.TrimRight(safe, "/"))
+		}
+		return nil, nil, fmt.Errorf("%w %q in %q; use %s", ErrUnknownScheme, u.Scheme, safe, schemes)
+	}
+	if u.Host != "" && u.Hostname() == "" {
+		return nil, nil, fmt.Errorf("%w: %q has a port but no host: write the host before it, e.g. %s://127.0.0.1:%s/",
+			ErrBadURL, safe, u.Scheme, u.Port())
+	}
+	if check, ok := brokerurl.LookupChecker(u.Scheme); ok {
+		bopts := brokerurl.Options{Logger: opts.Logger, ConsumerGroup: opts.ConsumerGroup, ConnectTimeout: opts.ConnectTimeout}
+		if err := check(u, bopts); err != nil {
+			return nil, nil, fmt.Errorf("adapters: open %s: %w", safe, redact.Error(err, rawURL))
+		}
+	}
+	return u, open, nil
+}
+
+// parseError says why url.Parse refused rawURL, whose redacted form is
+// safe, and how to write it; url.Parse's own error repeats the URL,
+// password included, so none of its text is used but what names the
+// fault.
+func parseError(rawURL, safe string, err error) error {
+	var esc url.EscapeError
+	var badHost url.InvalidHostError
+	switch {
+	case !strings.Contains(rawURL, "://"):
+		scheme := defaultScheme("")
+		if i := strings.LastIndexByte(rawURL, ':'); i >= 0 {
+			scheme = defaultScheme(strings.TrimRight(rawURL[i+1:], "/"))
+		}
+		return fmt.Errorf("%w: %q has no scheme: write it as %s://%s/ (the scheme names the broker: %s)",
+			ErrBadURL, safe, scheme, strings.TrimRight(safe, "/"), schemes)
+	case errors.As(err, &esc):
+		return fmt.Errorf("%w: %q has the invalid escape %q: write a literal %% as %%25, and other reserved characters as %%XX",
+			ErrBadURL, safe, string(esc))
+	case errors.As(err, &badHost):
+		return fmt.Errorf("%w: %q has a character %q that a host cannot hold: percent-escape it, or check the host",
+			ErrBadURL, safe, string(badHost))
+	}
+	host := authority(rawURL)
+	if strings.Contains(host, ",,") || strings.HasSuffix(host, ",") || strings.HasPrefix(host, ",") {
+		return fmt.Errorf("%w: %q has an empty address in its host list: separate hosts by single commas, e.g. host1:9092,host2:9092",
+			ErrBadURL, safe)
+	}
+	if strings.Contains(err.Error(), "missing ']'") {
+		return fmt.Errorf("%w: %q has an IPv6 host without its closing ]: write it as [::1]:5672", ErrBadURL, safe)
+	}
+	if strings.Contains(err.Error(), "invalid port") {
+		return fmt.Errorf("%w: %q has a port that is not a number: write host:port, e.g. 127.0.0.1:5672", ErrBadURL, safe)
+	}
+	return fmt.Errorf("%w: cannot parse %q: check it against scheme://user:password@host:port/path?parameter=value", ErrBadURL, safe)
+}
+
+// authority returns the host part of rawURL: after "//" and any user
+// info, up to the path, query or fragment.
+func authority(rawURL string) string {
+	_, rest, _ := strings.Cut(rawURL, "//")
+	if i := strings.IndexAny(rest, "/?#"); i >= 0 {
+		rest = rest[:i]
+	}
+	if i := strings.LastIndexByte(rest, '@'); i >= 0 {
+		rest = rest[i+1:]
+	}
+	return rest
 }

@@ -140,21 +140,39 @@ func (g *GoChannel) Close() error { return g.gc.Close() }
 // so that a URL switches between brokers by its scheme alone, and checked,
 // but GoChannel has neither groups nor connections.
 func openGoChannel(_ context.Context, u *url.URL, opts brokerurl.Options) (*brokerurl.Opened, error) {
-	q, err := brokerurl.Query(u, "persistent")
-	if err != nil {
-		return nil, err
-	}
-	if _, err := brokerurl.Group(q, opts); err != nil {
-		return nil, err
-	}
-	if _, err := brokerurl.ConnectTimeout(q, opts); err != nil {
-		return nil, err
-	}
-	persistent, err := brokerurl.Bool(q, "persistent", false)
+	persistent, err := goChannelConfig(u, opts)
 	if err != nil {
 		return nil, err
 	}
 	gc := NewGoChannel(gochannel.Config{Persistent: persistent, OutputChannelBuffer: 1024}, opts.Logger)
 	// GoChannel's Close is idempotent: PubSub.Close calls it twice.
 	return &brokerurl.Opened{Publisher: gc, Subscriber: gc}, nil
+}
+
+// goChannelConfig reads a gochannel:// URL and opts: whether the channel
+// is persistent. A host, port, user or path is an error: the channel is
+// in this process, and a URL that names somewhere else was meant for
+// another scheme.
+func goChannelConfig(u *url.URL, opts brokerurl.Options) (bool, error) {
+	switch {
+	case u.Opaque != "":
+		return false, fmt.Errorf("%w: gochannel: %q after the scheme: write gochannel:// with only parameters, e.g. gochannel://?persistent=true", brokerurl.ErrBadURL, u.Opaque)
+	case u.Host != "":
+		return false, fmt.Errorf("%w: gochannel:// names host %q, but the channel lives in this process: write gochannel://?persistent=true, or the scheme of the broker at that host", brokerurl.ErrBadURL, u.Host)
+	case u.User != nil:
+		return false, fmt.Errorf("%w: gochannel:// has user info, which it does not use: remove it", brokerurl.ErrBadURL)
+	case u.Path != "" && u.Path != "/":
+		return false, fmt.Errorf("%w: gochannel:// has a path %q, which it does not use: remove it", brokerurl.ErrBadURL, u.Path)
+	}
+	q, err := brokerurl.Query(u, "persistent")
+	if err != nil {
+		return false, err
+	}
+	if _, err := brokerurl.Group(q, opts); err != nil {
+		return false, err
+	}
+	if _, err := brokerurl.ConnectTimeout(q, opts); err != nil {
+		return false, err
+	}
+	return brokerurl.Bool(q, "persistent", false)
 }

@@ -24,13 +24,13 @@ func TestOpenBadURLs(t *testing.T) {
 	}{
 		{"mqtt://127.0.0.1:1883", adapters.ErrUnknownScheme, `unknown broker scheme "mqtt"`},
 		{"nats://oncemill:hunter2@127.0.0.1:1?group=g&connect_timeout=2s", nil, "nats: connect to nats://xxxxx@127.0.0.1:1"},
-		{"127.0.0.1:9092", adapters.ErrBadURL, "cannot parse"},
-		{"localhost:9092", adapters.ErrUnknownScheme, `unknown broker scheme "localhost"`},
+		{"127.0.0.1:9092", adapters.ErrBadURL, `"127.0.0.1:9092" has no scheme: write it as kafka://127.0.0.1:9092/`},
+		{"localhost:9092", adapters.ErrUnknownScheme, `unknown broker scheme "localhost" in "localhost:9092": it looks like host:port without a scheme; write it as kafka://localhost:9092/`},
 		{"orders-topic", adapters.ErrUnknownScheme, "has no scheme"},
 		{"gochannel://?persistent=maybe", adapters.ErrBadURL, `persistent="maybe" is not a boolean`},
 		{"postgres://oncemill:hunter2@127.0.0.1:1/test?connect_timeout=2", nil, "postgres unreachable"},
 		{"postgres://oncemill:hunter2@127.0.0.1:5432/test?sslmode=bogus", adapters.ErrBadURL, "sslmode"},
-		{"amqp://oncemill:hunter2@%zz", adapters.ErrBadURL, "cannot parse"},
+		{"amqp://oncemill:hunter2@%zz", adapters.ErrBadURL, `has the invalid escape "%zz": write a literal % as %25`},
 	}
 	for _, tc := range cases {
 		_, err := adapters.Open(ctx, tc.url, adapters.Options{})

@@ -21,7 +21,13 @@ func amqpClientParams() []string {
 	return []string{"heartbeat", "channel_max", "auth_mechanism", "certfile", "keyfile", "cacertfile", "server_name_indication"}
 }
 
-func init() { brokerurl.Register(openURL, "amqp", "amqps") }
+func init() {
+	brokerurl.Register(openURL, "amqp", "amqps")
+	brokerurl.RegisterChecker(func(u *url.URL, opts brokerurl.Options) error {
+		_, err := urlConfig(u, opts)
+		return err
+	}, "amqp", "amqps")
+}
 
 // openURL opens RabbitMQ with durable quorum queues and manual acks for
 // the amqp:// and amqps:// URLs of adapters.Open. Parameters: group

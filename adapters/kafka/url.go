@@ -16,7 +16,13 @@ import (
 	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
 )
 
-func init() { brokerurl.Register(openURL, "kafka") }
+func init() {
+	brokerurl.Register(openURL, "kafka")
+	brokerurl.RegisterChecker(func(u *url.URL, opts brokerurl.Options) error {
+		_, _, _, err := urlConfigs(u, opts)
+		return err
+	}, "kafka")
+}
 
 // openURL opens Kafka through Sarama with commit-after-ack and the
 // idempotent producer for the kafka:// URLs of adapters.Open:

@@ -19,7 +19,13 @@ import (
 // natsDefaultPort is the port of a nats:// host that names none.
 const natsDefaultPort = "4222"
 
-func init() { brokerurl.Register(openURL, "nats") }
+func init() {
+	brokerurl.Register(openURL, "nats")
+	brokerurl.RegisterChecker(func(u *url.URL, opts brokerurl.Options) error {
+		_, _, err := urlConfigs(u, opts)
+		return err
+	}, "nats")
+}
 
 // openURL opens NATS JetStream for the nats:// URLs of adapters.Open: nats://host:4222?group=billing, several
 // servers as nats://h1:4222,h2:4222, user and password or a token in the

@@ -26,7 +26,13 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 )
 
-func init() { brokerurl.Register(openURL, "postgres", "postgresql") }
+func init() {
+	brokerurl.Register(openURL, "postgres", "postgresql")
+	brokerurl.RegisterChecker(func(u *url.URL, opts brokerurl.Options) error {
+		_, _, err := urlConfig(u, opts)
+		return err
+	}, "postgres", "postgresql")
+}
 
 // openURL opens watermill-sql v4 on PostgreSQL through pgx: one table
 // per topic, offsets per consumer group. Parameters: group,
@@ -34,28 +40,11 @@ func init() { brokerurl.Register(openURL, "postgres", "postgresql") }
 // first), and those of pgx (see postgresParams); the URL's own are removed
 // before the rest reaches pgx.
 func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerurl.Opened, error) {
-	q, err := brokerurl.Query(u, postgresParams()...)
+	cfg, grp, err := urlConfig(u, opts)
 	if err != nil {
 		return nil, err
 	}
-	grp, err := brokerurl.Group(q, opts)
-	if err != nil {
-		return nil, err
-	}
-	timeout, err := brokerurl.ConnectTimeout(q, opts)
-	if err != nil {
-		return nil, err
-	}
-	dsn := *u
-	q.Del("group")
-	q.Del("connect_timeout")
-	dsn.RawQuery = q.Encode()
-
-	cfg, err := pgxpool.ParseConfig(dsn.String())
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err)
-	}
-	cfg.ConnConfig.ConnectTimeout = timeout
+	timeout := cfg.ConnConfig.ConnectTimeout
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err)
@@ -92,6 +81,34 @@ func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerur
 		return nil, errors.Join(fmt.Errorf("watermill-sql subscriber: %w", err), pub.Close(), closePool())
 	}
 	return &brokerurl.Opened{Publisher: pub, Subscriber: sub, Closers: []func() error{closePool}}, nil
+}
+
+// urlConfig reads a postgres:// URL and opts into a checked pool config,
+// whose connect timeout is set, and the consumer group.
+func urlConfig(u *url.URL, opts brokerurl.Options) (*pgxpool.Config, string, error) {
+	q, err := brokerurl.Query(u, postgresParams()...)
+	if err != nil {
+		return nil, "", err
+	}
+	grp, err := brokerurl.Group(q, opts)
+	if err != nil {
+		return nil, "", err
+	}
+	timeout, err := brokerurl.ConnectTimeout(q, opts)
+	if err != nil {
+		return nil, "", err
+	}
+	dsn := *u
+	q.Del("group")
+	q.Del("connect_timeout")
+	dsn.RawQuery = q.Encode()
+
+	cfg, err := pgxpool.ParseConfig(dsn.String())
+	if err != nil {
+		return nil, "", fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err)
+	}
+	cfg.ConnConfig.ConnectTimeout = timeout
+	return cfg, grp, nil
 }
 
 // postgresParams are the URL parameters pgx reads: pgconn's connection

@@ -16,7 +16,13 @@ import (
 	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
 )
 
-func init() { brokerurl.Register(openURL, "sqs") }
+func init() {
+	brokerurl.Register(openURL, "sqs")
+	brokerurl.RegisterChecker(func(u *url.URL, opts brokerurl.Options) error {
+		_, _, _, err := urlConfigs(u, opts)
+		return err
+	}, "sqs")
+}
 
 // openURL opens Amazon SQS for the sqs:// URLs of adapters.Open: sqs://region?endpoint=…&create=true. Access
 // keys come from the URL's user info (sqs://KEY:SECRET@region, handy for

@@ -46,8 +46,8 @@ func badInputTests(t *testing.T) map[string]string {
 			tests[m[1]] = line
 		}
 	}
-	if rows < 35 {
-		t.Errorf("the Bad input tables have %d rows, want at least 35", rows)
+	if rows < 60 {
+		t.Errorf("the Bad input tables have %d rows, want at least 60", rows)
 	}
 	return tests
 }

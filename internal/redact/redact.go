@@ -75,6 +75,11 @@ func URL(raw string) string {
 			u.User = url.User(Mask)
 		}
 	}
+	if u.Fragment != "" {
+		// No broker or database URL has a fragment: one is a mistyped
+		// query, which may hold a secret.
+		u.Fragment, u.RawFragment = Mask, ""
+	}
 	query := u.RawQuery
 	u.RawQuery, u.ForceQuery = "", false
 	s := u.String()
@@ -103,6 +108,11 @@ func Query(raw string) string {
 			continue
 		}
 		if !hasValue {
+			// A part without "=" is a flag, unless it holds user info:
+			// "?0://user:pass@host" parses as a query of one part.
+			if strings.Contains(key, "@") {
+				parts[i] = Mask
+			}
 			continue
 		}
 		decoded, err := url.QueryUnescape(value)

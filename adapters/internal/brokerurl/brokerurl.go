@@ -81,11 +81,40 @@ type Opener func(ctx context.Context, u *url.URL, opts Options) (*Opened, error)
 // addresses to reach it and the function that stops it.
 type EmbeddedStarter func(logger watermill.LoggerAdapter) (addrs []string, stop func() error, err error)
 
+// A Checker reads a parsed URL of its scheme and the options as its
+// [Opener] does, and returns the error the Opener would give for them,
+// without connecting or starting anything.
+type Checker func(u *url.URL, opts Options) error
+
 var (
 	mu       sync.RWMutex
 	openers  = map[string]Opener{}
+	checkers = map[string]Checker{}
 	embedded = map[string]EmbeddedStarter{}
 )
+
+// RegisterChecker makes check the checker of schemes, whose opener reads
+// the URL the same way before it connects. It panics if a scheme has one
+// already.
+func RegisterChecker(check Checker, schemes ...string) {
+	mu.Lock()
+	defer mu.Unlock()
+	for _, s := range schemes {
+		if _, dup := checkers[s]; dup {
+			panic("adapters: checker for scheme " + s + " registered twice")
+		}
+		checkers[s] = check
+	}
+}
+
+// LookupChecker returns the checker of scheme, if a linked package
+// registered one.
+func LookupChecker(scheme string) (Checker, bool) {
+	mu.RLock()
+	defer mu.RUnlock()
+	check, ok := checkers[scheme]
+	return check, ok
+}
 
 // Register makes open the opener of schemes. It panics if a scheme has
 // one already: two packages claiming one scheme is a programming error.
