@@ -107,13 +107,16 @@ func Query(raw string) string {
 			parts[i] = Mask
 			continue
 		}
-		if !hasValue {
-			// A part without "=" is a flag, unless it holds user info:
-			// "?0://user:pass@host" parses as a query of one part.
-			if strings.Contains(key, "@") {
-				parts[i] = Mask
-			}
+		if strings.Contains(key, "@") {
+			// A name that holds user info is a mistyped URL, not a
+			// parameter: "?0://user:pass@host" parses as a query whose
+			// first part is named "0://user:pass@host", with or without
+			// an "=" after it.
+			parts[i] = Mask
 			continue
+		}
+		if !hasValue {
+			continue // a flag
 		}
 		decoded, err := url.QueryUnescape(value)
 		switch {

@@ -38,6 +38,7 @@ func TestURL(t *testing.T) {
 		// MySQL: URL and DSN
 		{"mysql://root:hunter2@127.0.0.1:3306/test?timeout=3s", "mysql://root:xxxxx@127.0.0.1:3306/test?timeout=3s"},
 		{"?0://u:hunter2@h?a&b=1", "?xxxxx&b=xxxxx"},
+		{"?://0:hunter2@0?=&=&0=hunter2", "?xxxxx&=xxxxx&0=xxxxx"},
 		{"root:hunter2@tcp(127.0.0.1:3306)/test?parseTime=true", "root:xxxxx@tcp(127.0.0.1:3306)/test?parseTime=true"},
 		{"root:hunter2@unix(/tmp/mysql.sock)/test", "root:xxxxx@unix(/tmp/mysql.sock)/test"},
 		{"mysql:root:hunter2@tcp(h:3306)/test", "mysql:root:xxxxx@tcp(h:3306)/test"},
