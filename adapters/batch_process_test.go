@@ -32,7 +32,7 @@ const (
 	batchMaxMessages = 16
 	// batchKeys is how many keys the crash test publishes, batchKills how
 	// often it SIGKILLs the consumer before it lets one finish.
-	batchKeys  = 480
+	batchKeys  = 480 // a multiple of batchKills+1
 	batchKills = 4
 )
 
@@ -190,21 +190,31 @@ func runBatchCrash(t *testing.T, b broker, subscriptions int, bulk bool) {
 	// The first consumer subscribes before anything is published, so that
 	// RabbitMQ has its queue.
 	c := batchRole.Start(t, cfg)
-	for k := range batchKeys {
-		key := fmt.Sprintf("entry-%d", k)
-		msg := message.NewMessage(watermill.NewUUID(), []byte(key))
-		msg.Metadata.Set(delivery.IdempotencyKey, key)
-		msg.Metadata.Set(delivery.PartitionKey, key)
-		require.NoError(t, producer.Publisher.Publish(topic, msg))
+	// The keys go out in batchKills+1 chunks, the next one just before
+	// each kill is aimed, so that work is always left for the kill to cut,
+	// however fast or slow the machine (with every key published at once,
+	// a loaded machine overshot each kill's mark and the last ones found
+	// nothing open).
+	chunk := batchKeys / (batchKills + 1)
+	publish := func(n int) {
+		for k := n * chunk; k < (n+1)*chunk; k++ {
+			key := fmt.Sprintf("entry-%d", k)
+			msg := message.NewMessage(watermill.NewUUID(), []byte(key))
+			msg.Metadata.Set(delivery.IdempotencyKey, key)
+			msg.Metadata.Set(delivery.PartitionKey, key)
+			require.NoError(t, producer.Publisher.Publish(topic, msg))
+		}
 	}
+	publish(0)
 
 	effects := func() int { return db.Count(t, `SELECT count(*) FROM {S}.effects`) }
 	type kill struct{ effects, openTx, dead int }
 	var kills []kill
 	for k := 1; k <= batchKills; k++ {
-		want := k * batchKeys / (batchKills + 2)
+		want := (k-1)*chunk + chunk/2
 		require.Eventually(t, func() bool { return effects() >= want }, time.Minute, 5*time.Millisecond,
 			"kill %d: fewer than %d effects; output:\n%s", k, want, c.Out.String())
+		publish(k)
 		// A transaction of the consumer that wrote (a batch's claim, its
 		// effects) and has not ended.
 		var open int

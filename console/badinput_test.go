@@ -26,7 +26,7 @@ func TestConsoleBadInput(t *testing.T) {
 		"form over 1 MiB without CSRF token": {"POST", "/dlq/confirm", big, false, nil, 413, "Refused: form too large (limit 1 MiB)."},
 		"form without CSRF token":            {"POST", "/dlq/confirm", "action=purge&scope=entry&ids=1", false, nil, 403, "Refused: the form's CSRF token is missing or does not belong to this session. Reload the page and try again."},
 		"form from another origin":           {"POST", "/dlq/confirm", "action=purge", true, map[string]string{"Sec-Fetch-Site": "cross-site"}, 403, "Refused: the request comes from another origin."},
-		"unknown dead-letter action":         {"POST", "/dlq/confirm", "action=explode", true, nil, 400, `Unknown action "explode": use replay-consumer, replay-topic or purge.`},
+		"unknown dead-letter action":         {"POST", "/dlq/confirm", "action=explode", true, nil, 400, `Unknown action "explode": use replay-consumer, replay-topic, reopen or purge.`},
 		"unknown dead-letter scope":          {"POST", "/dlq/confirm", "action=purge&scope=all", true, nil, 400, `Unknown scope "all": use entry, selection, group or filter.`},
 		"selection without ids":              {"POST", "/dlq/confirm", "action=purge&scope=selection", true, nil, 400, "No entries selected: tick the entries first."},
 		"reversed id range":                  {"POST", "/dlq/confirm", "action=purge&confirm=1&ids=5-1", true, nil, 400, `bad id range "5-1"`},

@@ -405,7 +405,7 @@ func TestLogin(t *testing.T) {
 
 	tampered := &client{t: t, h: c, cookie: &http.Cookie{Name: ck.Name, Value: ck.Value[:len(ck.Value)-2] + "xx"}}
 	require.Equal(t, http.StatusUnauthorized, tampered.get("/").Code)
-	other := f.console(func(cfg *console.Config) { cfg.Token = "another-token" })
+	other := f.console(func(cfg *console.Config) { cfg.Token = "another-token-0123456789" })
 	require.Equal(t, http.StatusUnauthorized, (&client{t: t, h: other, cookie: browser.cookie}).get("/").Code,
 		"a cookie of another token")
 
