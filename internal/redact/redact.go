@@ -133,6 +133,12 @@ func Query(raw string) string {
 // a host: the user info before the last '@' of the authority (or of a
 // DSN's start, up to "@tcp(" or the like), and the query.
 func rawURL(raw string) string {
+	if q, sep := strings.Index(raw, "?"), strings.Index(raw, "://"); q >= 0 && sep > q {
+		// "?://user:pa&ss@host?…": the '?' belongs to a mistyped scheme,
+		// not to a query, and the user info after "://" may hold the
+		// '&' that would split it into query parts.
+		return raw[:sep+3] + rawURL(raw[sep+3:])
+	}
 	s, query, hasQuery := strings.Cut(raw, "?")
 	prefix, rest := "", s
 	if scheme, after, ok := strings.Cut(s, "://"); ok {

@@ -37,8 +37,9 @@ func TestURL(t *testing.T) {
 		{"sqs://us-east-1?endpoint=http://TOKEN123@h", "sqs://us-east-1?endpoint=http://xxxxx@h"},
 		// MySQL: URL and DSN
 		{"mysql://root:hunter2@127.0.0.1:3306/test?timeout=3s", "mysql://root:xxxxx@127.0.0.1:3306/test?timeout=3s"},
-		{"?0://u:hunter2@h?a&b=1", "?xxxxx&b=xxxxx"},
-		{"?://0:hunter2@0?=&=&0=hunter2", "?xxxxx&=xxxxx&0=xxxxx"},
+		{"?0://u:hunter2@h?a&b=1", "?0://u:xxxxx@h?a&b=xxxxx"},
+		{"?://0:hunter2@0?=&=&0=hunter2", "?://0:xxxxx@0?=xxxxx&=xxxxx&0=xxxxx"},
+		{"?://0:hunt&er2@0?0&0=hunter2", "?://0:xxxxx@0?0&0=xxxxx"},
 		{"root:hunter2@tcp(127.0.0.1:3306)/test?parseTime=true", "root:xxxxx@tcp(127.0.0.1:3306)/test?parseTime=true"},
 		{"root:hunter2@unix(/tmp/mysql.sock)/test", "root:xxxxx@unix(/tmp/mysql.sock)/test"},
 		{"mysql:root:hunter2@tcp(h:3306)/test", "mysql:root:xxxxx@tcp(h:3306)/test"},
