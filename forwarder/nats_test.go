@@ -121,6 +121,8 @@ func TestRelayToNATS(t *testing.T) {
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return b.count(t, "outbox") == 0 }, time.Minute, 5*time.Millisecond,
 		"once the stream exists, the relay empties the outbox")
+	// The hook hears of a batch after its delete commits: wait for it.
+	require.Eventually(t, func() bool { return batches.snapshot().rows >= n }, 10*time.Second, 5*time.Millisecond)
 	s = batches.snapshot()
 	require.Zero(t, s.other, "%v", s.firstOther)
 	require.Equal(t, n, s.rows, "every row published and deleted once")
@@ -137,6 +139,7 @@ func TestRelayToNATS(t *testing.T) {
 	require.Eventually(t, func() bool { return b.count(t, "outbox") == 0 }, time.Minute, 10*time.Millisecond,
 		"once the server is back, the relay empties the outbox")
 	require.Equal(t, n+m, streamMsgs(), "the stream holds each row once")
+	require.Eventually(t, func() bool { return batches.snapshot().rows >= n+m }, 10*time.Second, 5*time.Millisecond)
 	require.Equal(t, n+m, batches.snapshot().rows, "every row published and deleted once")
 
 	sub, err := nats.NewSubscriber(context.Background(), nats.SubscriberConfig{Config: cfg, ConsumerGroup: "shipping"})
