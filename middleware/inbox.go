@@ -21,31 +21,50 @@ import (
 // must be set; it chooses the mode. The first fields are the ones most
 // consumers set; [InboxTuning] holds the performance knobs.
 type InboxConfig struct {
-	// TxStore claims keys in the handler's own transaction (transactional mode); the handler reads it with the store's accessor, e.g. postgres.Tx(msg.Context()).
+	// TxStore claims keys in the handler's own transaction (transactional mode);
+	// the handler reads it with the store's accessor, e.g.
+	// postgres.Tx(msg.Context()).
 	TxStore dedup.TxStore
-	// LeaseStore claims keys as fenced leases (lease mode), for effects outside the database; the handler passes IdempotencyKey(ctx) to the effect.
+	// LeaseStore claims keys as fenced leases (lease mode), for effects outside
+	// the database; the handler passes IdempotencyKey(ctx) to the effect.
 	LeaseStore dedup.LeaseStore
 	// Key extracts the key from a message. Defaults to [DefaultKey].
 	Key KeyFunc
-	// Window is how long a key is remembered; it must exceed the longest time in which the broker may redeliver. Defaults to 72 hours.
+	// Window is how long a key is remembered; it must exceed the longest time in
+	// which the broker may redeliver. Defaults to 72 hours.
 	Window time.Duration
-	// Logger receives duplicates dropped (Debug), copies of dead keys dropped (Info), failures and state changes (Error); watermill.NopLogger{} silences it. Defaults to watermill.NewSlogLogger(nil), slog.Default() when the inbox is built.
+	// Logger receives duplicates dropped (Debug), copies of dead keys dropped
+	// (Info), failures and state changes (Error); watermill.NopLogger{} silences
+	// it. Defaults to watermill.NewSlogLogger(nil), slog.Default() when the inbox
+	// is built.
 	Logger watermill.LoggerAdapter
 
-	// Consumer scopes keys, so that two consumers of one topic keep separate records. Defaults to the router handler's name.
+	// Consumer scopes keys, so that two consumers of one topic keep separate
+	// records. Defaults to the router handler's name.
 	Consumer string
-	// Lease is how long a lease-mode claim holds the key, renewed every Lease/3 while the handler runs; it must be shorter than Window. Lease mode only. Defaults to 30 seconds.
+	// Lease is how long a lease-mode claim holds the key, renewed every Lease/3
+	// while the handler runs; it must be shorter than Window. Lease mode only.
+	// Defaults to 30 seconds.
 	Lease time.Duration
-	// FinishTimeout bounds the commit, complete or release that ends an attempt, on a context detached from the message's (docs/guarantee.md, shutdown). Defaults to 5 seconds.
+	// FinishTimeout bounds the commit, complete or release that ends an attempt,
+	// on a context detached from the message's (docs/guarantee.md, shutdown).
+	// Defaults to 5 seconds.
 	FinishTimeout time.Duration
-	// DrainTimeout is how long a handler running at shutdown keeps a live context before it is cancelled and rolled back (docs/guarantee.md, shutdown). Defaults to 20 seconds.
+	// DrainTimeout is how long a handler running at shutdown keeps a live context
+	// before it is cancelled and rolled back (docs/guarantee.md, shutdown).
+	// Defaults to 20 seconds.
 	DrainTimeout time.Duration
-	// Outbox, when set, writes the handler's produced messages into an outbox in the inbox's transaction instead of returning them (forwarder.InboxOutbox). Transactional mode only. Defaults to nil (returned to the router).
+	// Outbox, when set, writes the handler's produced messages into an outbox in
+	// the inbox's transaction instead of returning them (forwarder.InboxOutbox).
+	// Transactional mode only. Defaults to nil (returned to the router).
 	Outbox func(ctx context.Context, produced []*message.Message) error
-	// Hooks receive each delivery's outcome, timings and trace steps (observe.InboxHook, observe.InboxTraceHook; observe/prom, observe/tracing). Defaults to none.
+	// Hooks receive each delivery's outcome, timings and trace steps
+	// (observe.InboxHook, observe.InboxTraceHook; observe/prom, observe/tracing).
+	// Defaults to none.
 	Hooks []observe.Hook
 
-	// Tuning holds the performance knobs; their costs are measured in docs/stores.md and docs/benchmarks.md. Defaults to the zero value.
+	// Tuning holds the performance knobs; their costs are measured in
+	// docs/stores.md and docs/benchmarks.md. Defaults to the zero value.
 	Tuning InboxTuning
 }
 
@@ -53,13 +72,22 @@ type InboxConfig struct {
 // trip, a wait or a guarantee for throughput; docs/stores.md ("Round trips
 // per delivery") counts what each one costs and saves.
 type InboxTuning struct {
-	// SkipAttemptRecord leaves out the attempt record before the transaction for every delivery, not only a broker-counted first one: one round trip less per new key, but no crash-loop count and three round trips per duplicate. Transactional mode. Defaults to false.
+	// SkipAttemptRecord leaves out the attempt record before the transaction for
+	// every delivery, not only a broker-counted first one: one round trip less per
+	// new key, but no crash-loop count and three round trips per duplicate.
+	// Transactional mode. Defaults to false.
 	SkipAttemptRecord bool
-	// PipelineClaim sends BEGIN, the claim and the attempt record in one round trip, with stores that can (dedupdriver.StartClaimer, dedupdriver.BeginClaimer). Transactional mode. Defaults to false.
+	// PipelineClaim sends BEGIN, the claim and the attempt record in one round
+	// trip, with stores that can (dedupdriver.StartClaimer,
+	// dedupdriver.BeginClaimer). Transactional mode. Defaults to false.
 	PipelineClaim bool
-	// Batch groups deliveries of different keys into one transaction (group commit; [BatchConfig]), with a store that implements dedupdriver.BatchClaimer. Defaults to off (Batch.MaxMessages 0).
+	// Batch groups deliveries of different keys into one transaction (group
+	// commit; [BatchConfig]), with a store that implements
+	// dedupdriver.BatchClaimer. Defaults to off (Batch.MaxMessages 0).
 	Batch BatchConfig
-	// InFlightDelay is how long a delivery whose key another live claim holds waits before it is nacked, cut short when that claim ends (lease mode and dedup/twotier). Defaults to 1 second.
+	// InFlightDelay is how long a delivery whose key another live claim holds
+	// waits before it is nacked, cut short when that claim ends (lease mode and
+	// dedup/twotier). Defaults to 1 second.
 	InFlightDelay time.Duration
 }
 
