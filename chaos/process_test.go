@@ -86,7 +86,7 @@ var consumerRole = proctest.NewRole("chaos consumer", func(cfg consumerConfig, t
 	if cfg.Batch {
 		c.MaxConns = 8
 		c.Subscriptions = cfg.Subscriptions
-		c.Inbox.Batch = middleware.BatchConfig{MaxMessages: 16, Linger: 5 * time.Millisecond, Parallel: 2}
+		c.Inbox.Tuning.Batch = middleware.BatchConfig{MaxMessages: 16, Linger: 5 * time.Millisecond, Parallel: 2}
 		return c.Run(term, middleware.BatchHandler(func(ctx context.Context, msgs []*message.Message) error {
 			keys := make([]string, 0, len(msgs))
 			failed := middleware.BatchErrors{}
