@@ -368,3 +368,43 @@ func TestParse(t *testing.T) {
 		t.Errorf("problems: %q, want the marker of line 18 that a blank line separates from its block", problems)
 	}
 }
+
+// TestREADMEComparesWatermillsOwn: the README's "Watermill's own, and what
+// we add" table has a row for each of Watermill's middlewares and
+// components a Watermill user would otherwise reach for, each row linking
+// to where the difference is measured or explained.
+func TestREADMEComparesWatermillsOwn(t *testing.T) {
+	lines := readLines(t, "README.md")
+	start := -1
+	for i, l := range lines {
+		if l == "## Watermill's own, and what we add" {
+			start = i
+		}
+	}
+	if start < 0 {
+		t.Fatal(`README.md has no "## Watermill's own, and what we add" section`)
+	}
+	var rows []string
+	for _, l := range lines[start+1:] {
+		if strings.HasPrefix(l, "## ") {
+			break
+		}
+		if strings.HasPrefix(l, "| `") {
+			rows = append(rows, l)
+		}
+	}
+	for _, own := range []string{"Deduplicator", "PoisonQueue", "Retry", "Forwarder", "Timeout", "Throttle"} {
+		found := false
+		for _, r := range rows {
+			if strings.Contains(r, "`"+own+"`") {
+				found = true
+				if !strings.Contains(r, "](") {
+					t.Errorf("README.md: the row for %s links to nothing: %s", own, r)
+				}
+			}
+		}
+		if !found {
+			t.Errorf("README.md: the Watermill table has no row for %s", own)
+		}
+	}
+}
