@@ -87,6 +87,12 @@ func TestBatchHandlerOnDatabaseSQL(t *testing.T) {
 			require.Equal(t, 1, b.effects(t, k), k)
 		}
 		require.Zero(t, b.effects(t, "order-poison"))
+		// The dead letter is published before the key is marked dead in
+		// the store: wait for the mark.
+		msgtest.WaitFor(t, "the poison key marked dead", func() bool {
+			r, _ := b.row(t, dedup.Key{Consumer: "charge", Key: "order-poison"})
+			return r.status == "dead"
+		})
 		r, _ := b.row(t, dedup.Key{Consumer: "charge", Key: "order-poison"})
 		require.Equal(t, "dead", r.status)
 		require.Equal(t, "card declined", r.lastErr.String)
