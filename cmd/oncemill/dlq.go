@@ -168,18 +168,7 @@ func (c *cmd) list(ctx context.Context, args []string) error {
 }
 
 func (c *cmd) show(ctx context.Context, args []string) error {
-	fs := c.flags()
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	switch {
-	case len(pos) == 0:
-		return usagef("missing ID: show takes one entry ID")
-	case len(pos) > 1:
-		return usagef("unexpected argument %q: show takes one entry ID", pos[1])
-	}
-	ids, err := parseIDs(pos)
+	id, err := oneID(c.flags(), args, "show")
 	if err != nil {
 		return err
 	}
@@ -188,7 +177,7 @@ func (c *cmd) show(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeDB()
-	e, err := store.Get(ctx, ids[0])
+	e, err := store.Get(ctx, id)
 	if err != nil {
 		return err
 	}
@@ -432,18 +421,7 @@ type reopenResult struct {
 }
 
 func (c *cmd) reopen(ctx context.Context, args []string) error {
-	fs := c.flags()
-	pos, err := parse(fs, args)
-	if err != nil {
-		return err
-	}
-	switch {
-	case len(pos) == 0:
-		return usagef("missing ID: reopen takes one entry ID")
-	case len(pos) > 1:
-		return usagef("unexpected argument %q: reopen takes one entry ID", pos[1])
-	}
-	ids, err := parseIDs(pos)
+	id, err := oneID(c.flags(), args, "reopen")
 	if err != nil {
 		return err
 	}
@@ -452,7 +430,7 @@ func (c *cmd) reopen(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeDB()
-	e, err := store.Reopen(ctx, ids[0])
+	e, err := store.Reopen(ctx, id)
 	if err != nil {
 		return fmt.Errorf("nothing reopened: %w", err)
 	}
@@ -514,4 +492,24 @@ func plural(n int, one, many string) string {
 		return one
 	}
 	return many
+}
+
+// oneID parses the one entry ID that show and reopen take, after their
+// flags.
+func oneID(fs *flag.FlagSet, args []string, verb string) (int64, error) {
+	pos, err := parse(fs, args)
+	if err != nil {
+		return 0, err
+	}
+	switch {
+	case len(pos) == 0:
+		return 0, usagef("missing ID: %s takes one entry ID", verb)
+	case len(pos) > 1:
+		return 0, usagef("unexpected argument %q: %s takes one entry ID", pos[1], verb)
+	}
+	ids, err := parseIDs(pos)
+	if err != nil {
+		return 0, err
+	}
+	return ids[0], nil
 }
