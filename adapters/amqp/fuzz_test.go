@@ -10,6 +10,7 @@ import (
 
 	"github.com/oncemill/oncemill/adapters/amqp"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 )
 
 // FuzzMarshaler holds the two promises of the AMQP marshaler on any
@@ -42,20 +43,7 @@ func FuzzMarshaler(f *testing.F) {
 		if why := delivery.DecodeErrorOf(back); why != "" {
 			t.Fatalf("a marshalled message does not decode: %s", why)
 		}
-		if id != "" && back.UUID != id {
-			t.Fatalf("UUID %q came back as %q", id, back.UUID)
-		}
-		if string(back.Payload) != string(payload) {
-			t.Fatalf("payload %q came back as %q", payload, back.Payload)
-		}
-		for k, v := range msg.Metadata {
-			if delivery.IsAdapterFact(k) || k == amqp.UUIDHeader || isBroker(k) {
-				continue
-			}
-			if got, ok := back.Metadata[k]; !ok || got != v {
-				t.Fatalf("metadata %q=%q came back as %q (present %v)", k, v, got, ok)
-			}
-		}
+		msgtest.RoundTrip(t, msg, back, func(k, _ string) bool { return k == amqp.UUIDHeader || isBroker(k) })
 		if back.Metadata.Get(delivery.Topic) != "orders" {
 			t.Fatalf("topic fact not set: %v", back.Metadata)
 		}

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/delivery"
 )
 
 // Receive returns the next message from ch, failing the test after timeout
@@ -68,4 +70,26 @@ func (c *Closers) Add(fns ...func() error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.fns = append(c.fns, fns...)
+}
+
+// RoundTrip fails t unless back, a broker's decoding of what its adapter
+// encoded from sent, carries sent's UUID (when sent had one), its payload
+// and every metadata entry for which skip, when given, returns false;
+// adapter facts (delivery.IsAdapterFact) are always skipped.
+func RoundTrip(t testing.TB, sent, back *message.Message, skip func(k, v string) bool) {
+	t.Helper()
+	if sent.UUID != "" && back.UUID != sent.UUID {
+		t.Fatalf("UUID %q came back as %q", sent.UUID, back.UUID)
+	}
+	if string(back.Payload) != string(sent.Payload) {
+		t.Fatalf("payload %q came back as %q", sent.Payload, back.Payload)
+	}
+	for k, v := range sent.Metadata {
+		if delivery.IsAdapterFact(k) || skip != nil && skip(k, v) {
+			continue
+		}
+		if got, ok := back.Metadata[k]; !ok || got != v {
+			t.Fatalf("metadata %q=%q came back as %q (present %v)", k, v, got, ok)
+		}
+	}
 }
