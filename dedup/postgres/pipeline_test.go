@@ -2,7 +2,6 @@ package postgres_test
 
 import (
 	"context"
-	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -360,50 +359,12 @@ func TestStartClaimHandlerTxSemantics(t *testing.T) {
 	requireHealthy(t, b)
 }
 
-// countingConn counts the client's flights: a write after a read (or the
-// first write) starts one, so that a pipeline's messages, however many
-// writes they take, count once.
-type countingConn struct {
-	net.Conn
-	flights *atomic.Int64
-	reading *atomic.Bool
-}
-
-func (c countingConn) Write(p []byte) (int, error) {
-	if c.reading.CompareAndSwap(true, false) {
-		c.flights.Add(1)
-	}
-	return c.Conn.Write(p)
-}
-
-func (c countingConn) Read(p []byte) (int, error) {
-	c.reading.Store(true)
-	return c.Conn.Read(p)
-}
-
 func TestStartClaimRoundTrips(t *testing.T) {
 	t.Parallel()
 	setupPool := pgtest.Pool(t, 1)
 	schema := pgtest.Schema(t, setupPool)
 
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	require.NoError(t, err)
-	cfg.MaxConns = 1
-	var (
-		flights atomic.Int64
-		reading atomic.Bool
-	)
-	dial := cfg.ConnConfig.DialFunc
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := dial(ctx, network, addr)
-		if err != nil {
-			return nil, err
-		}
-		return countingConn{Conn: c, flights: &flights, reading: &reading}, nil
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	defer pool.Close()
+	pool, flights := pgtest.FlightPool(t, 1)
 	store, err := postgres.New(pool, postgres.Config{Schema: schema})
 	require.NoError(t, err)
 	ctx := context.Background()
@@ -414,12 +375,7 @@ func TestStartClaimRoundTrips(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
 
-	measure := func(f func()) int64 {
-		reading.Store(true)
-		before := flights.Load()
-		f()
-		return flights.Load() - before
-	}
+	measure := flights.Measure
 	key := dedup.Key{Consumer: "c", Key: "k"}
 	require.EqualValues(t, 2, measure(func() {
 		_, tx, c, err := store.InboxStartClaim(ctx, key, time.Hour)
