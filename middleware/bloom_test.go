@@ -128,7 +128,10 @@ func TestBloomRoundTrips(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `CREATE TABLE "`+schema+`".effects (key text PRIMARY KEY)`)
 	require.NoError(t, err)
-	inbox := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "ship"})
+	// Statements counted one by one: the inbox sends each alone (its
+	// pipelined round trips are counted on the wire in
+	// TestPipelineAutoFollowsDuplicates).
+	inbox := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "ship", Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineNever}})
 	var runs atomic.Int32
 	handler := func(msg *message.Message) ([]*message.Message, error) {
 		runs.Add(1)

@@ -50,7 +50,9 @@ func TestBrokerFirstDeliverySkipsAttemptRecord(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `CREATE TABLE "`+schema+`".effects (key text PRIMARY KEY)`)
 	require.NoError(t, err)
-	inbox := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "ship"})
+	// Statements counted one by one (PipelineNever); the default's
+	// pipelined round trips: TestPipelineAutoFollowsDuplicates.
+	inbox := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "ship", Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineNever}})
 	var (
 		runs atomic.Int32
 		// startsSeen is the key's count of started attempts that another

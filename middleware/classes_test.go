@@ -151,7 +151,7 @@ func TestOutagesMidAttemptNeverAddUp(t *testing.T) {
 			const outages = 3
 			stopped := make(chan struct{}, outages)
 			rig := startPoisonRigWith(t, b, middleware.PoisonConfig{MaxAttempts: 2},
-				middleware.InboxConfig{Tuning: middleware.InboxTuning{PipelineClaim: pipelined}},
+				middleware.InboxConfig{Tuning: middleware.InboxTuning{Pipeline: pipelineMode(pipelined)}},
 				func(n int32, _ *message.Message) error {
 					if n <= outages {
 						// The effect and the COMMIT that follow fail.
@@ -205,7 +205,7 @@ func TestConcurrentCopiesCountOnlyTheirRuns(t *testing.T) {
 		b := postgresBackend(t, int32(c.copies+4))
 		var runs atomic.Int32
 		p, dead := poisonInFront(t, b, c.max)
-		h := p.Middleware(newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "charge", Tuning: middleware.InboxTuning{PipelineClaim: c.pipelined}}).Middleware(
+		h := p.Middleware(newInbox(t, middleware.InboxConfig{TxStore: b.store, Consumer: "charge", Tuning: middleware.InboxTuning{Pipeline: pipelineMode(c.pipelined)}}).Middleware(
 			func(msg *message.Message) ([]*message.Message, error) {
 				runs.Add(1)
 				time.Sleep(300 * time.Millisecond) // the other copies queue on the claim
@@ -341,4 +341,12 @@ func TestCloseDrainsInFlightHandlers(t *testing.T) {
 			}
 		})
 	}
+}
+
+// pipelineMode is PipelineAlways for pipelined, PipelineNever otherwise.
+func pipelineMode(pipelined bool) middleware.PipelineMode {
+	if pipelined {
+		return middleware.PipelineAlways
+	}
+	return middleware.PipelineNever
 }

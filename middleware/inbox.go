@@ -74,13 +74,13 @@ type InboxConfig struct {
 type InboxTuning struct {
 	// SkipAttemptRecord leaves out the attempt record before the transaction for
 	// every delivery, not only a broker-counted first one: one round trip less per
-	// new key, but no crash-loop count and three round trips per duplicate.
+	// new key, but no crash-loop count and two round trips per duplicate.
 	// Transactional mode. Defaults to false.
 	SkipAttemptRecord bool
-	// PipelineClaim sends BEGIN, the claim and the attempt record in one round
-	// trip, with stores that can (dedupdriver.StartClaimer,
-	// dedupdriver.BeginClaimer). Transactional mode. Defaults to false.
-	PipelineClaim bool
+	// Pipeline says when the attempt record, BEGIN and the claim go out in one
+	// round trip ([PipelineMode]). Transactional mode. Defaults to
+	// PipelineAuto.
+	Pipeline PipelineMode
 	// Batch groups deliveries of different keys into one transaction (group
 	// commit; [BatchConfig]), with a store that implements
 	// dedupdriver.BatchClaimer. Defaults to off (Batch.MaxMessages 0).
@@ -136,8 +136,8 @@ func (c InboxConfig) Validate() error {
 		return fmt.Errorf("middleware: InboxConfig.Lease (%s) must be shorter than Window (%s): a record must outlive its lease", c.Lease, c.Window)
 	case c.FinishTimeout < 0:
 		return fmt.Errorf("middleware: InboxConfig.FinishTimeout must not be negative, got %s", c.FinishTimeout)
-	case c.Tuning.PipelineClaim && c.TxStore == nil:
-		return errors.New("middleware: InboxConfig.Tuning.PipelineClaim needs TxStore: it pipelines the claim with its transaction's BEGIN")
+	case !c.Tuning.Pipeline.valid():
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Pipeline is %s: use PipelineAuto, PipelineAlways or PipelineNever", c.Tuning.Pipeline)
 	case c.Outbox != nil && c.TxStore == nil:
 		return errors.New("middleware: InboxConfig.Outbox needs TxStore: the outbox is written in the claim's transaction")
 	case c.Tuning.InFlightDelay < 0:
@@ -231,6 +231,7 @@ type Inbox struct {
 	running running
 	turns   turns
 	batcher *batcher // nil unless batching
+	dups    dupRate
 }
 
 // NewInbox returns an inbox for cfg; cfg is copied, defaulted and validated.

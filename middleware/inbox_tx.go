@@ -44,7 +44,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 	if !o.unrecorded {
 		in.debts.pay(base, in.cfg.TxStore, key)
 		var err error
-		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.cfg.Tuning.PipelineClaim {
+		if sc, ok := in.cfg.TxStore.(dedupdriver.StartClaimer); ok && in.pipelineStart() {
 			start, pre, preClaim, err = sc.InboxStartClaim(d.ctx, key, in.cfg.Window)
 			if err != nil && start.Attempts > 0 {
 				// Counted, but the transaction did not begin or claim.
@@ -62,6 +62,7 @@ func (in *Inbox) handleTx(msg *message.Message, key dedup.Key, h message.Handler
 			}
 			return nil, err
 		}
+		in.dups.observe(start.State != dedup.StateNew)
 		start = withBrokerCount(msg, start)
 		switch start.State {
 		case dedup.StateDone:
@@ -147,7 +148,7 @@ const (
 func (in *Inbox) attemptTx(msg *message.Message, d *drain, key dedup.Key, h message.HandlerFunc, reopened bool, start dedup.Claim, o *attemptObs) ([]*message.Message, error) {
 	base := msg.Context()
 	store := in.cfg.TxStore
-	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.cfg.Tuning.PipelineClaim {
+	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.pipelineClaim() {
 		// Nothing is held after an error: the claim failed, or BEGIN did.
 		tx, claim, err := bc.InboxBeginClaim(d.ctx, key, in.cfg.Window)
 		if err != nil {

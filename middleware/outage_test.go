@@ -97,6 +97,13 @@ func (s *startCounting) InboxStart(ctx context.Context, key dedup.Key, window ti
 	return s.Store.InboxStart(ctx, key, window)
 }
 
+// InboxStartClaim counts the start the default pipelining sends with BEGIN
+// and the claim.
+func (s *startCounting) InboxStartClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.Claim, dedup.InboxTx, dedup.Claim, error) {
+	s.starts.Add(1)
+	return s.Store.InboxStartClaim(ctx, key, window)
+}
+
 // TestStoreOutageIsNotTheMessagesFault: with the inbox's PostgreSQL down, a
 // healthy message is nacked again and again without counting an attempt,
 // so that even MaxAttempts 2 does not dead-letter it; once the database is

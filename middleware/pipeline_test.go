@@ -13,6 +13,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/postgres"
+	dlv "github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/middleware"
 )
 
@@ -24,7 +27,7 @@ func TestPipelineClaim(t *testing.T) {
 	t.Parallel()
 	b := postgresBackend(t, 16)
 	ctx := context.Background()
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", Tuning: middleware.InboxTuning{PipelineClaim: true}})
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineAlways}})
 	require.NoError(t, err)
 	sink := &deadSink{}
 	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: sink, Topic: "dlq", MaxAttempts: 3, Consumer: "ledger"})
@@ -92,7 +95,7 @@ func TestPipelineClaim(t *testing.T) {
 func TestPipelineClaimWithoutRecord(t *testing.T) {
 	t.Parallel()
 	b := postgresBackend(t, 16)
-	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", Tuning: middleware.InboxTuning{PipelineClaim: true, SkipAttemptRecord: true}})
+	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger", Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineAlways, SkipAttemptRecord: true}})
 	require.NoError(t, err)
 	var declines atomic.Int32
 	chain := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -201,4 +204,79 @@ func TestCrashLoopWaitsForRunningAttempt(t *testing.T) {
 	require.NotContains(t, reason, middleware.ErrCrashLoop.Error())
 	require.Equal(t, "dead", b.status(t, "ledger", "x"))
 	require.Zero(t, b.effects(t), "no failed attempt's effect was committed")
+}
+
+// TestPipelineAutoFollowsDuplicates: the default pipelining counted in round
+// trips on the wire. While duplicates are rare, a new key costs three (the
+// attempt record, BEGIN and the claim together; the effect; COMMIT) and a
+// duplicate two; once a run of duplicates arrives (a redelivery after a
+// crash), the record goes alone again and answers each duplicate in one,
+// a new key costing four; a handful of new keys does not switch it back,
+// a long run of them does. A broker-counted first delivery, which has no
+// record, sends BEGIN and the claim together whatever the duplicates.
+// PipelineNever sends every statement alone.
+func TestPipelineAutoFollowsDuplicates(t *testing.T) {
+	t.Parallel()
+	pool, flights := pgtest.FlightPool(t, 1)
+	schema := pgtest.Schema(t, pool)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE "`+schema+`".effects (key text NOT NULL)`)
+	require.NoError(t, err)
+	store, err := postgres.New(pool, postgres.Config{Schema: schema})
+	require.NoError(t, err)
+	effect := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		_, err := postgres.Tx(ctx).Exec(ctx, `INSERT INTO "`+schema+`".effects VALUES ($1)`, middleware.IdempotencyKey(ctx))
+		return nil, err
+	}
+	effects := func() int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM "`+schema+`".effects`).Scan(&n))
+		return n
+	}
+	deliver := func(h message.HandlerFunc, msg *message.Message) int64 {
+		return flights.Measure(func() {
+			_, err := h(msg)
+			require.NoError(t, err)
+		})
+	}
+
+	auto := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "auto"}).Middleware(effect)
+	deliver(auto, hookMsg("warm")) // connect, prepare
+	require.EqualValues(t, 3, deliver(auto, hookMsg("new-1")), "a new key while duplicates are rare")
+	require.EqualValues(t, 2, deliver(auto, hookMsg("new-1")), "a duplicate while duplicates are rare")
+
+	for range 40 { // a redelivery storm
+		deliver(auto, hookMsg("new-1"))
+	}
+	require.EqualValues(t, 1, deliver(auto, hookMsg("new-1")), "a duplicate among many")
+	require.EqualValues(t, 4, deliver(auto, hookMsg("new-2")), "a new key among many duplicates")
+	counted := hookMsg("new-3")
+	counted.Metadata.Set(dlv.Attempts, "1")
+	require.EqualValues(t, 3, deliver(auto, counted), "a broker-counted first delivery: BEGIN and the claim together")
+
+	const few = 20
+	for i := range few {
+		require.EqualValues(t, 4, deliver(auto, hookMsg(fmt.Sprintf("after-%d", i))), "new key %d after the storm: the record still goes alone", i)
+	}
+	rejoined := 0
+	for i := few; i < 3000 && rejoined == 0; i++ {
+		if deliver(auto, hookMsg(fmt.Sprintf("after-%d", i))) == 3 {
+			rejoined = i
+		}
+	}
+	require.NotZero(t, rejoined, "a long run of new keys puts the record back into the pipeline")
+	t.Logf("the record rejoined the pipeline at the %dth new key after the storm", rejoined+1)
+	require.Equal(t, 3+rejoined+1+1, effects(), "one effect per key: warm, new-1, new-2, new-3 and every after-N")
+
+	never := newInbox(t, middleware.InboxConfig{TxStore: store, Consumer: "never", Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineNever}}).Middleware(effect)
+	require.EqualValues(t, 5, deliver(never, hookMsg("new-1")), "PipelineNever: record, BEGIN, claim, effect, COMMIT")
+	require.EqualValues(t, 1, deliver(never, hookMsg("new-1")), "PipelineNever: a duplicate")
+}
+
+// TestPipelineModeIsChecked: a Pipeline outside the three modes is refused
+// by name.
+func TestPipelineModeIsChecked(t *testing.T) {
+	_, err := middleware.NewInbox(middleware.InboxConfig{TxStore: postgresBackend(t, 1).store, Tuning: middleware.InboxTuning{Pipeline: 7}})
+	require.ErrorContains(t, err, "InboxConfig.Tuning.Pipeline is PipelineMode(7): use PipelineAuto, PipelineAlways or PipelineNever")
 }

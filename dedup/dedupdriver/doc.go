@@ -20,12 +20,12 @@
 //     handler's error came from a connection lost under it, and
 //     [AbortReporter] that a handler left its transaction aborted;
 //     [StartClaimer], [BeginClaimer] and [BatchClaimer] save round trips
-//     (InboxConfig.Tuning.PipelineClaim and InboxConfig.Tuning.Batch need them).
+//     (InboxConfig.Tuning.Pipeline and InboxConfig.Tuning.Batch need them).
 //   - deduptest: the conformance suite the store's tests run, which checks
 //     the contract and each capability the store implements.
 //
 // Without a capability the middleware that needs it refuses to be built
 // (a Bloom prefilter without a [Peeker], a batching inbox without a
-// [BatchClaimer]) or does without what it saves (a PipelineClaim without
+// [BatchClaimer]) or does without what it saves (a Pipeline without
 // [StartClaimer] makes its calls one by one).
 package dedupdriver

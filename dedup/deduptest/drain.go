@@ -33,10 +33,11 @@ func txDrain(t *testing.T, x txSubject) {
 		cfg       middleware.InboxConfig
 		pipelined bool
 	}{
-		{name: "AttemptRecord"},
-		{name: "SkipAttemptRecord", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{SkipAttemptRecord: true}}},
-		{name: "PipelineClaim", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{PipelineClaim: true}}, pipelined: true},
-		{name: "PipelineClaimSkipAttemptRecord", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{PipelineClaim: true, SkipAttemptRecord: true}}, pipelined: true},
+		{name: "AttemptRecord", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineNever}}},
+		{name: "SkipAttemptRecord", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{SkipAttemptRecord: true, Pipeline: middleware.PipelineNever}}},
+		{name: "PipelineAuto"},
+		{name: "PipelineAlways", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineAlways}}, pipelined: true},
+		{name: "PipelineAlwaysSkipAttemptRecord", cfg: middleware.InboxConfig{Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineAlways, SkipAttemptRecord: true}}, pipelined: true},
 	} {
 		t.Run(v.name, func(t *testing.T) {
 			if v.pipelined && !startClaimer && !beginClaimer {
