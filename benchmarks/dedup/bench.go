@@ -320,9 +320,10 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 		deliveries, inFlight, errs int
 		firstErr                   error
 	}
-	ws := make([]workerStats, c)
+	goroutines := c * max(d.InFlight, 1)
+	ws := make([]workerStats, goroutines)
 	for i := range ws {
-		ws[i].lat = make([]time.Duration, 0, len(s.Msgs)*2/c+16)
+		ws[i].lat = make([]time.Duration, 0, len(s.Msgs)*2/goroutines+16)
 	}
 	var rec record = func(w, pos int, dl *delivery, o outcome, err error, took time.Duration) {
 		st := &ws[w]
@@ -373,7 +374,7 @@ func (e *env) speed(ctx context.Context, d strategyDef, s *stream, c int) (r Spe
 	if d.Name == stRawBatched {
 		left, join = driveBatches(runCtx, p, s, positions, c, rawBatchSize, rec)
 	} else {
-		left, join = drive(runCtx, p, s, positions, c, func(int) fault { return faultNone }, rec)
+		left, join = drive(runCtx, p, s, positions, goroutines, func(int) fault { return faultNone }, rec)
 	}
 	r.Elapsed = time.Since(start)
 	join()

@@ -46,10 +46,13 @@ const (
 	// that counts attempts whose process died: what the crash-loop
 	// protection costs is the gap between the two.
 	stPGNoStart = "postgres-inbox-no-start"
-	// stPGPipe is the postgres inbox with PipelineClaim: the attempt
+	// stPGNever is the postgres inbox with PipelineNever: every statement
+	// on its own, what the default's pipelining saves is the gap.
+	stPGNever = "postgres-inbox-unpipelined"
+	// stPGPipe is the postgres inbox with PipelineAlways: the attempt
 	// record, BEGIN and the claim in one round trip.
 	stPGPipe = "postgres-inbox-pipelined"
-	// stPGPipeNoStart is PipelineClaim without the attempt record: BEGIN
+	// stPGPipeNoStart is PipelineAlways without the attempt record: BEGIN
 	// and the claim in one round trip, no crash-loop count.
 	stPGPipeNoStart = "postgres-inbox-pipelined-no-start"
 	// stPGBatch is the postgres inbox with group commit (InboxConfig.Tuning.Batch):
@@ -62,6 +65,10 @@ const (
 	// stPGBatchBulk is group commit with a middleware.BatchHandler: the
 	// effects of a batch's new messages written by one multi-row INSERT.
 	stPGBatchBulk = "postgres-inbox-batched-bulk"
+	// stPGBatchBulkX is stPGBatchBulk with each worker holding
+	// rawBatchSize deliveries in flight, as a consumer with a prefetch of
+	// that many does: as many messages in flight as raw-sql-batched holds.
+	stPGBatchBulkX = "postgres-inbox-batched-bulk-x32"
 	// stPGProm is the postgres inbox with observe/prom's hooks on: what
 	// the metrics cost is the gap between the two.
 	stPGProm  = "postgres-inbox+prom"
@@ -160,6 +167,9 @@ type strategyDef struct {
 	// its database and driver. Defaults to raw-sql.
 	Raw    string
 	Effect effectKind
+	// InFlight is how many deliveries each worker holds at once, as a
+	// subscriber with that prefetch does. Defaults to 1.
+	InFlight int
 }
 
 // raw is the baseline d's ratio compares with.
@@ -182,21 +192,25 @@ func strategies() []strategyDef {
 		{Name: stRedis, Redis: true, Postgres: true, Effect: effectPool,
 			What: "Inbox lease mode on dedup/redis; the effect is outside any transaction"},
 		{Name: stPostgres, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
-			What: "Inbox transactional mode on dedup/postgres"},
+			What: "Inbox transactional mode on dedup/postgres, its defaults (PipelineAuto: the attempt record, BEGIN and the claim in one round trip while duplicates are rare; the record alone, answering each duplicate in one, once they pass 1 in 20)"},
 		{Name: stPGBrokerCount, ExactlyOnce: true, BrokerCount: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox, defaults unchanged, behind a broker that counts deliveries (delivery.Attempts stamped as RabbitMQ quorum, SQS and JetStream adapters do): a first delivery goes without the attempt record, a redelivery keeps it, so the crash-loop count stays on"},
 		{Name: stPGNoStart, ExactlyOnce: true, NoStart: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with SkipAttemptRecord: no statement before the transaction, so no crash-loop count, and duplicates go through BEGIN, claim, ROLLBACK"},
+		{Name: stPGNever, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
+			What: "the postgres inbox with PipelineNever: the attempt record, BEGIN, the claim, the effect and COMMIT each in a round trip of its own (a duplicate costs one)"},
 		{Name: stPGPipe, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
-			What: "the postgres inbox with PipelineClaim: attempt record, BEGIN and claim in one round trip (a duplicate then costs two)"},
+			What: "the postgres inbox with PipelineAlways: attempt record, BEGIN and claim in one round trip whatever the duplicates (a duplicate costs two)"},
 		{Name: stPGPipeNoStart, ExactlyOnce: true, NoStart: true, Postgres: true, Effect: effectPGTx,
-			What: "the postgres inbox with PipelineClaim and SkipAttemptRecord: BEGIN and claim in one round trip, no crash-loop count (a duplicate costs two)"},
+			What: "the postgres inbox with PipelineAlways and SkipAttemptRecord: BEGIN and claim in one round trip, no crash-loop count (a duplicate costs two)"},
 		{Name: stPGBatch, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: fmt.Sprintf("the postgres inbox with group commit, Batch{MaxMessages: %d} (Parallel 4 and Linger 0, the defaults): deliveries of different keys that arrive together share one attempt record, one BEGIN + claim of all their keys and one COMMIT; the crash-loop count stays on", batchMax)},
 		{Name: stPGBatchNoStart, ExactlyOnce: true, NoStart: true, Postgres: true, Effect: effectPGTx,
 			What: "postgres-inbox-batched with SkipAttemptRecord: no attempt record before the batch's transaction, so no crash-loop count"},
 		{Name: stPGBatchBulk, ExactlyOnce: true, Postgres: true, Effect: effectPGBulk,
 			What: "postgres-inbox-batched with its handler a middleware.BatchHandler: the effects of a batch's new messages in one INSERT … SELECT unnest($1, $2); the crash-loop count stays on"},
+		{Name: stPGBatchBulkX, ExactlyOnce: true, Postgres: true, Effect: effectPGBulk, InFlight: rawBatchSize,
+			What: fmt.Sprintf("postgres-inbox-batched-bulk with each worker holding %d deliveries in flight (a subscriber's prefetch), as many as raw-sql-batched takes per transaction", rawBatchSize)},
 		{Name: stPGProm, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with observe/prom's Prometheus hooks (a fresh registry): every delivery counted and timed"},
 		{Name: stBloom, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
@@ -370,13 +384,15 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
 	case stPGNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{SkipAttemptRecord: true}})
+	case stPGNever:
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineNever}})
 	case stPGPipe:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{PipelineClaim: true}})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineAlways}})
 	case stPGPipeNoStart:
-		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{PipelineClaim: true, SkipAttemptRecord: true}})
+		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineAlways, SkipAttemptRecord: true}})
 	case stPGBatch:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill)}})
-	case stPGBatchBulk:
+	case stPGBatchBulk, stPGBatchBulkX:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill)}})
 	case stPGBatchNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{Batch: batchConfig(o, f.e.cfg.BatchMinFill), SkipAttemptRecord: true}})

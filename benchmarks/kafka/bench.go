@@ -38,8 +38,8 @@ const (
 	// sysParallel is oncemill's key-parallel subscriber.
 	sysParallel = "parallel"
 	// sysPipelined is the key-parallel subscriber with the inbox's
-	// PipelineClaim: the attempt record, BEGIN and the claim in one round
-	// trip, the same guarantees.
+	// PipelineAlways: the attempt record, BEGIN and the claim in one round
+	// trip whatever the duplicates, the same guarantees.
 	sysPipelined = "parallel-pipelined"
 	// sysBatched is the key-parallel subscriber with the inbox's group
 	// commit (InboxConfig.Tuning.Batch): the deliveries in flight share
@@ -54,6 +54,14 @@ const (
 	// index (INSERT … ON CONFLICT DO NOTHING).
 	sysNoInbox = "no-inbox"
 )
+
+// pipelineOf is the inbox's Pipeline of system sys.
+func pipelineOf(sys string) middleware.PipelineMode {
+	if sys == sysPipelined {
+		return middleware.PipelineAlways
+	}
+	return middleware.PipelineAuto
+}
 
 // batchConfig is the group commit of the batched rows.
 var batchConfig = middleware.BatchConfig{MaxMessages: 32}
@@ -532,7 +540,7 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 		if err != nil {
 			return smp, errors.Join(fmt.Errorf("postgres store: %w", err), sub.Close())
 		}
-		icfg := middleware.InboxConfig{TxStore: store, Logger: logger, Tuning: middleware.InboxTuning{PipelineClaim: sys == sysPipelined}}
+		icfg := middleware.InboxConfig{TxStore: store, Logger: logger, Tuning: middleware.InboxTuning{Pipeline: pipelineOf(sys)}}
 		if batches(sys) {
 			icfg.Tuning.Batch = batchConfig
 		}

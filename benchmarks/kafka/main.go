@@ -22,7 +22,7 @@
 //   - oncemill's key-parallel subscriber (MaxInFlightPerPartition 64, the
 //     default): different order ids of a partition concurrently, one
 //     order's payments in order; and the same with the inbox's
-//     PipelineClaim, with its group commit (Batch), and with the group
+//     PipelineAlways, with its group commit (Batch), and with the group
 //     commit and a middleware.BatchHandler that inserts a batch's
 //     payments with one multi-row INSERT;
 //   - the key-parallel subscriber with the same handler and no inbox: the

@@ -33,7 +33,7 @@ func label(sys string, cfg Config) string {
 	case sysParallel:
 		return fmt.Sprintf("oncemill key-parallel (%d)", cfg.maxInFlight())
 	case sysPipelined:
-		return fmt.Sprintf("oncemill key-parallel (%d), `PipelineClaim`", cfg.maxInFlight())
+		return fmt.Sprintf("oncemill key-parallel (%d), `PipelineAlways`", cfg.maxInFlight())
 	case sysBatched:
 		return fmt.Sprintf("oncemill key-parallel (%d), `Batch` (%d)", cfg.maxInFlight(), batchConfig.MaxMessages)
 	case sysBatchHandler:
