@@ -43,6 +43,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -69,10 +70,23 @@ func main() {
 		skipSpeed    = flag.Bool("skip-speed", false, "run the correctness runs only")
 		skipCrash    = flag.Bool("skip-correctness", false, "run the speed runs only")
 		pacedRate    = flag.Float64("paced-rate", 1000, "offered msgs/s of the paced latency runs")
+		cpuProfile   = flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 		minFill      = flag.Int("batch-min-fill", 0, "Batch.MinFill of the batched inboxes (0: the library's default)")
 		pacedN       = flag.Int("paced-n", 0, "messages in each paced latency run (default 5000, -quick 500; 0 with -paced-rate 0 skips them)")
 	)
 	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "cpuprofile:", err)
+			os.Exit(2)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fmt.Fprintln(os.Stderr, "cpuprofile:", err)
+			os.Exit(2)
+		}
+		defer pprof.StopCPUProfile()
+	}
 
 	cfg := Config{
 		DSN:             *dsn,
