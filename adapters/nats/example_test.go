@@ -44,6 +44,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	defer sub.Close() // the router closes it too; this waits for its drain before the server stops
 
 	for range 2 { // the second publish is a retry: same key, new UUID
 		order := message.NewMessage(watermill.NewUUID(), []byte(`{"id":42,"amount":1999}`))
