@@ -138,6 +138,8 @@ func (c InboxConfig) Validate() error {
 		return fmt.Errorf("middleware: InboxConfig.FinishTimeout must not be negative, got %s", c.FinishTimeout)
 	case !c.Tuning.Pipeline.valid():
 		return fmt.Errorf("middleware: InboxConfig.Tuning.Pipeline is %s: use PipelineAuto, PipelineAlways or PipelineNever", c.Tuning.Pipeline)
+	case c.Tuning.Pipeline != PipelineAuto && c.TxStore == nil:
+		return fmt.Errorf("middleware: InboxConfig.Tuning.Pipeline %s needs TxStore: it pipelines the claim with its transaction's BEGIN; leave it PipelineAuto in lease mode", c.Tuning.Pipeline)
 	case c.Outbox != nil && c.TxStore == nil:
 		return errors.New("middleware: InboxConfig.Outbox needs TxStore: the outbox is written in the claim's transaction")
 	case c.Tuning.InFlightDelay < 0:

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup"
+	"github.com/oncemill/oncemill/dedup/memory"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
@@ -275,8 +276,11 @@ func TestPipelineAutoFollowsDuplicates(t *testing.T) {
 }
 
 // TestPipelineModeIsChecked: a Pipeline outside the three modes is refused
-// by name.
+// by name, and so is a pinned one in lease mode, where there is no
+// transaction to pipeline.
 func TestPipelineModeIsChecked(t *testing.T) {
 	_, err := middleware.NewInbox(middleware.InboxConfig{TxStore: postgresBackend(t, 1).store, Tuning: middleware.InboxTuning{Pipeline: 7}})
 	require.ErrorContains(t, err, "InboxConfig.Tuning.Pipeline is PipelineMode(7): use PipelineAuto, PipelineAlways or PipelineNever")
+	_, err = middleware.NewInbox(middleware.InboxConfig{LeaseStore: memory.New(), Tuning: middleware.InboxTuning{Pipeline: middleware.PipelineAlways}})
+	require.ErrorContains(t, err, "InboxConfig.Tuning.Pipeline PipelineAlways needs TxStore")
 }
