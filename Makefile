@@ -44,20 +44,11 @@ quickstart:
 	$(GO) run ./examples/quickstart
 
 # Every fuzz target of the library, one after the other, each for
-# FUZZTIME with one worker (-parallel 1), so that fuzzing does not starve
-# the machine. The packages are those with a func Fuzz in a test file, and
-# their targets what go test -list reports, so a new target is run without
-# being named here. New failing inputs land in the package's
-# testdata/fuzz/<target>/; see docs/testing.md.
+# FUZZTIME with one worker; see scripts/fuzz.sh. New failing inputs land
+# in the package's testdata/fuzz/<target>/; see docs/testing.md.
 FUZZTIME ?= 15s
 fuzz: services
-	@set -e; for dir in $$(grep -rl --include='*_test.go' '^func Fuzz' . | grep -v '^./benchmarks/' | xargs -r -n1 dirname | sort -u); do \
-		targets="$$($(GO) test -list '^Fuzz' $$dir)" || { echo "$$targets"; exit 1; }; \
-		for target in $$(echo "$$targets" | grep '^Fuzz'); do \
-			echo "==> $$dir $$target ($(FUZZTIME))"; \
-			$(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) -parallel 1 $$dir; \
-		done; \
-	done
+	GO=$(GO) bash scripts/fuzz.sh $(FUZZTIME)
 
 ci: vet test chaos quickstart
 
