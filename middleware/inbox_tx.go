@@ -150,7 +150,7 @@ func (in *Inbox) attemptTx(msg *message.Message, d *drain, key dedup.Key, h mess
 	store := in.cfg.TxStore
 	if bc, ok := store.(dedupdriver.BeginClaimer); ok && in.pipelineClaim() {
 		// Nothing is held after an error: the claim failed, or BEGIN did.
-		tx, claim, err := bc.InboxBeginClaim(d.ctx, key, in.cfg.Window)
+		tx, claim, err := bc.InboxBeginClaim(d.ctx, key, in.cfg.Window, in.claimHint(o))
 		if err != nil {
 			return nil, in.claimFailed(base, key, o, err)
 		}
@@ -193,6 +193,11 @@ func (in *Inbox) attemptClaimed(msg *message.Message, d *drain, key dedup.Key, h
 		if _, ok := brokerCount(msg, 0); ok {
 			start.Attempts = max(start.Attempts, claim.Attempts)
 		}
+	}
+	if o.unrecorded {
+		// No start answered this delivery: its claim says whether the
+		// key was a duplicate.
+		in.dups.observe(claim.State == dedup.StateDone || claim.State == dedup.StateDead)
 	}
 	switch claim.State {
 	case dedup.StateDone:

@@ -3,6 +3,8 @@ package middleware
 import (
 	"fmt"
 	"sync/atomic"
+
+	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
 // PipelineMode says when the inbox sends a delivery's first statements
@@ -101,3 +103,18 @@ func (in *Inbox) pipelineStart() bool {
 
 // pipelineClaim says whether BEGIN and the claim go out together.
 func (in *Inbox) pipelineClaim() bool { return in.cfg.Tuning.Pipeline != PipelineNever }
+
+// claimHint is what a delivery's claim can expect: a new key after a start
+// that found it so, and, for a delivery that started no count, a new key
+// while duplicates are rare under PipelineAuto. Then the PostgreSQL store
+// claims with the INSERT alone (a duplicate costs a round trip more);
+// otherwise with the statement that also answers a duplicate.
+func (in *Inbox) claimHint(o *attemptObs) dedupdriver.ClaimHint {
+	if !o.unrecorded {
+		return dedupdriver.ClaimHint{New: true}
+	}
+	return dedupdriver.ClaimHint{
+		New:       in.cfg.Tuning.Pipeline == PipelineAuto && !in.dups.leftOut.Load(),
+		Unstarted: true,
+	}
+}

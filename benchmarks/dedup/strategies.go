@@ -747,11 +747,11 @@ func (g gatedPipelineTx) InboxStartClaim(ctx context.Context, key dedup.Key, win
 	return start, tx, claim, err
 }
 
-func (g gatedPipelineTx) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.InboxTx, dedup.Claim, error) {
+func (g gatedPipelineTx) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration, hint dedupdriver.ClaimHint) (dedup.InboxTx, dedup.Claim, error) {
 	if g.p.dead.Load() {
 		return nil, dedup.Claim{}, errCrashed
 	}
-	tx, claim, err := g.TxStore.(dedupdriver.BeginClaimer).InboxBeginClaim(ctx, key, window)
+	tx, claim, err := g.TxStore.(dedupdriver.BeginClaimer).InboxBeginClaim(ctx, key, window, hint)
 	if tx != nil {
 		tx = gatedInboxTx{InboxTx: tx, p: g.p}
 	}

@@ -77,7 +77,24 @@ type BeginClaimer interface {
 	// transaction living on ctx as [dedup.TxStore.InboxBegin]'s does. Without
 	// an error, tx is open and claim is what InboxClaim would have
 	// answered in it; the caller ends tx. With an error, nothing is held.
-	InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration) (tx dedup.InboxTx, claim dedup.Claim, err error)
+	// hint lets the store pick the cheapest statements; the answers are
+	// the same for every hint.
+	InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration, hint ClaimHint) (tx dedup.InboxTx, claim dedup.Claim, err error)
+}
+
+// ClaimHint says what the caller of [BeginClaimer.InboxBeginClaim] expects,
+// so that the store can spend its work where it pays. The zero ClaimHint
+// expects nothing.
+type ClaimHint struct {
+	// New says the key is expected to be new: a start has just found it
+	// so, or few recent deliveries found their key done. A store may then
+	// answer a key that has a record with one round trip more, to save
+	// work on a new one.
+	New bool
+	// Unstarted says this delivery started no count of the key
+	// ([dedup.TxStore.InboxStart] was not called for it): the claim need
+	// not clear one.
+	Unstarted bool
 }
 
 // ErrMaybeCounted is wrapped by the error of a batch start

@@ -570,7 +570,7 @@ func (x txSubject) pipelinedCalls(ctx context.Context, k dedup.Key) map[string]e
 		end("InboxStartClaim", tx, err)
 	}
 	if bc, ok := x.s.(dedupdriver.BeginClaimer); ok {
-		tx, _, err := bc.InboxBeginClaim(ctx, k, window)
+		tx, _, err := bc.InboxBeginClaim(ctx, k, window, dedupdriver.ClaimHint{})
 		end("InboxBeginClaim", tx, err)
 	}
 	if bc, ok := x.s.(dedupdriver.BatchClaimer); ok {
@@ -768,32 +768,54 @@ func txStartClaim(t *testing.T, x txSubject) {
 }
 
 // txBeginClaim checks dedupdriver.BeginClaimer: BEGIN and the claim in one
-// exchange, with the answers InboxClaim gives.
+// exchange, with the answers InboxClaim gives, whatever the hint: new,
+// rolled back, done, failed before and dead keys.
 func txBeginClaim(t *testing.T, x txSubject) {
 	bc := need[dedupdriver.BeginClaimer](t, x.s)
-	ctx := t.Context()
-	k := key("order-1")
-	tx, c, err := bc.InboxBeginClaim(ctx, k, window)
-	require.NoError(t, err)
-	require.Equal(t, dedup.StateNew, c.State)
-	require.Equal(t, 1, c.Attempts)
-	require.NoError(t, x.b.Effect(ctx, tx, k.Key))
-	require.NoError(t, tx.Rollback(ctx))
-	require.Zero(t, x.effects(t, k))
+	for _, hint := range []dedupdriver.ClaimHint{{}, {New: true}, {New: true, Unstarted: true}, {Unstarted: true}} {
+		t.Run(fmt.Sprintf("New=%t,Unstarted=%t", hint.New, hint.Unstarted), func(t *testing.T) {
+			ctx := t.Context()
+			k := key(fmt.Sprintf("order-%t-%t", hint.New, hint.Unstarted))
+			tx, c, err := bc.InboxBeginClaim(ctx, k, window, hint)
+			require.NoError(t, err)
+			require.Equal(t, dedup.StateNew, c.State)
+			require.Equal(t, 1, c.Attempts)
+			require.NoError(t, x.b.Effect(ctx, tx, k.Key))
+			require.NoError(t, tx.Rollback(ctx))
+			require.Zero(t, x.effects(t, k))
 
-	tx, c, err = bc.InboxBeginClaim(ctx, k, window)
-	require.NoError(t, err)
-	require.Equal(t, dedup.StateNew, c.State, "a rolled-back claim leaves the key new")
-	require.NoError(t, x.b.Effect(ctx, tx, k.Key))
-	require.NoError(t, tx.InboxComplete(ctx, k, []byte("r")))
-	require.NoError(t, tx.Commit(ctx))
-	require.Equal(t, 1, x.effects(t, k))
+			tx, c, err = bc.InboxBeginClaim(ctx, k, window, hint)
+			require.NoError(t, err)
+			require.Equal(t, dedup.StateNew, c.State, "a rolled-back claim leaves the key new")
+			require.NoError(t, x.b.Effect(ctx, tx, k.Key))
+			require.NoError(t, tx.InboxComplete(ctx, k, []byte("r")))
+			require.NoError(t, tx.Commit(ctx))
+			require.Equal(t, 1, x.effects(t, k))
 
-	tx, c, err = bc.InboxBeginClaim(ctx, k, window)
-	require.NoError(t, err)
-	require.Equal(t, dedup.StateDone, c.State)
-	require.Equal(t, []byte("r"), c.Result)
-	require.NoError(t, tx.Rollback(ctx))
+			tx, c, err = bc.InboxBeginClaim(ctx, k, window, hint)
+			require.NoError(t, err)
+			require.Equal(t, dedup.StateDone, c.State)
+			require.Equal(t, []byte("r"), c.Result)
+			require.NoError(t, tx.Rollback(ctx))
+
+			failed := key(k.Key + "-failed")
+			first := failedAt(time.Minute)
+			x.fail(t, failed, first, window)
+			tx, c, err = bc.InboxBeginClaim(ctx, failed, window, hint)
+			require.NoError(t, err)
+			require.Equal(t, dedup.StateNew, c.State, "a failed key is claimed again")
+			require.Equal(t, 2, c.Attempts, "the failed attempt and this one")
+			require.True(t, first.Equal(c.FirstFailedAt), "the first failure's time: %s, want %s", c.FirstFailedAt, first)
+			require.NoError(t, tx.Rollback(ctx))
+
+			dead := key(k.Key + "-dead")
+			x.bury(t, dead, failedAt(0), window)
+			tx, c, err = bc.InboxBeginClaim(ctx, dead, window, hint)
+			require.NoError(t, err)
+			require.Equal(t, dedup.StateDead, c.State)
+			require.NoError(t, tx.Rollback(ctx))
+		})
+	}
 }
 
 // txBatch checks dedupdriver.BatchClaimer: one start and one claim for the keys

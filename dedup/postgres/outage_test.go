@@ -69,7 +69,7 @@ func TestUnansweringServerIsUnavailable(t *testing.T) {
 	require.ErrorIs(t, err, dedup.ErrUnavailable)
 	_, _, _, err = store.InboxStartClaim(ctx, key, time.Hour)
 	require.ErrorIs(t, err, dedup.ErrUnavailable)
-	_, _, err = store.InboxBeginClaim(ctx, key, time.Hour)
+	_, _, err = store.InboxBeginClaim(ctx, key, time.Hour, dedupdriver.ClaimHint{})
 	require.ErrorIs(t, err, dedup.ErrUnavailable)
 	_, err = store.LeaseClaim(ctx, key, time.Second, time.Hour)
 	require.ErrorIs(t, err, dedup.ErrUnavailable)
@@ -100,7 +100,7 @@ func TestCallersOwnDeadlineIsNotUnavailable(t *testing.T) {
 			if pipelined {
 				short, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 				defer cancel()
-				_, _, err = b.store.InboxBeginClaim(short, key, time.Hour)
+				_, _, err = b.store.InboxBeginClaim(short, key, time.Hour, dedupdriver.ClaimHint{})
 			} else {
 				tx, berr := b.store.InboxBegin(ctx)
 				require.NoError(t, berr)

@@ -130,12 +130,14 @@ func (s *Store) beginThenClaim(ctx context.Context, key dedup.Key, window time.D
 func (s *Store) pipeline(ctx context.Context, c *pgxpool.Conn, key dedup.Key, window time.Duration) (dedup.Claim, claimRow, error) {
 	conn := c.Conn()
 	params := claimParams(key, window)
-	stmts, err := prepare(ctx, conn, s.q.Start, s.q.Claim)
+	// The claim matters only when the start finds the key new: it is
+	// ClaimNew.
+	stmts, err := prepare(ctx, conn, s.q.Start, s.q.ClaimNew)
 	if err != nil {
 		return dedup.Claim{}, claimRow{}, interpret(ctx, "start", err)
 	}
 
-	trace := traceStart(ctx, conn, params, s.q.Start, "begin", s.q.Claim)
+	trace := traceStart(ctx, conn, params, s.q.Start, "begin", s.q.ClaimNew)
 	p := conn.PgConn().StartPipeline(ctx)
 	stmts.send(p, 0, params)
 	p.SendPipelineSync()
@@ -233,7 +235,11 @@ func claimFrom(ctx context.Context, conn *pgx.Conn, answers []result) (claimRow,
 // and a Sync go out together. The transaction is the one
 // [Store.InboxStartClaim] returns, with its rare paths and its [Tx]; on any
 // other DB it runs InboxBegin and InboxClaim in turn.
-func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration) (dedup.InboxTx, dedup.Claim, error) {
+//
+// With hint.New the claim is the INSERT alone: a key that has a record
+// costs a round trip more, to read it. With hint.Unstarted the claim
+// deletes no start count.
+func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.Duration, hint dedupdriver.ClaimHint) (dedup.InboxTx, dedup.Claim, error) {
 	pool, ok := s.db.(acquirer)
 	if !ok {
 		return s.beginThenClaim(ctx, key, window)
@@ -242,7 +248,7 @@ func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.
 	if err != nil {
 		return nil, dedup.Claim{}, interpret(ctx, "begin", err)
 	}
-	r, err := s.beginClaim(ctx, c, key, window)
+	r, err := s.beginClaim(ctx, c, key, window, s.claimFor(hint))
 	if err != nil {
 		return nil, dedup.Claim{}, errors.Join(err, endConn(ctx, c))
 	}
@@ -252,14 +258,14 @@ func (s *Store) InboxBeginClaim(ctx context.Context, key dedup.Key, window time.
 // beginClaim sends BEGIN [claim] Sync on c and reads the answers. It
 // leaves c in the transaction when it succeeds; the caller ends it on
 // every path.
-func (s *Store) beginClaim(ctx context.Context, c *pgxpool.Conn, key dedup.Key, window time.Duration) (claimRow, error) {
+func (s *Store) beginClaim(ctx context.Context, c *pgxpool.Conn, key dedup.Key, window time.Duration, claim string) (claimRow, error) {
 	conn := c.Conn()
 	params := claimParams(key, window)
-	stmts, err := prepare(ctx, conn, s.q.Claim)
+	stmts, err := prepare(ctx, conn, claim)
 	if err != nil {
 		return claimRow{}, interpret(ctx, "begin", err)
 	}
-	trace := traceStart(ctx, conn, params, "begin", s.q.Claim)
+	trace := traceStart(ctx, conn, params, "begin", claim)
 	p := conn.PgConn().StartPipeline(ctx)
 	p.SendQueryParams("begin", nil, nil, nil, nil)
 	stmts.send(p, 0, params)
@@ -274,6 +280,19 @@ func (s *Store) beginClaim(ctx context.Context, c *pgxpool.Conn, key dedup.Key, 
 		return claimRow{}, interpret(ctx, "begin", err)
 	}
 	return claimFrom(ctx, conn, answers)
+}
+
+// claimFor is the claim statement for hint: each answers a new key with
+// its row, and a key with a record with its row (Claim) or none (the
+// others), which claimedOn then reads.
+func (s *Store) claimFor(hint dedupdriver.ClaimHint) string {
+	switch {
+	case !hint.New:
+		return s.q.Claim
+	case hint.Unstarted:
+		return s.q.ClaimNewUnstarted
+	}
+	return s.q.ClaimNew
 }
 
 // claimParams are the parameters of the start and claim statements, in

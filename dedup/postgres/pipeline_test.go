@@ -2,6 +2,7 @@ package postgres_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -374,6 +375,15 @@ func TestStartClaimRoundTrips(t *testing.T) {
 	_, tx, _, err := store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "warm"}, time.Hour)
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
+	for i, hint := range []dedupdriver.ClaimHint{{}, {New: true, Unstarted: true}} {
+		// A new key, then its duplicate: the read after an expected-new
+		// claim is prepared too.
+		for range 2 {
+			tx, _, err := store.InboxBeginClaim(ctx, dedup.Key{Consumer: "c", Key: fmt.Sprint("warm-", i)}, time.Hour, hint)
+			require.NoError(t, err)
+			require.NoError(t, tx.Commit(ctx))
+		}
+	}
 
 	measure := flights.Measure
 	key := dedup.Key{Consumer: "c", Key: "k"}
@@ -393,17 +403,33 @@ func TestStartClaimRoundTrips(t *testing.T) {
 	// Without the attempt record: BEGIN and the claim in one round trip.
 	other := dedup.Key{Consumer: "c", Key: "other"}
 	require.EqualValues(t, 2, measure(func() {
-		tx, c, err := store.InboxBeginClaim(ctx, other, time.Hour)
+		tx, c, err := store.InboxBeginClaim(ctx, other, time.Hour, dedupdriver.ClaimHint{})
 		require.NoError(t, err)
 		require.Equal(t, dedup.StateNew, c.State)
 		require.NoError(t, tx.Commit(ctx))
 	}), "a new key without the record: BEGIN and claim, then COMMIT")
 	require.EqualValues(t, 2, measure(func() {
-		tx, c, err := store.InboxBeginClaim(ctx, other, time.Hour)
+		tx, c, err := store.InboxBeginClaim(ctx, other, time.Hour, dedupdriver.ClaimHint{})
 		require.NoError(t, err)
 		require.Equal(t, dedup.StateDone, c.State)
 		require.NoError(t, tx.Rollback(ctx))
 	}), "a duplicate without the record: BEGIN and claim, then ROLLBACK")
+
+	// Expecting a new key: the INSERT alone; a duplicate is read after it.
+	expect := dedupdriver.ClaimHint{New: true, Unstarted: true}
+	third := dedup.Key{Consumer: "c", Key: "third"}
+	require.EqualValues(t, 2, measure(func() {
+		tx, c, err := store.InboxBeginClaim(ctx, third, time.Hour, expect)
+		require.NoError(t, err)
+		require.Equal(t, dedup.StateNew, c.State)
+		require.NoError(t, tx.Commit(ctx))
+	}), "a new key, expected new: BEGIN and claim, then COMMIT")
+	require.EqualValues(t, 3, measure(func() {
+		tx, c, err := store.InboxBeginClaim(ctx, third, time.Hour, expect)
+		require.NoError(t, err)
+		require.Equal(t, dedup.StateDone, c.State)
+		require.NoError(t, tx.Rollback(ctx))
+	}), "a duplicate, expected new: BEGIN and claim, the read, then ROLLBACK")
 }
 
 // TestBeginClaim: BEGIN and the claim pipelined give the handler's
@@ -418,7 +444,7 @@ func TestBeginClaim(t *testing.T) {
 	_, err := b.pool.Exec(ctx, `CREATE TABLE "`+b.schema+`".effects (key text PRIMARY KEY)`)
 	require.NoError(t, err)
 
-	tx, c, err := b.store.InboxBeginClaim(ctx, key, time.Hour)
+	tx, c, err := b.store.InboxBeginClaim(ctx, key, time.Hour, dedupdriver.ClaimHint{})
 	require.NoError(t, err)
 	require.Equal(t, dedup.StateNew, c.State)
 	require.Equal(t, 1, c.Attempts)
@@ -428,7 +454,7 @@ func TestBeginClaim(t *testing.T) {
 	requireIdle(t, b.pool)
 
 	require.NoError(t, b.store.InboxFail(ctx, key, dedup.Failure{Err: "card declined", At: time.Now()}, time.Hour))
-	tx, c, err = b.store.InboxBeginClaim(ctx, key, time.Hour)
+	tx, c, err = b.store.InboxBeginClaim(ctx, key, time.Hour, dedupdriver.ClaimHint{})
 	require.NoError(t, err)
 	require.Equal(t, dedup.StateNew, c.State, "a failed key is taken again")
 	require.Equal(t, 2, c.Attempts, "the failed attempt and this one")
@@ -437,13 +463,28 @@ func TestBeginClaim(t *testing.T) {
 	require.NoError(t, tx.Commit(ctx))
 	requireIdle(t, b.pool)
 
+	var effects int
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM "`+b.schema+`".effects`).Scan(&effects))
+	require.Equal(t, 1, effects, "the rolled-back effect is gone, the committed one stays")
+
+	for _, hint := range []dedupdriver.ClaimHint{{}, {New: true}, {New: true, Unstarted: true}} {
+		concurrentBeginClaims(t, b, hint)
+	}
+}
+
+// concurrentBeginClaims: of six concurrent claimers of one key with hint,
+// exactly one applies it; the others, whose claim waited on its row, find
+// it done.
+func concurrentBeginClaims(t *testing.T, b bundle, hint dedupdriver.ClaimHint) {
+	ctx := context.Background()
+	k := dedup.Key{Consumer: "c", Key: fmt.Sprintf("order-2-%t-%t", hint.New, hint.Unstarted)}
 	var applied atomic.Int32
 	var wg sync.WaitGroup
 	for range 6 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			tx, c, err := b.store.InboxBeginClaim(ctx, dedup.Key{Consumer: "c", Key: "order-2"}, time.Hour)
+			tx, c, err := b.store.InboxBeginClaim(ctx, k, time.Hour, hint)
 			if !assert.NoError(t, err) {
 				return
 			}
@@ -457,11 +498,9 @@ func TestBeginClaim(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	require.EqualValues(t, 1, applied.Load(), "six concurrent claimers, one applies")
-	var effects, done int
-	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM "`+b.schema+`".effects`).Scan(&effects))
-	require.Equal(t, 1, effects, "the rolled-back effect is gone, the committed one stays")
-	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM "`+b.schema+`".inbox WHERE status = 'done'`).Scan(&done))
-	require.Equal(t, 2, done)
+	require.EqualValues(t, 1, applied.Load(), "six concurrent claimers, one applies (%+v)", hint)
+	var done int
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM "`+b.schema+`".inbox WHERE key = $1 AND status = 'done'`, k.Key).Scan(&done))
+	require.Equal(t, 1, done)
 	requireIdle(t, b.pool)
 }

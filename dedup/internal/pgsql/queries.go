@@ -14,13 +14,14 @@ import (
 // Every statement is parameterised; only the validated table name is
 // spliced in.
 type Queries struct {
-	Start, Unstart, Bury, Reopen, DeadCopy              string
-	Grant, Granted                                      string
-	Claim, Reclaim, Read, Complete, Fail, DeleteExpired string
-	LeaseClaim, LeaseRead, LeaseComplete, LeaseRelease  string
-	LeaseExtend, LeaseBury, LeaseAbandon                string
-	Peek, DoneKeys, HasRecord                           string
-	StartBatch, ClaimBatch                              string
+	Start, Unstart, Bury, Reopen, DeadCopy             string
+	Grant, Granted                                     string
+	Claim, ClaimNew, ClaimNewUnstarted                 string
+	Reclaim, Read, Complete, Fail, DeleteExpired       string
+	LeaseClaim, LeaseRead, LeaseComplete, LeaseRelease string
+	LeaseExtend, LeaseBury, LeaseAbandon               string
+	Peek, DoneKeys, HasRecord                          string
+	StartBatch, ClaimBatch                             string
 }
 
 // New renders the statements for the tables of names.
@@ -144,6 +145,30 @@ SELECT 'new'::text, attempts, NULL::bytea, first_failed_at FROM ins
 UNION ALL
 SELECT status, attempts, result, first_failed_at FROM {T}
 WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
+
+		// Claim for a key the caller expects to be new: the INSERT alone,
+		// and the key's start count deleted with it. A key that has a
+		// record returns no row, and the caller reads it in a statement of
+		// its own (one round trip more): the UNION that answers it in
+		// Claim costs a new key about a tenth of the server's work per
+		// message (a new key's claim, effect and commit; measured with
+		// pgbench on two cores).
+		ClaimNew: r.Replace(`WITH del AS (
+	DELETE FROM {S} WHERE consumer = $1 AND key = $2
+)
+INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
+VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
+ON CONFLICT (consumer, key) DO NOTHING
+RETURNING 'new'::text, attempts, NULL::bytea, first_failed_at`),
+
+		// ClaimNew for a delivery that started no count (a broker's first
+		// delivery, SkipAttemptRecord): no start row to delete. One that
+		// an earlier copy of the key left stays until it expires; a
+		// start on a key that is done answers done first.
+		ClaimNewUnstarted: r.Replace(`INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
+VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
+ON CONFLICT (consumer, key) DO NOTHING
+RETURNING 'new'::text, attempts, NULL::bytea, first_failed_at`),
 
 		// Takes a key whose earlier attempts failed. A concurrent claimer
 		// of the same failed key waits on the row lock and, if the first
