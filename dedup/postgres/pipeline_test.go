@@ -400,36 +400,30 @@ func TestStartClaimRoundTrips(t *testing.T) {
 		require.Nil(t, tx)
 	}), "a duplicate: the pipeline, then the ROLLBACK of the transaction it opened")
 
-	// Without the attempt record: BEGIN and the claim in one round trip.
-	other := dedup.Key{Consumer: "c", Key: "other"}
-	require.EqualValues(t, 2, measure(func() {
-		tx, c, err := store.InboxBeginClaim(ctx, other, time.Hour, dedupdriver.ClaimHint{})
-		require.NoError(t, err)
-		require.Equal(t, dedup.StateNew, c.State)
-		require.NoError(t, tx.Commit(ctx))
-	}), "a new key without the record: BEGIN and claim, then COMMIT")
-	require.EqualValues(t, 2, measure(func() {
-		tx, c, err := store.InboxBeginClaim(ctx, other, time.Hour, dedupdriver.ClaimHint{})
-		require.NoError(t, err)
-		require.Equal(t, dedup.StateDone, c.State)
-		require.NoError(t, tx.Rollback(ctx))
-	}), "a duplicate without the record: BEGIN and claim, then ROLLBACK")
-
-	// Expecting a new key: the INSERT alone; a duplicate is read after it.
-	expect := dedupdriver.ClaimHint{New: true, Unstarted: true}
-	third := dedup.Key{Consumer: "c", Key: "third"}
-	require.EqualValues(t, 2, measure(func() {
-		tx, c, err := store.InboxBeginClaim(ctx, third, time.Hour, expect)
-		require.NoError(t, err)
-		require.Equal(t, dedup.StateNew, c.State)
-		require.NoError(t, tx.Commit(ctx))
-	}), "a new key, expected new: BEGIN and claim, then COMMIT")
-	require.EqualValues(t, 3, measure(func() {
-		tx, c, err := store.InboxBeginClaim(ctx, third, time.Hour, expect)
-		require.NoError(t, err)
-		require.Equal(t, dedup.StateDone, c.State)
-		require.NoError(t, tx.Rollback(ctx))
-	}), "a duplicate, expected new: BEGIN and claim, the read, then ROLLBACK")
+	// Without the attempt record: BEGIN and the claim in one round trip,
+	// then COMMIT for a new key, ROLLBACK for a duplicate; a claim that
+	// expects a new key is the INSERT alone, and a duplicate is read after
+	// it.
+	for _, c := range []struct {
+		hint     dedupdriver.ClaimHint
+		new, dup int64
+	}{
+		{dedupdriver.ClaimHint{}, 2, 2},
+		{dedupdriver.ClaimHint{New: true, Unstarted: true}, 2, 3},
+	} {
+		k := dedup.Key{Consumer: "c", Key: fmt.Sprintf("other-%t", c.hint.New)}
+		for _, want := range []struct {
+			state dedup.State
+			trips int64
+		}{{dedup.StateNew, c.new}, {dedup.StateDone, c.dup}} {
+			require.EqualValues(t, want.trips, measure(func() {
+				tx, got, err := store.InboxBeginClaim(ctx, k, time.Hour, c.hint)
+				require.NoError(t, err)
+				require.Equal(t, want.state, got.State)
+				require.NoError(t, tx.Commit(ctx))
+			}), "%+v, a %v key", c.hint, want.state)
+		}
+	}
 }
 
 // TestBeginClaim: BEGIN and the claim pipelined give the handler's
