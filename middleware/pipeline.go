@@ -47,8 +47,9 @@ func (m PipelineMode) String() string {
 
 func (m PipelineMode) valid() bool { return m >= PipelineAuto && m <= PipelineNever }
 
-// dupRate follows the share of recent deliveries whose attempt record found
-// the key done or dead, for [PipelineAuto]: an exponentially weighted mean
+// dupRate follows the share of recent deliveries that found their key done
+// or dead (at the attempt record, or at the claim of a delivery that has
+// none), for [PipelineAuto]: an exponentially weighted mean
 // over about the last 256 (one part in 256 per sample, in units of 1/2^16),
 // and whether the record currently rides with BEGIN and the claim. Leaving
 // the pipeline at 5 % and rejoining at 2 % keeps a stream with a steady
