@@ -24,6 +24,13 @@ type Queries struct {
 	StartBatch, ClaimBatch                             string
 }
 
+// claimInsert takes a new key as done, visible at commit, and returns its
+// row as the claim statements do; a key that has a record returns none.
+const claimInsert = `INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
+VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
+ON CONFLICT (consumer, key) DO NOTHING
+RETURNING 'new'::text, attempts, NULL::bytea, first_failed_at`
+
 // New renders the statements for the tables of names.
 func New(names sqlschema.Names) Queries {
 	r := strings.NewReplacer("{T}", names.Inbox, "{S}", names.InboxStarts,
@@ -156,19 +163,13 @@ WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
 		ClaimNew: r.Replace(`WITH del AS (
 	DELETE FROM {S} WHERE consumer = $1 AND key = $2
 )
-INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
-VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
-ON CONFLICT (consumer, key) DO NOTHING
-RETURNING 'new'::text, attempts, NULL::bytea, first_failed_at`),
+` + claimInsert),
 
 		// ClaimNew for a delivery that started no count (a broker's first
 		// delivery, SkipAttemptRecord): no start row to delete. One that
 		// an earlier copy of the key left stays until it expires; a
 		// start on a key that is done answers done first.
-		ClaimNewUnstarted: r.Replace(`INSERT INTO {T} (consumer, key, status, attempts, done_at, expires_at)
-VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
-ON CONFLICT (consumer, key) DO NOTHING
-RETURNING 'new'::text, attempts, NULL::bytea, first_failed_at`),
+		ClaimNewUnstarted: r.Replace(claimInsert),
 
 		// Takes a key whose earlier attempts failed. A concurrent claimer
 		// of the same failed key waits on the row lock and, if the first
