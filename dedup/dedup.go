@@ -27,6 +27,14 @@ var (
 	// serve: connection refused or reset, pool closed, server shutting
 	// down or out of connections.
 	ErrUnavailable = errors.New("dedup: store unavailable")
+	// ErrTxOwned is wrapped by the error of a Commit or Rollback that a
+	// handler calls on the transaction an inbox handed it
+	// (postgres.Tx(ctx)): the transaction is the inbox's, which commits
+	// the handler's writes with the message's done mark, or rolls both
+	// back, once the handler returns. The call does nothing: write
+	// through the transaction and return nil, or return an error to roll
+	// it back.
+	ErrTxOwned = errors.New("dedup: the transaction is the inbox's, which commits it with the message's done mark when the handler returns nil and rolls it back when it returns an error")
 	// ErrAmbiguous means a commit's outcome is unknown: the connection
 	// failed while the commit was in flight. The effect may or may not
 	// have committed; the redelivery finds out. It also wraps

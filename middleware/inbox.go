@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"sync/atomic"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -146,10 +148,40 @@ func (c InboxConfig) Validate() error {
 		return fmt.Errorf("middleware: InboxConfig.Tuning.InFlightDelay must not be negative, got %s", c.Tuning.InFlightDelay)
 	case c.DrainTimeout < 0:
 		return fmt.Errorf("middleware: InboxConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
+	case c.Tuning.SkipAttemptRecord && c.TxStore == nil:
+		return errors.New("middleware: InboxConfig.Tuning.SkipAttemptRecord needs TxStore: a lease-mode claim records no attempt to skip; leave it false")
 	case c.Tuning.Batch.enabled() && !isBatchClaimer(c.TxStore):
 		return errors.New("middleware: InboxConfig.Tuning.Batch needs a TxStore that implements dedupdriver.BatchClaimer (the PostgreSQL store)")
 	}
+	if err := checkConsumerName("InboxConfig.Consumer", c.Consumer); err != nil {
+		return err
+	}
 	return c.Tuning.Batch.validate()
+}
+
+// MaxConsumerBytes is the longest consumer name an inbox or a poison
+// middleware takes: what every table that stores one can index as it is
+// (MySQL's inbox column holds 255 bytes).
+const MaxConsumerBytes = 255
+
+// checkConsumerName refuses a consumer name that the tables cannot store
+// as it is: a NUL or another control character, invalid UTF-8, more than
+// MaxConsumerBytes. The name scopes every key and is written with every
+// attempt and dead letter, so that such a name would fail every delivery
+// at run time; empty is allowed (the router handler's name).
+func checkConsumerName(field, name string) error {
+	switch {
+	case len(name) > MaxConsumerBytes:
+		return fmt.Errorf("middleware: %s is %d bytes long, more than %d: give a short name (the router handler's, say)", field, len(name), MaxConsumerBytes)
+	case !utf8.ValidString(name):
+		return fmt.Errorf("middleware: %s %q is not valid UTF-8: give a name of printable text", field, name)
+	}
+	for _, r := range name {
+		if unicode.IsControl(r) {
+			return fmt.Errorf("middleware: %s %q holds the control character %U: give a name of printable text", field, name, r)
+		}
+	}
+	return nil
 }
 
 func isBatchClaimer(s dedup.TxStore) bool {

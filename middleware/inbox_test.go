@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -306,6 +307,12 @@ func TestInboxConfigValidate(t *testing.T) {
 		{middleware.InboxConfig{LeaseStore: store, Tuning: middleware.InboxTuning{InFlightDelay: -time.Second}}, "InboxConfig.Tuning.InFlightDelay"},
 		{middleware.InboxConfig{LeaseStore: store, Lease: time.Hour, Window: time.Hour}, "InboxConfig.Lease (1h0m0s) must be shorter than Window"},
 		{middleware.InboxConfig{LeaseStore: store, FinishTimeout: -time.Second}, "InboxConfig.FinishTimeout"},
+		// A consumer name that no table can store would fail every
+		// delivery at run time, and its dead letter too: refused here.
+		{middleware.InboxConfig{LeaseStore: store, Consumer: "pay\x00ments"}, "InboxConfig.Consumer \"pay\\x00ments\" holds the control character U+0000"},
+		{middleware.InboxConfig{LeaseStore: store, Consumer: "pay\xffments"}, "InboxConfig.Consumer \"pay\\xffments\" is not valid UTF-8"},
+		{middleware.InboxConfig{LeaseStore: store, Consumer: strings.Repeat("c", 1<<20)}, "InboxConfig.Consumer is 1048576 bytes long, more than 255"},
+		{middleware.InboxConfig{LeaseStore: store, Tuning: middleware.InboxTuning{SkipAttemptRecord: true}}, "InboxConfig.Tuning.SkipAttemptRecord needs TxStore"},
 	}
 	for _, tc := range cases {
 		cfg := tc.cfg

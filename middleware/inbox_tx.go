@@ -187,12 +187,13 @@ func (in *Inbox) attemptClaimed(msg *message.Message, d *drain, key dedup.Key, h
 	case o.unrecorded:
 		start.Attempts = claim.Attempts // the failed attempts, this one included
 	default:
-		// Copies of the key that went unrecorded (a producer's
-		// duplicates, each a broker's first delivery) are counted in the
-		// failed attempts only.
-		if _, ok := brokerCount(msg, 0); ok {
-			start.Attempts = max(start.Attempts, claim.Attempts)
-		}
+		// The starts count the recorded attempts that did not commit,
+		// those that died included; the claim the failed attempts, those
+		// that went unrecorded included (a broker's first delivery, whose
+		// later attempts may come back through parking, with no broker
+		// count to add it back; a producer's duplicates, each a broker's
+		// first delivery). The attempt's number is the larger.
+		start.Attempts = max(start.Attempts, claim.Attempts)
 	}
 	if o.unrecorded {
 		// No start answered this delivery: its claim says whether the

@@ -157,7 +157,10 @@ func TestCrashLoopWaitsForRunningAttempt(t *testing.T) {
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: b.store, Consumer: "ledger"})
 	require.NoError(t, err)
 	sink := &deadSink{}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: sink, Topic: "dlq", MaxAttempts: 5, Consumer: "ledger"})
+	// Each call is one delivery and one attempt: failures are nacked for
+	// redelivery, not retried in process.
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: sink, Topic: "dlq", MaxAttempts: 5, Consumer: "ledger",
+		InProcessRetries: middleware.NoInProcessRetries})
 	require.NoError(t, err)
 	var runs atomic.Int32
 	holding, release := make(chan struct{}), make(chan struct{})

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -88,7 +89,19 @@ func (in *Inbox) run(ctx context.Context, msg *message.Message, key dedup.Key, h
 			o.step(orig, observe.StepHandled)
 		}
 	}()
-	return h(msg)
+	produced, err = h(msg)
+	return produced, txOwned(err)
+}
+
+// txOwned makes the error of a handler that tried to commit or roll back
+// the inbox's transaction (dedup.ErrTxOwned) permanent, wrapping
+// [ErrTxEnded]: the same code fails every attempt the same way, and the
+// reason names the mistake.
+func txOwned(err error) error {
+	if err == nil || !errors.Is(err, dedup.ErrTxOwned) || errors.Is(err, ErrTxEnded) {
+		return err
+	}
+	return Permanent(fmt.Errorf("%w: %w", ErrTxEnded, err))
 }
 
 func (in *Inbox) duplicate(msg *message.Message, key dedup.Key, claim dedup.Claim, o *attemptObs) ([]*message.Message, error) {

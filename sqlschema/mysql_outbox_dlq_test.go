@@ -16,7 +16,8 @@ import (
 // ledger with its published_at and idempotency_key indexes, 005 the
 // outbox's scheduled table with its (due_at, id) index, 006 the table of
 // parked messages, one row per consumer, topic and UUID, 007 the replay
-// subscribers' announcements; applied twice
+// subscribers' announcements, 008 the key in both tables' identity;
+// applied twice
 // they change nothing, and their down steps undo them.
 func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 	t.Parallel()
@@ -28,13 +29,16 @@ func TestMySQLOutboxDLQAndLedgerMigrations(t *testing.T) {
 	cfg := sqlschema.Config{Schema: name, OutboxTable: "events"}
 	ms, err := sqlschema.Migrations(sqlschema.MySQL, cfg)
 	require.NoError(t, err)
-	require.Len(t, ms, 7)
+	require.Len(t, ms, 10)
 	require.Equal(t, "outbox", ms[1].Name)
 	require.Equal(t, "dlq", ms[2].Name)
 	require.Equal(t, "ledger", ms[3].Name)
 	require.Equal(t, "outbox_scheduled", ms[4].Name)
 	require.Equal(t, "retries", ms[5].Name)
 	require.Equal(t, "dlq_replayers", ms[6].Name)
+	require.Equal(t, "message_identity", ms[7].Name)
+	require.Equal(t, "inbox_narrow", ms[8].Name)
+	require.Equal(t, "inbox_marks", ms[9].Name)
 	for range 2 {
 		for _, m := range ms {
 			_, err := db.ExecContext(ctx, m.Up)

@@ -127,7 +127,7 @@ const scheduledSuffix = "_scheduled"
 // "_starts" is the inbox's table of started attempts, "_lanes" the
 // outbox's lanes (MySQL).
 var derived = map[string][]string{
-	"InboxTable":  {"_starts", "_token_seq", "_expires_at_idx", "_starts_expires_at_idx"},
+	"InboxTable":  {"_starts", "_failures", "_marks", "_token_seq", "_expires_at_idx", "_starts_expires_at_idx"},
 	"OutboxTable": {scheduledSuffix, "_lanes", "_due_idx", "_lane_idx", "_lane_id_idx"},
 	"DLQTable":    {"_consumer_idx", "_dead_at_idx", "_once_idx", "_replay_idx", "_topic_idx", "_uuid_idx"},
 	"LedgerTable": {"_key_idx", "_published_at_idx"},
@@ -158,6 +158,10 @@ func (c Config) distinctTables() error {
 				what = "the scheduled table of OutboxTable"
 			case "_starts":
 				what = "the table of started attempts of InboxTable"
+			case "_failures":
+				what = "the failure table of InboxTable"
+			case "_marks":
+				what = "the hand-out marks table of InboxTable"
 			case "_token_seq":
 				what = "the token sequence of InboxTable"
 			case "_lanes":
@@ -199,6 +203,16 @@ type Names struct {
 	// attempts of an inbox key that started and have not completed
 	// ("<inbox>_starts"); in PostgreSQL it is UNLOGGED.
 	InboxStarts string
+	// InboxFailures is the quoted, schema-qualified table of the inbox
+	// keys' failure state ("<inbox>_failures"): attempts, errors, the
+	// dead mark's details, replay grants, written only when something
+	// fails, while the inbox table holds one narrow row per key.
+	InboxFailures string
+	// InboxMarks is the quoted, schema-qualified table of the hand-out
+	// marks ("<inbox>_marks"): per consumer group and Kafka partition,
+	// the highest offset its subscriber may have handed out
+	// (delivery.HandOutMarks).
+	InboxMarks string
 	// Outbox is the quoted, schema-qualified outbox table.
 	Outbox string
 	// OutboxName is the bare outbox table name.
@@ -236,6 +250,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 			Inbox:         q(cfg.InboxTable),
 			InboxName:     cfg.InboxTable,
 			InboxStarts:   q(cfg.InboxTable + "_starts"),
+			InboxFailures: q(cfg.InboxTable + "_failures"),
+			InboxMarks:    q(cfg.InboxTable + "_marks"),
 			Outbox:        q(cfg.OutboxTable),
 			OutboxName:    cfg.OutboxTable,
 			DLQ:           q(cfg.DLQTable),
@@ -257,6 +273,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 			Inbox:         table(cfg.InboxTable),
 			InboxName:     cfg.InboxTable,
 			InboxStarts:   table(cfg.InboxTable + "_starts"),
+			InboxFailures: table(cfg.InboxTable + "_failures"),
+			InboxMarks:    table(cfg.InboxTable + "_marks"),
 			Outbox:        table(cfg.OutboxTable),
 			OutboxName:    cfg.OutboxTable,
 			DLQ:           table(cfg.DLQTable),
@@ -275,6 +293,8 @@ func NamesFor(d Dialect, cfg Config) Names {
 		Inbox:         schema + `."` + cfg.InboxTable + `"`,
 		InboxName:     cfg.InboxTable,
 		InboxStarts:   schema + `."` + cfg.InboxTable + `_starts"`,
+		InboxFailures: schema + `."` + cfg.InboxTable + `_failures"`,
+		InboxMarks:    schema + `."` + cfg.InboxTable + `_marks"`,
 		Outbox:        schema + `."` + cfg.OutboxTable + `"`,
 		OutboxName:    cfg.OutboxTable,
 		Scheduled:     schema + `."` + cfg.OutboxTable + scheduledSuffix + `"`,

@@ -59,8 +59,16 @@ func (p *process) deliver(spec *msgSpec, d *delivery, ack func()) (outcome, erro
 func (p *process) message(spec *msgSpec, d *delivery) *message.Message {
 	msg := message.NewMessage(spec.UUID, spec.Payload)
 	msg.Metadata.Set(dlv.IdempotencyKey, spec.Key)
-	if p.brokerCount {
+	switch {
+	case p.brokerCount:
 		msg.Metadata.Set(dlv.Attempts, strconv.Itoa(p.f.delivered(spec.UUID)))
+	case p.handOutMark:
+		if p.f.delivered(spec.UUID) > 1 {
+			msg.Metadata.Set(dlv.Redelivered, "true")
+		} else if err := p.f.handOut(p.ctx); err == nil {
+			msg.Metadata.Set(dlv.Attempts, "1")
+		}
+		// A mark not written: the delivery goes out unmarked, recorded.
 	}
 	msg.SetContext(context.WithValue(p.ctx, deliveryKey{}, d))
 	return msg

@@ -23,6 +23,7 @@ import (
 	redisstore "github.com/oncemill/oncemill/dedup/redis"
 	"github.com/oncemill/oncemill/dedup/sqlite"
 	"github.com/oncemill/oncemill/dedup/sqlstore"
+	dlv "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/testing/redistest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -187,6 +188,40 @@ type fixture struct {
 	// deliveries counts the deliveries of each message by UUID, as a
 	// broker that counts them does: the count outlives a process.
 	deliveries sync.Map // string → *atomic.Int32
+
+	// markMu guards handedOut, the first deliveries handed out, and
+	// marked, the hand-out mark written in the store (stPGMarked).
+	markMu            sync.Mutex
+	handedOut, marked int64
+}
+
+// markAhead is how far one mark's write reaches past the delivery that
+// needs it: what the Kafka subscriber reads ahead of its lowest unacked
+// offset (its minimum buffer).
+const markAhead = 256
+
+// handOut counts a first delivery and, when it passes the mark, raises the
+// mark in the store markAhead further first, as the Kafka subscriber with
+// a hand-out mark does before it hands out an offset above it; the
+// deliveries behind wait for the write, as the partition's do.
+func (f *fixture) handOut(ctx context.Context) error {
+	f.markMu.Lock()
+	defer f.markMu.Unlock()
+	f.handedOut++
+	if f.handedOut <= f.marked {
+		return nil
+	}
+	to := f.handedOut + markAhead - 1
+	var marks dlv.HandOutMarks = f.pg
+	if f.sqlStore != nil {
+		marks = f.sqlStore
+	}
+	if err := marks.InboxMarkHandOut(ctx, "bench", f.id, 0, to); err != nil {
+		f.handedOut--
+		return err
+	}
+	f.marked = to
+	return nil
 }
 
 // delivered counts one more delivery of the message uuid and returns the

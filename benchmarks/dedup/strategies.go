@@ -42,6 +42,13 @@ const (
 	// JetStream): a first delivery (Attempts 1) goes without the attempt
 	// record, a redelivery keeps it.
 	stPGBrokerCount = "postgres-inbox-broker-counted"
+	// stPGMarked is the postgres inbox, defaults unchanged, behind a
+	// subscriber that keeps a hand-out mark in the store
+	// (kafka.SubscriberConfig.HandOutMarks): one durable write raises
+	// the mark ahead of markAhead deliveries, a first delivery goes out
+	// with delivery.Attempts 1 and a redelivery marked
+	// delivery.Redelivered, so the crash-loop count stays on.
+	stPGMarked = "postgres-inbox-marked"
 	// stPGNoStart is the postgres inbox without the attempt-start record
 	// that counts attempts whose process died: what the crash-loop
 	// protection costs is the gap between the two.
@@ -90,7 +97,11 @@ const (
 	// MariaDB through go-sql-driver/mysql; stRawMySQL is its baseline,
 	// the same claim and effect hand-written for MySQL on the same pool.
 	stSQLStoreMy = "sqlstore-mysql"
-	stRawMySQL   = "raw-sql-mysql"
+	// stSQLStorePGMarked and stSQLStoreMyMarked are the sqlstore rows
+	// behind a subscriber with a hand-out mark, as stPGMarked.
+	stSQLStorePGMarked = "sqlstore-postgres-marked"
+	stSQLStoreMyMarked = "sqlstore-mysql-marked"
+	stRawMySQL         = "raw-sql-mysql"
 )
 
 // Group commit, as the batched strategies and the batched raw floor run
@@ -157,6 +168,11 @@ type strategyDef struct {
 	// redelivery, across restarts), as RabbitMQ quorum, SQS and JetStream
 	// adapters do.
 	BrokerCount bool
+	// HandOutMark stamps each delivery as the Kafka subscriber does with
+	// a hand-out mark: a first delivery delivery.Attempts 1, under a mark
+	// written in the store ahead of it, one write per markAhead
+	// deliveries; a redelivery delivery.Redelivered.
+	HandOutMark bool
 	// Postgres, Redis and SQLite say which durable state it needs.
 	Postgres, Redis, SQLite bool
 	// Stdlib says it reaches PostgreSQL through database/sql on pgx's
@@ -195,6 +211,8 @@ func strategies() []strategyDef {
 			What: "Inbox transactional mode on dedup/postgres, its defaults (PipelineAuto: the attempt record, BEGIN and the claim in one round trip while duplicates are rare; the record alone, answering each duplicate in one, once they pass 1 in 20)"},
 		{Name: stPGBrokerCount, ExactlyOnce: true, BrokerCount: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox, defaults unchanged, behind a broker that counts deliveries (delivery.Attempts stamped as RabbitMQ quorum, SQS and JetStream adapters do): a first delivery goes without the attempt record, a redelivery keeps it, so the crash-loop count stays on"},
+		{Name: stPGMarked, ExactlyOnce: true, HandOutMark: true, Postgres: true, Effect: effectPGTx,
+			What: "the postgres inbox, defaults unchanged, behind a subscriber that keeps a hand-out mark in the store, as the Kafka subscriber does with HandOutMarks: one mark write per 256 deliveries, a first delivery without the attempt record, a redelivery with it, so the crash-loop count stays on"},
 		{Name: stPGNoStart, ExactlyOnce: true, NoStart: true, Postgres: true, Effect: effectPGTx,
 			What: "the postgres inbox with SkipAttemptRecord: no statement before the transaction, so no crash-loop count, and duplicates go through BEGIN, claim, ROLLBACK"},
 		{Name: stPGNever, ExactlyOnce: true, Postgres: true, Effect: effectPGTx,
@@ -223,6 +241,10 @@ func strategies() []strategyDef {
 			What: "Inbox transactional mode on dedup/sqlstore, dialect Postgres, through database/sql on pgx's stdlib driver; the effect through sqlstore.Tx; × raw is to raw-sql-stdlib"},
 		{Name: stSQLStoreMy, ExactlyOnce: true, MySQL: true, Raw: stRawMySQL, Effect: effectSQLTx,
 			What: "Inbox transactional mode on dedup/sqlstore, dialect MySQL, on MariaDB through go-sql-driver/mysql; the effect through sqlstore.Tx into MariaDB; × raw is to raw-sql-mysql"},
+		{Name: stSQLStorePGMarked, ExactlyOnce: true, HandOutMark: true, Postgres: true, Stdlib: true, Raw: stRawStdlib, Effect: effectSQLTx,
+			What: "sqlstore-postgres behind a subscriber that keeps a hand-out mark in the store (one mark write per 256 deliveries): a first delivery without the attempt record"},
+		{Name: stSQLStoreMyMarked, ExactlyOnce: true, HandOutMark: true, MySQL: true, Raw: stRawMySQL, Effect: effectSQLTx,
+			What: "sqlstore-mysql behind a subscriber that keeps a hand-out mark in the store (one mark write per 256 deliveries): a first delivery without the attempt record"},
 	}
 }
 
@@ -323,6 +345,9 @@ type process struct {
 	// brokerCount stamps delivery.Attempts on each message (see
 	// strategyDef.BrokerCount).
 	brokerCount bool
+	// handOutMark stamps each message as a subscriber with a hand-out
+	// mark does (see strategyDef.HandOutMark).
+	handOutMark bool
 	handler     message.HandlerFunc
 	ctx         context.Context
 	cancel      context.CancelFunc
@@ -339,7 +364,7 @@ type process struct {
 // store, a new Watermill repository, a new Bloom filter warmed from the
 // store), as a process that starts, or restarts after a crash, would have.
 func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*process, error) {
-	p := &process{f: f, brokerCount: d.BrokerCount}
+	p := &process{f: f, brokerCount: d.BrokerCount, handOutMark: d.HandOutMark}
 	p.ctx, p.cancel = context.WithCancel(ctx)
 	if o.Logger == nil {
 		o.Logger = watermill.NopLogger{}
@@ -380,7 +405,7 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{LeaseStore: p.lease(o, memory.New())})
 	case stRedis:
 		p.handler, err = newInbox(middleware.InboxConfig{LeaseStore: p.lease(o, f.redis)})
-	case stPostgres, stPGBrokerCount:
+	case stPostgres, stPGBrokerCount, stPGMarked:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg)})
 	case stPGNoStart:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.pg), Tuning: middleware.InboxTuning{SkipAttemptRecord: true}})
@@ -429,7 +454,7 @@ func (f *fixture) start(ctx context.Context, d strategyDef, o procOptions) (*pro
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tt})
 	case stSQLite:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.sqlite)})
-	case stSQLStorePG, stSQLStoreMy:
+	case stSQLStorePG, stSQLStoreMy, stSQLStorePGMarked, stSQLStoreMyMarked:
 		p.handler, err = newInbox(middleware.InboxConfig{TxStore: p.tx(o, f.sqlStore)})
 	case stRawStdlib, stRawMySQL:
 		p.handler = p.rawSQLHandler(d.MySQL)

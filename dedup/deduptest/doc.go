@@ -127,6 +127,17 @@
 //     for the infrastructure's fault; under the inbox and the poison
 //     middleware the message is nacked, never counted nor dead-lettered,
 //     and applied once after the repair.
+//   - HandOutMark (delivery.HandOutMarks): a partition without a mark
+//     reads -1; a mark only rises, concurrent writers included; each
+//     group, topic and partition keeps its own, long names included.
+//
+// # Upgrading a store's tables
+//
+// [RunUpgrade] takes an [UpgradeHarness] that writes records in the form
+// of an earlier schema ([OldRecord]: done keys with and without failures
+// before, a failed key, dead keys with and without a grant and copies, a
+// start count of a process that died, a lease) and migrates the tables;
+// it checks that the store answers each record as it did before.
 //
 // # What the lease suite checks
 //

@@ -57,6 +57,7 @@ func RunTxStore(t *testing.T, h TxHarness) {
 		{"Batch", txBatch},
 		{"Drain", txDrain},
 		{"Misconfigured", txMisconfigured},
+		{"HandOutMark", txHandOutMark},
 	} {
 		t.Run(st.name, func(t *testing.T) {
 			t.Parallel()

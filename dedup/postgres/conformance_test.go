@@ -14,6 +14,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/deduptest"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 )
 
 // conformanceStore is a store in a schema of its own, beside an effects
@@ -50,7 +51,7 @@ func conformanceStore(t *testing.T) (store *postgres.Store, direct *pgxpool.Pool
 func deadCopies(direct *pgxpool.Pool, schema string) func(context.Context, dedup.Key) (int, error) {
 	return func(ctx context.Context, key dedup.Key) (int, error) {
 		var n int
-		err := direct.QueryRow(ctx, `SELECT dead_copies FROM `+pgx.Identifier{schema, "inbox"}.Sanitize()+`
+		err := direct.QueryRow(ctx, `SELECT dead_copies FROM `+pgx.Identifier{schema, "inbox_failures"}.Sanitize()+`
 			WHERE consumer = $1 AND key = $2`, key.Consumer, key.Key).Scan(&n)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return 0, nil
@@ -115,4 +116,15 @@ func renameInbox(t *testing.T, direct *pgxpool.Pool, schema, from, to string) {
 			` RENAME TO `+pgx.Identifier{to + suffix}.Sanitize())
 		require.NoError(t, err)
 	}
+}
+
+// TestConformanceUpgrade: tables migrated from the wide inbox row hold
+// their records, which the store answers as before.
+func TestConformanceUpgrade(t *testing.T) {
+	t.Parallel()
+	deduptest.RunUpgrade(t, sqltest.Upgrade(sqltest.Backends[0], func(t *testing.T, db sqltest.Database) dedup.TxStore {
+		store, err := postgres.New(db.Pool, db.Schema)
+		require.NoError(t, err)
+		return store
+	}))
 }

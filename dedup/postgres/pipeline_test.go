@@ -330,8 +330,8 @@ func TestStartClaimHandlerTxSemantics(t *testing.T) {
 	_, err = h.Query(ctx, "SELECT 1")
 	require.ErrorIs(t, err, pgx.ErrTxClosed)
 	require.ErrorIs(t, h.QueryRow(ctx, "SELECT 1").Scan(&n), pgx.ErrTxClosed)
-	require.ErrorIs(t, h.Commit(ctx), pgx.ErrTxClosed)
-	require.ErrorIs(t, h.Rollback(ctx), pgx.ErrTxClosed)
+	require.ErrorIs(t, h.Commit(ctx), dedup.ErrTxOwned, "ending the inbox's transaction is the inbox's")
+	require.ErrorIs(t, h.Rollback(ctx), dedup.ErrTxOwned)
 	_, err = h.Begin(ctx)
 	require.ErrorIs(t, err, pgx.ErrTxClosed)
 	requireHealthy(t, b)
@@ -351,12 +351,24 @@ func TestStartClaimHandlerTxSemantics(t *testing.T) {
 	require.Equal(t, 1, b.started(t, key))
 	requireHealthy(t, b)
 
-	// A handler that commits the transaction itself: the inbox's Commit
-	// then reports it closed.
-	_, tx, _, err = b.store.InboxStartClaim(ctx, dedup.Key{Consumer: "c", Key: "self"}, time.Hour)
+	// A handler that commits or rolls back the transaction itself is
+	// refused, and the transaction goes on: what it wrote before and
+	// after commits with the inbox's Commit, with the key's done mark.
+	self := dedup.Key{Consumer: "c", Key: "self"}
+	_, tx, _, err = b.store.InboxStartClaim(ctx, self, time.Hour)
 	require.NoError(t, err)
-	require.NoError(t, postgres.Tx(tx.WithTx(ctx)).Commit(ctx))
-	require.ErrorIs(t, tx.Commit(ctx), pgx.ErrTxClosed)
+	h = postgres.Tx(tx.WithTx(ctx))
+	_, err = h.Exec(ctx, ins, "before")
+	require.NoError(t, err)
+	require.ErrorIs(t, h.Commit(ctx), dedup.ErrTxOwned)
+	require.ErrorIs(t, h.Rollback(ctx), dedup.ErrTxOwned)
+	_, err = h.Exec(ctx, ins, "after")
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, 5, b.effects(t), "both writes committed with the inbox's Commit")
+	c, err := b.store.InboxStart(ctx, self, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, dedup.StateDone, c.State, "and the key is done")
 	requireHealthy(t, b)
 }
 

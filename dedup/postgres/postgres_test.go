@@ -44,9 +44,10 @@ type row struct {
 func (b bundle) row(t *testing.T, key dedup.Key) (row, bool) {
 	t.Helper()
 	var r row
-	err := b.pool.QueryRow(context.Background(), `SELECT status, attempts, first_error, last_error, result,
-		extract(epoch FROM expires_at - now())::float8
-		FROM "`+b.schema+`".inbox WHERE consumer = $1 AND key = $2`, key.Consumer, key.Key).
+	err := b.pool.QueryRow(context.Background(), `SELECT i.status, COALESCE(f.attempts, CASE WHEN i.status = 'done' THEN 1 ELSE 0 END), f.first_error, f.last_error, i.result,
+		extract(epoch FROM i.expires_at - now())::float8
+		FROM "`+b.schema+`".inbox i LEFT JOIN "`+b.schema+`".inbox_failures f USING (consumer, key)
+		WHERE consumer = $1 AND key = $2`, key.Consumer, key.Key).
 		Scan(&r.status, &r.attempts, &r.firstErr, &r.lastErr, &r.result, &r.expiresInFutureSec)
 	if err != nil {
 		if errors.Is(err, context.Canceled) {

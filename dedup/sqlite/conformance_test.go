@@ -10,6 +10,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/deduptest"
 	"github.com/oncemill/oncemill/dedup/sqlite"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 )
 
 // TestConformance runs the transactional store's conformance suite, each
@@ -34,7 +35,7 @@ func TestConformance(t *testing.T) {
 					return n, err
 				},
 				DeadCopies: func(ctx context.Context, key dedup.Key) (n int, err error) {
-					err = db.QueryRowContext(ctx, `SELECT COALESCE(SUM(dead_copies), 0) FROM inbox WHERE consumer = ? AND key = ?`,
+					err = db.QueryRowContext(ctx, `SELECT COALESCE(SUM(dead_copies), 0) FROM inbox_failures WHERE consumer = ? AND key = ?`,
 						key.Consumer, key.Key).Scan(&n)
 					return n, err
 				},
@@ -56,4 +57,15 @@ func renameInbox(t *testing.T, db *sql.DB, from, to string) {
 		_, err := db.ExecContext(t.Context(), `ALTER TABLE "`+from+suffix+`" RENAME TO "`+to+suffix+`"`)
 		require.NoError(t, err)
 	}
+}
+
+// TestConformanceUpgrade: tables migrated from the wide inbox row hold
+// their records, which the store answers as before.
+func TestConformanceUpgrade(t *testing.T) {
+	t.Parallel()
+	deduptest.RunUpgrade(t, sqltest.Upgrade(sqltest.Backends[3], func(t *testing.T, db sqltest.Database) dedup.TxStore {
+		store, err := sqlite.New(t.Context(), db.DB, sqlite.Config{})
+		require.NoError(t, err)
+		return store
+	}))
 }

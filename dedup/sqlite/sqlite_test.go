@@ -62,9 +62,9 @@ type row struct {
 func readRow(t *testing.T, s *sqlite.Store, key dedup.Key) (row, bool) {
 	t.Helper()
 	var r row
-	err := s.DB().QueryRowContext(t.Context(), `SELECT status, attempts, first_error, last_error,
-		first_failed_at, last_failed_at, result, created_at, updated_at, expires_at, done_at
-		FROM inbox WHERE consumer = ? AND key = ?`, key.Consumer, key.Key).
+	err := s.DB().QueryRowContext(t.Context(), `SELECT i.status, COALESCE(f.attempts, CASE WHEN i.status = 'done' THEN 1 ELSE 0 END), f.first_error, f.last_error,
+		f.first_failed_at, f.last_failed_at, i.result, COALESCE(f.created_at, i.done_at, 0), COALESCE(f.updated_at, i.done_at, 0), i.expires_at, i.done_at
+		FROM inbox i LEFT JOIN inbox_failures f USING (consumer, key) WHERE consumer = ? AND key = ?`, key.Consumer, key.Key).
 		Scan(&r.status, &r.attempts, &r.firstError, &r.lastError, &r.firstFailedAt, &r.lastFailedAt,
 			&r.result, &r.createdAt, &r.updatedAt, &r.expires, &r.doneAt)
 	if errors.Is(err, sql.ErrNoRows) {

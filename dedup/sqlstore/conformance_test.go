@@ -11,6 +11,7 @@ import (
 	"github.com/oncemill/oncemill/dedup/sqlstore"
 	"github.com/oncemill/oncemill/internal/testing/mysqltest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
+	"github.com/oncemill/oncemill/internal/testing/sqltest"
 )
 
 // TestConformance runs the public TxStore suite on every dialect and
@@ -89,5 +90,30 @@ func (b backend) renameInbox(t *testing.T, from, to string) {
 		}
 		_, err := b.db.ExecContext(t.Context(), q)
 		require.NoError(t, err)
+	}
+}
+
+// TestConformanceUpgrade: tables migrated from the wide inbox row hold
+// their records, which the store answers as before, on PostgreSQL and
+// MariaDB.
+func TestConformanceUpgrade(t *testing.T) {
+	t.Parallel()
+	for _, b := range sqltest.Backends {
+		d := sqlstore.Postgres
+		switch b.Name {
+		case "postgres-sql":
+		case "mariadb":
+			d = sqlstore.MySQL
+		default:
+			continue
+		}
+		t.Run(b.Name, func(t *testing.T) {
+			t.Parallel()
+			deduptest.RunUpgrade(t, sqltest.Upgrade(b, func(t *testing.T, db sqltest.Database) dedup.TxStore {
+				store, err := sqlstore.New(db.DB, sqlstore.Config{Dialect: d, Schema: db.Schema})
+				require.NoError(t, err)
+				return store
+			}))
+		})
 	}
 }

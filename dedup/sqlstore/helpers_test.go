@@ -166,8 +166,9 @@ type record struct {
 func (b backend) row(t *testing.T, key dedup.Key) (record, bool) {
 	t.Helper()
 	var r record
-	err := b.db.QueryRowContext(context.Background(), `SELECT status, attempts, first_error, last_error, result, dead_copies FROM `+
-		b.names.Inbox+` WHERE consumer = `+b.ph(1)+` AND `+b.key()+` = `+b.ph(2), key.Consumer, key.Key).
+	err := b.db.QueryRowContext(context.Background(), `SELECT i.status, COALESCE(f.attempts, CASE WHEN i.status = 'done' THEN 1 ELSE 0 END), f.first_error, f.last_error, i.result, COALESCE(f.dead_copies, 0) FROM `+
+		b.names.Inbox+` i LEFT JOIN `+b.names.InboxFailures+` f ON f.consumer = i.consumer AND f.`+b.key()+` = i.`+b.key()+`
+		WHERE i.consumer = `+b.ph(1)+` AND i.`+b.key()+` = `+b.ph(2), key.Consumer, key.Key).
 		Scan(&r.status, &r.attempts, &r.firstErr, &r.lastErr, &r.result, &r.deadCopies)
 	if errors.Is(err, sql.ErrNoRows) {
 		return record{}, false

@@ -132,7 +132,7 @@ func TestRollbackLeavesNothingAndFailureIsRecorded(t *testing.T) {
 		require.Equal(t, "failed", r.status)
 		require.Equal(t, 2, r.attempts)
 		require.Equal(t, "first boom", r.firstErr.String)
-		require.Equal(t, "second boom \uFFFD", r.lastErr.String, "stored as valid text")
+		require.Equal(t, "second \uFFFDboom \uFFFD", r.lastErr.String, "stored as valid text, NUL and invalid UTF-8 as U+FFFD")
 
 		require.Equal(t, dedup.StateNew, b.apply(t, key, nil))
 		r, _ = b.row(t, key)
@@ -144,7 +144,7 @@ func TestRollbackLeavesNothingAndFailureIsRecorded(t *testing.T) {
 		r, _ = b.row(t, key)
 		require.Equal(t, "done", r.status)
 		require.Equal(t, 3, r.attempts)
-		require.Equal(t, "second boom \uFFFD", r.lastErr.String)
+		require.Equal(t, "second \uFFFDboom \uFFFD", r.lastErr.String)
 		require.Equal(t, 1, b.effects(t, key.Key))
 	})
 }

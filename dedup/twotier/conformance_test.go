@@ -84,7 +84,7 @@ func TestConformance(t *testing.T) {
 					return n, err
 				},
 				DeadCopies: func(ctx context.Context, key dedup.Key) (n int, err error) {
-					err = pool.QueryRow(ctx, `SELECT dead_copies FROM `+pgx.Identifier{schema, "inbox"}.Sanitize()+`
+					err = pool.QueryRow(ctx, `SELECT dead_copies FROM `+pgx.Identifier{schema, "inbox_failures"}.Sanitize()+`
 						WHERE consumer = $1 AND key = $2`, key.Consumer, key.Key).Scan(&n)
 					if errors.Is(err, pgx.ErrNoRows) {
 						return 0, nil
@@ -141,7 +141,7 @@ func TestConformanceSQLiteRecord(t *testing.T) {
 					return n, err
 				},
 				DeadCopies: func(ctx context.Context, key dedup.Key) (n int, err error) {
-					err = db.QueryRowContext(ctx, `SELECT COALESCE(SUM(dead_copies), 0) FROM inbox WHERE consumer = ? AND key = ?`,
+					err = db.QueryRowContext(ctx, `SELECT COALESCE(SUM(dead_copies), 0) FROM inbox_failures WHERE consumer = ? AND key = ?`,
 						key.Consumer, key.Key).Scan(&n)
 					return n, err
 				},

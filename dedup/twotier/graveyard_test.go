@@ -216,6 +216,8 @@ func TestPoisonDeadLettersThroughTheRecord(t *testing.T) {
 	poison, err := middleware.NewPoison(middleware.PoisonConfig{
 		Publisher: dlq, Topic: "billing.dlq", Consumer: "billing", MaxAttempts: 2,
 		InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond,
+		// Each failure goes back to the broker: the test delivers again.
+		InProcessRetries: middleware.NoInProcessRetries,
 	})
 	require.NoError(t, err)
 	in := newInbox(t, b.store, "billing")

@@ -122,7 +122,8 @@ func (b bundle) totalEffects(t *testing.T) int {
 func (b bundle) recordRow(t *testing.T, key dedup.Key) (string, int) {
 	t.Helper()
 	status, attempts := "", -1
-	err := b.pool.QueryRow(context.Background(), `SELECT status, attempts FROM "`+b.schema+`".inbox WHERE consumer = $1 AND key = $2`,
+	err := b.pool.QueryRow(context.Background(), `SELECT i.status, COALESCE(f.attempts, CASE WHEN i.status = 'done' THEN 1 ELSE 0 END) FROM "`+b.schema+`".inbox i
+		LEFT JOIN "`+b.schema+`".inbox_failures f USING (consumer, key) WHERE consumer = $1 AND key = $2`,
 		key.Consumer, key.Key).Scan(&status, &attempts)
 	if err != nil {
 		require.ErrorContains(t, err, "no rows")
@@ -192,7 +193,7 @@ func newHarnessOn(t *testing.T, store dedup.TxStore, b bundle, handlers int) *ha
 func (b bundle) deadCopies(t *testing.T, key dedup.Key) int {
 	t.Helper()
 	var n int
-	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT dead_copies FROM "`+b.schema+`".inbox WHERE consumer = $1 AND key = $2`,
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT dead_copies FROM "`+b.schema+`".inbox_failures WHERE consumer = $1 AND key = $2`,
 		key.Consumer, key.Key).Scan(&n))
 	return n
 }

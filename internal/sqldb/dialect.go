@@ -1,6 +1,7 @@
 package sqldb
 
 import (
+	"database/sql/driver"
 	"errors"
 	"strconv"
 	"strings"
@@ -60,6 +61,42 @@ type Dialect struct {
 	unique      func(error) bool
 	denied      func(error) bool
 	conflict    func(error) bool
+	undefCol    func(error) bool
+
+	// What differs in the spelling of expressions and statements; the
+	// builders in expr.go and writes.go read these, never the name.
+	position   func(sub, s string) string
+	jsonText   func(col, key string) string
+	replaceAll func(expr, pattern, repl string) string
+	charLength string // the function of a text's length in characters
+	keyBytes   [2]int // sizes of the inbox's consumer and key columns; 0: unbounded
+	insertOnce func(target, column string) string
+	jsonInts   func(ph string) string
+	joinIDs    bool   // rows are reached from a list of ids by a join, not IN (MySQL's optimizer may scan)
+	updateJoin bool   // UPDATE a, b SET … (no UPDATE … FROM)
+	rowID      string // the physical row id a bounded DELETE selects by; "": DELETE … LIMIT
+	sessionID  string
+	hashes     bool // the writer fills hash columns (no hash function in SQL)
+
+	// The inbox's statements (inbox_sql.go).
+	writeCTE      bool   // INSERT, UPDATE and DELETE inside WITH: one statement where others take two
+	snapshotReads bool   // a plain read in a transaction sees its snapshot: the latest commit takes a locking read
+	rowAlias      string // " AS i" where an upsert names the existing row i, "" where unqualified names are it
+	excluded      func(col string) string
+	greatest      string                      // the function of the larger of two values
+	textBytes     int                         // the size of an error text column in bytes; 0: unbounded
+	nowPlus       func(ph string) string      // the current time plus ph microseconds
+	clockParam    bool                        // the current time is the writer's clock, the parameter :now
+	counted       func(expr string) string    // expr, reported as the statement's insert id where there is no RETURNING
+	reported      func(n, expr string) string // expr, with n reported as the insert id where there is no RETURNING
+	upsert        func(conflict string, set [][2]string, where string) string
+
+	// The server's answers and the drivers' errors (classes.go).
+	answered     func(error) bool // the server's own answer to a statement
+	unavailable  func(error) bool // the server cannot serve, or the driver's connection broke
+	sessionEnded func(error) bool // the server ended the session
+	notSent      func(error) bool // the driver says nothing of the statement was sent
+	closed       func(dc any) bool
 }
 
 // Names returns the quoted table names of cfg in the dialect.
@@ -197,7 +234,36 @@ var Postgres = &Dialect{
 	unique:    func(err error) bool { return pgCode(err) == "23505" },
 	denied:    func(err error) bool { return pgCode(err) == "42501" },
 	conflict:  func(err error) bool { c := pgCode(err); return c == "40001" || c == "40P01" || c == "55P03" },
+	undefCol:  func(err error) bool { return pgCode(err) == "42703" },
+
+	position:   func(sub, s string) string { return "POSITION(" + sub + " IN " + s + ")" },
+	jsonText:   func(col, key string) string { return "(" + col + " ->> '" + key + "')" },
+	replaceAll: func(e, p, r string) string { return "regexp_replace(" + e + ", '" + p + "', '" + r + "', 'g')" },
+	charLength: "char_length",
+	insertOnce: onConflictNothing,
+	jsonInts: func(ph string) string {
+		return "SELECT CAST(value AS bigint) FROM jsonb_array_elements_text(CAST(" + ph + " AS jsonb))"
+	},
+	rowID:     "ctid",
+	sessionID: "pg_backend_pid()",
+
+	writeCTE: true,
+	rowAlias: " AS i",
+	excluded: func(col string) string { return "excluded." + col },
+	greatest: "GREATEST",
+	nowPlus:  func(ph string) string { return "now() + CAST(" + ph + " AS bigint) * interval '1 microsecond'" },
+	counted:  func(e string) string { return e },
+	reported: func(_, e string) string { return e },
+	upsert:   onConflictUpdate,
+
+	answered:     func(err error) bool { return pgCode(err) != "" },
+	unavailable:  pgUnavailable,
+	sessionEnded: func(err error) bool { c := pgCode(err); return c == "57P01" || c == "57P02" },
+	notSent:      pgNotSent,
+	closed:       pgClosed,
 }
+
+func onConflictNothing(target, _ string) string { return " ON CONFLICT " + target + " DO NOTHING" }
 
 // pgCode is the SQLSTATE of a PostgreSQL error through pgx or lib/pq.
 func pgCode(err error) string {
@@ -237,7 +303,41 @@ var MySQL = &Dialect{
 	undefined: func(err error) bool { n := myNumber(err); return n == 1146 || n == 1049 },
 	unique:    func(err error) bool { return myNumber(err) == 1062 },
 	denied:    func(err error) bool { n := myNumber(err); return n == 1227 || n == 1142 || n == 1044 },
-	conflict:  func(err error) bool { n := myNumber(err); return n == 1213 || n == 1205 },
+	// 1020: MariaDB's snapshot isolation found the row changed.
+	conflict: func(err error) bool { n := myNumber(err); return n == 1213 || n == 1205 || n == 1020 },
+	undefCol: func(err error) bool { return myNumber(err) == 1054 },
+
+	position:   func(sub, s string) string { return "POSITION(" + sub + " IN " + s + ")" },
+	jsonText:   func(col, key string) string { return "JSON_UNQUOTE(JSON_EXTRACT(" + col + ", '$." + key + "'))" },
+	replaceAll: func(e, p, r string) string { return "REGEXP_REPLACE(" + e + ", '" + p + "', '" + r + "')" },
+	charLength: "char_length",
+	keyBytes:   [2]int{255, 1024}, // sqlschema/mysql/001_inbox
+	// Unique indexes are not partial and there is no DO NOTHING: an
+	// update of a column to itself.
+	insertOnce: func(_, column string) string { return " ON DUPLICATE KEY UPDATE " + column + " = " + column },
+	jsonInts: func(ph string) string {
+		return "SELECT id FROM JSON_TABLE(" + ph + ", '$[*]' COLUMNS (id BIGINT PATH '$')) AS j"
+	},
+	joinIDs:    true,
+	updateJoin: true,
+	sessionID:  "CONNECTION_ID()",
+
+	snapshotReads: true,
+	excluded:      func(col string) string { return "VALUES(" + col + ")" },
+	greatest:      "GREATEST",
+	textBytes:     65535, // TEXT
+	nowPlus:       func(ph string) string { return "UTC_TIMESTAMP(6) + INTERVAL " + ph + " MICROSECOND" },
+	counted:       func(e string) string { return "LAST_INSERT_ID(" + e + ")" },
+	// Not IS NULL: the optimizer folds it for a function that is never
+	// NULL, and LAST_INSERT_ID(n) is then not called.
+	reported: func(n, e string) string { return "IF(LAST_INSERT_ID(" + n + ") = 0, " + e + ", " + e + ")" },
+	upsert:   onDuplicateKeyUpdate,
+
+	answered:     func(err error) bool { return myNumber(err) != 0 },
+	unavailable:  myUnavailable,
+	sessionEnded: mySessionEnded,
+	notSent:      func(err error) bool { return errors.Is(err, driver.ErrBadConn) },
+	closed:       invalidConn,
 }
 
 func myNumber(err error) uint16 {
@@ -257,7 +357,7 @@ var SQLite = &Dialect{
 	OneWriter:     true,
 	WriteFromSelf: true,
 	quote:         '"',
-	now:           "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)",
+	now:           sqliteNow,
 	micros:        func(e string) string { return e },
 	fromMicros:    func(ph string) string { return ph },
 	json:          func(ph string) string { return ph },
@@ -283,7 +383,42 @@ var SQLite = &Dialect{
 		c, ok := sqliteCode(err)
 		return ok && (c&0xff == sqlite3.SQLITE_BUSY || c&0xff == sqlite3.SQLITE_LOCKED)
 	},
+	undefCol: func(err error) bool {
+		c, ok := sqliteCode(err)
+		return ok && c&0xff == sqlite3.SQLITE_ERROR && strings.Contains(err.Error(), "no such column")
+	},
+
+	position:   func(sub, s string) string { return "instr(" + s + ", " + sub + ")" },
+	jsonText:   func(col, key string) string { return "json_extract(" + col + ", '$." + key + "')" },
+	replaceAll: func(e, p, r string) string { return sqliteReplaceAll + "(" + e + ", '" + p + "', '" + r + "')" },
+	charLength: "length",
+	insertOnce: onConflictNothing,
+	jsonInts:   func(ph string) string { return "SELECT value FROM json_each(" + ph + ")" },
+	rowID:      "rowid",
+	sessionID:  "0",
+	hashes:     true, // no hash function to generate the outbox's lane with
+
+	rowAlias: " AS i",
+	excluded: func(col string) string { return "excluded." + col },
+	greatest: "MAX",
+	// The writer's clock: SQLite's own has milliseconds, and a record's
+	// times are microseconds.
+	clockParam: true,
+	nowPlus:    func(ph string) string { return "(:now + " + ph + ")" },
+	counted:    func(e string) string { return e },
+	reported:   func(_, e string) string { return e },
+	upsert:     onConflictUpdate,
+
+	answered:     func(err error) bool { _, ok := sqliteCode(err); return ok },
+	unavailable:  sqliteUnavailable,
+	sessionEnded: func(error) bool { return false },
+	notSent:      func(error) bool { return false },
+	closed:       func(any) bool { return false }, // an embedded database has no connection to lose
 }
+
+// sqliteNow is the current time in SQLite's time columns: INTEGER
+// microseconds since the Unix epoch.
+const sqliteNow = "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)"
 
 func sqliteCode(err error) (int, bool) {
 	var e *sqlitedriver.Error
@@ -293,15 +428,13 @@ func sqliteCode(err error) (int, bool) {
 	return 0, false
 }
 
+// byName is the dialect of each family's migrations.
+var byName = map[sqlschema.Dialect]*Dialect{sqlschema.Postgres: Postgres, sqlschema.MySQL: MySQL, sqlschema.SQLite: SQLite}
+
 // For returns the dialect of the migrations d.
 func For(d sqlschema.Dialect) (*Dialect, error) {
-	switch d {
-	case sqlschema.Postgres:
-		return Postgres, nil
-	case sqlschema.MySQL:
-		return MySQL, nil
-	case sqlschema.SQLite:
-		return SQLite, nil
+	if dialect, ok := byName[d]; ok {
+		return dialect, nil
 	}
 	return nil, errors.New("sqldb: unknown dialect " + strconv.Quote(string(d)) + ": use sqlschema.Postgres, sqlschema.MySQL or sqlschema.SQLite")
 }

@@ -24,25 +24,12 @@ import (
 
 // Position is the 1-based position of the text sub in the text s, 0 when
 // s does not hold it.
-func (d *Dialect) Position(sub, s string) string {
-	if d.Name == sqlschema.SQLite {
-		return "instr(" + s + ", " + sub + ")"
-	}
-	return "POSITION(" + sub + " IN " + s + ")"
-}
+func (d *Dialect) Position(sub, s string) string { return d.position(sub, s) }
 
 // JSONText is the value of the field key of the JSON object in column
 // col, as text; NULL when the object has no such field. key must be an
 // identifier: letters, digits and '_'.
-func (d *Dialect) JSONText(col, key string) string {
-	switch d.Name {
-	case sqlschema.Postgres:
-		return "(" + col + " ->> '" + key + "')"
-	case sqlschema.MySQL:
-		return "JSON_UNQUOTE(JSON_EXTRACT(" + col + ", '$." + key + "'))"
-	}
-	return "json_extract(" + col + ", '$." + key + "')"
-}
+func (d *Dialect) JSONText(col, key string) string { return d.jsonText(col, key) }
 
 // ReplaceAll is expr with every match of the regular expression pattern
 // replaced by repl, taken literally. pattern and repl are written into
@@ -51,13 +38,7 @@ func (d *Dialect) JSONText(col, key string) string {
 // the function sqliteReplaceAll registers), leftmost-longest on
 // PostgreSQL: a pattern must be one on which the two agree.
 func (d *Dialect) ReplaceAll(expr, pattern, repl string) string {
-	switch d.Name {
-	case sqlschema.Postgres:
-		return "regexp_replace(" + expr + ", '" + pattern + "', '" + repl + "', 'g')"
-	case sqlschema.MySQL:
-		return "REGEXP_REPLACE(" + expr + ", '" + pattern + "', '" + repl + "')"
-	}
-	return sqliteReplaceAll + "(" + expr + ", '" + pattern + "', '" + repl + "')"
+	return d.replaceAll(expr, pattern, repl)
 }
 
 // sqliteReplaceAll is the SQL function, registered with modernc.org/sqlite
@@ -99,21 +80,12 @@ func text(v driver.Value) (string, bool) {
 	return "", false
 }
 
-// The sizes of MySQL's inbox key columns (sqlschema/mysql/001_inbox).
-const (
-	inboxConsumerBytes = 255
-	inboxKeyBytes      = 1024
-)
-
 // InboxKey returns consumer and key as the inbox table holds them: where
 // its columns have a size (MySQL: 255 and 1024 bytes), a longer value is
 // held as "sha256:" and its hex digest, as dedup/sqlstore writes it;
 // elsewhere as it is.
 func (d *Dialect) InboxKey(consumer, key string) (string, string) {
-	if d.Name != sqlschema.MySQL {
-		return consumer, key
-	}
-	return digestOver(consumer, inboxConsumerBytes), digestOver(key, inboxKeyBytes)
+	return digestOver(consumer, d.keyBytes[0]), digestOver(key, d.keyBytes[1])
 }
 
 // InboxArgs is [Dialect.InboxKey] as arguments of byte-exact columns
@@ -124,7 +96,7 @@ func (d *Dialect) InboxArgs(consumer, key string) (any, any) {
 }
 
 func digestOver(s string, max int) string {
-	if len(s) <= max {
+	if max == 0 || len(s) <= max {
 		return s
 	}
 	sum := sha256.Sum256([]byte(s))
@@ -132,12 +104,7 @@ func digestOver(s string, max int) string {
 }
 
 // CharLength is the length of the text expr in characters.
-func (d *Dialect) CharLength(expr string) string {
-	if d.Name == sqlschema.SQLite {
-		return "length(" + expr + ")"
-	}
-	return "char_length(" + expr + ")"
-}
+func (d *Dialect) CharLength(expr string) string { return d.charLength + "(" + expr + ")" }
 
 // List is "(?, ?, …)": n placeholders, for IN.
 func List(n int) string {
@@ -228,10 +195,10 @@ func FromConfig(field string, pool *pgxpool.Pool, db *sql.DB, dialect sqlschema.
 	return SQL(db, d), nil
 }
 
-// Named is q, written with '?', {DLQ}, {INBOX} and {LEDGER} for the tables
-// of names, and {key} and {error} for those columns (quoted: keywords on
-// MySQL), in the dialect.
+// Named is q, written with '?', {DLQ}, {INBOX}, {INBOX_FAILURES} and
+// {LEDGER} for the tables of names, and {key} and {error} for those
+// columns (quoted: keywords on MySQL), in the dialect.
 func (d *Dialect) Named(q string, names sqlschema.Names) string {
-	return d.Rebind(strings.NewReplacer("{DLQ}", names.DLQ, "{INBOX}", names.Inbox, "{LEDGER}", names.Ledger,
+	return d.Rebind(strings.NewReplacer("{DLQ}", names.DLQ, "{INBOX_FAILURES}", names.InboxFailures, "{INBOX}", names.Inbox, "{LEDGER}", names.Ledger,
 		"{key}", d.Quote("key"), "{error}", d.Quote("error")).Replace(q))
 }

@@ -107,3 +107,24 @@ func pgxAccess(readOnly bool) pgx.TxAccessMode {
 	}
 	return ""
 }
+
+// SameAddress reports whether tx, a pgx transaction, runs on a connection
+// to the address and database that db, a pgx pool, connects to: the same
+// host, port, database and user, so the same database, known without a
+// statement. It answers false whenever it cannot tell (another driver,
+// another spelling of the host), and the caller asks the servers
+// (Identify): a writer that joins an inbox's transaction learns it
+// without taking a second connection from the pool that transaction may
+// be starving.
+func SameAddress(db DB, tx Executor) bool {
+	d, ok := db.(pgxDB)
+	if !ok {
+		return false
+	}
+	ptx, ok := PgxTx(tx)
+	if !ok || ptx.Conn() == nil {
+		return false
+	}
+	a, b := d.pool.Config().ConnConfig, ptx.Conn().Config()
+	return a.Host == b.Host && a.Port == b.Port && a.Database == b.Database && a.User == b.User
+}

@@ -8,7 +8,6 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
-	sqlite3 "modernc.org/sqlite/lib"
 )
 
 // InsertOnce is the clause that ends an INSERT whose row a unique index
@@ -19,12 +18,7 @@ import (
 // an optional WHERE of a partial index); column any column of the table.
 // Of two writers of one row at once, the later waits for the earlier's
 // commit and then writes nothing.
-func (d *Dialect) InsertOnce(target, column string) string {
-	if d == MySQL {
-		return " ON DUPLICATE KEY UPDATE " + column + " = " + column
-	}
-	return " ON CONFLICT " + target + " DO NOTHING"
-}
+func (d *Dialect) InsertOnce(target, column string) string { return d.insertOnce(target, column) }
 
 // LockRow is the clause that ends a SELECT whose rows the transaction
 // locks (FOR UPDATE, with skip for SKIP LOCKED), or "" where the
@@ -42,15 +36,7 @@ func (d *Dialect) LockRow(skip bool) string {
 
 // JSONInts is a subquery of the integers of ph, a JSON array of integers:
 // a list of any length in one parameter.
-func (d *Dialect) JSONInts(ph string) string {
-	switch d {
-	case Postgres:
-		return "SELECT CAST(value AS bigint) FROM jsonb_array_elements_text(CAST(" + ph + " AS jsonb))"
-	case MySQL:
-		return "SELECT id FROM JSON_TABLE(" + ph + ", '$[*]' COLUMNS (id BIGINT PATH '$')) AS j"
-	}
-	return "SELECT value FROM json_each(" + ph + ")"
-}
+func (d *Dialect) JSONInts(ph string) string { return d.jsonInts(ph) }
 
 // ByIDs returns a statement on the rows of table whose id is in the JSON
 // array of integers that is its first parameter: a DELETE when set is
@@ -61,8 +47,8 @@ func (d *Dialect) JSONInts(ph string) string {
 // on every row another transaction holds.
 func (d *Dialect) ByIDs(table, set, cond string) string {
 	var q string
-	if d == MySQL {
-		from := myIDsJoin(table)
+	if d.joinIDs {
+		from := idsJoin(table)
 		q = "DELETE t FROM " + from
 		if set != "" {
 			q = "UPDATE " + from + " SET " + set
@@ -88,16 +74,17 @@ func (d *Dialect) ByIDs(table, set, cond string) string {
 // its parameter, each reached through the primary key as in [Dialect.ByIDs]. A
 // statement may go on with ORDER BY.
 func (d *Dialect) FromIDs(table string) string {
-	if d == MySQL {
-		return " FROM " + myIDsJoin(table)
+	if d.joinIDs {
+		return " FROM " + idsJoin(table)
 	}
 	return " FROM " + table + " AS t WHERE t.id IN (" + d.JSONInts("?") + ")"
 }
 
-// myIDsJoin is MySQL's join of a JSON array of ids, the parameter, to the
-// rows of table, as t, through the primary key: STRAIGHT_JOIN keeps the
-// optimizer from scanning a small table instead.
-func myIDsJoin(table string) string {
+// idsJoin is the join of a JSON array of ids, the parameter, to the rows
+// of table, as t, through the primary key, where a dialect reaches rows so
+// (MySQL): STRAIGHT_JOIN keeps the optimizer from scanning a small table
+// instead.
+func idsJoin(table string) string {
 	return "JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j STRAIGHT_JOIN " + table + " AS t ON t.id = j.id"
 }
 
@@ -105,7 +92,7 @@ func myIDsJoin(table string) string {
 // of set is "column = expression", the column a's (unqualified), the
 // expression on a.* and b.*; where selects the pair.
 func (d *Dialect) UpdateFrom(table string, set []string, where string) string {
-	if d == MySQL {
+	if d.updateJoin {
 		qualified := make([]string, len(set))
 		for i, s := range set {
 			qualified[i] = "a." + s
@@ -117,19 +104,7 @@ func (d *Dialect) UpdateFrom(table string, set []string, where string) string {
 
 // UndefinedColumn reports whether err is the server's answer that a
 // column does not exist: a table of an older migration.
-func (d *Dialect) UndefinedColumn(err error) bool {
-	if err == nil {
-		return false
-	}
-	switch d {
-	case Postgres:
-		return pgCode(err) == "42703"
-	case MySQL:
-		return myNumber(err) == 1054
-	}
-	c, ok := sqliteCode(err)
-	return ok && c&0xff == sqlite3.SQLITE_ERROR && strings.Contains(err.Error(), "no such column")
-}
+func (d *Dialect) UndefinedColumn(err error) bool { return err != nil && d.undefCol(err) }
 
 // Identity is what a session's server says of the database the session
 // is on, whatever host name it connected to.
@@ -202,34 +177,23 @@ func Identify(ctx context.Context, ex Executor) (Identity, error) {
 // SQLite, which take no LIMIT on a DELETE, select the rows by their
 // physical id (ctid, rowid).
 func (d *Dialect) DeleteLimit(table, where, orderBy string) string {
-	switch d {
-	case MySQL:
+	if d.rowID == "" {
 		return "DELETE FROM " + table + " WHERE " + where + " ORDER BY " + orderBy + " LIMIT ?"
-	case SQLite:
-		return "DELETE FROM " + table + " WHERE rowid IN (SELECT rowid FROM " + table + " WHERE " + where + " ORDER BY " + orderBy + " LIMIT ?)"
 	}
-	return "DELETE FROM " + table + " WHERE ctid IN (SELECT ctid FROM " + table + " WHERE " + where + " ORDER BY " + orderBy + " LIMIT ?)"
+	return "DELETE FROM " + table + " WHERE " + d.rowID + " IN (SELECT " + d.rowID + " FROM " + table + " WHERE " + where + " ORDER BY " + orderBy + " LIMIT ?)"
 }
 
 // SessionID is the current session's id, as the server's views of its
 // sessions name it (MySQL's CONNECTION_ID(), what KILL takes;
 // PostgreSQL's pg_backend_pid()); 0 on SQLite, which has no sessions to
 // tell apart.
-func (d *Dialect) SessionID() string {
-	switch d {
-	case MySQL:
-		return "CONNECTION_ID()"
-	case SQLite:
-		return "0"
-	}
-	return "pg_backend_pid()"
-}
+func (d *Dialect) SessionID() string { return d.sessionID }
 
 // WriterHashes reports whether the migrations leave a hash column (the
 // outbox's lane, crc32.ChecksumIEEE of the partition key & 63) for the
 // writer to fill instead of generating it: SQLite has no hash function
 // to generate it with.
-func (d *Dialect) WriterHashes() bool { return d == SQLite }
+func (d *Dialect) WriterHashes() bool { return d.hashes }
 
 // PgxRows is the [Rows] of rows a pgx query or batch returned, for
 // [Collect]: what a [PgxTx] pipeline reads.

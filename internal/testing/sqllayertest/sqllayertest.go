@@ -26,6 +26,11 @@
 //   - Console: the console's overview counts what the database holds.
 //   - Reconcile: reconcile reports a lost and a stuck event, accepts a
 //     dead-lettered one, and reports nothing once every event is applied.
+//   - StorableInputs: a NUL, a byte that is not UTF-8, a binary Kafka key
+//     and 1 MB, as ordering key, key, UUID, error, header, consumer and
+//     topic, go through parking, dead-lettering, the outbox and its
+//     scheduled table: each stored (byte for byte where a message goes
+//     on) or refused with a reason, never an error of the database.
 //
 // The broker is an in-process Watermill GoChannel, persistent (so that the
 // relay and the replay, which delete what they published, accept it).
@@ -95,6 +100,7 @@ func Run(t *testing.T, s Subject) {
 		{"ReplayerBeat", replayerBeat},
 		{"Console", consoleCounts},
 		{"Reconcile", reconcileReports},
+		{"StorableInputs", storableInputs},
 	} {
 		t.Run(st.name, func(t *testing.T) {
 			t.Parallel()

@@ -19,6 +19,7 @@ const { Client } = require("pg");
 
 const [amqpURL, pgURL, schema, queue, consumer, failKey] = process.argv.slice(2);
 const inbox = `"${schema}".inbox`;
+const failures = `"${schema}".inbox_failures`;
 const starts = `"${schema}".inbox_starts`;
 const effects = `"${schema}".effects`;
 const windowSeconds = 72 * 3600; // the Go inbox's default Window
@@ -30,35 +31,48 @@ const sql = {
   claim: `WITH del AS (
 	DELETE FROM ${starts} WHERE consumer = $1 AND key = $2
 ), ins AS (
-	INSERT INTO ${inbox} (consumer, key, status, attempts, done_at, expires_at)
-	VALUES ($1, $2, 'done', 1, now(), now() + make_interval(secs => $3))
+	INSERT INTO ${inbox} (consumer, key, status, done_at, expires_at)
+	VALUES ($1, $2, 'done', now(), now() + make_interval(secs => $3))
 	ON CONFLICT (consumer, key) DO NOTHING
-	RETURNING attempts
+	RETURNING 1
 )
-SELECT 'new'::text AS status, attempts FROM ins
+SELECT 'new'::text AS status, 1 AS attempts FROM ins
 UNION ALL
-SELECT status, attempts FROM ${inbox}
+SELECT status, 0 AS attempts FROM ${inbox}
 WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`,
-  // Takes a key whose earlier attempts failed.
-  reclaim: `WITH del AS (DELETE FROM ${starts} WHERE consumer = $1 AND key = $2)
-UPDATE ${inbox} SET status = 'done', attempts = attempts + 1, lease_until = NULL,
-	updated_at = now(), done_at = now(), expires_at = now() + make_interval(secs => $3)
-WHERE consumer = $1 AND key = $2 AND status = 'failed'
+  // Takes a key whose earlier attempts failed, and counts the attempt on
+  // its failure row.
+  reclaim: `WITH del AS (
+	DELETE FROM ${starts} WHERE consumer = $1 AND key = $2
+), up AS (
+	UPDATE ${inbox} SET status = 'done', lease_until = NULL, done_at = now(),
+		expires_at = now() + make_interval(secs => $3)
+	WHERE consumer = $1 AND key = $2 AND status = 'failed'
+	RETURNING 1
+)
+INSERT INTO ${failures} AS f (consumer, key, attempts) SELECT $1, $2, 1 FROM up
+ON CONFLICT (consumer, key) DO UPDATE SET attempts = f.attempts + 1, updated_at = now()
 RETURNING attempts`,
-  read: `SELECT status, attempts FROM ${inbox} WHERE consumer = $1 AND key = $2`,
+  read: `SELECT status, 0 AS attempts FROM ${inbox} WHERE consumer = $1 AND key = $2`,
   // In a transaction of its own, after the rollback.
-  fail: `INSERT INTO ${inbox} AS i (consumer, key, status, attempts,
-	first_error, last_error, first_failed_at, last_failed_at, expires_at)
-VALUES ($1, $2, 'failed', 1, $3, $3, now(), now(), now() + make_interval(secs => $4))
+  fail: `WITH up AS (
+	INSERT INTO ${inbox} AS i (consumer, key, status, expires_at)
+	VALUES ($1, $2, 'failed', now() + make_interval(secs => $4))
+	ON CONFLICT (consumer, key) DO UPDATE
+	SET status = 'failed', lease_until = NULL, expires_at = EXCLUDED.expires_at
+	WHERE i.status NOT IN ('done', 'dead')
+	RETURNING 1
+)
+INSERT INTO ${failures} AS f (consumer, key, attempts, first_error, last_error, first_failed_at, last_failed_at)
+SELECT $1, $2, 1, $3, $3, now(), now() FROM up
 ON CONFLICT (consumer, key) DO UPDATE
-SET status = 'failed', attempts = i.attempts + 1, lease_until = NULL,
-    first_error = COALESCE(i.first_error, EXCLUDED.first_error),
-    first_failed_at = COALESCE(i.first_failed_at, EXCLUDED.first_failed_at),
-    last_error = EXCLUDED.last_error, last_failed_at = EXCLUDED.last_failed_at,
-    updated_at = now(), expires_at = EXCLUDED.expires_at
-WHERE i.status NOT IN ('done', 'dead')`,
-  deadCopy: `UPDATE ${inbox} SET dead_copies = dead_copies + 1
-WHERE consumer = $1 AND key = $2 AND status = 'dead'`,
+SET attempts = f.attempts + 1,
+    first_error = COALESCE(f.first_error, EXCLUDED.first_error),
+    first_failed_at = COALESCE(f.first_failed_at, EXCLUDED.first_failed_at),
+    last_error = EXCLUDED.last_error, last_failed_at = EXCLUDED.last_failed_at, updated_at = now()`,
+  deadCopy: `UPDATE ${failures} SET dead_copies = dead_copies + 1
+WHERE consumer = $1 AND key = $2
+AND EXISTS (SELECT 1 FROM ${inbox} WHERE consumer = $1 AND key = $2 AND status = 'dead')`,
 };
 
 // claim runs in the open transaction and returns 'new' (claimed: run the

@@ -1,4 +1,4 @@
-package postgres
+package sqldb
 
 import (
 	"context"
@@ -13,8 +13,6 @@ import (
 	"github.com/oncemill/oncemill/dedup/dedupdriver"
 )
 
-var _ dedupdriver.BatchClaimer = (*Store)(nil)
-
 // batchLockTimeout bounds how long the claim of a batch waits on a key
 // that another transaction holds: past it the batch gives way, and its
 // deliveries take the single-message path, where each waits for its own
@@ -24,11 +22,11 @@ const batchLockTimeout = "100ms"
 // InboxStartBatch counts an attempt of every key of consumer in one
 // statement that commits at once (the starts table is UNLOGGED), and
 // answers done and dead keys from the same statement, as
-// [Store.InboxStart] does for one key. keys must be distinct.
-func (s *Store) InboxStartBatch(ctx context.Context, consumer string, keys []string, window time.Duration) ([]dedup.Claim, error) {
-	rows, err := s.db.Query(ctx, s.q.StartBatch, consumer, keys, seconds(window))
+// InboxStart does for one key. keys must be distinct.
+func (in *PgxInbox) InboxStartBatch(ctx context.Context, consumer string, keys []string, window time.Duration) ([]dedup.Claim, error) {
+	rows, err := in.db.Query(ctx, in.lq.startBatch, consumer, keys, window.Seconds())
 	if err != nil {
-		return nil, s.batchStartError(ctx, err)
+		return nil, in.batchStartError(ctx, err)
 	}
 	claims := make([]dedup.Claim, len(keys))
 	at := index(keys)
@@ -40,7 +38,7 @@ func (s *Store) InboxStartBatch(ctx context.Context, consumer string, keys []str
 		)
 		if err := rows.Scan(&key, &status, &c.Attempts, &c.Result, &firstFailed); err != nil {
 			rows.Close()
-			return nil, fmt.Errorf("postgres: start batch: %w", err)
+			return nil, fmt.Errorf("%s: start batch: %w", in.name, err)
 		}
 		if firstFailed != nil {
 			c.FirstFailedAt = *firstFailed
@@ -54,35 +52,35 @@ func (s *Store) InboxStartBatch(ctx context.Context, consumer string, keys []str
 			c.State, c.Result = dedup.StateDead, nil
 		default:
 			rows.Close()
-			return nil, fmt.Errorf("postgres: start batch: unexpected status %q", status)
+			return nil, fmt.Errorf("%s: start batch: unexpected status %q", in.name, status)
 		}
 		i, ok := at[key]
 		if !ok {
 			rows.Close()
-			return nil, fmt.Errorf("postgres: start batch: key %q was not asked for", key)
+			return nil, fmt.Errorf("%s: start batch: key %q was not asked for", in.name, key)
 		}
 		claims[i] = c
 	}
 	if err := rows.Err(); err != nil {
-		return nil, s.batchStartError(ctx, err)
+		return nil, in.batchStartError(ctx, err)
 	}
 	for i, c := range claims {
 		if c.State == 0 {
-			return nil, fmt.Errorf("postgres: start batch: no answer for key %q", keys[i])
+			return nil, fmt.Errorf("%s: start batch: no answer for key %q", in.name, keys[i])
 		}
 	}
 	return claims, nil
 }
 
 // batchStartError interprets a failed start of a batch; like
-// [Store.InboxStart] it tells a statement that may have been counted
+// InboxStart it tells a statement that may have been counted
 // (the connection broke after it was sent) by wrapping
 // [dedupdriver.ErrMaybeCounted].
-func (s *Store) batchStartError(ctx context.Context, err error) error {
-	if maybeSent(err) {
-		return fmt.Errorf("%w: %w", dedupdriver.ErrMaybeCounted, interpret(ctx, "start batch", err))
+func (in *PgxInbox) batchStartError(ctx context.Context, err error) error {
+	if Postgres.MaybeSent(err) {
+		return fmt.Errorf("%w: %w", dedupdriver.ErrMaybeCounted, in.wrap(ctx, "start batch", err))
 	}
-	return interpret(ctx, "start batch", err)
+	return in.wrap(ctx, "start batch", err)
 }
 
 // InboxBeginClaimBatch begins a transaction and claims every key of
@@ -96,20 +94,20 @@ func (s *Store) batchStartError(ctx context.Context, err error) error {
 // error wrapping [dedup.ErrConflict] within 100 ms, so that one held key
 // never stalls a batch. keys must be distinct.
 //
-// The transaction's [Tx] is the one [Store.InboxStartClaim] returns.
-func (s *Store) InboxBeginClaimBatch(ctx context.Context, consumer string, keys []string, window time.Duration) (dedup.InboxTx, []dedup.Claim, error) {
-	pool, ok := s.db.(acquirer)
+// The transaction's [Tx] is the one InboxStartClaim returns.
+func (in *PgxInbox) InboxBeginClaimBatch(ctx context.Context, consumer string, keys []string, window time.Duration) (dedup.InboxTx, []dedup.Claim, error) {
+	pool, ok := in.db.(acquirer)
 	if !ok {
-		return nil, nil, errors.New("postgres: claim batch: the store's DB is not a pool")
+		return nil, nil, fmt.Errorf("%s: claim batch: %w", in.name, errNotPool)
 	}
 	c, err := pool.Acquire(ctx)
 	if err != nil {
-		return nil, nil, interpret(ctx, "claim batch", err)
+		return nil, nil, in.wrap(ctx, "claim batch", err)
 	}
 	b := &pgx.Batch{}
 	b.Queue("begin")
 	b.Queue("set local lock_timeout = '" + batchLockTimeout + "'")
-	claimed := b.Queue(s.q.ClaimBatch, consumer, keys, seconds(window))
+	claimed := b.Queue(in.lq.claimBatch, consumer, keys, window.Seconds())
 	b.Queue("set local lock_timeout to default")
 	claims := make([]dedup.Claim, len(keys))
 	at := index(keys)
@@ -144,11 +142,11 @@ func (s *Store) InboxBeginClaimBatch(ctx context.Context, consumer string, keys 
 		if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
 			err = fmt.Errorf("%w: a key of the batch is held by another transaction: %w", dedup.ErrConflict, err)
 		} else {
-			err = interpret(ctx, "claim batch", err)
+			err = in.wrap(ctx, "claim batch", err)
 		}
 		return nil, nil, errors.Join(err, endConn(ctx, c))
 	}
-	return &inboxTx{tx: &connTx{c: c}, q: &s.q}, claims, nil
+	return in.txOn(&connTx{c: c}), claims, nil
 }
 
 // index maps each key to its place.
