@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"net/url"
 	"slices"
@@ -11,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 
@@ -407,7 +409,7 @@ func formIDs(values []string) ([]int64, error) {
 	for _, v := range values {
 		id, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 		if err != nil || id <= 0 {
-			return nil, fmt.Errorf("%q is not an entry id", v)
+			return nil, fmt.Errorf("%q is not an entry id", clip(v))
 		}
 		if !seen[id] {
 			seen[id] = true
@@ -419,6 +421,23 @@ func formIDs(values []string) ([]int64, error) {
 	}
 	sort.Slice(ids, func(i, j int) bool { return ids[i] < ids[j] })
 	return ids, nil
+}
+
+// maxQuoted is the most bytes of a form's value an error quotes: the
+// value may be as long as the form (1 MiB).
+const maxQuoted = 64
+
+// clip cuts s to maxQuoted bytes, on a rune boundary, for an error that
+// quotes it.
+func clip(s string) string {
+	if len(s) <= maxQuoted {
+		return s
+	}
+	n := maxQuoted
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + "…"
 }
 
 // formatRanges writes ascending ids as ranges: 3-7,9.
@@ -452,20 +471,24 @@ func parseRanges(s string) ([]int64, error) {
 	for _, part := range strings.Split(s, ",") {
 		from, to, isRange := strings.Cut(strings.TrimSpace(part), "-")
 		a, err := strconv.ParseInt(from, 10, 64)
-		if err != nil || a <= 0 {
-			return nil, fmt.Errorf("bad id range %q", part)
-		}
 		b := a
-		if isRange {
-			if b, err = strconv.ParseInt(to, 10, 64); err != nil || b < a {
-				return nil, fmt.Errorf("bad id range %q", part)
-			}
+		if err == nil && isRange {
+			b, err = strconv.ParseInt(to, 10, 64)
 		}
+		if err != nil || a <= 0 || b < a {
+			return nil, fmt.Errorf("bad id range %q: an id is a whole number from 1 to %d, a range is FROM-TO with FROM at most TO", clip(part), int64(math.MaxInt64))
+		}
+		// Both are positive: b-a does not overflow.
 		if b-a >= int64(maxAction) || len(ids)+int(b-a+1) > maxAction {
 			return nil, fmt.Errorf("more than %d ids: one action takes at most %d", maxAction, maxAction)
 		}
-		for id := a; id <= b; id++ {
+		// Up to b and no further: id++ past math.MaxInt64 wraps to a
+		// negative number, which is <= b, and the loop never ends.
+		for id := a; ; id++ {
 			ids = append(ids, id)
+			if id == b {
+				break
+			}
 		}
 	}
 	slices.Sort(ids)

@@ -3,6 +3,8 @@ package console_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"html"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -20,6 +22,7 @@ import (
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/internal/testing/msgtest"
+	"github.com/oncemill/oncemill/retry"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -337,4 +340,59 @@ func TestIDRanges(t *testing.T) {
 	}
 	_, err = console.ParseRanges("1-10000")
 	require.NoError(t, err, "10000 ids is the limit")
+}
+
+// TestBulkActionIDsAtTheInt64Limit: a confirmed purge of dead letters, and
+// a confirmed cancel of parked retries, whose ids reach 9223372036854775807,
+// the largest id, alone or as the end of a range, with the token and the
+// CSRF field. The range loop used to step past the largest id, wrap to a
+// negative one and never end: the console ran out of memory. Now such
+// ids are taken as they are, a range of them ends at its end, the action
+// finds none of them and says so, and the entries that exist are
+// untouched. An id past the largest, or a range wider than one action
+// takes, is refused with a message that names the limit.
+func TestBulkActionIDsAtTheInt64Limit(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	dead := f.seedErrors("order 1 not found")
+	parked, err := retry.NewStore(f.pool, f.schema)
+	require.NoError(t, err)
+	waiting := parkOne(t, parked, "charge", "acct-1", 5, time.Now().Add(time.Hour))
+	cl := bearer(t, f.console(nil))
+
+	for _, tc := range []struct {
+		path, action, flash string
+	}{
+		{"/dlq/confirm", "purge", "ok: Purged 0 of %d %s (the others were gone, or already waiting for a replay)."},
+		{"/retries/confirm", "cancel", "ok: Cancelled 0 of %d parked %s: moved to the dead-letter table (the others were gone, due already, or out to their consumer)."},
+	} {
+		noun := map[string][2]string{"purge": {"entry", "entries"}, "cancel": {"message", "messages"}}[tc.action]
+		for ids, n := range map[string]int{
+			"9223372036854775807":                                         1,
+			"9223372036854775807-9223372036854775807":                     1,
+			"9223372036854775000-9223372036854775807":                     808,
+			"9223372036854775806-9223372036854775807,9223372036854775807": 2,
+		} {
+			form := url.Values{"action": {tc.action}, "confirm": {"1"}, "ids": {ids}}
+			rec := cl.post(tc.path, form)
+			body := cl.follow(rec, tc.path)
+			word := noun[1]
+			if n == 1 {
+				word = noun[0]
+			}
+			require.Equal(t, fmt.Sprintf(tc.flash, n, word), flashOf(body), "%s ids=%s", tc.path, ids)
+		}
+		for ids, want := range map[string]string{
+			"9223372036854775808":   `bad id range "9223372036854775808": an id is a whole number from 1 to 9223372036854775807`,
+			"1-9223372036854775807": "more than 10000 ids: one action takes at most 10000",
+			"9223372036854775807-1": `bad id range "9223372036854775807-1": an id is a whole number from 1 to 9223372036854775807, a range is FROM-TO with FROM at most TO`,
+		} {
+			rec := cl.post(tc.path, url.Values{"action": {tc.action}, "confirm": {"1"}, "ids": {ids}})
+			require.Equal(t, http.StatusBadRequest, rec.Code, "%s ids=%s", tc.path, ids)
+			require.Contains(t, html.UnescapeString(rec.Body.String()), want, "%s ids=%s", tc.path, ids)
+		}
+	}
+	require.Equal(t, dead, f.ids(), "the dead letter is still there")
+	_, err = parked.Get(context.Background(), waiting)
+	require.NoError(t, err, "the parked message is still parked")
 }

@@ -73,11 +73,14 @@ func (s seeder) ids(where string) []int64 {
 func (s seeder) inbox(consumer, key, status string, attempts int, result []byte, firstError, lastError any, done, dead any, copies int) {
 	s.t.Helper()
 	consumer, key = s.d.InboxKey(consumer, key)
-	s.exec(`INSERT INTO `+s.names.Inbox+` (consumer, {key}, status, attempts, result, first_error, last_error,
-	created_at, updated_at, done_at, dead_at, expires_at, dead_copies)
-VALUES (?, ?, ?, ?, ?, ?, ?, {at}, {at}, {at}, {at}, {at}, ?)`,
-		s.d.Text(consumer), s.d.Text(key), status, attempts, result, firstError, lastError,
-		at(-3*time.Hour), at(-3*time.Hour), done, dead, at(72*time.Hour), copies)
+	s.exec(`INSERT INTO `+s.names.Inbox+` (consumer, {key}, status, result, done_at, expires_at)
+VALUES (?, ?, ?, ?, {at}, {at})`,
+		s.d.Text(consumer), s.d.Text(key), status, result, done, at(72*time.Hour))
+	s.exec(`INSERT INTO `+s.names.InboxFailures+` (consumer, {key}, attempts, first_error, last_error,
+	created_at, updated_at, dead_at, dead_copies)
+VALUES (?, ?, ?, ?, ?, {at}, {at}, {at}, ?)`,
+		s.d.Text(consumer), s.d.Text(key), attempts, firstError, lastError,
+		at(-3*time.Hour), at(-3*time.Hour), dead, copies)
 }
 
 // TestConsoleOnEveryDatabase: on each database the console shows the

@@ -117,9 +117,12 @@ func seedDemoDeadLetters(t *testing.T, pool *pgxpool.Pool, cfg sqlschema.Config,
 		var id int64
 		require.NoError(t, pool.QueryRow(ctx, `UPDATE `+names.DLQ+` SET dead_at = now() - $2::interval
 WHERE uuid = $1 RETURNING id`, m.UUID, d.ago.String()).Scan(&id))
-		_, err := pool.Exec(ctx, `INSERT INTO `+names.Inbox+` (consumer, key, status, attempts, first_error, last_error,
-	first_failed_at, last_failed_at, dead_at, dead_copies, expires_at, created_at, updated_at)
-VALUES ($1, $2, 'dead', $3, $4, $4, $5, $6, $6, $7, now() + interval '72 hours', $5, $6)`,
+		_, err := pool.Exec(ctx, `INSERT INTO `+names.Inbox+` (consumer, key, status, expires_at)
+VALUES ($1, $2, 'dead', now() + interval '72 hours')`, d.consumer, d.key)
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `INSERT INTO `+names.InboxFailures+` (consumer, key, attempts, first_error, last_error,
+	first_failed_at, last_failed_at, dead_at, dead_copies, created_at, updated_at)
+VALUES ($1, $2, $3, $4, $4, $5, $6, $6, $7, $5, $6)`,
 			d.consumer, d.key, d.attempts, d.err, first, last, int(d.ago/time.Hour)%3)
 		require.NoError(t, err)
 		out = append(out, demoEntry{demoLetter: d, id: id, uuid: m.UUID})
@@ -130,7 +133,8 @@ VALUES ($1, $2, 'dead', $3, $4, $4, $5, $6, $6, $7, now() + interval '72 hours',
 // seedDemoInbox writes the records of keys the consumers applied, failed on
 // or hold: done ones spread over the last day, a few failing and in
 // flight.
-func seedDemoInbox(t *testing.T, pool *pgxpool.Pool, inbox string) {
+func seedDemoInbox(t *testing.T, pool *pgxpool.Pool, names sqlschema.Names) {
+	inbox, failures := names.Inbox, names.InboxFailures
 	t.Helper()
 	ctx := context.Background()
 	for _, c := range []struct {
@@ -145,20 +149,29 @@ func seedDemoInbox(t *testing.T, pool *pgxpool.Pool, inbox string) {
 		{"notifications", 3100, 26 * time.Second, 1, 0, "smtp: 421 too many connections"},
 		{"shipping", 1350, 61 * time.Second, 1, 2, "carrier API: 503 service unavailable"},
 	} {
-		_, err := pool.Exec(ctx, `INSERT INTO `+inbox+` (consumer, key, status, attempts, done_at, expires_at, created_at, updated_at)
-SELECT $1, $1 || '-' || g, 'done', 1 + (g % 17 = 0)::int, now() - g * $3::interval,
-	now() + interval '72 hours', now() - g * $3::interval, now() - g * $3::interval
+		_, err := pool.Exec(ctx, `INSERT INTO `+inbox+` (consumer, key, status, done_at, expires_at)
+SELECT $1, $1 || '-' || g, 'done', now() - g * $3::interval, now() + interval '72 hours'
 FROM generate_series(1, $2) g`, c.consumer, c.done, c.every.String())
 		require.NoError(t, err)
-		_, err = pool.Exec(ctx, `INSERT INTO `+inbox+` (consumer, key, status, attempts, first_error, last_error,
-	first_failed_at, last_failed_at, expires_at)
-SELECT $1, $1 || '-failing-' || g, 'failed', 1 + g, $3, $3, now() - interval '4 minutes', now() - g * interval '20 seconds',
-	now() + interval '72 hours'
+		_, err = pool.Exec(ctx, `INSERT INTO `+failures+` (consumer, key, attempts, created_at, updated_at)
+SELECT $1, $1 || '-' || g, 2, now() - g * $3::interval, now() - g * $3::interval
+FROM generate_series(1, $2) g WHERE g % 17 = 0`, c.consumer, c.done, c.every.String())
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `INSERT INTO `+inbox+` (consumer, key, status, expires_at)
+SELECT $1, $1 || '-failing-' || g, 'failed', now() + interval '72 hours'
+FROM generate_series(1, $2) g`, c.consumer, c.failing)
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `INSERT INTO `+failures+` (consumer, key, attempts, first_error, last_error,
+	first_failed_at, last_failed_at)
+SELECT $1, $1 || '-failing-' || g, 1 + g, $3, $3, now() - interval '4 minutes', now() - g * interval '20 seconds'
 FROM generate_series(1, $2) g`, c.consumer, c.failing, c.lastError)
 		require.NoError(t, err)
-		_, err = pool.Exec(ctx, `INSERT INTO `+inbox+` (consumer, key, status, attempts, token, lease_until, expires_at)
-SELECT $1, $1 || '-held-' || g, 'processing', 1, g, now() + interval '25 seconds', now() + interval '72 hours'
+		_, err = pool.Exec(ctx, `INSERT INTO `+inbox+` (consumer, key, status, token, lease_until, expires_at)
+SELECT $1, $1 || '-held-' || g, 'processing', g, now() + interval '25 seconds', now() + interval '72 hours'
 FROM generate_series(1, $2) g`, c.consumer, c.held)
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `INSERT INTO `+failures+` (consumer, key, attempts)
+SELECT $1, $1 || '-held-' || g, 1 FROM generate_series(1, $2) g`, c.consumer, c.held)
 		require.NoError(t, err)
 	}
 }
@@ -454,7 +467,7 @@ func TestBrowser(t *testing.T) {
 		}
 	}
 	require.Len(t, declined, 5)
-	seedDemoInbox(t, pool, names.Inbox)
+	seedDemoInbox(t, pool, names)
 	seedDemoOutbox(t, pool, cfg, names.Outbox)
 	runBillingConsumer(t, pool, cfg, effects)
 

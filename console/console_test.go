@@ -568,8 +568,11 @@ func TestEscaping(t *testing.T) {
 	m := f.deadLetter(evil, evil, evil, []byte(evil))
 	m.Metadata.Set(evil, evil)
 	ids := f.seed(m)
-	_, err := f.pool.Exec(context.Background(), `INSERT INTO `+f.table("inbox")+` (consumer, key, status, result, last_error, expires_at)
-VALUES ($1, $1, 'failed', $2, $1, now() + interval '1 day')`, evil, []byte(evil))
+	_, err := f.pool.Exec(context.Background(), `INSERT INTO `+f.table("inbox")+` (consumer, key, status, result, expires_at)
+VALUES ($1, $1, 'failed', $2, now() + interval '1 day')`, evil, []byte(evil))
+	require.NoError(t, err)
+	_, err = f.pool.Exec(context.Background(), `INSERT INTO `+f.table("inbox_failures")+` (consumer, key, last_error)
+VALUES ($1, $1, $1)`, evil)
 	require.NoError(t, err)
 
 	cl := bearer(t, f.console(nil))

@@ -280,14 +280,15 @@ type inboxStat struct {
 // inboxStats aggregates the inbox table per consumer, in one scan.
 func (c *Console) inboxStats(ctx context.Context, now time.Time) ([]inboxStat, error) {
 	from := c.db.Dialect().FromMicros("?")
-	rows, err := c.db.Query(ctx, c.stmt(`SELECT consumer,
-	count(CASE WHEN status = 'done' AND done_at >= `+from+` THEN 1 END),
-	count(CASE WHEN status = 'done' AND done_at >= `+from+` THEN 1 END),
-	count(CASE WHEN status = 'processing' THEN 1 END),
-	count(CASE WHEN status = 'failed' THEN 1 END),
-	count(CASE WHEN status = 'dead' THEN 1 END),
-	COALESCE(sum(dead_copies), 0)
-FROM {INBOX} GROUP BY consumer ORDER BY consumer`), now.Add(-time.Hour).UnixMicro(), now.Add(-24*time.Hour).UnixMicro())
+	rows, err := c.db.Query(ctx, c.stmt(`SELECT i.consumer,
+	count(CASE WHEN i.status = 'done' AND i.done_at >= `+from+` THEN 1 END),
+	count(CASE WHEN i.status = 'done' AND i.done_at >= `+from+` THEN 1 END),
+	count(CASE WHEN i.status = 'processing' THEN 1 END),
+	count(CASE WHEN i.status = 'failed' THEN 1 END),
+	count(CASE WHEN i.status = 'dead' THEN 1 END),
+	COALESCE(sum(f.dead_copies), 0)
+FROM {INBOX} i LEFT JOIN {INBOX_FAILURES} f ON f.consumer = i.consumer AND f.{key} = i.{key}
+GROUP BY i.consumer ORDER BY i.consumer`), now.Add(-time.Hour).UnixMicro(), now.Add(-24*time.Hour).UnixMicro())
 	stats, err := sqldb.Collect(rows, err, func(row sqldb.Rows) (inboxStat, error) {
 		var s inboxStat
 		err := row.Scan(&s.Consumer, &s.LastHour, &s.LastDay, &s.Processing, &s.Failing, &s.Dead, &s.DeadCopies)
@@ -338,10 +339,16 @@ func (c *Console) lookupKey(ctx context.Context, consumer, key string) (inboxRow
 	d := c.db.Dialect()
 	var k inboxRow
 	consumer, key = d.InboxKey(clean(consumer), clean(key))
-	err := c.db.QueryRow(ctx, c.stmt(`SELECT status, attempts, substr(COALESCE(first_error, ''), 1, ?), substr(COALESCE(last_error, ''), 1, ?),
-	`+d.MicrosEach("first_failed_at", "last_failed_at")+`, substr(result, 1, ?), length(result),
-	`+d.MicrosEach("created_at", "updated_at", "done_at", "dead_at", "lease_until", "expires_at")+`, dead_copies
-FROM {INBOX} WHERE consumer = ? AND {key} = ?`), maxErrorShown, maxErrorShown, c.cfg.MaxPayload, d.Text(consumer), d.Text(key)).Scan(
+	// A key's record is its row of the inbox table and, when something
+	// failed, its row of the failure table; a done key without one was
+	// created and last updated when it was done.
+	err := c.db.QueryRow(ctx, c.stmt(`SELECT i.status, COALESCE(f.attempts, CASE WHEN i.status = 'done' THEN 1 ELSE 0 END),
+	substr(COALESCE(f.first_error, ''), 1, ?), substr(COALESCE(f.last_error, ''), 1, ?),
+	`+d.MicrosEach("f.first_failed_at", "f.last_failed_at")+`, substr(i.result, 1, ?), length(i.result),
+	`+d.MicrosEach("COALESCE(f.created_at, i.done_at, i.expires_at)", "COALESCE(f.updated_at, i.done_at, i.expires_at)",
+		"i.done_at", "f.dead_at", "i.lease_until", "i.expires_at")+`, COALESCE(f.dead_copies, 0)
+FROM {INBOX} i LEFT JOIN {INBOX_FAILURES} f ON f.consumer = i.consumer AND f.{key} = i.{key}
+WHERE i.consumer = ? AND i.{key} = ?`), maxErrorShown, maxErrorShown, c.cfg.MaxPayload, d.Text(consumer), d.Text(key)).Scan(
 		&k.Status, &k.Attempts, &k.FirstError, &k.LastError, sqldb.TimeOrNil(&k.FirstFailedAt), sqldb.TimeOrNil(&k.LastFailedAt),
 		&k.Result, &k.ResultSize, sqldb.Time(&k.CreatedAt), sqldb.Time(&k.UpdatedAt), sqldb.TimeOrNil(&k.DoneAt),
 		sqldb.TimeOrNil(&k.DeadAt), sqldb.TimeOrNil(&k.LeaseUntil), sqldb.Time(&k.ExpiresAt), &k.DeadCopies)

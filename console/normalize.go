@@ -37,6 +37,10 @@ const (
 	emptyGroup = "<empty>"
 )
 
+// quoteMark is the marker the string steps put between a Z, ] or ^ and
+// a quote after it.
+const quoteMark = "<q>"
+
 // normalizer is one step: every match of pattern becomes repl.
 type normalizer struct {
 	pattern, repl string
@@ -54,8 +58,23 @@ func step(pattern, repl string) normalizer {
 var normalizers = slices.Concat(keepTypeNames(true), []normalizer{
 	// UUIDs.
 	step(`[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}`, `<uuid>`),
-	// Double-quoted strings (Go's %q: keys, ids, names).
-	step(`"[^"]*"`, `"<s>"`),
+	// Double-quoted strings (Go's %q: keys, ids, names), with their
+	// escaped quotes: `"{\"id\":\"A-42\"}"` is one string, not three. A
+	// pattern holds no backslash, so an escape is a run of the class
+	// [Z-^] (Z, [, \, ], ^: no class names the backslash alone in every
+	// database's engine without one, and MySQL's reads a [ in a class as
+	// a class) followed by any character (any but \x01, which no class
+	// leaves out otherwise). A string that ends in Z, ] or ^ (a time in
+	// UTC, say) would then run on past its closing quote: the first steps
+	// put a marker between such a character and the quote, and the step
+	// after the strings takes the markers out. What is left to chance is
+	// a string that ends in [ or in an escaped backslash (\\"), which
+	// runs on to the next quote.
+	step(`Z"`, `Z`+quoteMark+`"`),
+	step(`]"`, `]`+quoteMark+`"`),
+	step(`[Z^]"`, `^`+quoteMark+`"`),
+	step(`"[^"Z-^]*([Z-^]+[^`+"\x01"+`][^"Z-^]*)*"`, `"<s>"`),
+	step(quoteMark, ``),
 	// 0x hex numbers (addresses in a panic's stack).
 	step(`0[xX][0-9A-Fa-f]+`, `<hex>`),
 	// Runs of hex digits with a letter before a digit, then with a digit
@@ -108,7 +127,8 @@ func keepTypeNames(before bool) []normalizer {
 // fall in one group, "order <n> not found". In order:
 //
 //   - UUIDs become <uuid>;
-//   - double-quoted strings become "<s>";
+//   - double-quoted strings become "<s>", the quotes escaped with a
+//     backslash in them included;
 //   - 0x numbers, and runs of hex digits that mix letters and digits
 //     (hashes, trace ids), become <hex>;
 //   - decimal numbers become <n>, except in Go's sized type names

@@ -255,8 +255,11 @@ func TestEntryPage(t *testing.T) {
 	require.Contains(t, body, "plain text\nline 2")
 
 	// Replay requested, and copies since (the key is dead in the inbox).
-	_, err := f.pool.Exec(context.Background(), `INSERT INTO `+f.table("inbox")+` (consumer, key, status, dead_copies, dead_at, expires_at)
-VALUES ('charge', $1, 'dead', 4, now(), now() + interval '1 day')`, "key-"+js.UUID)
+	_, err := f.pool.Exec(context.Background(), `INSERT INTO `+f.table("inbox")+` (consumer, key, status, expires_at)
+VALUES ('charge', $1, 'dead', now() + interval '1 day')`, "key-"+js.UUID)
+	require.NoError(t, err)
+	_, err = f.pool.Exec(context.Background(), `INSERT INTO `+f.table("inbox_failures")+` (consumer, key, dead_copies, dead_at)
+VALUES ('charge', $1, 4, now())`, "key-"+js.UUID)
 	require.NoError(t, err)
 	_, err = f.pool.Exec(context.Background(), `UPDATE `+f.table("dlq")+` SET replay_requested_at = $1 WHERE id = $2`, testNow.Add(-time.Minute), ids[0])
 	require.NoError(t, err)
@@ -275,13 +278,17 @@ func TestInboxLookup(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t)
 	ctx := context.Background()
-	_, err := f.pool.Exec(ctx, `INSERT INTO `+f.table("inbox")+` (consumer, key, status, attempts, result,
-	first_error, last_error, first_failed_at, last_failed_at, created_at, updated_at, done_at, expires_at) VALUES
-('charge', 'order-1', 'done', 3, '{"charged":true,"amount":42}'::bytea, 'gateway timeout', 'gateway 502',
-	'2026-03-01T09:00:00Z', '2026-03-01T09:10:00Z', '2026-03-01T08:59:00Z', '2026-03-01T09:15:00Z', '2026-03-01T09:15:00Z', '2026-03-04T09:15:00Z'),
-('charge', 'order-2', 'failed', 1, NULL, 'boom', 'boom', now(), now(), now(), now(), NULL, now() + interval '3 days'),
-('ship', 'order-1', 'done', 1, $1, NULL, NULL, NULL, NULL, now(), now(), now(), now() + interval '3 days')`,
+	_, err := f.pool.Exec(ctx, `INSERT INTO `+f.table("inbox")+` (consumer, key, status, result, done_at, expires_at) VALUES
+('charge', 'order-1', 'done', '{"charged":true,"amount":42}'::bytea, '2026-03-01T09:15:00Z', '2026-03-04T09:15:00Z'),
+('charge', 'order-2', 'failed', NULL, NULL, now() + interval '3 days'),
+('ship', 'order-1', 'done', $1, now(), now() + interval '3 days')`,
 		[]byte(strings.Repeat("r", 40)))
+	require.NoError(t, err)
+	_, err = f.pool.Exec(ctx, `INSERT INTO `+f.table("inbox_failures")+` (consumer, key, attempts,
+	first_error, last_error, first_failed_at, last_failed_at, created_at, updated_at) VALUES
+('charge', 'order-1', 3, 'gateway timeout', 'gateway 502',
+	'2026-03-01T09:00:00Z', '2026-03-01T09:10:00Z', '2026-03-01T08:59:00Z', '2026-03-01T09:15:00Z'),
+('charge', 'order-2', 1, 'boom', 'boom', now(), now(), now(), now())`)
 	require.NoError(t, err)
 	cl := bearer(t, f.console(func(c *console.Config) { c.MaxPayload = 32 }))
 
@@ -321,14 +328,17 @@ func TestOverview(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t)
 	ctx := context.Background()
-	_, err := f.pool.Exec(ctx, `INSERT INTO `+f.table("inbox")+` (consumer, key, status, done_at, dead_copies, expires_at) VALUES
-('charge', 'a', 'done', $1::timestamptz - interval '30 minutes', 0, now() + interval '1 day'),
-('charge', 'b', 'done', $1::timestamptz - interval '5 hours', 0, now() + interval '1 day'),
-('charge', 'c', 'done', $1::timestamptz - interval '2 days', 0, now() + interval '1 day'),
-('charge', 'd', 'failed', NULL, 0, now() + interval '1 day'),
-('charge', 'e', 'dead', NULL, 3, now() + interval '1 day'),
-('charge', 'f', 'dead', NULL, 2, now() + interval '1 day'),
-('ship', 'a', 'processing', NULL, 0, now() + interval '1 day')`, testNow)
+	_, err := f.pool.Exec(ctx, `INSERT INTO `+f.table("inbox")+` (consumer, key, status, done_at, expires_at) VALUES
+('charge', 'a', 'done', $1::timestamptz - interval '30 minutes', now() + interval '1 day'),
+('charge', 'b', 'done', $1::timestamptz - interval '5 hours', now() + interval '1 day'),
+('charge', 'c', 'done', $1::timestamptz - interval '2 days', now() + interval '1 day'),
+('charge', 'd', 'failed', NULL, now() + interval '1 day'),
+('charge', 'e', 'dead', NULL, now() + interval '1 day'),
+('charge', 'f', 'dead', NULL, now() + interval '1 day'),
+('ship', 'a', 'processing', NULL, now() + interval '1 day')`, testNow)
+	require.NoError(t, err)
+	_, err = f.pool.Exec(ctx, `INSERT INTO `+f.table("inbox_failures")+` (consumer, key, dead_copies) VALUES
+('charge', 'e', 3), ('charge', 'f', 2)`)
 	require.NoError(t, err)
 	f.seed(f.deadLetter("orders", "charge", "order 1 not found", nil), f.deadLetter("orders", "charge", "order 2 not found", nil),
 		f.deadLetter("refunds", "ship", "timeout", nil))

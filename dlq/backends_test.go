@@ -173,6 +173,7 @@ func TestOnEveryBackend(t *testing.T) {
 		run  func(t *testing.T, b backend)
 	}{
 		{"written once", checkWrittenOnce},
+		{"one UUID, two messages", checkSharedUUID},
 		{"list, filter, count, show", checkList},
 		{"replay to the topic", checkReplay},
 		{"replay to the consumer", checkReplayToConsumer},
@@ -192,6 +193,46 @@ func TestOnEveryBackend(t *testing.T) {
 			}
 		})
 	}
+}
+
+// checkSharedUUID: a UUID is not a message's identity. Two messages of
+// one UUID with different keys are two entries, and a copy of either is
+// still none more; two UUIDs that differ only in bytes that are not text
+// are two entries; PublishDistinct (what an operator's cancel writes
+// through) files a message whose entry is there already as an entry of
+// its own, whose replay carries the message's UUID and payload.
+func checkSharedUUID(t *testing.T, b backend) {
+	ctx := context.Background()
+	first := dead("orders", "charge", "card declined")
+	second := dead("orders", "charge", "card expired")
+	second.UUID = first.UUID
+	second.Payload = []byte(`{"order":"second"}`)
+	second.Metadata.Set(delivery.DeadKey, "key-second")
+	require.NoError(t, b.pub.Publish("orders.dlq", first, second))
+	require.NoError(t, b.pub.Publish("orders.dlq", first.Copy()))
+	entries, err := b.store.List(ctx, dlq.Filter{})
+	require.NoError(t, err)
+	require.Len(t, entries, 2, "two messages of one UUID, each dead-lettered once")
+	require.Equal(t, []string{first.UUID, first.UUID}, uuidsOf(entries))
+	require.ElementsMatch(t, []string{"key-" + first.UUID, "key-second"}, []string{entries[0].Key, entries[1].Key})
+
+	nul, ff := dead("orders", "charge", "x"), dead("orders", "charge", "y")
+	nul.UUID, ff.UUID = "u-\x00", "u-\xff"
+	nul.Metadata.Set(delivery.DeadKey, "same-key")
+	ff.Metadata.Set(delivery.DeadKey, "same-key")
+	require.NoError(t, b.pub.Publish("orders.dlq", nul, ff))
+	require.Len(t, b.list(t, dlq.Filter{}), 4, "UUIDs that differ only in bytes that are not text stay two")
+
+	cancelled := first.Copy()
+	cancelled.Payload = []byte(`{"order":"cancelled copy"}`)
+	require.NoError(t, b.pub.PublishDistinct("orders.dlq", cancelled))
+	entries, err = b.store.List(ctx, dlq.Filter{})
+	require.NoError(t, err)
+	require.Len(t, entries, 5, "PublishDistinct merges nothing into the entry that is there")
+	apart := entries[4]
+	require.True(t, strings.HasPrefix(apart.UUID, first.UUID+"#dead-letter-"), apart.UUID)
+	require.Equal(t, []byte(`{"order":"cancelled copy"}`), apart.Payload)
+	require.Equal(t, first.UUID, apart.Message("").UUID, "a replay publishes the message's own UUID")
 }
 
 // checkWrittenOnce: a dead letter's fields survive the table, the payload
@@ -627,4 +668,12 @@ func checkPoison(t *testing.T, b backend) {
 	require.Equal(t, dedup.StateDone, state())
 	require.Empty(t, b.list(t, dlq.Filter{}), "the entry is gone")
 	require.Equal(t, int32(3), calls.Load(), "the replay ran once")
+}
+
+func uuidsOf(entries []dlq.Entry) []string {
+	out := []string{}
+	for _, e := range entries {
+		out = append(out, e.UUID)
+	}
+	return out
 }

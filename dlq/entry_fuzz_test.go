@@ -17,6 +17,7 @@ import (
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -28,7 +29,8 @@ func storable(s string) string {
 
 // FuzzDeadLetter, on SQLite: a message dead-lettered with any UUID,
 // payload, metadata and dead-letter fields is one entry whose fields read
-// back as written (identifiers bounded, text made storable, a count that
+// back as written (identifiers in their sqldb.Ident form, bounded and
+// digested when not text, text made storable, a count that
 // is not one read as 0), and whose replay publishes the same UUID (whole),
 // payload and metadata, without the failed delivery's facts, with a fresh
 // grant; an entry with no topic is refused with ErrNoTopic, one whose key
@@ -79,9 +81,9 @@ func FuzzDeadLetter(f *testing.F) {
 			wantAttempts = 0
 		}
 		switch {
-		case e.UUID != delivery.Bound(storable(uuid)):
+		case e.UUID != sqldb.Ident(uuid):
 			t.Fatalf("uuid %q stored as %q", uuid, e.UUID)
-		case e.Topic != delivery.Bound(storable(topic)) || e.Consumer != delivery.Bound(storable(consumer)) || e.Key != delivery.Bound(storable(key)):
+		case e.Topic != sqldb.Ident(topic) || e.Consumer != sqldb.Ident(consumer) || e.Key != sqldb.Ident(key):
 			t.Fatalf("topic, consumer, key %q %q %q stored as %q %q %q", topic, consumer, key, e.Topic, e.Consumer, e.Key)
 		case e.Error != storable(errText):
 			t.Fatalf("error %q stored as %q", errText, e.Error)

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/oncemill/oncemill/internal/sqldb"
 )
 
 var (
@@ -98,13 +100,13 @@ func (f Filter) query(t *table, what string) (string, []any) {
 		add("id IN ("+t.d.JSONInts("?")+")", idsJSON(f.IDs))
 	}
 	if f.Topic != "" {
-		add("topic = ?", t.d.Text(ident(f.Topic)))
+		add("topic = ?", t.d.Text(sqldb.Ident(f.Topic)))
 	}
 	if f.Consumer != "" {
-		add("consumer = ?", t.d.Text(ident(f.Consumer)))
+		add("consumer = ?", t.d.Text(sqldb.Ident(f.Consumer)))
 	}
 	if f.ErrorContains != "" {
-		add("LOWER("+t.d.Quote("error")+") LIKE LOWER(?) ESCAPE '!'", "%"+likeEscape.Replace(clean(f.ErrorContains))+"%")
+		add("LOWER("+t.d.Quote("error")+") LIKE LOWER(?) ESCAPE '!'", "%"+likeEscape.Replace(sqldb.CleanText(f.ErrorContains))+"%")
 	}
 	if !f.Since.IsZero() {
 		add("dead_at >= "+t.d.FromMicros("?"), f.Since.UnixMicro())

@@ -51,7 +51,10 @@ type tableGranter struct{ t *table }
 // inbox table is no error: the consumer's records are elsewhere, and it
 // reports false.
 func (g tableGranter) InboxGrantReplay(ctx context.Context, key dedup.Key, grant string) (bool, error) {
-	consumer, k := g.t.d.InboxArgs(key.Consumer, key.Key)
+	consumer, k, ok := g.t.d.InboxLookup(key.Consumer, key.Key)
+	if !ok {
+		return false, nil // not text: no inbox holds it
+	}
 	n, err := g.t.db.Exec(ctx, g.t.q.grant, grant, consumer, k)
 	switch {
 	case g.t.d.UndefinedTable(err):
@@ -67,7 +70,10 @@ func (g tableGranter) InboxGrantReplay(ctx context.Context, key dedup.Key, grant
 // InboxHasRecord reports whether key has a row in the inbox table; a
 // missing table holds none.
 func (g tableGranter) InboxHasRecord(ctx context.Context, key dedup.Key) (bool, error) {
-	consumer, k := g.t.d.InboxArgs(key.Consumer, key.Key)
+	consumer, k, ok := g.t.d.InboxLookup(key.Consumer, key.Key)
+	if !ok {
+		return false, nil // not text: no inbox holds it
+	}
 	var n int
 	err := g.t.db.QueryRow(ctx, g.t.q.hasRecord, consumer, k).Scan(&n)
 	if g.t.d.UndefinedTable(err) {

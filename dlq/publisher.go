@@ -2,6 +2,7 @@ package dlq
 
 import (
 	"context"
+	"crypto/rand"
 	"database/sql"
 	"encoding/json"
 	"fmt"
@@ -76,8 +77,9 @@ func (p *Publisher) DefaultTopic() string { return DefaultTopic }
 
 // Publish writes msgs as one row each, in one transaction: all of them or,
 // on error, none. A message that the table holds already for the same
-// consumer and original topic (same UUID), and whose replay was not
-// requested, is not written again: a message whose ack was lost after it
+// consumer and original topic (same UUID and key: two messages that share
+// a UUID and have different keys are two entries), and whose replay was
+// not requested, is not written again: a message whose ack was lost after it
 // was dead-lettered comes back and is dead-lettered again, and the table
 // keeps one entry for it, so that a replay sends it once; a unique index
 // keeps it so for writers at the same instant too (two consumers of one
@@ -105,9 +107,30 @@ func (p *Publisher) DefaultTopic() string { return DefaultTopic }
 // Watermill's SQL publisher does.
 //
 // Text that PostgreSQL cannot store (invalid UTF-8, NUL characters) is
-// stored with U+FFFD in its place, on every database; the payload is
-// stored as it is.
+// stored with U+FFFD in its place, on every database: the error and the
+// metadata as that text; the uuid, topic, consumer and key as their
+// sqldb.Ident form, which ends in the digest of the whole value when the
+// value was not text or was longer than 512 bytes, so that two messages
+// whose values differ only there stay two entries. The payload is stored
+// as it is.
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
+	return p.publish(topic, msgs, false)
+}
+
+// PublishDistinct writes msgs as [Publisher.Publish] does, except that it
+// merges no message into an entry the table holds already: a message
+// whose consumer, original topic, uuid and key have an entry (whose
+// replay was not requested) is written as an entry of its own, under a
+// uuid made unique for it ("<uuid>#dead-letter-<random>"), with its own
+// uuid in delivery.DeadUUID, which a replay publishes with.
+// retry.Store.Cancel writes an operator's cancelled messages this way:
+// it deletes each parked row with its dead letter, and the payload must
+// not go with it because an entry of another copy was there.
+func (p *Publisher) PublishDistinct(topic string, msgs ...*message.Message) error {
+	return p.publish(topic, msgs, true)
+}
+
+func (p *Publisher) publish(topic string, msgs []*message.Message, distinct bool) error {
 	if len(msgs) == 0 {
 		return nil
 	}
@@ -125,7 +148,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	ctx := msgs[0].Context()
 	op := fmt.Sprintf("publish %d messages to %q", len(msgs), topic)
 	write := func(tx sqldb.Executor) error {
-		if ptx, ok := sqldb.PgxTx(tx); ok && p.t.d.Pipeline && len(args) > 1 {
+		if ptx, ok := sqldb.PgxTx(tx); ok && p.t.d.Pipeline && len(args) > 1 && !distinct {
 			// One round trip for all the rows.
 			batch := &pgx.Batch{}
 			for _, a := range args {
@@ -133,9 +156,15 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 			}
 			return ptx.SendBatch(ctx, batch).Close()
 		}
-		for _, a := range args {
-			if _, err := tx.Exec(ctx, p.t.q.insert, a...); err != nil {
+		for i, a := range args {
+			n, err := tx.Exec(ctx, p.t.q.insert, a...)
+			if err != nil {
 				return err
+			}
+			if n == 0 && distinct {
+				if err := p.writeApart(ctx, tx, topic, msgs[i]); err != nil {
+					return err
+				}
 			}
 		}
 		return nil
@@ -162,6 +191,29 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	return nil
 }
 
+// writeApart writes m, whose entry the table holds already, under a uuid
+// made unique for it, with its own uuid in delivery.DeadUUID.
+func (p *Publisher) writeApart(ctx context.Context, tx sqldb.Executor, topic string, m *message.Message) error {
+	var salt [6]byte
+	_, _ = rand.Read(salt[:])
+	apart := message.NewMessage(fmt.Sprintf("%s#dead-letter-%x", m.UUID, salt), m.Payload)
+	for k, v := range m.Metadata {
+		apart.Metadata.Set(k, v)
+	}
+	if apart.Metadata.Get(delivery.DeadUUID) == "" {
+		apart.Metadata.Set(delivery.DeadUUID, m.UUID)
+	}
+	a, err := insertArgs(p.t.d, topic, apart)
+	if err != nil {
+		return fmt.Errorf("dlq: publish %s to %q: %w", m.UUID, topic, err)
+	}
+	n, err := tx.Exec(ctx, p.t.q.insert, a...)
+	if err == nil && n == 0 {
+		err = fmt.Errorf("dlq: publish %s to %q: the table holds an entry of uuid %q already", m.UUID, topic, apart.UUID)
+	}
+	return err
+}
+
 // sameDatabase reports whether tx runs on the database of the dead-letter
 // table. It compares what the servers say of themselves
 // (sqldb.Identify), not the host names (localhost and 127.0.0.1 are one
@@ -169,6 +221,12 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 // learnt once; a pgx connection's once per backend (its process id and
 // cancel key); a database/sql transaction's every time.
 func (p *Publisher) sameDatabase(ctx context.Context, tx sqldb.Executor) (bool, error) {
+	if sqldb.SameAddress(p.t.db, tx) {
+		// The inbox's pool and this one reach one address: no statement,
+		// and above all no second connection from a pool whose every
+		// connection may be held by a handler waiting for its dead letter.
+		return true, nil
+	}
 	p.mu.Lock()
 	own := p.own
 	p.mu.Unlock()
@@ -213,18 +271,19 @@ func (p *Publisher) sameDatabase(ctx context.Context, tx sqldb.Executor) (bool, 
 func (p *Publisher) Close() error { return nil }
 
 // insertArgs parses m's dead-letter metadata into the INSERT's arguments,
-// in d's types. Encoding the cleaned metadata as JSON cannot fail in
-// practice; the error is returned all the same.
+// in d's types, through the SQL layer's storable-text rules: the
+// identifier columns (uuid, topic, dlq_topic, consumer, key) hold
+// sqldb.Ident of the whole value, the error and the metadata their clean
+// text (sqldb.CleanText, sqldb.CleanMetadata). Encoding the cleaned
+// metadata as JSON cannot fail in practice; the error is returned all the
+// same.
 func insertArgs(d *sqldb.Dialect, dlqTopic string, m *message.Message) ([]any, error) {
-	md := make(map[string]string, len(m.Metadata)+1)
-	for k, v := range m.Metadata {
-		md[clean(k)] = clean(v)
-	}
-	uuid := ident(m.UUID)
-	if _, ok := md[delivery.DeadUUID]; !ok && uuid != clean(m.UUID) {
-		// Too long for the index: the entry's uuid is its bounded form,
-		// and a replay takes the whole UUID from here.
-		md[delivery.DeadUUID] = clean(m.UUID)
+	md := sqldb.CleanMetadata(m.Metadata)
+	uuid := sqldb.Ident(m.UUID)
+	if _, ok := md[delivery.DeadUUID]; !ok && uuid != sqldb.CleanText(m.UUID) {
+		// Too long for the index, or not text: the entry's uuid is its
+		// bounded form, and a replay takes the UUID from here.
+		md[delivery.DeadUUID] = sqldb.CleanText(m.UUID)
 	}
 	mdJSON, err := json.Marshal(md)
 	if err != nil {
@@ -235,12 +294,13 @@ func insertArgs(d *sqldb.Dialect, dlqTopic string, m *message.Message) ([]any, e
 		payload = []byte{}
 	}
 	get := func(key string) string { return md[key] }
+	ident := func(key string) any { return d.Text(sqldb.Ident(m.Metadata.Get(key))) }
 	return []any{
 		d.Text(uuid),
-		d.Text(ident(get(delivery.DeadTopic))),
-		d.Text(ident(dlqTopic)),
-		d.Text(ident(get(delivery.DeadConsumer))),
-		d.Text(ident(get(delivery.DeadKey))),
+		ident(delivery.DeadTopic),
+		d.Text(sqldb.Ident(dlqTopic)),
+		ident(delivery.DeadConsumer),
+		ident(delivery.DeadKey),
 		parseAttempts(get(delivery.DeadAttempts)),
 		get(delivery.DeadError),
 		parsePermanent(get(delivery.DeadPermanent)),
@@ -252,22 +312,6 @@ func insertArgs(d *sqldb.Dialect, dlqTopic string, m *message.Message) ([]any, e
 		string(mdJSON),
 	}, nil
 }
-
-// clean makes s storable as text and JSON on every database: invalid
-// UTF-8 and NUL characters, which PostgreSQL's text and jsonb refuse,
-// become U+FFFD.
-func clean(s string) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	return strings.ReplaceAll(s, "\x00", "\uFFFD")
-}
-
-// ident is the form of an identifier (uuid, topic, consumer, key) in a
-// column of the dead-letter table: clean, and bounded ([delivery.Bound])
-// so that a value of any length fits the table's indexes, on PostgreSQL,
-// MySQL and SQLite alike. The metadata keeps the whole value (the topic,
-// consumer and key in their delivery.Dead* fields, the UUID in
-// delivery.DeadUUID).
-func ident(s string) string { return delivery.Bound(clean(s)) }
 
 // parseAttempts reads an attempt count; garbage or a negative number is 0.
 func parseAttempts(s string) int32 {

@@ -51,8 +51,11 @@ func (s *Store) Reopen(ctx context.Context, id int64) (Entry, error) {
 		if e.Consumer == "" || e.Key == "" {
 			return fmt.Errorf("dlq: reopen entry %d (uuid %s): %w: nothing to reopen, a copy of the message runs as a new one", id, e.UUID, ErrNoKey)
 		}
-		consumer, key := s.t.d.InboxArgs(e.Consumer, e.Key)
-		n, err := tx.Exec(ctx, s.t.q.reopen, consumer, key)
+		consumer, key, ok := s.t.d.InboxLookup(e.Consumer, e.Key)
+		var n int64
+		if ok {
+			n, err = tx.Exec(ctx, s.t.q.reopen, consumer, key)
+		}
 		if err != nil {
 			return s.t.wrap(fmt.Sprintf("reopen entry %d: reopen consumer %q key %q", id, e.Consumer, e.Key), err)
 		}
@@ -60,6 +63,9 @@ func (s *Store) Reopen(ctx context.Context, id int64) (Entry, error) {
 			return fmt.Errorf("dlq: reopen entry %d (uuid %s): consumer %q key %q is not dead in %s: %w; "+
 				"the entry stays: its key was replayed, reopened or expired, or the consumer's inbox is another store, where a corrected copy must be let through there",
 				id, e.UUID, e.Consumer, e.Key, tableGranter{s.t}, ErrNoDeadKey)
+		}
+		if _, err := tx.Exec(ctx, s.t.q.reopenFailure, consumer, key); err != nil {
+			return s.t.wrap(fmt.Sprintf("reopen entry %d: reset the failure record", id), err)
 		}
 		if _, err := tx.Exec(ctx, s.t.q.forgetStarts, consumer, key); err != nil {
 			return s.t.wrap(fmt.Sprintf("reopen entry %d: forget the started attempts", id), err)

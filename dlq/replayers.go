@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/sqldb"
 )
 
@@ -64,7 +63,7 @@ WHERE replay_requested_at IS NOT NULL GROUP BY consumer, topic ORDER BY consumer
 // beat announces that a replay subscriber of consumer runs, and beats
 // every every.
 func (t *table) beat(ctx context.Context, consumer string, every time.Duration) error {
-	c := t.d.Text(delivery.Bound(consumer))
+	c := t.d.Text(sqldb.Ident(consumer))
 	n, err := t.db.Exec(ctx, t.q.beatUpdate, every.Milliseconds(), c)
 	if err == nil && n == 0 {
 		_, err = t.db.Exec(ctx, t.q.beatInsert, c, every.Milliseconds())
@@ -102,7 +101,7 @@ func scanReplayer(r sqldb.Row) (Replayer, error) {
 // replay subscribers announced themselves is an error wrapping
 // [ErrNotMigrated].
 func (s *Store) Replayer(ctx context.Context, consumer string) (p Replayer, ok bool, err error) {
-	p, err = scanReplayer(s.t.db.QueryRow(ctx, s.t.q.replayer, s.t.d.Text(delivery.Bound(consumer))))
+	p, err = scanReplayer(s.t.db.QueryRow(ctx, s.t.q.replayer, s.t.d.Text(sqldb.Ident(consumer))))
 	switch {
 	case errors.Is(err, sqldb.ErrNoRows):
 		return Replayer{}, false, nil

@@ -201,7 +201,7 @@ func (r *ReplaySubscriber) announce(ctx context.Context, topic string) {
 // deliverOne hands out the first requested entry, if any, and ends its
 // transaction with the message's ack (delete) or nack (keep).
 func (r *ReplaySubscriber) deliverOne(ctx context.Context, topic string, out chan<- *message.Message) (delivered bool, err error) {
-	h, err := r.t.take(ctx, r.t.q.nextReplay, r.t.d.Text(r.cfg.Consumer), r.t.d.Text(topic))
+	h, err := r.t.take(ctx, r.t.q.nextReplay, r.t.d.Text(sqldb.Ident(r.cfg.Consumer)), r.t.d.Text(sqldb.Ident(topic)))
 	if err != nil || h == nil {
 		if err != nil {
 			err = r.t.wrap("replay: read", err)
@@ -288,10 +288,13 @@ func (r *ReplaySubscriber) deliverOne(ctx context.Context, topic string, out cha
 // withdraws again, twin included.
 
 // twinOf joins entry a to b, its twin: another entry of the same
-// consumer, topic and message with no replay requested (at most one, by
-// the unique index).
-const twinOf = `b.consumer = a.consumer AND b.topic = a.topic AND b.uuid = a.uuid
+// consumer, topic and message (its uuid and key) with no replay requested
+// (at most one, by the unique index).
+func twinOf(d *sqldb.Dialect) string {
+	key := d.Quote("key")
+	return `b.consumer = a.consumer AND b.topic = a.topic AND b.uuid = a.uuid AND b.` + key + ` = a.` + key + `
 AND b.replay_requested_at IS NULL AND b.id <> a.id`
+}
 
 // adoptNewer is the SET list that gives entry a the failure of entry b.
 func adoptNewer(d *sqldb.Dialect) []string {

@@ -209,7 +209,10 @@ func (s *Store) WithNewKeys() *Store {
 // inbox table is elsewhere, or the key is no longer dead (replayed, or
 // expired after its window).
 func (s *Store) CopiesSince(ctx context.Context, e Entry) (n int, ok bool, err error) {
-	consumer, key := s.t.d.InboxArgs(e.Consumer, e.Key)
+	consumer, key, ok := s.t.d.InboxLookup(e.Consumer, e.Key)
+	if !ok {
+		return 0, false, nil // not text: no inbox holds it
+	}
 	err = s.t.db.QueryRow(ctx, s.t.q.copies, consumer, key).Scan(&n)
 	switch {
 	case errors.Is(err, sqldb.ErrNoRows), s.t.d.UndefinedTable(err), s.t.d.UndefinedColumn(err):

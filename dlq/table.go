@@ -32,7 +32,7 @@ type table struct {
 		insert, get, lockOne, nextReplay, removeOne, removeIDs, request, counts string
 		twin, adopt, clear, grant, hasRecord, copies                            string
 		beatUpdate, beatInsert, replayer, replayers, pending                    string
-		reopen, forgetStarts                                                    string
+		reopen, reopenFailure, forgetStarts                                     string
 	}
 }
 
@@ -76,11 +76,14 @@ func newTable(db sqldb.DB, cfg sqlschema.Config) (*table, error) {
 	// the first is on its way back (replay requested). The table's unique
 	// index once_idx decides, so that concurrent writers cannot both
 	// insert: the later waits for the earlier's commit and then writes
-	// nothing.
+	// nothing. A message is its consumer, topic, uuid and key (migration
+	// message_identity): two messages of one UUID are two entries. The
+	// conflict names no target, so that the insert works against the
+	// index of (consumer, topic, uuid) of a schema not yet migrated too.
 	q.insert = `INSERT INTO ` + dlq + ` (uuid, topic, dlq_topic, consumer, ` + key + `, attempts, ` + errc + `, permanent,
 	first_failed_at, last_failed_at, kafka_partition, kafka_offset, payload, metadata, dead_at)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ` + d.FromMicros("?") + `, ` + d.FromMicros("?") + `, ?, ?, ?, ` + d.JSON("?") + `, ` + d.Now() + `)` +
-		d.InsertOnce("(consumer, topic, uuid) WHERE replay_requested_at IS NULL", "id")
+		d.InsertOnce("", "id")
 	q.get = `SELECT ` + t.cols + ` FROM ` + dlq + ` WHERE id = ?`
 	q.lockOne = q.get + d.LockRow(true)
 	q.nextReplay = `SELECT ` + t.cols + ` FROM ` + dlq + `
@@ -91,24 +94,30 @@ ORDER BY id LIMIT 1` + d.LockRow(true)
 	q.request = d.ByIDs(dlq, "replay_requested_at = "+d.Now(), "replay_requested_at IS NULL")
 	q.counts = `SELECT consumer, topic, COUNT(*), ` + d.Micros("MIN(dead_at)") + ` FROM ` + dlq + `
 GROUP BY consumer, topic ORDER BY consumer, topic`
-	q.twin = `SELECT b.id FROM ` + dlq + ` AS a JOIN ` + dlq + ` AS b ON ` + twinOf + ` WHERE a.id = ?` + d.LockRow(false)
+	q.twin = `SELECT b.id FROM ` + dlq + ` AS a JOIN ` + dlq + ` AS b ON ` + twinOf(d) + ` WHERE a.id = ?` + d.LockRow(false)
 	q.adopt = d.UpdateFrom(dlq, adoptNewer(d), "a.id = ? AND b.id = ?")
 	q.clear = `UPDATE ` + dlq + ` SET replay_requested_at = NULL WHERE id = ?`
-	q.grant = `UPDATE ` + inbox + ` SET replay_grant = ?, updated_at = ` + d.Now() + `
-WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead'`
+	// A key's failure state (attempts, the dead mark's details, the
+	// replay grant, dead copies) is on its row of the inbox's failure
+	// table; the inbox table's row says whether it is dead.
+	failures := t.names.InboxFailures
+	q.grant = `UPDATE ` + failures + ` SET replay_grant = ?, updated_at = ` + d.Now() + `
+WHERE (consumer, ` + key + `) IN (SELECT consumer, ` + key + ` FROM ` + inbox + ` WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead')`
 	q.hasRecord = `SELECT COUNT(*) FROM ` + inbox + ` WHERE consumer = ? AND ` + key + ` = ?`
-	q.copies = `SELECT dead_copies FROM ` + inbox + ` WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead'`
+	q.copies = `SELECT COALESCE(f.dead_copies, 0) FROM ` + inbox + ` i LEFT JOIN ` + failures + ` f ON f.consumer = i.consumer AND f.` + key + ` = i.` + key + `
+WHERE i.consumer = ? AND i.` + key + ` = ? AND i.status = 'dead'`
 	// Reopen for the next copy, whatever its payload: the dead key is made
 	// a failed one with no attempts, as the inbox stores reopen it for a
 	// granted replay, and its started attempts are forgotten, or the copy
 	// would be taken for a crash loop.
-	q.reopen = `UPDATE ` + inbox + ` SET status = 'failed', attempts = 0, dead_at = NULL, lease_until = NULL, replay_grant = NULL,
-	updated_at = ` + d.Now() + ` WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead'`
+	q.reopen = `UPDATE ` + inbox + ` SET status = 'failed', lease_until = NULL WHERE consumer = ? AND ` + key + ` = ? AND status = 'dead'`
+	q.reopenFailure = `UPDATE ` + failures + ` SET attempts = 0, dead_at = NULL, replay_grant = NULL, updated_at = ` + d.Now() + `
+WHERE consumer = ? AND ` + key + ` = ?`
 	q.forgetStarts = `DELETE FROM ` + t.names.InboxStarts + ` WHERE consumer = ? AND ` + key + ` = ?`
 	t.replayerQueries(d)
 	for _, s := range []*string{&q.insert, &q.get, &q.lockOne, &q.nextReplay, &q.removeOne, &q.removeIDs, &q.request,
 		&q.counts, &q.twin, &q.adopt, &q.clear, &q.grant, &q.hasRecord, &q.copies,
-		&q.beatUpdate, &q.beatInsert, &q.replayer, &q.replayers, &q.pending, &q.reopen, &q.forgetStarts} {
+		&q.beatUpdate, &q.beatInsert, &q.replayer, &q.replayers, &q.pending, &q.reopen, &q.reopenFailure, &q.forgetStarts} {
 		*s = d.Rebind(*s)
 	}
 	return t, nil

@@ -8,7 +8,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -72,7 +71,7 @@ func newOutbox(cfg RelayConfig, db sqldb.DB, names sqlschema.Names) *outbox {
 		deadLetter: d.Rebind(`INSERT INTO ` + names.DLQ + ` (uuid, topic, dlq_topic, consumer, ` + d.Quote("key") + `, ` + d.Quote("error") +
 			`, permanent, first_failed_at, last_failed_at, payload, metadata, dead_at)
 VALUES (?, ?, '', ?, ?, ?, TRUE, ` + d.Now() + `, ` + d.Now() + `, ?, ` + d.JSON("?") + `, ` + d.Now() + `)` +
-			d.InsertOnce("(consumer, topic, uuid) WHERE replay_requested_at IS NULL", "id")),
+			d.InsertOnce("", "id")),
 		lag: newLagSQL(d, names, cfg.LockOrderedWriters),
 	}
 	if cfg.Ledger {
@@ -124,7 +123,7 @@ func (o *outbox) batch(ctx context.Context, publish func(context.Context, []row)
 	begin := func(ctx context.Context, opts sqldb.TxOptions) (sqldb.Tx, error) {
 		t, err := o.db.Begin(ctx, opts)
 		if err != nil {
-			return nil, fmt.Errorf("forwarder: begin: %w", err)
+			return nil, beginFailed(o.d, o.timeout, err)
 		}
 		tx = t
 		return t, nil
@@ -183,7 +182,26 @@ func (o *outbox) batch(ctx context.Context, publish func(context.Context, []row)
 // settle dead-letters the refused rows of batch in tx, and takes out of
 // the ledger the records the take wrote for them: they are not published.
 func (o *outbox) settle(ctx context.Context, tx sqldb.Tx, batch []row) error {
+	if err := o.deadLetterRows(ctx, tx, batch); err != nil {
+		return err
+	}
+	if o.unledger == "" {
+		return nil
+	}
 	for _, x := range batch {
+		if x.refused == nil {
+			continue
+		}
+		if _, err := tx.Exec(ctx, o.unledger, sqldb.Ident(x.uuid), sqldb.Ident(x.topic)); err != nil {
+			return fmt.Errorf("forwarder: dead-letter refused row %d: ledger: %w", x.id, err)
+		}
+	}
+	return nil
+}
+
+// deadLetterRows dead-letters, in tx, the refused rows of rows.
+func (o *outbox) deadLetterRows(ctx context.Context, tx sqldb.Tx, rows []row) error {
+	for _, x := range rows {
 		if x.refused == nil {
 			continue
 		}
@@ -192,8 +210,8 @@ func (o *outbox) settle(ctx context.Context, tx sqldb.Tx, batch []row) error {
 			payload = []byte{}
 		}
 		err := deadLetterRow(x, func(uuid, metadata string) (bool, error) {
-			n, err := tx.Exec(ctx, o.deadLetter, o.d.Text(uuid), o.d.Text(delivery.Bound(x.topic)), o.d.Text(delivery.Bound(o.consumer)),
-				o.d.Text(delivery.Bound(x.key)), x.refused.Error(), payload, metadata)
+			n, err := tx.Exec(ctx, o.deadLetter, o.d.Text(uuid), o.d.Text(sqldb.Ident(x.topic)), o.d.Text(sqldb.Ident(o.consumer)),
+				o.d.Text(sqldb.Ident(x.key)), sqldb.CleanText(x.refused.Error()), payload, metadata)
 			if o.d.UniqueViolation(err) {
 				return false, nil
 			}
@@ -201,11 +219,6 @@ func (o *outbox) settle(ctx context.Context, tx sqldb.Tx, batch []row) error {
 		})
 		if err != nil {
 			return fmt.Errorf("forwarder: dead-letter refused row %d: %w", x.id, err)
-		}
-		if o.unledger != "" {
-			if _, err := tx.Exec(ctx, o.unledger, x.uuid, x.topic); err != nil {
-				return fmt.Errorf("forwarder: dead-letter refused row %d: ledger: %w", x.id, err)
-			}
 		}
 	}
 	return nil
@@ -243,7 +256,9 @@ func (o *outbox) recordRows(ctx context.Context, tx sqldb.Tx, batch []row) error
 			b.WriteString(", ")
 		}
 		b.WriteString(o.recordRow)
-		args = append(args, o.d.Text(x.uuid), o.d.Text(x.topic), o.d.Text(x.key), o.d.Text(delivery.Bound(ledgerKey(x))), x.at)
+		// The ledger's columns are identifiers: their stored form.
+		args = append(args, o.d.Text(sqldb.Ident(x.uuid)), o.d.Text(sqldb.Ident(x.topic)), o.d.Text(sqldb.Ident(x.key)),
+			o.d.Text(sqldb.Ident(ledgerKey(x))), x.at)
 		if len(args) == 5*1000 {
 			if err := flush(); err != nil {
 				return err
@@ -251,6 +266,33 @@ func (o *outbox) recordRows(ctx context.Context, tx sqldb.Tx, batch []row) error
 		}
 	}
 	return flush()
+}
+
+// named is err of op, a statement of the relay bounded by
+// RelayConfig.DatabaseTimeout, saying so when that bound ran out: a
+// context's "deadline exceeded" alone does not say which setting to look
+// at.
+func (o *outbox) named(op string, err error) error {
+	if errors.Is(err, context.DeadlineExceeded) {
+		return fmt.Errorf("forwarder: %s: the database did not answer within RelayConfig.DatabaseTimeout (%s): %w", op, o.timeout, err)
+	}
+	return fmt.Errorf("forwarder: %s: %w", op, err)
+}
+
+// beginFailed is the error of a write transaction of the relay that
+// could not begin. On a database with one writer (SQLite) a begin that
+// ran out of time waited for the write lock: another connection holds a
+// write transaction on the file, which the error names, rather than a
+// bare "context deadline exceeded".
+func beginFailed(d *sqldb.Dialect, timeout time.Duration, err error) error {
+	switch {
+	case errors.Is(err, context.DeadlineExceeded) && d.OneWriter:
+		return fmt.Errorf("forwarder: begin: the database file is locked: another connection has held its write lock for RelayConfig.DatabaseTimeout (%s) "+
+			"(SQLite has one writer: a long write transaction, or a tool that holds the file); the rows stay and go out once it is released: %w", timeout, err)
+	case errors.Is(err, context.DeadlineExceeded):
+		return fmt.Errorf("forwarder: begin: the database did not answer within RelayConfig.DatabaseTimeout (%s): %w", timeout, err)
+	}
+	return fmt.Errorf("forwarder: begin: %w", err)
 }
 
 func (o *outbox) probeRows(ctx context.Context) (bool, error) {
@@ -269,6 +311,7 @@ func (o *outbox) scanRow(rs sqldb.Rows) (row, error) {
 	if err := rs.Scan(&x.id, &x.topic, &x.uuid, &x.key, &x.payload, &md, &x.at); err != nil {
 		return row{}, err
 	}
-	x.metadata, x.refused = checkRow(x.topic, x.uuid, md, o.validate)
+	x.metadata, x.uuid, x.refused = checkRow(x.topic, x.uuid, md, o.validate)
+	x.exact = sqldb.HasExact(md)
 	return x, nil
 }

@@ -3,7 +3,6 @@ package forwarder
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -132,6 +131,9 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 		when   = make([]dueState, len(msgs))
 		past   []string // the keys of the messages due by now
 	)
+	if err := sqldb.CheckWhole("topic", topic, 0); err != nil {
+		return fmt.Errorf("forwarder: write outbox rows: %w", err)
+	}
 	for i, m := range msgs {
 		at, ok, err := dueAt(m)
 		if err != nil {
@@ -157,7 +159,7 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 			return fmt.Errorf("forwarder: write outbox rows for topic %q: %w", topic, err)
 		}
 		for i, c := range copies {
-			if when[i] == duePast && waiting[partitionKey(c)] {
+			if when[i] == duePast && waiting[sqldb.Ident(partitionKey(c))] {
 				when[i] = dueAhead
 			}
 		}
@@ -202,15 +204,19 @@ func partitionKey(msg *message.Message) string {
 	return msg.UUID
 }
 
-// keysWaiting returns which of keys have a row in the scheduled table due
-// by now (the writer's clock, which decided what is due), as the
+// keysWaiting returns which of keys, in their stored form (sqldb.Ident),
+// have a row in the scheduled table due by now (the writer's clock, which decided what is due), as the
 // transaction sees it: rows a relay has not moved into the outbox yet,
 // which a row of the key written now into the outbox would overtake. A
 // relay moving such a row holds it until it commits, so the row is seen
 // in one table or the other, never in neither. On a schema migrated
 // before the scheduled table the error wraps [ErrNoScheduledTable].
 func (p *TxPublisher) keysWaiting(keys []string, now time.Time) (map[string]bool, error) {
-	keys = slices.Compact(slices.Sorted(slices.Values(keys)))
+	stored := make([]string, len(keys))
+	for i, k := range keys {
+		stored[i] = sqldb.Ident(k) // as InsertQuery writes it
+	}
+	keys = slices.Compact(slices.Sorted(slices.Values(stored)))
 	d := p.schema.d
 	q := d.Rebind(`SELECT DISTINCT partition_key FROM ` + p.names.Scheduled +
 		` WHERE due_at <= ` + d.FromMicros("?") + ` AND partition_key IN ` + sqldb.List(len(keys)))
@@ -325,11 +331,19 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 	)
 	b.WriteString(s.insert)
 	for i, m := range params.Msgs {
-		md, err := json.Marshal(m.Metadata)
-		if err != nil {
-			return wsql.Query{}, fmt.Errorf("encode metadata of %s: %w", m.UUID, err)
+		// The SQL layer's storable rules: the partition key (which orders
+		// and hashes the row, and is never published from the column) in
+		// its sqldb.Ident form; the metadata, and a UUID its column holds
+		// in that form, byte for byte through sqldb.EncodeMetadata, which
+		// the relay decodes. A binary Kafka key in partition_key, a NUL in
+		// a header or a UUID of any length is written, never refused by
+		// the database.
+		uuid, exactUUID := sqldb.Ident(m.UUID), ""
+		if uuid != m.UUID {
+			exactUUID = m.UUID
 		}
-		key := partitionKey(m)
+		md := []byte(sqldb.EncodeMetadata(m.Metadata, exactUUID))
+		key := sqldb.Ident(partitionKey(m))
 		if i > 0 {
 			b.WriteString(", ")
 		}
@@ -339,7 +353,7 @@ func (s outboxSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 			metadata = s.d.Text(string(md))
 		}
 		// Text: MySQL's binary columns take bytes, kept byte for byte.
-		args = append(args, s.d.Text(params.Topic), s.d.Text(m.UUID), s.d.Text(key), []byte(m.Payload), metadata)
+		args = append(args, s.d.Text(params.Topic), s.d.Text(uuid), s.d.Text(key), []byte(m.Payload), metadata)
 		if s.d.WriterHashes() {
 			args = append(args, int64(crc32.ChecksumIEEE([]byte(key))%lanes))
 		}

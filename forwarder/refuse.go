@@ -7,6 +7,7 @@ import (
 	"fmt"
 
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/sqldb"
 )
 
 // ErrRefusedRow is wrapped by the reason the relay gives for an outbox
@@ -19,8 +20,9 @@ import (
 // DLQTable) with the reason as its error, consumer "relay:" followed by
 // the outbox table (schema.table), permanent, and logs it at Error
 // ("Outbox row refused, dead-lettered"). The rows behind it in its lane
-// go on. Each refused row is one dead letter, its uuid, topic and key
-// bounded ([delivery.Bound]); a row whose uuid the table holds already is
+// go on. Each refused row is one dead letter, its uuid, topic and key in
+// their bounded form (sqldb.Ident), its error and metadata as text; a row
+// whose uuid the table holds already is
 // filed under a uuid made unique for it (see [deadLetterRow]). A row whose metadata was refused is dead-lettered with empty
 // metadata, the column's text being quoted in the error.
 var ErrRefusedRow = errors.New("forwarder: outbox row refused")
@@ -47,24 +49,30 @@ type TopicValidator interface {
 
 // checkRow decodes a row's metadata column and reports why the row cannot
 // be published, if it cannot: validate, when not nil, is the publisher's
-// TopicValidator.
-func checkRow(topic, uuid string, metadata []byte, validate func(string) error) (map[string]string, error) {
-	var md map[string]string
-	if err := json.Unmarshal(metadata, &md); err != nil {
-		return nil, fmt.Errorf("%w: metadata is not a JSON object of strings (%v): %q", ErrRefusedRow, err, clip(metadata, 500))
+// TopicValidator. It returns the metadata and the message's UUID: uuid,
+// or the whole UUID the metadata keeps when the column holds its bounded
+// form (see sqldb.EncodeMetadata, which the outbox's publishers write
+// through).
+func checkRow(topic, uuid string, metadata []byte, validate func(string) error) (map[string]string, string, error) {
+	md, exact, err := sqldb.DecodeMetadata(metadata)
+	if err != nil {
+		return nil, uuid, fmt.Errorf("%w: metadata is not a JSON object of strings (%v): %q", ErrRefusedRow, err, clip(metadata, 500))
+	}
+	if exact != "" {
+		uuid = exact
 	}
 	switch {
 	case topic == "":
-		return md, fmt.Errorf("%w: topic is empty", ErrRefusedRow)
+		return md, uuid, fmt.Errorf("%w: topic is empty", ErrRefusedRow)
 	case uuid == "":
-		return md, fmt.Errorf("%w: uuid is empty", ErrRefusedRow)
+		return md, uuid, fmt.Errorf("%w: uuid is empty", ErrRefusedRow)
 	}
 	if validate != nil {
 		if err := validate(topic); err != nil {
-			return md, fmt.Errorf("%w: the publisher refuses the topic: %w", ErrRefusedRow, err)
+			return md, uuid, fmt.Errorf("%w: the publisher refuses the topic: %w", ErrRefusedRow, err)
 		}
 	}
-	return md, nil
+	return md, uuid, nil
 }
 
 // topicValidation is pub's ValidateTopic, or nil when pub has none.
@@ -78,23 +86,23 @@ func topicValidation(pub any) func(string) error {
 // deadLetterRow writes the dead letter of the refused row x through
 // insert, which inserts one with the given uuid column and metadata and
 // reports whether it did: false when the table holds an entry already
-// for the same consumer, topic and uuid. The uuid column holds x's uuid,
-// bounded ([delivery.Bound]) so that an oversize one fits the table's
-// index. Each refused row is one dead letter: a row whose uuid is taken
-// (two rows of one uuid refused, or a uuid that was dead-lettered before)
-// is written under a uuid made unique for the row ("<uuid>#outbox-row-
-// <id>-<random>"), the row's own uuid kept in delivery.DeadUUID, which a
-// replay publishes with, rather than merged into the other entry and lost
-// with the outbox row's delete.
+// for the same consumer, topic, uuid and key. The uuid column holds x's
+// uuid in its sqldb.Ident form, so that an oversize one, or one that is
+// not text, fits the table's index. Each refused row is one dead letter:
+// a row whose uuid is taken (two rows of one uuid and key refused, or a
+// uuid that was dead-lettered before) is written under a uuid made
+// unique for the row ("<uuid>#outbox-row-<id>-<random>"), the row's own
+// uuid kept in delivery.DeadUUID, which a replay publishes with, rather
+// than merged into the other entry and lost with the outbox row's delete.
 func deadLetterRow(x row, insert func(uuid, metadata string) (bool, error)) error {
-	uuid := delivery.Bound(x.uuid)
+	uuid := sqldb.Ident(x.uuid)
 	done, err := insert(uuid, x.deadMetadata(uuid))
 	if err != nil || done {
 		return err
 	}
 	var salt [4]byte
 	_, _ = rand.Read(salt[:])
-	uuid = delivery.Bound(fmt.Sprintf("%s#outbox-row-%d-%x", x.uuid, x.id, salt))
+	uuid = sqldb.Ident(fmt.Sprintf("%s#outbox-row-%d-%x", x.uuid, x.id, salt))
 	if done, err = insert(uuid, x.deadMetadata(uuid)); err == nil && !done {
 		err = fmt.Errorf("the dead-letter table holds an entry of uuid %q already", uuid)
 	}
@@ -103,7 +111,8 @@ func deadLetterRow(x row, insert func(uuid, metadata string) (bool, error)) erro
 
 // deadMetadata is the metadata of a refused row's dead letter, filed
 // under uuid: the row's, if it could be read, else none; with
-// delivery.DeadUUID holding the row's uuid when uuid is another.
+// delivery.DeadUUID holding the row's uuid when uuid is another; as the
+// dead-letter table keeps metadata, text (sqldb.CleanMetadata).
 func (x row) deadMetadata(uuid string) string {
 	md := make(map[string]string, len(x.metadata)+1)
 	for k, v := range x.metadata {
@@ -112,7 +121,7 @@ func (x row) deadMetadata(uuid string) string {
 	if uuid != x.uuid {
 		md[delivery.DeadUUID] = x.uuid
 	}
-	b, err := json.Marshal(md)
+	b, err := json.Marshal(sqldb.CleanMetadata(md))
 	if err != nil {
 		return "{}"
 	}

@@ -121,7 +121,8 @@ type RelayConfig struct {
 	// the bound a database that stops answering fails the batch (its
 	// rows stay and go out again, which the consumers' inboxes absorb)
 	// instead of holding Run and Close forever. The publish itself is not
-	// bounded by it (see DrainTimeout). Defaults to 10s.
+	// bounded by it (see DrainTimeout). At least 100ms
+	// ([MinDatabaseTimeout]). Defaults to 10s.
 	DatabaseTimeout time.Duration
 	// StallWarning is how long the transaction that outbox rows wait on
 	// (see [Lag.HeldBy]) must have been open before the relay logs it as a
@@ -169,6 +170,11 @@ type RelayConfig struct {
 	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
+
+// MinDatabaseTimeout is the shortest RelayConfig.DatabaseTimeout: the
+// relay's statements take a few milliseconds on a server that answers,
+// and a bound below that fails every batch with nothing published.
+const MinDatabaseTimeout = 100 * time.Millisecond
 
 func (c *RelayConfig) setDefaults() {
 	if c.BatchSize == 0 {
@@ -236,8 +242,9 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("forwarder: RelayConfig.MinBackoff (%s) must be positive and at most MaxBackoff (%s)", c.MinBackoff, c.MaxBackoff)
 	case c.DrainTimeout < 0:
 		return fmt.Errorf("forwarder: RelayConfig.DrainTimeout must not be negative, got %s", c.DrainTimeout)
-	case c.DatabaseTimeout < 0:
-		return fmt.Errorf("forwarder: RelayConfig.DatabaseTimeout must not be negative, got %s", c.DatabaseTimeout)
+	case c.DatabaseTimeout < MinDatabaseTimeout:
+		return fmt.Errorf("forwarder: RelayConfig.DatabaseTimeout must be at least %s (it bounds each of the relay's statements, and a shorter bound fails them on a server that answers), got %s",
+			MinDatabaseTimeout, c.DatabaseTimeout)
 	case c.StallWarning < 0:
 		return fmt.Errorf("forwarder: RelayConfig.StallWarning must not be negative, got %s", c.StallWarning)
 	case c.LagInterval < 0:
@@ -384,7 +391,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		names:   names,
 		outbox:  cfg.Schema.Schema + "." + cfg.Schema.OutboxTable,
 		db:      o,
-		sched:   newScheduled(cfg, db, names, o.probe),
+		sched:   newScheduled(cfg, db, names, o.probe, o.deadLetterRows),
 		recheck: scheduledRecheck,
 	}, nil
 }
@@ -404,6 +411,9 @@ type row struct {
 	refused error
 	// recorded: the take recorded the row in the ledger.
 	recorded bool
+	// exact: the metadata column keeps bytes under sqldb.ExactKey, which
+	// a reader of its JSON does not see.
+	exact bool
 }
 
 // RelayBatch publishes one batch and deletes its rows, in one transaction:
@@ -577,7 +587,7 @@ func (r *Relay) poll(ctx context.Context, probe bool, dues *dueWatch) (int, erro
 		due, err := r.db.probeRows(pctx)
 		cancel()
 		if err != nil {
-			return 0, fmt.Errorf("forwarder: look for rows: %w", err)
+			return 0, r.db.named("look for rows", err)
 		}
 		if !due {
 			return 0, nil

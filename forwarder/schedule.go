@@ -83,10 +83,42 @@ func dueAt(msg *message.Message) (time.Time, bool, error) {
 		return time.Time{}, false, nil
 	}
 	at, err := time.Parse(time.RFC3339Nano, v)
+	if err != nil && yearPast9999(v) {
+		return time.Time{}, false, fmt.Errorf("forwarder: message %s: %w: metadata %s %q", msg.UUID, ErrDueTooLate, DueAtKey, v)
+	}
 	if err != nil {
 		return time.Time{}, false, fmt.Errorf("forwarder: message %s: metadata %s %q is not an RFC 3339 time: set it with forwarder.PublishAt or forwarder.Delay", msg.UUID, DueAtKey, v)
 	}
+	if at.After(MaxDueAt) {
+		return time.Time{}, false, fmt.Errorf("forwarder: message %s: %w: metadata %s %q", msg.UUID, ErrDueTooLate, DueAtKey, v)
+	}
 	return at, true, nil
+}
+
+// maxDueMicros is [MaxDueAt] in microseconds since the epoch, as SQL
+// reads it (a multiple of 32, which PostgreSQL's interval arithmetic in
+// double precision holds exactly).
+const maxDueMicros = "253402300799000000"
+
+// MaxDueAt is the latest due time a message may have ([PublishAt]): the
+// last second of year 9999, the end of MySQL's DATETIME and of RFC 3339.
+var MaxDueAt = time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC)
+
+// ErrDueTooLate is wrapped by the error of a write of a message whose
+// due time ([PublishAt], [DueAtKey]) is after [MaxDueAt]: no database
+// holds it, and no relay would reach it. The write fails before anything
+// is written; give a due time before year 10000.
+var ErrDueTooLate = errors.New("forwarder: the due time is after 9999-12-31T23:59:59Z, the latest a scheduled message may have: give an earlier one (forwarder.PublishAt)")
+
+// yearPast9999 reports whether v starts as an RFC 3339 time of a year of
+// five digits or more, which PublishAt writes for a time past year 9999
+// and time.Parse refuses.
+func yearPast9999(v string) bool {
+	digits := 0
+	for digits < len(v) && v[digits] >= '0' && v[digits] <= '9' {
+		digits++
+	}
+	return digits > 4 && digits < len(v) && v[digits] == '-'
 }
 
 // scheduledRecheck is how long a relay that found no scheduled table
@@ -115,19 +147,26 @@ type scheduled struct {
 	look, lookProbe string
 	// due locks the first due rows' ids (argument: limit); move copies
 	// the rows of a JSON array of ids into the outbox in (due_at, id)
-	// order; remove deletes them.
-	due, move, remove string
+	// order; remove deletes them. beyond locks the rows due after
+	// MaxDueAt (argument: limit), which refuse dead-letters.
+	due, move, remove, beyond string
+	refuse                    func(ctx context.Context, tx sqldb.Tx, rows []row) error
 	// count is the rows and the earliest due time, for Lag.
 	count string
 }
 
 // newScheduled returns the scheduled table of names on db; probe is the
 // relay's probe, a SELECT of one column, which lookProbe extends.
-func newScheduled(cfg RelayConfig, db sqldb.DB, names sqlschema.Names, probe string) *scheduled {
+func newScheduled(cfg RelayConfig, db sqldb.DB, names sqlschema.Names, probe string, refuse func(context.Context, sqldb.Tx, []row) error) *scheduled {
 	d := db.Dialect()
 	t := names.Scheduled
 	now := d.Micros(d.Now())
-	minDue := `(SELECT ` + d.Micros("MIN(due_at)") + ` FROM ` + t + `)`
+	// The earliest due time, and whether a row is due after MaxDueAt
+	// (PostgreSQL's 'infinity', written by plain SQL, or a year past
+	// 9999): such a row is never due, and read as microseconds it would
+	// fail the whole statement ("cannot convert infinity to bigint").
+	minDue := `(SELECT ` + nextDue(d) + ` FROM ` + t + `), ` + now +
+		`, EXISTS (SELECT 1 FROM ` + t + ` WHERE due_at > ` + d.FromMicros(maxDueMicros) + `)`
 	// The outbox's columns a writer fills, as the publisher fills them
 	// (see outboxSchema.on): the message's, the lane where the writer
 	// hashes it, and the writing session where the outbox records it,
@@ -145,14 +184,26 @@ func newScheduled(cfg RelayConfig, db sqldb.DB, names sqlschema.Names, probe str
 		table:     t,
 		limit:     cfg.BatchSize,
 		timeout:   cfg.DatabaseTimeout,
-		look:      `SELECT ` + minDue + `, ` + now,
-		lookProbe: probe + `, ` + minDue + `, ` + now,
+		look:      `SELECT ` + minDue,
+		lookProbe: probe + `, ` + minDue,
 		due:       d.Rebind(`SELECT id FROM ` + t + ` WHERE due_at <= ` + d.Now() + ` ORDER BY due_at, id LIMIT ?` + d.LockRow(false)),
 		move: d.Rebind(`INSERT INTO ` + names.Outbox + ` (` + cols + `) SELECT ` + vals + d.FromIDs(t) +
 			` ORDER BY t.due_at, t.id`),
 		remove: d.Rebind(d.ByIDs(t, "", "")),
-		count:  `SELECT COUNT(*), ` + d.Micros("MIN(due_at)") + ` FROM ` + t,
+		beyond: d.Rebind(`SELECT ` + rowColumns + ` FROM ` + t + ` WHERE due_at > ` + d.FromMicros(maxDueMicros) +
+			` ORDER BY id LIMIT ?` + d.LockRow(false)),
+		refuse: refuse,
+		count:  `SELECT COUNT(*), ` + nextDue(d) + ` FROM ` + t,
 	}
+}
+
+// nextDue is the earliest due time of the scheduled table's rows, in
+// microseconds, each due time read within [epoch, MaxDueAt]: a row due
+// before 1970 (PostgreSQL's '-infinity') is due, and one past MaxDueAt
+// ('infinity') reads as MaxDueAt instead of failing the statement.
+func nextDue(d *sqldb.Dialect) string {
+	lo, hi := d.FromMicros("0"), d.FromMicros(maxDueMicros)
+	return d.Micros("MIN(CASE WHEN due_at < " + lo + " THEN " + lo + " WHEN due_at > " + hi + " THEN " + hi + " ELSE due_at END)")
 }
 
 // dueLook is what a look at the scheduled table found.
@@ -164,6 +215,8 @@ type dueLook struct {
 	// due, by the database's clock, zero or less when it is.
 	any  bool
 	wait time.Duration
+	// beyond: a row is due after MaxDueAt, which the move refuses.
+	beyond bool
 }
 
 // lookDue reads the earliest due time, and with probe whether the outbox
@@ -177,9 +230,9 @@ func (s *scheduled) lookDue(ctx context.Context, probe bool) (dueLook, error) {
 	)
 	if probe {
 		l.probed = true
-		err = s.db.QueryRow(ctx, s.lookProbe).Scan(&l.rows, sqldb.TimeOrNil(&due), sqldb.Time(&now))
+		err = s.db.QueryRow(ctx, s.lookProbe).Scan(&l.rows, sqldb.TimeOrNil(&due), sqldb.Time(&now), &l.beyond)
 	} else {
-		err = s.db.QueryRow(ctx, s.look).Scan(sqldb.TimeOrNil(&due), sqldb.Time(&now))
+		err = s.db.QueryRow(ctx, s.look).Scan(sqldb.TimeOrNil(&due), sqldb.Time(&now), &l.beyond)
 	}
 	if err != nil {
 		return dueLook{}, err
@@ -194,13 +247,25 @@ func (s *scheduled) lookDue(ctx context.Context, probe bool) (dueLook, error) {
 // (due_at, id) order, in one short transaction, and returns how many. It
 // locks them first (FOR UPDATE, where the database has row locks), so
 // that two relays moving rows at once take turns: a row is moved once,
-// and the second relay's rows, due later, get the higher ids. ctx bounds
-// the transaction; on any failure it rolls back and the rows stay.
-func (s *scheduled) promote(ctx context.Context) (int, error) {
+// and the second relay's rows, due later, get the higher ids. With
+// beyond, it first dead-letters the rows due after MaxDueAt (at most
+// limit), which no relay would ever move: each alone, refused with the
+// reason, as the relay refuses an outbox row. ctx bounds the transaction;
+// on any failure it rolls back and the rows stay.
+func (s *scheduled) promote(ctx context.Context, beyond bool) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	var n int
-	err := sqldb.InTx(ctx, s.db, sqldb.TxOptions{Isolation: sqldb.ReadCommitted}, func(tx sqldb.Tx) error {
+	tx, err := s.db.Begin(ctx, sqldb.TxOptions{Isolation: sqldb.ReadCommitted})
+	if err != nil {
+		return 0, fmt.Errorf("forwarder: promote due rows of %s: %w", s.table, beginFailed(s.d, s.timeout, err))
+	}
+	err = inTx(ctx, tx, func(tx sqldb.Tx) error {
+		if beyond {
+			if err := s.refuseBeyond(ctx, tx); err != nil {
+				return err
+			}
+		}
 		rs, err := tx.Query(ctx, s.due, s.limit)
 		ids, err := sqldb.Collect(rs, err, sqldb.Value[int64])
 		if err != nil || len(ids) == 0 {
@@ -233,15 +298,65 @@ func (s *scheduled) promote(ctx context.Context) (int, error) {
 	return n, nil
 }
 
+// inTx runs f in tx, which it commits when f returns nil and else rolls
+// back: sqldb.InTx for a transaction begun apart.
+func inTx(ctx context.Context, tx sqldb.Tx, f func(sqldb.Tx) error) error {
+	if err := f(tx); err != nil {
+		if rbErr := tx.Rollback(context.WithoutCancel(ctx)); rbErr != nil {
+			err = errors.Join(err, rbErr)
+		}
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// refuseBeyond dead-letters, in tx, the rows due after MaxDueAt, and
+// deletes them.
+func (s *scheduled) refuseBeyond(ctx context.Context, tx sqldb.Tx) error {
+	rs, err := tx.Query(ctx, s.beyond, s.limit)
+	rows, err := sqldb.Collect(rs, err, func(r sqldb.Rows) (row, error) {
+		var (
+			x  row
+			md []byte
+		)
+		if err := r.Scan(&x.id, &x.topic, &x.uuid, &x.key, &x.payload, &md); err != nil {
+			return row{}, err
+		}
+		x.metadata, x.uuid, _ = checkRow(x.topic, x.uuid, md, nil)
+		x.refused = fmt.Errorf("%w: scheduled row %d of %s: its due time is after %s (PostgreSQL's 'infinity'?): "+
+			"no relay would ever publish it; write a due time up to %s, or -infinity to publish it at once",
+			ErrRefusedRow, x.id, s.table, MaxDueAt.Format(time.RFC3339), MaxDueAt.Format(time.RFC3339))
+		return x, nil
+	})
+	if err != nil || len(rows) == 0 {
+		return wrap("take the rows due after "+MaxDueAt.Format(time.RFC3339), err)
+	}
+	if err := s.refuse(ctx, tx, rows); err != nil {
+		return err
+	}
+	ids := make([]int64, len(rows))
+	for i, x := range rows {
+		ids[i] = x.id
+	}
+	list, _ := json.Marshal(ids) // integers always encode
+	if _, err := tx.Exec(ctx, s.remove, string(list)); err != nil {
+		return fmt.Errorf("delete %d refused scheduled rows: %w", len(rows), err)
+	}
+	return nil
+}
+
 // PromoteDue moves the scheduled rows that are due (see [PublishAt]) into
 // the outbox, at most RelayConfig.BatchSize of them, in (due time, write)
-// order, in one short transaction, and returns how many it moved; the
+// order, in one short transaction, and returns how many it moved; a row
+// due after [MaxDueAt] (PostgreSQL's 'infinity', written by plain SQL) is
+// dead-lettered in the same transaction, alone, refused with
+// [ErrRefusedRow] (a row due at '-infinity' is due, and moved); the
 // next batches publish them. [Relay.Run] does it before its batches as
 // rows come due; call it only when driving the relay with
 // [Relay.RelayBatch] yourself. On a schema without the scheduled table
 // its error wraps [ErrNoScheduledTable].
 func (r *Relay) PromoteDue(ctx context.Context) (int, error) {
-	return r.sched.promote(ctx)
+	return r.sched.promote(ctx, true)
 }
 
 // dueWatch is Run's pacing of its looks at the scheduled table: a look
@@ -251,7 +366,8 @@ func (r *Relay) PromoteDue(ctx context.Context) (int, error) {
 type dueWatch struct {
 	// next is when to look again.
 	next time.Time
-	// missing: the last look found no table, and said so in the log.
+	// missing: the last look found no table, or one the relay may not
+	// use, and said so in the log.
 	missing bool
 }
 
@@ -260,11 +376,22 @@ func (w *dueWatch) sleep(d time.Duration) time.Duration {
 	return max(0, min(d, time.Until(w.next)))
 }
 
+// unusable reports whether err says that the scheduled table is missing,
+// or that the relay's role may not use it: the outbox is relayed all the
+// same.
+func (s *scheduled) unusable(err error) bool {
+	return s.d.UndefinedTable(err) || s.d.AccessDenied(err)
+}
+
 // promoteDue, when w says it is time, looks at the scheduled table (with
 // probe, in the same statement as the probe for due outbox rows) and
 // moves the due rows into the outbox. It reports whether the probe was
 // answered (probed) and by what (rows: the outbox has rows to take,
 // which moved rows count as), so that the caller need not probe again.
+// A scheduled table that is missing, or that the relay's role may not
+// read or move rows from (a least-privilege role granted the outbox
+// only), keeps nothing from the outbox: it is said once in the log and
+// looked at again every scheduledRecheck.
 func (r *Relay) promoteDue(ctx context.Context, w *dueWatch, probe bool) (probed, rows bool, err error) {
 	now := time.Now()
 	if now.Before(w.next) {
@@ -274,27 +401,24 @@ func (r *Relay) promoteDue(ctx context.Context, w *dueWatch, probe bool) (probed
 	look, err := r.sched.lookDue(lctx, probe && !w.missing)
 	cancel()
 	switch {
-	case r.sched.d.UndefinedTable(err) && probe && !w.missing:
+	case r.sched.unusable(err) && probe && !w.missing:
 		// The outbox or the scheduled table: the probe alone tells.
 		pctx, cancel := boundDB(ctx, r.cfg.DatabaseTimeout)
-		rows, err := r.db.probeRows(pctx)
+		rows, perr := r.db.probeRows(pctx)
 		cancel()
-		if err != nil {
-			return false, false, fmt.Errorf("forwarder: look for rows: %w", err)
+		if perr != nil {
+			return false, false, r.db.named("look for rows", perr)
 		}
-		r.scheduledMissing(w, now)
+		r.scheduledUnusable(w, now, err)
 		return true, rows, nil
-	case r.sched.d.UndefinedTable(err):
-		r.scheduledMissing(w, now)
+	case r.sched.unusable(err):
+		r.scheduledUnusable(w, now, err)
 		return false, false, nil
 	case err != nil:
-		return false, false, fmt.Errorf("forwarder: look for due scheduled rows: %w", err)
+		return false, false, r.db.named("look for due scheduled rows", err)
 	}
-	if w.missing {
-		w.missing = false
-		r.cfg.Logger.Info("Outbox scheduled table found: moving due rows to the outbox", watermill.LogFields{"outbox": r.outbox, "table": r.names.Scheduled})
-	}
-	if !look.any || look.wait > 0 {
+	if !look.beyond && (!look.any || look.wait > 0) {
+		r.scheduledUsable(w)
 		wait := r.cfg.PollInterval
 		if look.any {
 			wait = min(wait, look.wait)
@@ -302,23 +426,45 @@ func (r *Relay) promoteDue(ctx context.Context, w *dueWatch, probe bool) (probed
 		w.next = now.Add(wait)
 		return look.probed, look.rows, nil
 	}
-	n, err := r.sched.promote(ctx)
+	n, err := r.sched.promote(ctx, look.beyond)
+	if r.sched.d.AccessDenied(err) {
+		r.scheduledUnusable(w, now, err)
+		return look.probed, look.rows, nil
+	}
 	if err != nil {
 		return false, false, err
 	}
+	r.scheduledUsable(w)
 	// Look again at once: more may be due, and the next due time is
 	// unknown.
 	w.next = now
 	return look.probed, look.rows || n > 0, nil
 }
 
-// scheduledMissing notes that the scheduled table is missing, logs it
-// once, and puts the next look scheduledRecheck away.
-func (r *Relay) scheduledMissing(w *dueWatch, now time.Time) {
+// scheduledUnusable notes that the scheduled table is missing, or not the
+// relay's to use (err says which), logs it once, and puts the next look
+// scheduledRecheck away.
+func (r *Relay) scheduledUnusable(w *dueWatch, now time.Time, err error) {
 	if !w.missing {
-		r.cfg.Logger.Info("Outbox scheduled table missing: messages written with a due time cannot be written nor moved; the outbox is relayed as before; migrate the schema to add the table",
-			watermill.LogFields{"outbox": r.outbox, "table": r.names.Scheduled, "look_again_in": r.recheck.String()})
+		fields := watermill.LogFields{"outbox": r.outbox, "table": r.names.Scheduled, "look_again_in": r.recheck.String()}
+		if r.sched.d.AccessDenied(err) {
+			fields["error"] = err.Error()
+			r.cfg.Logger.Info("Outbox scheduled table not usable by the relay's role: messages written with a due time wait there; the outbox is relayed as before; "+
+				"grant the relay SELECT and DELETE on the scheduled table and INSERT on the outbox", fields)
+		} else {
+			r.cfg.Logger.Info("Outbox scheduled table missing: messages written with a due time cannot be written nor moved; the outbox is relayed as before; migrate the schema to add the table",
+				fields)
+		}
 	}
 	w.missing = true
 	w.next = now.Add(r.recheck)
+}
+
+// scheduledUsable notes that the scheduled table answered, and says so
+// once after it did not.
+func (r *Relay) scheduledUsable(w *dueWatch) {
+	if w.missing {
+		w.missing = false
+		r.cfg.Logger.Info("Outbox scheduled table found: moving due rows to the outbox", watermill.LogFields{"outbox": r.outbox, "table": r.names.Scheduled})
+	}
 }

@@ -54,8 +54,9 @@ due AS (
 // takeDue ends the snapshot take, whose CTEs end with "due", the ids of
 // the rows to publish: it deletes them and returns them. With the ledger,
 // the same statement records them in the ledger table (but for a row
-// whose key is longer than delivery.MaxBoundBytes, which the batch
-// records bounded, see [ledgerKey]), so that the record is in the batch's
+// whose key is longer than delivery.MaxBoundBytes, or whose metadata
+// keeps bytes under sqldb.ExactKey, which the batch records, see
+// [ledgerKey] and [recordedByTake]), so that the record is in the batch's
 // transaction (it commits with the delete, after the publish, or rolls
 // back with it) and costs no round trip of its own.
 func takeDue(d *sqldb.Dialect, names sqlschema.Names, ledger bool) string {
@@ -73,9 +74,17 @@ taken AS (
 recorded AS (
 	INSERT INTO ` + names.Ledger + ` (uuid, topic, partition_key, idempotency_key)
 	SELECT uuid, topic, partition_key, k FROM (
-		SELECT uuid, topic, partition_key, COALESCE(metadata->>'` + delivery.IdempotencyKey + `', uuid) AS k FROM taken) t
-	WHERE octet_length(k) <= ` + strconv.Itoa(delivery.MaxBoundBytes) + `)
+		SELECT uuid, topic, partition_key, metadata, COALESCE(metadata->>'` + delivery.IdempotencyKey + `', uuid) AS k FROM taken) t
+	WHERE octet_length(k) <= ` + strconv.Itoa(delivery.MaxBoundBytes) + ` AND metadata->>'` + sqldb.ExactKey + `' IS NULL)
 SELECT ` + rowColumns + at + ` FROM taken`
+}
+
+// recordedByTake reports whether the snapshot take's statement recorded
+// x in the ledger: its key is at most delivery.MaxBoundBytes, and its
+// metadata keeps nothing byte for byte under sqldb.ExactKey (its key or
+// UUID may be there, which only the batch reads: it records such a row).
+func recordedByTake(x row) bool {
+	return len(ledgerKey(x)) <= delivery.MaxBoundBytes && !x.exact
 }
 
 // asyncCommit: the batch's commit need not wait for its WAL to reach
@@ -96,7 +105,7 @@ func (s *snapshotTake) take(ctx context.Context, begin func(sqldb.TxOptions) (sq
 	// RETURNING gives no order.
 	sort.Slice(batch, func(i, j int) bool { return batch[i].id < batch[j].id })
 	for i, x := range batch {
-		batch[i].recorded = s.o.ledger && len(ledgerKey(x)) <= delivery.MaxBoundBytes
+		batch[i].recorded = s.o.ledger && recordedByTake(x)
 	}
 	return batch, nil
 }

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/dedup"
@@ -250,9 +251,29 @@ func (b *batcher) lead(self *queued) {
 			time.Sleep(time.Millisecond)
 			continue
 		}
-		b.in.runBatch(b.store, batch, false)
+		b.runSafely(batch)
 		b.finish(batch)
 	}
+}
+
+// runSafely runs batch and, should anything in it panic (a store's call
+// on a transaction that a handler ended, say), gives every delivery of
+// the batch the panic as its error: each is nacked and comes back, where
+// a key that did commit is found done, instead of waiting for ever for
+// an outcome that its leader, gone with the panic, would not give.
+func (b *batcher) runSafely(batch []*queued) {
+	defer func() {
+		r := recover()
+		if r == nil {
+			return
+		}
+		err := fmt.Errorf("a batch of %d messages ended in a panic: %w", len(batch), panicError(r))
+		b.in.cfg.Logger.Error("Batch panicked, its deliveries are nacked", err, watermill.LogFields{"messages": len(batch)})
+		for _, q := range batch {
+			q.produced, q.single, q.err = nil, false, err
+		}
+	}()
+	b.in.runBatch(b.store, batch, false)
 }
 
 // passSlot frees the slot of a leader of consumer and hands it to the
@@ -575,8 +596,15 @@ func (in *Inbox) runInBatch(tx dedup.InboxTx, q *queued, c *batchCollect) error 
 		defer cancel()
 	}
 	produced, err := in.runOn(tx, drain, q.msg, q.key, q.h, q.o)
-	if err == nil && aborted(tx) {
-		produced, err = nil, fmt.Errorf("%w (message %s)", ErrTxAborted, q.msg.UUID)
+	if err == nil {
+		switch isAborted, ended := txState(tx); {
+		case ended != nil:
+			produced, err = nil, fmt.Errorf("%w: the handler committed or rolled back the batch's transaction (message %s; the store could not look at it: %v); "+
+				"the inbox commits it, with the message's done mark, when the handler returns: write through it and return nil, or return an error to roll it back",
+				ErrTxEnded, q.msg.UUID, ended)
+		case isAborted:
+			produced, err = nil, fmt.Errorf("%w (message %s)", ErrTxAborted, q.msg.UUID)
+		}
 	}
 	q.produced = produced
 	return err
@@ -587,6 +615,36 @@ func (in *Inbox) runInBatch(tx dedup.InboxTx, q *queued, c *batchCollect) error 
 func aborted(tx dedup.InboxTx) bool {
 	a, ok := tx.(dedupdriver.AbortReporter)
 	return ok && a.InboxAborted()
+}
+
+// ErrTxEnded is wrapped by the error of a batch whose handler or
+// [BatchFunc] committed or rolled back the transaction it was handed,
+// logged at Error and returned for a message that runs alone; and,
+// permanent, by the error of a handler that returns dedup.ErrTxOwned
+// (the pgx store refuses the call). The
+// transaction is the inbox's: it commits the effects with the messages'
+// done marks, or rolls both back. A function that ends it itself fails
+// its batch, which is run again as any failed batch is: its deliveries
+// are run again or nacked, none waits. Rolled back, nothing of the batch
+// stays; committed, the done marks of every message the batch claimed
+// went with it, also of those whose handler had not run yet, so that
+// their redeliveries find them done: do not end it.
+var ErrTxEnded = errors.New("middleware: the inbox's transaction was ended by the code it was handed to")
+
+// txState looks at the batch's transaction after a handler or BatchFunc
+// wrote through it: whether a statement of it failed, and, when ended is
+// not nil, that it cannot be looked at any more because that code ended
+// it: the PostgreSQL store gives a transaction's connection back to the
+// pool when it is committed or rolled back, and its look at a connection
+// given back panics. Nothing of such a transaction may be asked of the
+// store again but its rollback, which ends nothing twice.
+func txState(tx dedup.InboxTx) (isAborted bool, ended error) {
+	defer func() {
+		if r := recover(); r != nil {
+			isAborted, ended = false, fmt.Errorf("%v", r)
+		}
+	}()
+	return aborted(tx), nil
 }
 
 // endFailed ends the attempt of q, whose transaction failed with err and

@@ -9,10 +9,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/dedupdriver"
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/observe"
 )
 
@@ -31,13 +33,88 @@ import (
 // the batch holds more than one message: the batch is split in halves,
 // each run again in a transaction of its own, until the failure is met
 // by a message that runs alone, and only that message is counted.
+//
+// The transaction is the inbox's: it commits it, with the messages' done
+// marks, when fn returns nil, and rolls it back otherwise. fn must not
+// commit or roll it back itself: on PostgreSQL (pgx) those calls are
+// refused with dedup.ErrTxOwned, which, returned, dead-letters the
+// messages with [ErrTxEnded]; a store whose transaction cannot refuse
+// them fails the batch with [ErrTxEnded].
 type BatchFunc func(ctx context.Context, msgs []*message.Message) error
 
 // BatchErrors is what a [BatchFunc] returns to fail some messages of its
-// batch and not others: their errors, by message UUID. A nil error, or a
-// UUID not in the batch, fails no message; a BatchErrors that fails none
-// is taken as an error of the whole batch.
+// batch and not others: their errors, by message UUID (msg.UUID, not the
+// idempotency key). A nil error, or a UUID not in the call, fails no
+// message. A BatchErrors that fails none of the call's messages (empty,
+// keyed by something else than their UUIDs, or naming them with nil
+// errors only) accounts for none of them: it is an error of the whole
+// call, [ErrBatchErrorsFailNone], which says why, on a batch and on a
+// message that runs alone alike. Return nil when every effect is
+// written.
 type BatchErrors map[string]error
+
+// ErrBatchErrorsFailNone is wrapped by the error of a [BatchFunc] call
+// whose [BatchErrors] fails none of the call's messages: a failure of
+// each message of the call, counted, retried and in the end
+// dead-lettered as a handler's error is. What the BatchFunc returned is
+// in its text only: the errors of a BatchErrors that names none of the
+// call's messages belong to no message, so their class ([Permanent],
+// [Unavailable]) is not taken for the call's.
+var ErrBatchErrorsFailNone = errors.New("middleware: the BatchFunc returned a BatchErrors that fails none of its messages")
+
+// maxNamed is how many of a BatchErrors' unknown UUIDs an error quotes.
+const maxNamed = 3
+
+// failsNone returns nil when be, which err wraps, fails one of msgs;
+// otherwise the error of the whole call, wrapping
+// [ErrBatchErrorsFailNone], that says why be accounts for none, with
+// err's text.
+func failsNone(err error, be BatchErrors, msgs []*message.Message) error {
+	in := make(map[string]bool, len(msgs))
+	for _, msg := range msgs {
+		if be[msg.UUID] != nil {
+			return nil
+		}
+		in[msg.UUID] = true
+	}
+	var why []string
+	if len(be) == 0 {
+		why = append(why, "it is empty")
+	}
+	var unknown []string
+	named := 0
+	for _, id := range slices.Sorted(maps.Keys(be)) {
+		if in[id] {
+			named++
+			continue
+		}
+		unknown = append(unknown, id)
+	}
+	if len(unknown) > 0 {
+		quoted := make([]string, 0, maxNamed)
+		for _, id := range unknown[:min(len(unknown), maxNamed)] {
+			quoted = append(quoted, fmt.Sprintf("%q", delivery.Bound(id)))
+		}
+		if len(unknown) > maxNamed {
+			quoted = append(quoted, fmt.Sprintf("and %d more", len(unknown)-maxNamed))
+		}
+		why = append(why, fmt.Sprintf("it names %s, none of them the UUID of a message of the call: key it by msg.UUID, not by the idempotency key or another field",
+			strings.Join(quoted, ", ")))
+	}
+	if named > 0 {
+		why = append(why, fmt.Sprintf("it names %d of the call's messages with a nil error only: it lists the failed messages, a nil error fails none", named))
+	}
+	return fmt.Errorf("%w (%s): %s; return nil when every effect is written, a BatchErrors naming the failed messages by msg.UUID, or another error to fail the call as a whole (it returned %q)",
+		ErrBatchErrorsFailNone, callOf(len(msgs)), strings.Join(why, "; "), err.Error())
+}
+
+// callOf names a BatchFunc call of n messages in an error.
+func callOf(n int) string {
+	if n == 1 {
+		return "a call of 1 message"
+	}
+	return fmt.Sprintf("a call of %d messages", n)
+}
 
 func (e BatchErrors) Error() string {
 	var b strings.Builder
@@ -74,8 +151,12 @@ func (e BatchErrors) Unwrap() []error {
 // that overruns its deadline alone is counted.
 //
 // It needs no inbox to be made: the inbox that runs it tells it, through
-// the message's context, that it runs in a batch.
+// the message's context, that it runs in a batch. A nil fn panics here,
+// where it is written, rather than fail every message at run time.
 func BatchHandler(fn BatchFunc) message.NoPublishHandlerFunc {
+	if fn == nil {
+		panic(errors.New("middleware: BatchHandler needs a BatchFunc, got nil"))
+	}
 	bh := &batchHandler{fn: fn}
 	return func(msg *message.Message) error {
 		if c, ok := msg.Context().Value(collectCtxKey{}).(*batchCollect); ok {
@@ -84,12 +165,16 @@ func BatchHandler(fn BatchFunc) message.NoPublishHandlerFunc {
 			c.add(bh, msg)
 			return nil
 		}
-		err := fn(msg.Context(), []*message.Message{msg})
+		msgs := []*message.Message{msg}
+		err := fn(msg.Context(), msgs)
 		var be BatchErrors
-		if errors.As(err, &be) {
-			return be[msg.UUID]
+		if !errors.As(err, &be) {
+			return err
 		}
-		return err
+		if e := be[msg.UUID]; e != nil {
+			return e
+		}
+		return failsNone(err, be, msgs)
 	}
 }
 
@@ -177,7 +262,7 @@ func (in *Inbox) callBatch(tx dedup.InboxTx, fn BatchFunc, qs []*queued) (err er
 				err, panicked = panicError(r), true
 			}
 		}()
-		err = fn(ctx, msgs)
+		err = txOwned(fn(ctx, msgs))
 	}()
 	if qs[0].o.hooks != nil {
 		for _, q := range qs {
@@ -185,8 +270,29 @@ func (in *Inbox) callBatch(tx dedup.InboxTx, fn BatchFunc, qs []*queued) (err er
 		}
 	}
 	cut := ctx.Err() != nil
-	if err == nil && aborted(tx) {
+	if isAborted, ended := txState(tx); ended != nil {
+		fnErr := err
+		// Not the inbox's to commit or roll back any more: nothing of it
+		// can be looked at, and the store must not be asked to classify
+		// the error through it.
+		err = fmt.Errorf("%w: the BatchFunc committed or rolled back the batch's transaction (%s; the store could not look at it: %v); "+
+			"the inbox commits it, with the messages' done marks, when the function returns: write through it and return nil, or return an error to roll it back",
+			ErrTxEnded, callOf(len(qs)), ended)
+		if fnErr != nil {
+			// Its text only: whatever it says, the batch failed for
+			// the function's mistake, not for an outage.
+			err = fmt.Errorf("%w (it returned %q)", err, fnErr.Error())
+		}
+		in.cfg.Logger.Error("BatchFunc ended the batch's transaction", err, watermill.LogFields{"messages": len(qs)})
+		return err, panicked
+	} else if err == nil && isAborted {
 		err = fmt.Errorf("%w (a batch of %d messages)", ErrTxAborted, len(qs))
+	}
+	var be BatchErrors
+	if !panicked && errors.As(err, &be) {
+		if e := failsNone(err, be, msgs); e != nil {
+			err = e
+		}
 	}
 	if err != nil && !cut && !panicked {
 		err = classifyTx(tx, err)

@@ -50,10 +50,9 @@ func (r rows) inbox(key, status string, doneAgo time.Duration) {
 	if status == "done" {
 		done = time.Now().Add(-doneAgo).UnixMicro()
 	}
-	now := time.Now().UnixMicro()
-	r.exec(`INSERT INTO `+r.names.Inbox+` (consumer, `+d.Quote("key")+`, status, created_at, updated_at, done_at, expires_at)
-VALUES (?, ?, ?, `+d.FromMicros("?")+`, `+d.FromMicros("?")+`, `+d.FromMicros("?")+`, `+d.FromMicros("?")+`)`,
-		d.Text(consumer), d.Text(key), status, now, now, done, time.Now().Add(7*24*time.Hour).UnixMicro())
+	r.exec(`INSERT INTO `+r.names.Inbox+` (consumer, `+d.Quote("key")+`, status, done_at, expires_at)
+VALUES (?, ?, ?, `+d.FromMicros("?")+`, `+d.FromMicros("?")+`)`,
+		d.Text(consumer), d.Text(key), status, done, time.Now().Add(7*24*time.Hour).UnixMicro())
 }
 
 func (r rows) deadLetter(uuid, key string) {

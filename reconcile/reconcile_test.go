@@ -89,8 +89,8 @@ func (m mysqlInbox) names() sqlschema.Names {
 
 func (m mysqlInbox) key(t *testing.T, c, key, status string, ago time.Duration) {
 	t.Helper()
-	_, err := m.db.ExecContext(context.Background(), "INSERT INTO "+m.names().Inbox+" (consumer, `key`, status, created_at, updated_at, done_at, expires_at)"+
-		" VALUES (?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), IF(? = 'done', UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND, NULL), UTC_TIMESTAMP(6) + INTERVAL 7 DAY)",
+	_, err := m.db.ExecContext(context.Background(), "INSERT INTO "+m.names().Inbox+" (consumer, `key`, status, done_at, expires_at)"+
+		" VALUES (?, ?, ?, IF(? = 'done', UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND, NULL), UTC_TIMESTAMP(6) + INTERVAL 7 DAY)",
 		c, key, status, status, ago.Microseconds())
 	require.NoError(t, err)
 }
@@ -277,7 +277,7 @@ func TestCheckCannotRun(t *testing.T) {
 	require.ErrorIs(t, err, reconcile.ErrNoLedger)
 
 	// A missing inbox table is an error too, not ErrNoLedger.
-	_, err = pool.Exec(ctx, `DROP TABLE `+sqlschema.NamesFor(sqlschema.Postgres, sqlschema.Config{Schema: schema}.WithDefaults()).Inbox)
+	_, err = pool.Exec(ctx, `DROP TABLE `+sqlschema.NamesFor(sqlschema.Postgres, sqlschema.Config{Schema: schema}.WithDefaults()).Inbox+` CASCADE`)
 	require.NoError(t, err)
 	ledgerSchema := pgtest.Schema(t, pool)
 	pgLedger(t, pool, ledgerSchema, ledgerRow{"u-1", "orders", "k-1", time.Hour})

@@ -121,7 +121,7 @@ func (s *Store) query(f Filter, what string) (string, []any) {
 		{"p.consumer", f.Consumer}, {"p.topic", f.Topic}, {"p.uuid", f.UUID}, {"p." + d.Quote("key"), f.Key}, {"p.order_key", f.OrderKey},
 	} {
 		if c.v != "" {
-			add(c.col+" = ?", d.Text(c.v))
+			add(c.col+" = ?", s.text(c.v)) // as Park stored it
 		}
 	}
 	q := "SELECT " + what + " FROM " + s.names.Retries + " AS p"
@@ -152,6 +152,9 @@ func idsJSON(ids []int64) string {
 // handed back: by due time, then id. Each says which message of its
 // ordering key it waits for ([Message.WaitsFor]).
 func (s *Store) List(ctx context.Context, f Filter) ([]Message, error) {
+	if err := s.Ready(); err != nil {
+		return nil, err
+	}
 	if err := f.Validate(); err != nil {
 		return nil, err
 	}
@@ -172,6 +175,9 @@ func (s *Store) List(ctx context.Context, f Filter) ([]Message, error) {
 // Count returns how many parked messages f selects (at most f.Limit when
 // it is set).
 func (s *Store) Count(ctx context.Context, f Filter) (int, error) {
+	if err := s.Ready(); err != nil {
+		return 0, err
+	}
 	if err := f.Validate(); err != nil {
 		return 0, err
 	}
@@ -186,6 +192,9 @@ func (s *Store) Count(ctx context.Context, f Filter) (int, error) {
 // Missing returns those of ids that are not parked, in ascending order
 // and without repeats; none when all are.
 func (s *Store) Missing(ctx context.Context, ids []int64) ([]int64, error) {
+	if err := s.Ready(); err != nil {
+		return nil, err
+	}
 	if len(ids) == 0 {
 		return nil, nil
 	}
@@ -246,6 +255,9 @@ func (m Message) Overdue(now time.Time, after time.Duration) bool {
 // ([Store.Repark] reports false). The due time is the database's clock.
 // An empty f is refused with [ErrNoSelection] unless f.All is set.
 func (s *Store) RetryNow(ctx context.Context, f Filter) (int, error) {
+	if err := s.Ready(); err != nil {
+		return 0, err
+	}
 	if err := f.selection(); err != nil {
 		return 0, err
 	}
@@ -295,6 +307,13 @@ const cancelBatch = 100
 // dead letters under (dlq.Publisher: "dlq").
 type topicNamer interface{ DefaultTopic() string }
 
+// distinctPublisher is a dead-letter publisher that can file each
+// message as an entry of its own, never merged into an entry its table
+// holds already (dlq.Publisher.PublishDistinct).
+type distinctPublisher interface {
+	PublishDistinct(topic string, msgs ...*message.Message) error
+}
+
 // Cancel moves the parked messages f selects to the dead-letter queue,
 // through dead, under the dead-letter topic topic ("" takes dead's
 // DefaultTopic, as dlq.Publisher has: "dlq"), and returns how many it
@@ -319,8 +338,20 @@ type topicNamer interface{ DefaultTopic() string }
 // and decides. The messages of an ordering key that waited behind a
 // cancelled one are handed back next, as after an ack.
 //
+// A cancelled message is never merged into a dead letter that is there
+// already: the dead-letter table keeps one entry per message (consumer,
+// topic, UUID and key), and one of the same message may be there, written
+// when another copy of it was dead-lettered. Through a publisher that
+// can (dlq.Publisher's PublishDistinct) the cancelled message gets an
+// entry of its own, filed under a uuid made unique for it with its own
+// UUID in delivery.DeadUUID, so that its payload is not deleted with its
+// row unseen.
+//
 // An empty f is refused with [ErrNoSelection] unless f.All is set.
 func (s *Store) Cancel(ctx context.Context, f Filter, dead message.Publisher, topic string) (int, error) {
+	if err := s.Ready(); err != nil {
+		return 0, err
+	}
 	if dead == nil {
 		return 0, errors.New("retry: cancel: the dead-letter publisher is nil: pass dlq.NewPublisher's (or NewSQLPublisher's) on this database")
 	}
@@ -376,7 +407,11 @@ AND (leased_until IS NULL OR leased_until < ` + s.d.FromMicros("?") + `) ORDER B
 			letters[i].SetContext(joined)
 			taken[i] = m.ID
 		}
-		if err := dead.Publish(topic, letters...); err != nil {
+		publish := dead.Publish
+		if d, ok := dead.(distinctPublisher); ok {
+			publish = d.PublishDistinct
+		}
+		if err := publish(topic, letters...); err != nil {
 			return fmt.Errorf("publish %d dead letters to %q (the messages stay parked): %w", len(letters), topic, err)
 		}
 		if _, err := tx.Exec(ctx, remove, idsJSON(taken)); err != nil {

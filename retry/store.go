@@ -23,6 +23,18 @@ var ErrNotMigrated = errors.New("retry: the table of parked messages does not ex
 // more): it was retried, cancelled, or never parked.
 var ErrNotFound = errors.New("retry: no such parked message")
 
+// ErrNotParkable is wrapped by the error of [Store.Park] for a message
+// that cannot be parked: it names no consumer or no topic (no subscriber
+// would hand it back), or has no UUID (nothing tells it from another
+// message). The message names the field. It is the message's fault, not
+// the store's: retrying the park cannot help.
+var ErrNotParkable = errors.New("retry: the message cannot be parked")
+
+// ErrNoStore is returned by every method of a *Store that [NewStore] or
+// [NewSQLStore] did not make: a nil *Store (a constructor's error that
+// was dropped), or a Store{} literal. Its methods never panic.
+var ErrNoStore = errors.New("retry: the store is nil or was not made by retry.NewStore or retry.NewSQLStore")
+
 // Message is a parked message: a message whose attempts failed, waiting
 // for a delayed retry, or waiting behind one of its ordering key.
 type Message struct {
@@ -31,11 +43,22 @@ type Message struct {
 	ID int64
 	// Consumer and Topic are the consumer that parked it and the topic it
 	// was consumed from; it is handed back to that consumer only, on that
-	// topic.
+	// topic. Required by [Store.Park].
+	//
+	// Consumer, Topic, Key and OrderKey are stored, compared and read back
+	// in their sqldb.Ident form: as they are when they are UTF-8 text
+	// without NUL of at most 512 bytes; otherwise a readable prefix and
+	// the SHA-256 of the whole value, so that a binary ordering key (a
+	// Kafka record key copied into partition_key) is one key wherever it
+	// is compared, and two values stay two. Filters and [Store.Waiting]
+	// take the values as given.
 	Consumer, Topic string
-	// UUID is the message's UUID.
+	// UUID is the message's UUID, handed back byte for byte. Required by
+	// [Store.Park]. One message is its Consumer, Topic, UUID and Key: two
+	// messages that share a UUID and have different keys are two.
 	UUID string
-	// Key is the idempotency key the consumer derived, when known.
+	// Key is the idempotency key the consumer derived, when known; a
+	// message parked without one is told from others by its UUID alone.
 	Key string
 	// OrderKey is the message's ordering key (delivery.PartitionKeyOf),
 	// empty when it is parked unordered: a message of an ordering key is
@@ -44,7 +67,8 @@ type Message struct {
 	// Attempts is how many attempts of the message failed so far.
 	Attempts int
 	// Error is the text of the last failure; empty for a message parked
-	// behind another (Behind).
+	// behind another (Behind). NUL and bytes that are not UTF-8 are
+	// stored as U+FFFD.
 	Error string
 	// Behind is true for a message that did not fail itself: it was
 	// parked because a message of its ordering key was waiting.
@@ -66,7 +90,9 @@ type Message struct {
 	// 0 when it is first of its key, or unordered. Set by [Store.List];
 	// 0 elsewhere.
 	WaitsFor int64
-	// Payload and Metadata are the message's, as it was consumed.
+	// Payload and Metadata are the message's, as it was consumed, handed
+	// back byte for byte (metadata that JSON text cannot hold is kept in
+	// the metadata column under sqldb.ExactKey, in base64).
 	Payload  []byte
 	Metadata map[string]string
 }
@@ -122,11 +148,13 @@ func newStore(db sqldb.DB, schema sqlschema.Config) (*Store, error) {
 		d.MicrosEach("first_failed_at", "last_failed_at", "due_at", "parked_at", "leased_until") + ", version, payload, metadata"
 	q := &s.q
 	// One row per message and consumer: a copy parked again (its ack was
-	// lost to a crash) is not written twice.
+	// lost to a crash) is not written twice. A message is its consumer,
+	// topic, uuid and key (migration message_identity); the conflict
+	// names no target, so that a schema migrated before works too.
 	q.park = `INSERT INTO ` + r + ` (consumer, topic, uuid, ` + key + `, order_key, attempts, ` + errc + `, behind,
 	first_failed_at, last_failed_at, due_at, parked_at, payload, metadata)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ` + d.FromMicros("?") + `, ` + d.FromMicros("?") + `, ` + d.FromMicros("?") + `, ` +
-		d.FromMicros("?") + `, ?, ` + d.JSON("?") + `)` + d.InsertOnce("(consumer, topic, uuid)", "id")
+		d.FromMicros("?") + `, ?, ` + d.JSON("?") + `)` + d.InsertOnce("", "id")
 	q.repark = `UPDATE ` + r + ` SET attempts = ?, ` + errc + ` = ?, behind = ?,
 	first_failed_at = COALESCE(first_failed_at, ` + d.FromMicros("?") + `), last_failed_at = ` + d.FromMicros("?") + `,
 	due_at = ` + d.FromMicros("?") + `, leased_until = NULL, version = version + 1
@@ -169,6 +197,21 @@ GROUP BY p.consumer, p.topic ORDER BY p.consumer, p.topic`
 // MySQL it takes no gap locks, so a lease never holds up a park.
 var readCommitted = sqldb.TxOptions{Isolation: sqldb.ReadCommitted}
 
+// Ready returns [ErrNoStore] for a Store the constructors did not make (a
+// nil *Store, a Store{}), and nil for one they did: a configuration that
+// takes a *Store can tell a store that was never made from one that was
+// left out on purpose.
+func (s *Store) Ready() error {
+	if s == nil || s.db == nil {
+		return ErrNoStore
+	}
+	return nil
+}
+
+// text is v as the table stores and compares an identifier: its
+// sqldb.Ident form, as an argument of a byte-exact column.
+func (s *Store) text(v string) any { return s.d.Text(sqldb.Ident(v)) }
+
 func (s *Store) wrap(op string, err error) error {
 	if s.d.UndefinedTable(err) {
 		return fmt.Errorf("retry: %s: %w: %w", op, ErrNotMigrated, err)
@@ -184,25 +227,35 @@ func micros(t time.Time) any {
 }
 
 // Park writes m, and reports whether it wrote it: false when the message
-// (its consumer, topic and UUID) is parked already, which leaves that
+// (its consumer, topic, UUID and key) is parked already, which leaves that
 // row as it is. m.ID, m.Version, m.ParkedAt and m.LeasedUntil are
-// ignored; an empty m.OrderKey parks it unordered.
+// ignored; an empty m.OrderKey parks it unordered. A message without a
+// consumer, topic or UUID is refused with [ErrNotParkable]; any bytes in
+// its fields are stored (see [Message]), never refused by the database.
 func (s *Store) Park(ctx context.Context, m Message) (bool, error) {
-	md, err := json.Marshal(nonNil(m.Metadata))
-	if err != nil {
-		return false, fmt.Errorf("retry: park: metadata: %w", err)
+	if err := s.Ready(); err != nil {
+		return false, err
+	}
+	for _, f := range []struct{ name, v string }{{"Consumer", m.Consumer}, {"Topic", m.Topic}, {"UUID", m.UUID}} {
+		if f.v == "" {
+			return false, fmt.Errorf("%w: Message.%s is empty", ErrNotParkable, f.name)
+		}
 	}
 	var order any
 	if m.OrderKey != "" {
-		order = s.d.Text(m.OrderKey)
+		order = s.text(m.OrderKey)
 	}
 	payload := m.Payload
 	if payload == nil {
 		payload = []byte{}
 	}
-	n, err := s.db.Exec(ctx, s.q.park, s.d.Text(m.Consumer), s.d.Text(m.Topic), s.d.Text(m.UUID), s.d.Text(m.Key), order,
-		m.Attempts, m.Error, m.Behind, micros(m.FirstFailedAt), micros(m.LastFailedAt), m.DueAt.UnixMicro(),
-		time.Now().UnixMicro(), payload, string(md))
+	uuid, exactUUID := sqldb.Ident(m.UUID), ""
+	if uuid != m.UUID {
+		exactUUID = m.UUID // the column holds its bounded form
+	}
+	n, err := s.db.Exec(ctx, s.q.park, s.text(m.Consumer), s.text(m.Topic), s.d.Text(uuid), s.text(m.Key), order,
+		m.Attempts, sqldb.CleanText(m.Error), m.Behind, micros(m.FirstFailedAt), micros(m.LastFailedAt), m.DueAt.UnixMicro(),
+		time.Now().UnixMicro(), payload, sqldb.EncodeMetadata(m.Metadata, exactUUID))
 	if err != nil {
 		return false, s.wrap("park", err)
 	}
@@ -215,7 +268,10 @@ func (s *Store) Park(ctx context.Context, m Message) (bool, error) {
 // lease ran out and the message went out again, or an operator retried
 // or cancelled it): the row is left as it is.
 func (s *Store) Repark(ctx context.Context, l Lease, m Message) (bool, error) {
-	n, err := s.db.Exec(ctx, s.q.repark, m.Attempts, m.Error, m.Behind, micros(m.FirstFailedAt), micros(m.LastFailedAt),
+	if err := s.Ready(); err != nil {
+		return false, err
+	}
+	n, err := s.db.Exec(ctx, s.q.repark, m.Attempts, sqldb.CleanText(m.Error), m.Behind, micros(m.FirstFailedAt), micros(m.LastFailedAt),
 		m.DueAt.UnixMicro(), l.ID, l.Version)
 	if err != nil {
 		return false, s.wrap("park again", err)
@@ -224,10 +280,15 @@ func (s *Store) Repark(ctx context.Context, l Lease, m Message) (bool, error) {
 }
 
 // Waiting reports whether a message of orderKey is parked for consumer on
-// topic: a later message of that key must then wait behind it.
+// topic: a later message of that key must then wait behind it. The key
+// is compared in its stored form (see [Message]): any bytes, a binary
+// Kafka key among them, find the messages parked with the same bytes.
 func (s *Store) Waiting(ctx context.Context, consumer, topic, orderKey string) (bool, error) {
+	if err := s.Ready(); err != nil {
+		return false, err
+	}
 	var n int64
-	if err := s.db.QueryRow(ctx, s.q.waiting, s.d.Text(consumer), s.d.Text(topic), s.d.Text(orderKey)).Scan(&n); err != nil {
+	if err := s.db.QueryRow(ctx, s.q.waiting, s.text(consumer), s.text(topic), s.text(orderKey)).Scan(&n); err != nil {
 		return false, s.wrap("look for parked messages of the ordering key", err)
 	}
 	return n > 0, nil
@@ -239,7 +300,7 @@ func (s *Store) lease(ctx context.Context, consumer, topic string, n int, leaseF
 	var out []Message
 	err := sqldb.InTx(ctx, s.db, readCommitted, func(tx sqldb.Tx) error {
 		now := time.Now()
-		rows, err := tx.Query(ctx, s.q.heads, s.d.Text(consumer), s.d.Text(topic), now.UnixMicro(), now.UnixMicro(), n)
+		rows, err := tx.Query(ctx, s.q.heads, s.text(consumer), s.text(topic), now.UnixMicro(), now.UnixMicro(), n)
 		ids, err := sqldb.Collect(rows, err, sqldb.Value[int64])
 		if err != nil || len(ids) == 0 {
 			return err
@@ -283,6 +344,9 @@ func (s *Store) release(ctx context.Context, l Lease) error {
 
 // Get returns the parked message id, or an error wrapping [ErrNotFound].
 func (s *Store) Get(ctx context.Context, id int64) (Message, error) {
+	if err := s.Ready(); err != nil {
+		return Message{}, err
+	}
 	m, err := scanMessage(s.db.QueryRow(ctx, s.q.get, id))
 	if errors.Is(err, sqldb.ErrNoRows) {
 		return Message{}, fmt.Errorf("%w: id %d", ErrNotFound, id)
@@ -311,6 +375,9 @@ type Count struct {
 // overdue when it was due more than overdue ago ([DefaultOverdue] is the
 // threshold the console, the command and the metrics use).
 func (s *Store) Counts(ctx context.Context, overdue time.Duration) ([]Count, error) {
+	if err := s.Ready(); err != nil {
+		return nil, err
+	}
 	t := time.Now()
 	now := t.UnixMicro()
 	rows, err := s.db.Query(ctx, s.q.counts, now, now, t.Add(-overdue).UnixMicro(), now)
@@ -334,6 +401,7 @@ func scanMessage(row sqldb.Row, extra ...any) (Message, error) {
 		m     Message
 		order sql.NullString
 		md    []byte
+		uuid  string
 	)
 	dest := []any{&m.ID, &m.Consumer, &m.Topic, &m.UUID, &m.Key, &order, &m.Attempts, &m.Error, &m.Behind,
 		sqldb.Time(&m.FirstFailedAt), sqldb.Time(&m.LastFailedAt), sqldb.Time(&m.DueAt), sqldb.Time(&m.ParkedAt),
@@ -345,16 +413,12 @@ func scanMessage(row sqldb.Row, extra ...any) (Message, error) {
 	if m.Payload == nil {
 		m.Payload = []byte{}
 	}
-	if err := json.Unmarshal(md, &m.Metadata); err != nil {
+	var err error
+	if m.Metadata, uuid, err = sqldb.DecodeMetadata(md); err != nil {
 		return Message{}, fmt.Errorf("parked message %d: metadata: %w", m.ID, err)
 	}
-	m.Metadata = nonNil(m.Metadata)
-	return m, nil
-}
-
-func nonNil(md map[string]string) map[string]string {
-	if md == nil {
-		return map[string]string{}
+	if uuid != "" {
+		m.UUID = uuid // the column holds its bounded form
 	}
-	return md
+	return m, nil
 }

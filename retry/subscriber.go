@@ -50,11 +50,15 @@ type SubscriberConfig struct {
 	// name the poison middleware parks them under (the inbox's consumer,
 	// by default the router handler's name). Required.
 	Consumer string
-	// PollInterval is how often the table is read while nothing is due.
-	// Defaults to 1s.
+	// PollInterval is how often the table is read while a slot is free
+	// (see Batch) and nothing is due; each read is a transaction. At least
+	// 10ms. Defaults to 1s.
 	PollInterval time.Duration
 	// Batch is how many parked messages are out to the handler at once,
-	// each of a different ordering key. Defaults to 16.
+	// each of a different ordering key. The keys are independent: an
+	// acked message's slot is filled by the next due message at once, so
+	// a slow handler holds one slot, never the other keys. Defaults to
+	// 16.
 	Batch int
 	// Lease is how long a message handed out is not handed out again
 	// while its consumer has neither acked nor nacked it (a consumer that
@@ -65,6 +69,11 @@ type SubscriberConfig struct {
 	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
+
+// MinPollInterval is the shortest SubscriberConfig.PollInterval: each
+// read of the table is a transaction, and an idle subscriber reads once
+// per interval.
+const MinPollInterval = 10 * time.Millisecond
 
 func (c *SubscriberConfig) setDefaults() {
 	if c.PollInterval == 0 {
@@ -87,8 +96,8 @@ func (c SubscriberConfig) Validate() error {
 	switch {
 	case c.Consumer == "":
 		return errors.New("retry: SubscriberConfig.Consumer is required: the consumer whose parked messages are handed back (the inbox's consumer, or the router handler's name)")
-	case c.PollInterval < 0:
-		return fmt.Errorf("retry: SubscriberConfig.PollInterval must not be negative, got %s", c.PollInterval)
+	case c.PollInterval < MinPollInterval:
+		return fmt.Errorf("retry: SubscriberConfig.PollInterval must be at least %s (each read of the table is a transaction), got %s", MinPollInterval, c.PollInterval)
 	case c.Batch < 1:
 		return fmt.Errorf("retry: SubscriberConfig.Batch must be at least 1, got %d", c.Batch)
 	case c.Lease < time.Second:
@@ -120,6 +129,9 @@ var _ message.Subscriber = (*Subscriber)(nil)
 // Subscriber returns a subscriber that hands back the parked messages of
 // cfg.Consumer; cfg is copied, defaulted and validated.
 func (s *Store) Subscriber(cfg SubscriberConfig) (*Subscriber, error) {
+	if err := s.Ready(); err != nil {
+		return nil, err
+	}
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -164,6 +176,12 @@ func Delivering(consumer, topic string) bool {
 
 // Subscribe hands back the parked messages of topic until ctx is done or
 // the subscriber closes; then the channel closes.
+//
+// Keys are independent: up to SubscriberConfig.Batch messages are out at
+// once, each first of its ordering key, and a slot that frees (an ack, a
+// nack) is filled by the next due message at once, whatever the others
+// out still take: one slow handler holds its own key and one slot, never
+// the consumer's other keys.
 func (r *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	select {
 	case <-r.closing:
@@ -177,38 +195,58 @@ func (r *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		defer r.wg.Done()
 		defer close(out)
 		defer subscribed(r.cfg.Consumer, topic, -1)
-		for {
-			n, err := r.deliver(ctx, topic, out)
-			if err != nil && ctx.Err() == nil {
-				r.cfg.Logger.Error("Reading parked messages failed", err, watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic})
-			}
-			if n > 0 && err == nil {
-				continue
-			}
-			select {
-			case <-ctx.Done():
-				return
-			case <-r.closing:
-				return
-			case <-time.After(r.cfg.PollInterval):
-			}
-		}
+		r.run(ctx, topic, out)
 	}()
 	return out, nil
 }
 
-// deliver hands out the due messages of one lease and waits until each
-// was acked or nacked; it returns how many it handed out.
-func (r *Subscriber) deliver(ctx context.Context, topic string, out chan<- *message.Message) (int, error) {
-	leased, err := r.s.lease(ctx, r.cfg.Consumer, topic, r.cfg.Batch, r.cfg.Lease)
+// run hands out the due messages of topic while slots are free, and
+// waits for the next poll, an acked message's slot or the end. A message
+// that frees its slot by an ack wakes it at once: the message behind it
+// in its ordering key may be due. A nacked one goes out again at the
+// next poll.
+func (r *Subscriber) run(ctx context.Context, topic string, out chan<- *message.Message) {
+	var (
+		wg    sync.WaitGroup
+		slots = make(chan struct{}, r.cfg.Batch) // one token per message out
+		acked = make(chan struct{}, 1)
+		poll  = time.NewTimer(r.cfg.PollInterval)
+	)
+	defer wg.Wait()
+	defer poll.Stop()
+	poll.Stop()
+	for {
+		if free := cap(slots) - len(slots); free > 0 {
+			n, err := r.deliver(ctx, topic, free, out, slots, acked, &wg)
+			if err != nil && ctx.Err() == nil {
+				r.cfg.Logger.Error("Reading parked messages failed", err, watermill.LogFields{"consumer": r.cfg.Consumer, "topic": topic})
+			}
+			if err == nil && n == free {
+				continue // every free slot filled: more may be due
+			}
+		}
+		poll.Reset(r.cfg.PollInterval)
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.closing:
+			return
+		case <-acked:
+		case <-poll.C:
+		}
+		poll.Stop()
+	}
+}
+
+// deliver hands out up to n due messages of one lease, each taking a slot
+// until it is acked or nacked; it returns how many it handed out. acked
+// is signalled when an ack frees a slot.
+func (r *Subscriber) deliver(ctx context.Context, topic string, n int, out chan<- *message.Message,
+	slots chan struct{}, acked chan struct{}, wg *sync.WaitGroup) (int, error) {
+	leased, err := r.s.lease(ctx, r.cfg.Consumer, topic, n, r.cfg.Lease)
 	if err != nil || len(leased) == 0 {
 		return 0, err
 	}
-	var (
-		wg   sync.WaitGroup
-		mu   sync.Mutex
-		errs []error
-	)
 	for i, m := range leased {
 		l := Lease{ID: m.ID, Version: m.Version, Attempts: m.Attempts, FirstFailedAt: m.FirstFailedAt, Store: r.s}
 		msg := message.NewMessage(m.UUID, m.Payload)
@@ -219,43 +257,49 @@ func (r *Subscriber) deliver(ctx context.Context, topic string, out chan<- *mess
 		msg.Metadata.Set(delivery.RetryAttempts, strconv.Itoa(m.Attempts))
 		msgCtx, cancel := context.WithCancel(context.WithValue(ctx, leaseKey{}, l))
 		msg.SetContext(msgCtx)
+		slots <- struct{}{} // never blocks: n slots were free
 		select {
 		case out <- msg:
 		case <-ctx.Done():
 			cancel()
+			<-slots
 			r.releaseAll(ctx, leased[i:])
-			wg.Wait()
 			return i, nil
 		case <-r.closing:
 			cancel()
+			<-slots
 			r.releaseAll(ctx, leased[i:])
-			wg.Wait()
 			return i, nil
 		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer cancel()
-			acked := settled(ctx, r.closing, msg)
+			ok := settled(ctx, r.closing, msg)
 			// The row's fate is written even if ctx ends now: the
 			// consumer took the message durably, or gave it back.
 			wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 			defer wcancel()
 			var err error
-			if acked {
+			if ok {
 				err = r.s.ack(wctx, l)
 			} else {
 				err = r.s.release(wctx, l)
 			}
-			if err != nil {
-				mu.Lock()
-				errs = append(errs, err)
-				mu.Unlock()
+			if err != nil && ctx.Err() == nil {
+				r.cfg.Logger.Error("Settling a parked message failed", err, watermill.LogFields{
+					"consumer": r.cfg.Consumer, "topic": topic, "retry_id": l.ID, "acked": ok})
+			}
+			<-slots
+			if ok {
+				select {
+				case acked <- struct{}{}:
+				default: // a wake-up is pending already
+				}
 			}
 		}()
 	}
-	wg.Wait()
-	return len(leased), errors.Join(errs...)
+	return len(leased), nil
 }
 
 // settled waits for the consumer's ack (true) or nack of msg. When the

@@ -18,7 +18,7 @@ func (c *cmd) amqpDeclare(ctx context.Context, args []string) error {
 		limit              int
 	)
 	fs := newFlags(c.name)
-	fs.StringVar(&rawURL, "url", "", "amqp:// or amqps:// `URL` of the broker (default $BROKER_URL); its group, delivery_limit, dead_letter_exchange and connect_timeout parameters are read as adapters.Open reads them")
+	fs.StringVar(&rawURL, "url", "", "amqp:// or amqps:// `URL` of the broker (default $BROKER_URL); its group, delivery_limit, single_active_consumer, dead_letter_exchange and connect_timeout parameters are read as adapters.Open reads them")
 	fs.Func("topic", "`TOPIC` to declare: its exchange, queue and binding (repeat for more)", func(s string) error {
 		if s == "" {
 			return errors.New("empty topic")

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"net"
@@ -10,9 +9,10 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 
 	"github.com/stretchr/testify/require"
 
@@ -21,30 +21,11 @@ import (
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
-// syncBuffer is an output the command writes from its goroutine while the
-// test reads it.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // consoleRun is "oncemill console" running in the background.
 type consoleRun struct {
 	url    string // base URL, ending in "/"
-	stdout *syncBuffer
-	stderr *syncBuffer
+	stdout *proctest.Buffer
+	stderr *proctest.Buffer
 	cancel context.CancelFunc
 	done   chan int
 }
@@ -56,7 +37,7 @@ var listeningLine = regexp.MustCompile(`oncemill console listening on (http://\S
 func startConsole(t *testing.T, env map[string]string, args ...string) *consoleRun {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &consoleRun{stdout: &syncBuffer{}, stderr: &syncBuffer{}, cancel: cancel, done: make(chan int, 1)}
+	r := &consoleRun{stdout: &proctest.Buffer{}, stderr: &proctest.Buffer{}, cancel: cancel, done: make(chan int, 1)}
 	go func() {
 		r.done <- run(ctx, append([]string{"console"}, args...), func(k string) string { return env[k] }, r.stdout, r.stderr)
 	}()

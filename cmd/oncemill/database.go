@@ -4,16 +4,19 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"errors"
 	"fmt"
 	"net"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
-	_ "modernc.org/sqlite" // the pure-Go SQLite driver, registered as "sqlite"
+	"modernc.org/sqlite" // the pure-Go SQLite driver, registered as "sqlite"
+	sqlite3 "modernc.org/sqlite/lib"
 
 	"github.com/oncemill/oncemill/adapters"
 	"github.com/oncemill/oncemill/internal/redact"
@@ -97,6 +100,7 @@ type dbURL struct {
 	dialect sqlschema.Dialect
 	pool    *pgxpool.Config         // a URL that pgx opens
 	open    func() (*sql.DB, error) // a URL that database/sql opens
+	path    string                  // a SQLite URL's file
 }
 
 // parseDatabase checks raw, the URL flag names, before anything connects:
@@ -171,9 +175,16 @@ func (u *dbURL) file(rest string, create bool) (string, error) {
 	case path == "" || path == ":memory:":
 		return "", usagef("%s %s: want the database file, sqlite:///absolute/path or sqlite://relative/path (an in-memory database is private to one connection)", u.flag, u.safe)
 	}
-	if fi, err := os.Stat(path); !create && (err != nil || fi.IsDir()) {
+	fi, err := os.Stat(path)
+	if !create && (err != nil || fi.IsDir()) {
 		return "", usagef("%s %s: %q is not the consumer's database file: run the consumer (or sqlschema.MigrateSQLite) first, or correct the path", u.flag, u.safe, path)
 	}
+	if !create && fi.Size() == 0 {
+		// SQLite would take an empty file for a new database and write
+		// one into it: a read must leave the file as it found it.
+		return "", usagef("%s %s: %q is empty (0 bytes), not the consumer's database file: run the consumer (or sqlschema.MigrateSQLite) first, or correct the path", u.flag, u.safe, path)
+	}
+	u.path = path
 	return path, nil
 }
 
@@ -204,9 +215,27 @@ func (u *dbURL) connect(ctx context.Context, conns int) (database, error) {
 	}
 	if err != nil {
 		d.Close()
+		if u.path != "" {
+			return database{}, fmt.Errorf("connect to the database: SQLite file %q: %w%s", u.path, err, sqliteHint(err, u.path))
+		}
 		return database{}, fmt.Errorf("connect to the database: %w", redact.Error(err, u.raw))
 	}
 	return d, nil
+}
+
+// sqliteHint says what to check when SQLite cannot open or write the
+// file at path: it opens a file read-write, and its WAL journal keeps
+// two files beside it, even while it only reads.
+func sqliteHint(err error, path string) string {
+	var e *sqlite.Error
+	if !errors.As(err, &e) {
+		return ""
+	}
+	switch e.Code() & 0xff {
+	case sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM:
+		return fmt.Sprintf(": the user that runs oncemill must be able to write the file and its folder (SQLite opens it read-write, and its WAL journal keeps %s-wal and %s-shm beside it, even to read)", filepath.Base(path), filepath.Base(path))
+	}
+	return ""
 }
 
 // parseDSN reads a MySQL or MariaDB URL,
@@ -225,9 +254,9 @@ func (u *dbURL) connect(ctx context.Context, conns int) (database, error) {
 // readTimeout=0 included (no bound). Its errors name the flag and never
 // the password.
 func parseDSN(flag, raw string) (*mysql.Config, error) {
-	u, err := url.Parse(raw)
+	u, err := parseURL(flag, raw)
 	if err != nil {
-		return nil, usagef("%s: cannot parse %q", flag, redact.URL(raw))
+		return nil, err
 	}
 	if u.Opaque != "" || u.Host == "" {
 		return nil, usagef("%s: want mysql://user:password@host:3306/database", flag)
@@ -294,4 +323,66 @@ func (c boundedConnector) Connect(ctx context.Context) (driver.Conn, error) {
 		return nil, fmt.Errorf("the database at %s did not answer within %s: %w", c.addr, c.bound, err)
 	}
 	return conn, err
+}
+
+// parseURL parses raw, the URL flag names, for the command's own reading
+// of it; its errors are usage errors that say what is wrong and never
+// show the password.
+func parseURL(flag, raw string) (*url.URL, error) {
+	if err := checkURLText(flag, raw); err != nil {
+		return nil, err
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		reason := err
+		var uerr *url.Error
+		if errors.As(err, &uerr) {
+			reason = uerr.Err // the rest repeats the URL, password and all
+		}
+		return nil, usagef("%s: cannot parse %q: %s", flag, redact.URL(raw), redact.Text(reason.Error(), raw))
+	}
+	return u, nil
+}
+
+// checkURLText refuses a URL with a control character (a tab, a line
+// feed, a DEL pasted into a password), which url.Parse refuses with
+// "invalid control character in URL" and adapters with "cannot parse":
+// it says which character, in which part of the URL, and how to write
+// it, and never shows the password.
+func checkURLText(flag, raw string) error {
+	for i := 0; i < len(raw); i++ {
+		if b := raw[i]; b < 0x20 || b == 0x7f {
+			return usagef("%s: the URL has the control character %U %s, which a URL cannot hold: write it percent-escaped, as %%%02X",
+				flag, rune(b), urlPart(raw, i), b)
+		}
+	}
+	return nil
+}
+
+// urlPart names the part of the URL raw that its byte i is in.
+func urlPart(raw string, i int) string {
+	start := strings.Index(raw, "//")
+	if start < 0 {
+		return fmt.Sprintf("at byte %d", i+1)
+	}
+	if i < start {
+		return "in its scheme"
+	}
+	auth := raw[start+2:]
+	end := strings.IndexAny(auth, "/?#")
+	if end < 0 {
+		end = len(auth)
+	}
+	pos := i - start - 2
+	at := strings.LastIndex(auth[:end], "@")
+	switch {
+	case pos >= end:
+		return "in its path or parameters"
+	case at >= 0 && pos < at:
+		if colon := strings.Index(auth[:at], ":"); colon >= 0 && pos > colon {
+			return "in its password"
+		}
+		return "in its user name"
+	}
+	return "in its host"
 }

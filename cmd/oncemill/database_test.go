@@ -197,3 +197,32 @@ func TestDLQListOnSQLite(t *testing.T) {
 	require.Equal(t, `{"order":17}`, listed[0]["payload"])
 	require.EqualValues(t, 3, listed[0]["attempts"])
 }
+
+// TestURLControlCharacterNamed: a URL flag whose password holds a control
+// character (a tab or a line feed pasted with it) is refused with the
+// character, the part of the URL and how to write it, where it was
+// refused with "cannot parse" and no reason; the password never shows.
+func TestURLControlCharacterNamed(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"publish", "--topic", "t", "--broker", "amqp://guest:s3cr\x01et@127.0.0.1:5672/", "x"},
+			"oncemill publish: --broker: the URL has the control character U+0001 in its password, which a URL cannot hold: write it percent-escaped, as %01; nothing sent"},
+		{[]string{"dlq", "list", "--database", "mysql://root:s3cr\tet@127.0.0.1:3306/test"},
+			"oncemill dlq list: --database: the URL has the control character U+0009 in its password, which a URL cannot hold: write it percent-escaped, as %09"},
+		{[]string{"dlq", "replay", "1", "--database", pgtest.URL(), "--inbox", "redis://:s3cr\x7fet@127.0.0.1:6379"},
+			"oncemill dlq replay: --inbox: the URL has the control character U+007F in its password, which a URL cannot hold: write it percent-escaped, as %7F"},
+		{[]string{"relay", "--database", pgtest.URL(), "--broker", "amqp://gu\nest:s3cret@127.0.0.1:5672/"},
+			"oncemill relay: --broker: the URL has the control character U+000A in its user name, which a URL cannot hold: write it percent-escaped, as %0A; nothing relayed"},
+		{[]string{"dlq", "list", "--database", "mysql://root:s3cret@127.0.0.1:3306/te\rst"},
+			"oncemill dlq list: --database: the URL has the control character U+000D in its path or parameters"},
+	} {
+		r := oncemill(t, nil, tc.args...)
+		require.Equal(t, exitUsage, r.code, "%q: %s", tc.args, r.stderr)
+		require.Contains(t, r.stderr, tc.want, tc.args)
+		require.NotContains(t, r.stderr, "s3cr", "the password never shows")
+		requireOneLine(t, r.stderr)
+	}
+}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -101,6 +102,44 @@ func (c *cmd) open(ctx context.Context) (store *dlq.Store, closeDB func(), err e
 		return nil, nil, err
 	}
 	return store, db.Close, nil
+}
+
+// tableMissing is the error of a dlq command whose dead-letter table
+// does not exist: the flags that named it, and how to name another. It
+// unwraps to the store's error ([dlq.ErrNotMigrated]), whose own text
+// speaks to a Go program (run sqlschema.Migrate with the same Schema and
+// DLQTable), not to the command's user.
+type tableMissing struct {
+	table string
+	err   error
+}
+
+func (e tableMissing) Error() string {
+	return fmt.Sprintf("dead-letter table %s not found in this database: give the consumers' dead-letter table with --schema NAME and --table NAME (their sqlschema.Config's Schema and DLQTable; on SQLite --table alone); their migrations create it (sqlschema.Migrate)", e.table)
+}
+
+func (e tableMissing) Unwrap() error { return e.err }
+
+// dlqCommand runs a dlq command, saying which flags named a missing
+// dead-letter table.
+func dlqCommand(run func(*cmd, context.Context, []string) error) func(*cmd, context.Context, []string) error {
+	return func(c *cmd, ctx context.Context, args []string) error {
+		err := run(c, ctx, args)
+		if errors.Is(err, dlq.ErrNotMigrated) {
+			return tableMissing{table: c.tableName(), err: err}
+		}
+		return err
+	}
+}
+
+// tableName is the dead-letter table the flags name, for messages: a
+// SQLite file has no schema.
+func (c *cmd) tableName() string {
+	raw, _ := c.required("--database", c.database, "DATABASE_URL") // it opened: it is there
+	if u, err := parseDatabase("--database", raw, false); err == nil && u.dialect == sqlschema.SQLite {
+		return fmt.Sprintf("%q (--table %s)", c.table, c.table)
+	}
+	return fmt.Sprintf("%q.%q (--schema %s --table %s)", c.schema, c.table, c.schema, c.table)
 }
 
 // checkIDs fails, naming them, when some of ids have no entry: an operator

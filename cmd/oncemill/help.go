@@ -66,7 +66,7 @@ deliveries that did not fail), process (failures counted in the consumer's
 memory since it started) or - (not recorded).
 ` + filterHelp + "\n\n" + databaseHelp,
 		example: "oncemill dlq list --database postgres://app@db:5432/shop --topic payments --since 2h",
-		run:     (*cmd).list,
+		run:     dlqCommand((*cmd).list),
 	},
 	{
 		path: "dlq show", args: "ID [--json]",
@@ -80,7 +80,7 @@ has it: Kafka partition and offset, JetStream stream and sequence.
 
 ` + databaseHelp,
 		example: "oncemill dlq show 42 --database postgres://app@db:5432/shop",
-		run:     (*cmd).show,
+		run:     dlqCommand((*cmd).show),
 	},
 	{
 		path: "dlq replay", args: "[ID ...] [filter flags] [--all] [--broker URL] [--inbox URL]\n       [--force] [--to-consumer] [--json]",
@@ -110,7 +110,7 @@ dlq reopen.
 
 ` + filterHelp + "\n\n" + databaseHelp,
 		example: "oncemill dlq replay --database postgres://app@db:5432/shop --broker kafka://10.0.0.5:9092 --topic payments --since 2h",
-		run:     (*cmd).replay,
+		run:     dlqCommand((*cmd).replay),
 	},
 	{
 		path: "dlq reopen", args: "ID [--json]",
@@ -125,7 +125,7 @@ key, is refused and stays.
 
 ` + databaseHelp,
 		example: "oncemill dlq reopen 42 --database postgres://app@db:5432/shop",
-		run:     (*cmd).reopen,
+		run:     dlqCommand((*cmd).reopen),
 	},
 	{
 		path: "dlq purge", args: "[ID ...] [filter flags] [--all] [--json]",
@@ -135,7 +135,7 @@ must all exist, or nothing is done.
 
 ` + filterHelp + "\n\n" + databaseHelp,
 		example: "oncemill dlq purge 42 43 --database postgres://app@db:5432/shop",
-		run:     (*cmd).purge,
+		run:     dlqCommand((*cmd).purge),
 	},
 	{
 		path: "retries list", args: "[filter flags] [--json]",

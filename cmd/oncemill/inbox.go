@@ -37,9 +37,9 @@ type inboxTarget struct {
 // MySQL the schema is the database of the tables; SQLite has none), the
 // SQLite file existing. Its errors are usage errors naming the flag.
 func parseInbox(raw string) (*inboxTarget, error) {
-	u, err := url.Parse(raw)
+	u, err := parseURL("--inbox", raw)
 	if err != nil {
-		return nil, usagef("--inbox: cannot parse %q", redact.URL(raw))
+		return nil, err
 	}
 	t := &inboxTarget{safe: redact.URL(raw)}
 	q, err := url.ParseQuery(u.RawQuery)

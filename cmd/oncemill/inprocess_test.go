@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os/exec"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -26,9 +27,9 @@ var inProcessBrokers = []struct{ url, want string }{
 }
 
 // runUntilExit runs the built command with args and returns its exit code
-// and output once it exits. A command that instead prints running (it
-// would relay or serve) is killed after a grace of up to ten seconds, in
-// which it may do its damage, and reported with code -1.
+// and output once it exits. A command whose output instead comes to hold
+// running (it would relay or serve) is killed after a grace of up to ten
+// seconds, in which it may do its damage, and reported with code -1.
 func runUntilExit(t *testing.T, bin, running string, args ...string) (int, string) {
 	t.Helper()
 	cmd := exec.Command(bin, args...)
@@ -50,7 +51,7 @@ func runUntilExit(t *testing.T, bin, running string, args ...string) (int, strin
 			require.NoError(t, err, out.String())
 			return 0, out.String()
 		case <-tick.C:
-			if _, ok := out.Line(running); ok {
+			if strings.Contains(out.String(), running) {
 				// Let it work on what it was given, then stop it.
 				select {
 				case <-done:
@@ -94,7 +95,7 @@ func TestInProcessBrokersRefused(t *testing.T) {
 			return n
 		}
 		for _, b := range inProcessBrokers {
-			code, out := runUntilExit(t, bin, "oncemill relay running: ", "relay", "--broker", b.url,
+			code, out := runUntilExit(t, bin, `msg="oncemill relay running"`, "relay", "--broker", b.url,
 				"--database", pgtest.URL(), "--schema", schema, "--lock-ordered-writers", "--listen", "")
 			left := count()
 			require.Equal(t, rows, left, "%s: outbox rows %d before, %d after; output:\n%s", b.url, rows, left, out)

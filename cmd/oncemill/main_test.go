@@ -259,8 +259,26 @@ func TestRuntimeErrors(t *testing.T) {
 
 	r = f.dlq(t, "list", "--table", "nothere")
 	require.Equal(t, exitFailure, r.code, r.stderr)
-	require.Contains(t, r.stderr, "dead-letter table missing: run sqlschema.Migrate")
+	require.Contains(t, r.stderr, `oncemill dlq list: dead-letter table "`+f.schema+`"."nothere" (--schema `+f.schema+` --table nothere) not found in this database: give the consumers' dead-letter table with --schema NAME and --table NAME`)
 	requireOneLine(t, r.stderr)
+}
+
+// TestDLQTableMissingNamesTheFlags: every dlq command run on a schema
+// without oncemill's tables (a consumer's schema other than the default,
+// not given) says which table the flags named and that --schema and
+// --table name another, not to run sqlschema.Migrate, which a user of
+// the command has no program to run in.
+func TestDLQTableMissingNamesTheFlags(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, 2)
+	empty := pgtest.Schema(t, pool) + "_none"
+	for _, args := range [][]string{{"list"}, {"show", "1"}, {"purge", "1"}, {"replay", "--all", "--to-consumer"}, {"reopen", "1"}} {
+		r := oncemill(t, nil, append(append([]string{"dlq"}, args...), "--database", pgtest.URL(), "--schema", empty)...)
+		require.Equal(t, exitFailure, r.code, "%v: %s", args, r.stderr)
+		require.Equal(t, "oncemill dlq "+args[0]+`: dead-letter table "`+empty+`"."dlq" (--schema `+empty+` --table dlq) not found in this database: `+
+			`give the consumers' dead-letter table with --schema NAME and --table NAME (their sqlschema.Config's Schema and DLQTable; on SQLite --table alone); `+
+			"their migrations create it (sqlschema.Migrate)\n", r.stderr, args)
+	}
 }
 
 // seedList writes four entries dead-lettered at fixed times in 2000 and a
@@ -387,7 +405,10 @@ func TestShow(t *testing.T) {
 	// The inbox beside the table holds text's key dead, with two copies
 	// acked since it was dead-lettered; binary's key has no record.
 	_, err := f.pool.Exec(context.Background(), `INSERT INTO `+pgx.Identifier{f.schema, "inbox"}.Sanitize()+
-		` (consumer, key, status, dead_copies, expires_at) VALUES ('charge', $1, 'dead', 2, now() + interval '1 day')`, "key-"+text.UUID)
+		` (consumer, key, status, expires_at) VALUES ('charge', $1, 'dead', now() + interval '1 day')`, "key-"+text.UUID)
+	require.NoError(t, err)
+	_, err = f.pool.Exec(context.Background(), `INSERT INTO `+pgx.Identifier{f.schema, "inbox_failures"}.Sanitize()+
+		` (consumer, key, dead_copies) VALUES ('charge', $1, 2)`, "key-"+text.UUID)
 	require.NoError(t, err)
 
 	r := f.dlq(t, "show", strconv.FormatInt(ids[0], 10))

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/oncemill/oncemill/internal/testing/proctest"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
@@ -333,7 +335,7 @@ func TestMySQLRelayLedgerFlag(t *testing.T) {
 		return n
 	}
 	runCtx, stop := context.WithCancel(ctx)
-	var out, errOut syncBuffer
+	var out, errOut proctest.Buffer
 	done := make(chan int, 1)
 	go func() {
 		done <- run(runCtx, []string{"relay", "--database", f.url, "--schema", f.name, "--broker", broker,

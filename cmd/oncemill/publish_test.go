@@ -1,11 +1,17 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net/url"
+	"os"
+	"os/exec"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,13 +27,20 @@ import (
 // standard input.
 func publishWith(t *testing.T, env map[string]string, stdin string, args ...string) result {
 	t.Helper()
+	return publishFrom(t, env, strings.NewReader(stdin), args...)
+}
+
+// publishFrom runs "oncemill publish args…" in-process with stdin as its
+// standard input.
+func publishFrom(t *testing.T, env map[string]string, stdin io.Reader, args ...string) result {
+	t.Helper()
 	var out, errOut bytes.Buffer
 	x := &cmd{
 		name:   "oncemill publish",
 		env:    func(k string) string { return env[k] },
 		stdout: &out,
 		stderr: &errOut,
-		stdin:  strings.NewReader(stdin),
+		stdin:  stdin,
 		now:    time.Now(),
 	}
 	code := exit(x.name, lookup("publish").run(x, context.Background(), args), &errOut)
@@ -226,4 +239,128 @@ func TestPublishUnroutable(t *testing.T) {
 	require.Contains(t, r.stderr, "oncemill publish: sent 0 of 2 messages, then argument 1 (uuid ")
 	require.Contains(t, r.stderr, "amqp: message unroutable")
 	requireOneLine(t, r.stderr)
+	// The hint names the consumers' group to declare, not a queue of
+	// publish's own that no consumer would read and every message fill.
+	require.Contains(t, r.stderr, "oncemill amqp declare --topic "+topic+" --group GROUP")
+	require.NotContains(t, r.stderr, "oncemill-publish")
+}
+
+// A line that the JSON decoders would read some other way than it says,
+// silently, is refused with its number, and nothing is sent: a field or
+// a metadata name given twice (the last one would win), an empty key or
+// partition_key beside the flag that fills the lines without one (the
+// flag's value would be sent), a byte that is not UTF-8 and half of a
+// UTF-16 surrogate pair (each would be sent as U+FFFD). A line longer
+// than the limit after blank lines is named by its own number. The same
+// from a file, read twice, and from a pipe, copied aside while checked.
+func TestPublishRefusesWhatItWouldGuess(t *testing.T) {
+	t.Parallel()
+	rb := newRabbit(t)
+	topic := rb.topic("publish-guess", "$.billing")
+	msgs := subscribed(t, rb.url, topic)
+	good := `{"payload":{"orderId":"A-42"}}` + "\n"
+	for _, c := range []struct {
+		name, stdin, want string
+		args              []string
+	}{
+		{name: "field given twice", stdin: good + `{"key":"A-42","key":"A-43","payload":"x"}`,
+			want: `standard input, line 2: field "key" is given twice: give each field once`},
+		{name: "metadata name given twice", stdin: good + `{"payload":"x","metadata":{"source":"a","source":"b"}}`,
+			want: `standard input, line 2: field "metadata": "source" is given twice: give each name once`},
+		{name: "empty key beside --key", stdin: `{"key":"","payload":"x"}`, args: []string{"--key", "fallback"},
+			want: `standard input, line 1: field "key" is empty: leave it out to take --key ("fallback"), or give one`},
+		{name: "empty key", stdin: `{"key":"","payload":"x"}`,
+			want: `standard input, line 1: field "key" is empty: leave it out for a message without one, or give one`},
+		{name: "empty partition_key beside --partition-key", stdin: `{"partition_key":"","payload":"x"}`, args: []string{"--partition-key", "c-1"},
+			want: `standard input, line 1: field "partition_key" is empty: leave it out to take --partition-key ("c-1"), or give one`},
+		{name: "invalid UTF-8", stdin: good + "{\"payload\":\"caf\xe9\"}",
+			want: `standard input, line 2: byte 16 is not UTF-8: a line is JSON text in UTF-8; send a payload that is not text as a PAYLOAD argument`},
+		{name: "lone high surrogate", stdin: good + `{"payload":"order \ud83d A-42"}`,
+			want: `standard input, line 2: field "payload": \ud83d is half of a UTF-16 surrogate pair, which no UTF-8 text can hold: give the pair, or the character as UTF-8`},
+		{name: "lone low surrogate in an object", stdin: `{"payload":{"note":"\udc00"}}`,
+			want: `standard input, line 1: field "payload": \udc00 is half of a UTF-16 surrogate pair, which no UTF-8 text can hold: give the pair, or the character as UTF-8`},
+		{name: "lone surrogate in metadata", stdin: `{"payload":"x","metadata":{"who":"\uDBFF"}}`,
+			want: `standard input, line 1: field "metadata": \uDBFF is half of a UTF-16 surrogate pair, which no UTF-8 text can hold: give the pair, or the character as UTF-8`},
+		{name: "long line after blank lines", stdin: "\n\n" + good + "\n" + `{"payload":"` + strings.Repeat("x", maxPublishLine) + `"}`,
+			want: `standard input, line 5: longer than 16 MiB`},
+	} {
+		for from, reader := range map[string]func(string) io.Reader{
+			"file": func(s string) io.Reader { return strings.NewReader(s) },
+			"pipe": func(s string) io.Reader { return struct{ io.Reader }{strings.NewReader(s)} },
+		} {
+			r := publishFrom(t, nil, reader(c.stdin), append([]string{"--broker", rb.url, "--topic", topic}, c.args...)...)
+			require.Equal(t, exitUsage, r.code, "%s from a %s: %s", c.name, from, r.stderr)
+			require.Equal(t, "oncemill publish: "+c.want+"; nothing sent; run 'oncemill publish --help' for usage\n", r.stderr, "%s from a %s", c.name, from)
+			require.Empty(t, r.stdout)
+		}
+	}
+
+	// A pair is a character, which arrives as UTF-8; it is the first
+	// message the queue got.
+	r := publishFrom(t, nil, struct{ io.Reader }{strings.NewReader(`{"payload":"order \ud83d\ude00 A-42"}`)}, "--broker", rb.url, "--topic", topic)
+	require.Equal(t, exitOK, r.code, r.stderr)
+	got := received(t, msgs, 1)
+	require.Equal(t, "order \U0001F600 A-42", string(got[0].Payload))
+	require.Equal(t, "sent "+got[0].UUID+" key -\n", r.stdout)
+}
+
+// The built command reads 128 MiB of lines from a pipe, 64 KiB each, and
+// sends them all, each line checked before the first is sent as before,
+// without holding its input in memory: its peak resident memory stays
+// under half of what it read. It used to keep every message until the
+// last line was read, several times its input.
+func TestPublishStreamsStandardInput(t *testing.T) {
+	t.Parallel()
+	const lines, size = 2048, 64 << 10
+	bin := buildOncemill(t)
+	rb := newRabbit(t)
+	topic := rb.topic("publish-big", "$.billing")
+	r := oncemill(t, nil, "amqp", "declare", "--url", rb.url, "--topic", topic, "--group", "billing")
+	require.Equal(t, exitOK, r.code, r.stderr)
+
+	cmd := exec.Command(bin, "publish", "--broker", rb.url, "--topic", topic, "--key", "bulk")
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	require.NoError(t, cmd.Start())
+	// The kernel's high-water mark of the command's own memory (VmHWM),
+	// read while it runs: the rusage of a child that the test process
+	// started counts the test process's memory too, which the child
+	// shared until it exec'd.
+	var peak atomic.Int64
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for {
+			status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", cmd.Process.Pid))
+			if err != nil {
+				return // it has exited
+			}
+			for _, l := range strings.Split(string(status), "\n") {
+				if f := strings.Fields(l); len(f) == 3 && f[0] == "VmHWM:" {
+					if kb, err := strconv.ParseInt(f[1], 10, 64); err == nil && kb<<10 > peak.Load() {
+						peak.Store(kb << 10)
+					}
+				}
+			}
+			time.Sleep(10 * time.Millisecond) // a sampling period, not a wait for anything
+		}
+	}()
+	payload := strings.Repeat("x", size-32)
+	go func() {
+		w := bufio.NewWriter(stdin)
+		for i := range lines {
+			fmt.Fprintf(w, "{\"payload\":\"%04d %s\"}\n", i, payload)
+		}
+		_ = w.Flush()
+		_ = stdin.Close()
+	}()
+	require.NoError(t, cmd.Wait(), errOut.String())
+	<-sampled
+	require.Equal(t, lines, strings.Count(out.String(), "\nsent ")+1, "every line sent")
+	require.Equal(t, lines, rb.ready(topic+".billing"))
+	t.Logf("read %d MiB, peak resident memory %d MiB", lines*size>>20, peak.Load()>>20)
+	require.Positive(t, peak.Load(), "sampled")
+	require.Less(t, peak.Load(), int64(lines*size/2), "peak resident memory under half the input")
 }

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/oncemill/oncemill/internal/testing/proctest"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
@@ -43,7 +45,7 @@ func TestRelayLedgerFlag(t *testing.T) {
 	require.NoError(t, tx.Commit(ctx))
 
 	runCtx, stop := context.WithCancel(ctx)
-	var out, errOut syncBuffer
+	var out, errOut proctest.Buffer
 	done := make(chan int, 1)
 	go func() {
 		done <- run(runCtx, []string{"relay", "--database", pgtest.URL(), "--schema", f.schema, "--broker", broker,

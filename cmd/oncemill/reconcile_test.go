@@ -199,7 +199,7 @@ func TestReconcile(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 1, purged)
 	require.NoError(t, ch.Close())
-	_, err = f.pool.Exec(ctx, `INSERT INTO `+inboxTable+` (consumer, key, status, attempts, expires_at) VALUES ($1, $2, 'failed', 1, now() + interval '1 hour')`,
+	_, err = f.pool.Exec(ctx, `INSERT INTO `+inboxTable+` (consumer, key, status, expires_at) VALUES ($1, $2, 'failed', now() + interval '1 hour')`,
 		consumer, stuck.Metadata.Get(delivery.IdempotencyKey))
 	require.NoError(t, err)
 	r = f.reconcile(t, consumer)
@@ -236,8 +236,8 @@ func TestReconcile(t *testing.T) {
 	require.Equal(t, map[string]string{gone.UUID: "lost", dropped.UUID: "lost"}, reconcileRows(r.stdout))
 
 	// (c) A key done in the inbox that no published event explains.
-	_, err = f.pool.Exec(ctx, `INSERT INTO `+inboxTable+` (consumer, key, status, attempts, done_at, expires_at)
-		VALUES ($1, 'forged-key', 'done', 1, now() - interval '1 second', now() + interval '1 hour')`, consumer)
+	_, err = f.pool.Exec(ctx, `INSERT INTO `+inboxTable+` (consumer, key, status, done_at, expires_at)
+		VALUES ($1, 'forged-key', 'done', now() - interval '1 second', now() + interval '1 hour')`, consumer)
 	require.NoError(t, err)
 	r = f.reconcile(t, consumer)
 	require.NotContains(t, r.stdout, "forged-key", "without --strict")

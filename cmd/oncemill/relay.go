@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"strings"
@@ -66,6 +67,11 @@ creates it (sqlschema.Migrate's tables, on PostgreSQL, MySQL or SQLite).
 On --listen it serves /healthz (200 while the relay runs and its database
 answers, 503 otherwise) and /metrics (Prometheus: oncemill_outbox_* as
 observe/prom exports them, and the process's go_* and process_* series).
+
+It logs to standard error in slog's text format (time=… level=… msg=…),
+its own lines ("oncemill relay running", with the outbox and the broker)
+and those of the forwarder and the broker's adapter alike, as a consumer
+logging to slog.Default() does.
 
 Every flag can also be set by an environment variable: --database by
 $DATABASE_URL, --broker by $BROKER_URL, any other by $ONCEMILL_RELAY_
@@ -215,6 +221,9 @@ func flagWants(f *flag.Flag, err error) string {
 // does not parse is left to adapters.Open to report.
 // The error ends with nothing, what was not done ("nothing relayed").
 func checkDurableBroker(field, broker, nothing string) error {
+	if err := checkURLText(field, broker); err != nil {
+		return usagef("%v; %s", err, nothing)
+	}
 	if err := adapters.CheckDurableURL(broker); err != nil {
 		return usagef("%s: %v; %s", field, err, nothing)
 	}
@@ -279,7 +288,13 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	if err := o.prepare(ctx, db); err != nil {
 		return err
 	}
-	logger := watermill.NewStdLoggerWithOut(c.stderr, false, false)
+	// One logger, for the relay's own lines and for its libraries' (the
+	// forwarder, the broker's adapter): slog's text on standard error,
+	// what a consumer built with oncemill writes by default (the
+	// middlewares log to slog.Default()), so that one log pipeline reads
+	// the consumers and their sidecar alike.
+	log := slog.New(slog.NewTextHandler(c.stderr, nil))
+	logger := watermill.NewSlogLogger(log)
 	ps, err := openBroker(ctx, o.field("broker"), o.broker, relayGroup, "nothing relayed", logger)
 	if err != nil {
 		return err
@@ -315,11 +330,11 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 		})
 		srv = newServer(mux)
 		go func() { served <- srv.Serve(ln) }()
-		fmt.Fprintf(c.stdout, "oncemill relay serving /healthz and /metrics on %s\n", consoleURL(ln.Addr()))
+		log.Info("oncemill relay serving /healthz and /metrics", "url", consoleURL(ln.Addr()))
 	}
 
 	outbox := o.cfg.Schema.WithDefaults()
-	fmt.Fprintf(c.stdout, "oncemill relay running: %s.%s to %s\n", outbox.Schema, outbox.OutboxTable, redact.URL(o.broker))
+	log.Info("oncemill relay running", "outbox", outbox.Schema+"."+outbox.OutboxTable, "broker", redact.URL(o.broker))
 	running.Store(true)
 	runErr := relay.Run(ctx)
 	running.Store(false)
@@ -337,7 +352,7 @@ func (c *cmd) relay(ctx context.Context, args []string) (err error) {
 	if runErr != nil {
 		return runErr
 	}
-	fmt.Fprintln(c.stdout, "oncemill relay stopped")
+	log.Info("oncemill relay stopped")
 	return nil
 }
 

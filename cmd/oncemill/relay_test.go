@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -130,7 +131,7 @@ func startRelay(t *testing.T, bin string, env []string, args ...string) *relayPr
 			require.FailNow(t, "the relay exited before it ran", "%v; output:\n%s", p.err, p.out.String())
 		default:
 		}
-		_, ok := p.out.Line("oncemill relay running: ")
+		_, ok := logLine(p.out.String(), "oncemill relay running")
 		return ok, p.out.String()
 	})
 	return p
@@ -152,7 +153,8 @@ func (p *relayProcess) terminate(t *testing.T) {
 		require.FailNow(t, "the relay still runs a minute after SIGTERM", p.out.String())
 	}
 	require.NoError(t, p.err, "the relay exits 0 after SIGTERM; output:\n%s", p.out.String())
-	require.Contains(t, p.out.String(), "oncemill relay stopped")
+	_, stopped := logLine(p.out.String(), "oncemill relay stopped")
+	require.True(t, stopped, "the relay says it stopped; output:\n%s", p.out.String())
 }
 
 // waitFor polls cond until it holds, for up to two minutes; what it
@@ -324,9 +326,9 @@ func TestRelayHealthMetricsAndDrain(t *testing.T) {
 		"ONCEMILL_RELAY_SCHEMA=" + schema, "ONCEMILL_RELAY_LISTEN=127.0.0.1:0",
 		// One transaction writes all the rows below: lock-ordered.
 		"ONCEMILL_RELAY_LOCK_ORDERED_WRITERS=true"}, "--migrate")
-	line, ok := relay.out.Line("oncemill relay serving /healthz and /metrics on ")
+	attrs, ok := logLine(relay.out.String(), "oncemill relay serving /healthz and /metrics")
 	require.True(t, ok, relay.out.String())
-	base := strings.TrimSuffix(line, "/")
+	base := strings.TrimSuffix(attrs["url"], "/")
 
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
 	const rows = 20
@@ -440,4 +442,82 @@ func TestRelayUsageErrors(t *testing.T) {
 		require.Contains(t, r.stderr, tc.want, "%v %v", tc.args, tc.env)
 		requireOneLine(t, r.stderr)
 	}
+}
+
+// logLine finds in out the first line of slog's text format whose msg is
+// msg, and returns its attributes; every line of the relay is one.
+func logLine(out, msg string) (map[string]string, bool) {
+	for _, line := range strings.Split(out, "\n") {
+		attrs, ok := slogText(line)
+		if ok && attrs["msg"] == msg {
+			return attrs, true
+		}
+	}
+	return nil, false
+}
+
+// slogText reads a line that slog.TextHandler wrote: key=value pairs
+// separated by one space, a value quoted (strconv.Quote) when it must be,
+// time, level and msg among them. It reports false for any other line.
+func slogText(line string) (map[string]string, bool) {
+	attrs := map[string]string{}
+	for rest := line; rest != ""; {
+		key, after, ok := strings.Cut(rest, "=")
+		if !ok || key == "" || strings.ContainsAny(key, " \"") {
+			return nil, false
+		}
+		var value string
+		if strings.HasPrefix(after, `"`) {
+			quoted, err := strconv.QuotedPrefix(after)
+			if err != nil {
+				return nil, false
+			}
+			value, _ = strconv.Unquote(quoted)
+			after = after[len(quoted):]
+		} else if i := strings.IndexByte(after, ' '); i >= 0 {
+			value, after = after[:i], after[i:]
+		} else {
+			value, after = after, ""
+		}
+		attrs[key] = value
+		if after == "" {
+			break
+		}
+		if rest, ok = strings.CutPrefix(after, " "); !ok || rest == "" {
+			return nil, false
+		}
+	}
+	_, hasTime := attrs["time"]
+	_, hasLevel := attrs["level"]
+	_, hasMsg := attrs["msg"]
+	return attrs, hasTime && hasLevel && hasMsg
+}
+
+// TestRelayLogsOneFormat: everything the relay writes, from its start to
+// its stop on SIGTERM, is one slog text line each, its own lines and the
+// broker adapter's alike ("Connected to AMQP"), as a consumer's slog
+// lines are: it used to mix Watermill's standard-library lines on
+// standard error with plain lines of its own on standard output.
+func TestRelayLogsOneFormat(t *testing.T) {
+	t.Parallel()
+	bin := buildOncemill(t)
+	r := newRabbit(t)
+	pool := pgtest.Pool(t, 1)
+	schema := pgtest.Schema(t, pool)
+	relay := startRelay(t, bin, nil, "--database", pgtest.URL(), "--broker", r.url, "--schema", schema, "--migrate", "--listen", "127.0.0.1:0")
+	relay.terminate(t)
+	out := relay.out.String()
+	lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+	for _, line := range lines {
+		_, ok := slogText(line)
+		require.True(t, ok, "not a slog text line: %q; output:\n%s", line, out)
+	}
+	running, ok := logLine(out, "oncemill relay running")
+	require.True(t, ok, out)
+	require.Equal(t, schema+".outbox", running["outbox"])
+	require.Equal(t, "INFO", running["level"])
+	_, ok = logLine(out, "Connected to AMQP")
+	require.True(t, ok, "the adapter's lines go through the same logger: %s", out)
+	_, ok = logLine(out, "oncemill relay serving /healthz and /metrics")
+	require.True(t, ok, out)
 }

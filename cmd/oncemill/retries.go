@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/sqldb"
 	"github.com/oncemill/oncemill/retry"
 	"github.com/oncemill/oncemill/sqlschema"
 )
@@ -96,6 +97,27 @@ func (c *cmd) openRetries(ctx context.Context, dlqTable string) (*retryTable, er
 	t := &retryTable{close: db.Close, where: "--schema " + c.schema + " --table " + c.table}
 	if u.dialect == sqlschema.SQLite {
 		t.where = "--table " + c.table // SQLite has no schema
+	}
+	if dlqTable != "" {
+		// A dead-letter table that is not there is most often a
+		// mistyped flag: say that first, before anything moves.
+		dialect, err := sqldb.For(u.dialect)
+		if err == nil {
+			var ok bool
+			ok, err = db.hasTable(ctx, dialect.Names(cfg).DLQ)
+			if err == nil && !ok {
+				where := "in schema " + c.schema
+				if u.dialect == sqlschema.SQLite {
+					where = "in the database file"
+				}
+				err = fmt.Errorf("--dlq-table %s: no dead-letter table %q %s: correct --dlq-table (the consumer's is %q unless its sqlschema.Config.DLQTable says otherwise), "+
+					"or, if it is right, run the consumer's migrations (sqlschema.Migrate), which create it; nothing was cancelled", dlqTable, dlqTable, where, sqlschema.DefaultDLQTable)
+			}
+		}
+		if err != nil {
+			db.Close()
+			return nil, err
+		}
 	}
 	if db.Pool != nil {
 		t.store, err = retry.NewStore(db.Pool, cfg)

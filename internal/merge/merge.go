@@ -10,6 +10,8 @@ import (
 	"sync"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/delivery"
 )
 
 // Subscribers returns a subscriber whose Subscribe(ctx, topic) delivers
@@ -67,4 +69,16 @@ func (m *merged) Close() error {
 	}
 	m.wg.Wait()
 	return errors.Join(errs...)
+}
+
+// DeliveryLimit forwards the question to the first of the merged
+// subscribers that can answer it (delivery.Limiter): the broker's; the
+// subscribers that hand messages back from a table set no limit.
+func (m *merged) DeliveryLimit(ctx context.Context, topic string) (delivery.Limit, error) {
+	for _, s := range m.subs {
+		if l, ok := s.(delivery.Limiter); ok {
+			return l.DeliveryLimit(ctx, topic)
+		}
+	}
+	return delivery.Limit{}, nil
 }
