@@ -8,6 +8,7 @@
 package delivery
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"strconv"
@@ -39,11 +40,23 @@ const (
 	// Attempts is the broker's own count of deliveries of this message,
 	// this one included, where the broker keeps one (SQS
 	// ApproximateReceiveCount, RabbitMQ quorum x-delivery-count + 1,
-	// JetStream NumDelivered). Absent when the broker has none (Kafka).
+	// JetStream NumDelivered). Kafka keeps none: its subscriber sets 1 on
+	// an offset's first hand-out when it keeps a [HandOutMarks], and
+	// nothing otherwise.
 	Attempts = "oncemill_attempts"
 	// Redelivered is "true" when the broker says it delivered the message
-	// before (RabbitMQ's redelivered flag, JetStream NumDelivered > 1).
+	// before (RabbitMQ's redelivered flag, JetStream NumDelivered > 1), or
+	// the Kafka subscriber's [HandOutMarks] says the offset may have been
+	// handed out before (by a process that died, or a member that owned
+	// the partition), or the subscriber hands a nacked message out again.
 	Redelivered = "oncemill_redelivered"
+	// MaxDeliveries is how many times the broker delivers the message at
+	// most, the first delivery included, before it drops it or moves it
+	// aside (RabbitMQ quorum x-delivery-limit + 1, SQS maxReceiveCount,
+	// JetStream MaxDeliver): a delivery whose Attempts reach it is the
+	// last the broker makes ([LastDelivery]). Absent when the broker sets
+	// no limit, or the adapter cannot tell.
+	MaxDeliveries = "oncemill_max_deliveries"
 	// DecodeError holds why the adapter could not decode the broker's
 	// record into a message; the payload then holds the raw bytes. The
 	// message must go to the dead-letter queue, not to the handler.
@@ -64,20 +77,40 @@ const (
 	ReplayConsumer = "oncemill_replay_consumer"
 )
 
+// HandOutMarks keeps, for a subscriber whose broker counts no deliveries
+// (Kafka), a durable mark per consumer group and partition: the highest
+// offset it may have handed out. The subscriber writes the mark before it
+// hands out any offset under it, one write for a batch of offsets
+// received, and reads it when it is given the partition: an offset at or
+// below the mark may have been handed out before, to a process that died
+// in it, and goes out marked [Redelivered] (its attempts are counted one
+// by one); an offset above it goes out as a first delivery, [Attempts]
+// 1, whose attempt the inbox need not record, as on brokers that count.
+// The inbox stores implement it (dedup/postgres, dedup/sqlstore,
+// dedup/sqlite), on a table beside the inbox's.
+type HandOutMarks interface {
+	// InboxHandOutMark returns the mark of group's partition of topic,
+	// -1 when there is none.
+	InboxHandOutMark(ctx context.Context, group, topic string, partition int32) (int64, error)
+	// InboxMarkHandOut raises the mark of group's partition of topic to
+	// offset, durably, and never lowers it.
+	InboxMarkHandOut(ctx context.Context, group, topic string, partition int32, offset int64) error
+}
+
 // IsAdapterFact reports whether metadata key k is one an adapter sets on
 // each delivery from what the broker says of it: Topic, Partition, Offset,
-// Stream, StreamSequence, Attempts, Redelivered and DecodeError. It is the
-// one list every adapter keeps to: its publisher leaves these keys out
-// and its subscriber ignores a header of those names, since a message
-// consumed from one broker and published to another (or the same) would
-// otherwise carry facts of the delivery it was consumed from, which lie
-// about the new one (a decode error would even have it dead-lettered
-// unread). The replay marker and the dead-letter fields are not adapter
+// Stream, StreamSequence, Attempts, Redelivered, MaxDeliveries and
+// DecodeError. It is the one list every adapter keeps to: its publisher
+// leaves these keys out and its subscriber ignores a header of those
+// names, since a message consumed from one broker and published to
+// another (or the same) would otherwise carry facts of the delivery it
+// was consumed from, which lie about the new one (a decode error would
+// even have it dead-lettered unread). The replay marker and the dead-letter fields are not adapter
 // facts: a replay or a dead-letter copy published to a broker must carry
 // them (see [IsDeliveryFact]).
 func IsAdapterFact(k string) bool {
 	switch k {
-	case Topic, Partition, Offset, Stream, StreamSequence, Attempts, Redelivered, DecodeError:
+	case Topic, Partition, Offset, Stream, StreamSequence, Attempts, Redelivered, MaxDeliveries, DecodeError:
 		return true
 	}
 	return false
@@ -104,6 +137,19 @@ func AttemptsOf(msg *message.Message) (int, bool) {
 		return 0, false
 	}
 	return n, true
+}
+
+// LastDelivery reports whether msg is the last delivery its broker makes
+// of it: its Attempts have reached its MaxDeliveries. The broker drops
+// the message, or moves it aside, if this delivery is not acked; it
+// returns the limit too.
+func LastDelivery(msg *message.Message) (limit int, last bool) {
+	limit, err := strconv.Atoi(msg.Metadata.Get(MaxDeliveries))
+	if err != nil || limit < 1 {
+		return 0, false
+	}
+	n, ok := AttemptsOf(msg)
+	return limit, ok && n >= limit
 }
 
 // DecodeErrorOf returns why msg could not be decoded, or "" if it was.

@@ -76,7 +76,7 @@ func postgresBackendIn(t *testing.T, pool *pgxpool.Pool, schema string) txBacken
 		},
 		attempts: func(t *testing.T, consumer, key string) int {
 			n := -1
-			err := pool.QueryRow(context.Background(), `SELECT attempts FROM `+q+`.inbox WHERE consumer = $1 AND key = $2`, consumer, key).Scan(&n)
+			err := pool.QueryRow(context.Background(), `SELECT COALESCE(f.attempts, CASE WHEN i.status = 'done' THEN 1 ELSE 0 END) FROM `+q+`.inbox i LEFT JOIN `+q+`.inbox_failures f USING (consumer, key) WHERE consumer = $1 AND key = $2`, consumer, key).Scan(&n)
 			if !errors.Is(err, pgx.ErrNoRows) {
 				require.NoError(t, err)
 			}
@@ -126,7 +126,7 @@ func sqliteBackend(t *testing.T) txBackend {
 		},
 		attempts: func(t *testing.T, consumer, key string) int {
 			n := -1
-			err := db.QueryRowContext(ctx, `SELECT attempts FROM inbox WHERE consumer = ? AND key = ?`, consumer, key).Scan(&n)
+			err := db.QueryRowContext(ctx, `SELECT COALESCE(f.attempts, CASE WHEN i.status = 'done' THEN 1 ELSE 0 END) FROM inbox i LEFT JOIN inbox_failures f USING (consumer, key) WHERE consumer = ? AND key = ?`, consumer, key).Scan(&n)
 			if !errors.Is(err, sql.ErrNoRows) {
 				require.NoError(t, err)
 			}

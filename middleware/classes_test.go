@@ -251,6 +251,12 @@ func TestTopicLabelFromTheRouter(t *testing.T) {
 		require.NoError(t, pubSub.Publish("orders", msg))
 	}
 	require.Eventually(t, func() bool { return b.effects(t) == 3 }, 30*time.Second, 5*time.Millisecond)
+	// The hooks hear of an attempt once it has committed and returned.
+	require.Eventually(t, func() bool {
+		rec.mu.Lock()
+		defer rec.mu.Unlock()
+		return len(rec.attempts) == 3
+	}, 30*time.Second, 5*time.Millisecond)
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
 	require.Len(t, rec.attempts, 3)

@@ -101,8 +101,8 @@ func ExampleInbox_Middleware() {
 }
 
 // A message that can never succeed is dead-lettered, with the reason, after
-// MaxAttempts attempts, and then acked; here each call of the wrapped
-// handler is one delivery of the message.
+// MaxAttempts attempts, and then acked: the attempts run in process, in
+// the one delivery, so that they spend none of the broker's deliveries.
 func ExampleNewPoison() {
 	dlqPubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	defer dlqPubSub.Close()
@@ -115,16 +115,16 @@ func ExampleNewPoison() {
 	if err != nil {
 		panic(err)
 	}
+	attempts := 0
 	handler := poison.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		attempts++
 		return nil, errors.New("ledger rejected the account")
 	})
 
 	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"orderId":"A-42"}`))
 	msg.Metadata.Set(dlv.IdempotencyKey, "A-42")
-	for delivery := 1; delivery <= 3; delivery++ {
-		_, err := handler(msg)
-		fmt.Printf("delivery %d: nacked=%v\n", delivery, err != nil)
-	}
+	_, err = handler(msg) // one delivery: its attempts run in process, after a backoff
+	fmt.Printf("attempts: %d, nacked: %v\n", attempts, err != nil)
 
 	dead, err := dlqPubSub.Subscribe(context.Background(), "payments.dlq")
 	if err != nil {
@@ -134,9 +134,7 @@ func ExampleNewPoison() {
 	d.Ack()
 	fmt.Println(d.Metadata.Get("oncemill_dlq_key"), d.Metadata.Get("oncemill_dlq_attempts"), d.Metadata.Get("oncemill_dlq_error"))
 	// Output:
-	// delivery 1: nacked=true
-	// delivery 2: nacked=true
-	// delivery 3: nacked=false
+	// attempts: 3, nacked: false
 	// A-42 3 ledger rejected the account
 }
 

@@ -116,7 +116,13 @@ func TestPanicWithRecovererOutermost(t *testing.T) {
 	t.Parallel()
 	txBackends(t, 4, func(t *testing.T, b txBackend) {
 		dlq := &lateDLQ{}
-		poison := newPoison(t, dlq, 3)
+		// Each attempt a delivery of its own, so that the store's start
+		// never runs inside the previous attempt's 50 ms.
+		poison, err := middleware.NewPoison(middleware.PoisonConfig{
+			Publisher: dlq, Topic: deadTopic, MaxAttempts: 3, InProcessRetries: middleware.NoInProcessRetries,
+			InitialBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond,
+		})
+		require.NoError(t, err)
 		in := newInbox(t, middleware.InboxConfig{TxStore: b.store})
 		var calls atomic.Int32
 		c := startChain(t, func(msg *message.Message) error {
@@ -171,7 +177,13 @@ func TestPoisonDeadlineIsCounted(t *testing.T) {
 	t.Parallel()
 	txBackends(t, 4, func(t *testing.T, b txBackend) {
 		dlq := &lateDLQ{}
-		poison := newPoison(t, dlq, 3)
+		// Each attempt a delivery of its own, so that the store's start
+		// never runs inside the previous attempt's 50 ms.
+		poison, err := middleware.NewPoison(middleware.PoisonConfig{
+			Publisher: dlq, Topic: deadTopic, MaxAttempts: 3, InProcessRetries: middleware.NoInProcessRetries,
+			InitialBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond,
+		})
+		require.NoError(t, err)
 		in := newInbox(t, middleware.InboxConfig{TxStore: b.store})
 		var calls atomic.Int32
 		c := startChain(t, func(msg *message.Message) error {

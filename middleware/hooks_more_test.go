@@ -77,6 +77,9 @@ func newHookChain(t *testing.T, cfg middleware.InboxConfig, maxAttempts int, han
 	poison, err := middleware.NewPoison(middleware.PoisonConfig{
 		Publisher: c.sink, Topic: "payments.dlq", MaxAttempts: maxAttempts, Consumer: "billing",
 		InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond, Hooks: []observe.Hook{c.rec},
+		// Each run is one delivery and one attempt: a failure or an
+		// outage is nacked at once, for the test to deliver again.
+		InProcessRetries: middleware.NoInProcessRetries, OutageHold: time.Nanosecond,
 	})
 	require.NoError(t, err)
 	h := c.inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {

@@ -49,10 +49,39 @@ type PoisonConfig struct {
 	MaxAttempts int
 	// InProcessRetries is how many times a failed message is retried in
 	// the handler's goroutine, with backoff, before it is nacked to the
-	// broker. Defaults to 0: every retry is a redelivery, which the broker
-	// or the inbox's store counts durably. In-process retries keep a
-	// message on the same consumer and hold its partition meanwhile.
+	// broker for redelivery. An in-process retry holds the delivery,
+	// unacked, and with it its ordering key, so that no later message of
+	// the key runs before it succeeds, is parked or is dead-lettered; it
+	// spends none of the deliveries a broker makes of a message (RabbitMQ
+	// 4's quorum queues drop a message after 20, SQS redrive and JetStream
+	// MaxDeliver move or stop it); the inbox's store counts each attempt
+	// durably all the same. [NoInProcessRetries] nacks every failed
+	// attempt instead. Defaults to MaxAttempts-1: every immediate attempt
+	// runs in process, then the message is parked (with Retries) or
+	// dead-lettered.
 	InProcessRetries int
+	// OutageHold bounds how long a delivery waits in the consumer,
+	// unacked, while the infrastructure or the handler's dependency is
+	// down (an [Unavailable] error or Classify's [Pause], the inbox's
+	// store unreachable, a dead letter or a park that could not be
+	// written, another delivery holding the key): it is tried again in
+	// process after the backoff instead of being nacked, so that an
+	// outage spends none of the broker's deliveries. Past the bound it is
+	// nacked once. The broker's last delivery of a message
+	// (delivery.LastDelivery) is held as long as the consumer runs. Keep
+	// it under the broker's own bound on an unacked delivery (RabbitMQ's
+	// consumer_timeout, 30 minutes by default; SQS and JetStream are kept
+	// waiting by the adapters' heartbeats). Defaults to
+	// [DefaultOutageHold] (15 minutes).
+	OutageHold time.Duration
+	// AcceptDeliveryLimit lets [Poison.Subscriber] subscribe where the
+	// broker's delivery limit for the topic (RabbitMQ's x-delivery-limit,
+	// SQS's maxReceiveCount, JetStream's MaxDeliver) is below what the
+	// policy needs ([Poison.DeliveriesNeeded]), with an Error line, instead
+	// of refusing to: a message that kills its consumer at every delivery
+	// is then dead-lettered at the broker's last delivery, before the
+	// policy's horizon. Defaults to false: refused, with the fix.
+	AcceptDeliveryLimit bool
 	// InitialBackoff is the wait after the first failed attempt; it
 	// doubles with every attempt up to MaxBackoff. The wait comes before
 	// an in-process retry and before a nack, so that the broker does not
@@ -123,6 +152,11 @@ type PoisonConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
+// NoInProcessRetries, as PoisonConfig.InProcessRetries, nacks every
+// failed attempt for the broker to deliver again, instead of retrying it
+// in process.
+const NoInProcessRetries = -1
+
 // topicNamer is a dead-letter publisher that names the topic it files
 // dead letters under when PoisonConfig.Topic is empty.
 type topicNamer interface{ DefaultTopic() string }
@@ -165,6 +199,12 @@ func (c *PoisonConfig) setDefaults() {
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = 5 * time.Second
 	}
+	if c.InProcessRetries == 0 {
+		c.InProcessRetries = max(c.MaxAttempts-1, 0)
+	}
+	if c.OutageHold == 0 {
+		c.OutageHold = DefaultOutageHold
+	}
 	if c.Key == nil {
 		c.Key = DefaultKey
 	}
@@ -196,14 +236,18 @@ func (c PoisonConfig) Validate() error {
 		return errors.New("middleware: PoisonConfig.Topic is required: the dead-letter topic")
 	case c.MaxAttempts < 1:
 		return fmt.Errorf("middleware: PoisonConfig.MaxAttempts must be at least 1, got %d", c.MaxAttempts)
-	case c.InProcessRetries < 0:
-		return fmt.Errorf("middleware: PoisonConfig.InProcessRetries must not be negative, got %d", c.InProcessRetries)
+	case c.InProcessRetries < NoInProcessRetries:
+		return fmt.Errorf("middleware: PoisonConfig.InProcessRetries must be NoInProcessRetries (-1), 0 for the default (MaxAttempts-1) or positive, got %d", c.InProcessRetries)
+	case c.OutageHold < 0:
+		return fmt.Errorf("middleware: PoisonConfig.OutageHold must not be negative, got %s", c.OutageHold)
 	case c.InitialBackoff < 0:
 		return fmt.Errorf("middleware: PoisonConfig.InitialBackoff must not be negative, got %s", c.InitialBackoff)
 	case c.MaxBackoff < c.InitialBackoff:
 		return fmt.Errorf("middleware: PoisonConfig.MaxBackoff (%s) must be at least InitialBackoff (%s)", c.MaxBackoff, c.InitialBackoff)
 	case c.PublishTimeout < 0:
 		return fmt.Errorf("middleware: PoisonConfig.PublishTimeout must not be negative, got %s", c.PublishTimeout)
+	case c.Retries != nil && c.Retries.Ready() != nil:
+		return fmt.Errorf("middleware: PoisonConfig.Retries: %w: pass the store retry.NewStore or retry.NewSQLStore returned", c.Retries.Ready())
 	case len(c.Delays) > 0 && c.Retries == nil:
 		return errors.New("middleware: PoisonConfig.Delays needs PoisonConfig.Retries, the store where messages wait for their delayed attempts (retry.NewStore)")
 	}
@@ -212,7 +256,7 @@ func (c PoisonConfig) Validate() error {
 			return fmt.Errorf("middleware: PoisonConfig.Delays[%d] must not be negative, got %s", i, d)
 		}
 	}
-	return nil
+	return checkConsumerName("PoisonConfig.Consumer", c.Consumer)
 }
 
 // PoisonStats counts what a [Poison] middleware did since it was made.
@@ -244,6 +288,9 @@ type PoisonStats struct {
 	// Paused counts the attempts that waited for the consumer's one
 	// attempt at a time while its dependency was down.
 	Paused int64
+	// BroughtForward counts the parked messages made due at once because
+	// the handler succeeded again after failures.
+	BroughtForward int64
 }
 
 // Poison is a router middleware that keeps a message that cannot be
@@ -303,6 +350,10 @@ type Poison struct {
 	// unparked remembers the consumers and topics told that no retry
 	// subscriber runs for them.
 	unparked sync.Map
+	// forwards brings parked messages forward once the handler succeeds
+	// again; broughtForward counts them.
+	forwards       forwards
+	broughtForward atomic.Int64
 
 	mu    sync.Mutex
 	local map[string]localCount // by message UUID; bounded by maxLocal
@@ -344,90 +395,112 @@ func (p *Poison) Stats() PoisonStats {
 		Parked:           p.parked.Load(),
 		ParkedBehind:     p.parkedBehind.Load(),
 		Paused:           p.paused.Load(),
+		BroughtForward:   p.broughtForward.Load(),
 	}
 }
 
 // Middleware wraps h: add it with router.AddMiddleware, before the inbox.
 //
 // A message the adapter could not decode (delivery.DecodeError) never
-// reaches h. A failed attempt is retried or nacked after a backoff. An
-// attempt that says nothing about the message (see [Poison]) is nacked at
-// once and not counted.
+// reaches h. A failed attempt is retried in process after a backoff, then
+// parked or dead-lettered (see [PoisonConfig.InProcessRetries]). An
+// attempt that says nothing about the message (see [Poison]) is not
+// counted: the delivery is held and tried again in process while the
+// outage lasts, up to [PoisonConfig.OutageHold], and nacked only then.
 func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		base := msg.Context()
 		defer msg.SetContext(base)
+		hold := p.newHold(msg)
+		defer hold.leave()
 		if reason := delivery.DecodeErrorOf(msg); reason != "" {
 			now := time.Now()
 			err := Permanent(fmt.Errorf("%w: %s", ErrUndecodable, reason))
 			broker, _ := delivery.AttemptsOf(msg)
-			return nil, p.deadLetter(msg, nil, err, max(broker, 1), now, now)
+			return nil, p.ending(hold, nil, func() error { return p.deadLetter(msg, nil, err, max(broker, 1), now, now) })
 		}
-		if behind, err := p.waitBehind(msg); err != nil {
-			return nil, p.outage(msg, fmt.Errorf("%w: %w", ErrPark, err))
-		} else if behind {
-			return nil, nil
-		}
-		if p.gate.down() {
-			p.paused.Add(1)
-		}
-		leave, ok := p.gate.enter(base)
-		defer leave()
-		if !ok {
-			return nil, base.Err()
-		}
-		// The inbox stops a crash loop at the policy's horizon: the
-		// delayed attempts count too.
-		parking := p.parking(msg, p.consumerOf(msg))
 		var slot *attemptSlot
 		defer func() { slot.end() }()
-		for try := 0; ; try++ {
+		// try numbers the counted attempts of this delivery: waits through
+		// an outage are not attempts.
+		try := 0
+		for {
+			if behind, err := p.waitBehind(msg); err != nil {
+				err = fmt.Errorf("%w: %w", ErrPark, err)
+				if hold.wait(err, false) {
+					continue
+				}
+				return nil, hold.giveUp(nil, err)
+			} else if behind {
+				return nil, nil
+			}
+			if !hold.enterGate() {
+				if err := base.Err(); err != nil {
+					return nil, hold.giveUp(nil, err)
+				}
+				return nil, hold.giveUp(nil, fmt.Errorf("%w: its dependency is still down after %s", dedup.ErrUnavailable, p.cfg.OutageHold))
+			}
+			// The inbox stops a crash loop at the policy's horizon: the
+			// delayed attempts count too.
+			parking := p.parking(msg, p.consumerOf(msg))
+			slot = &attemptSlot{maxAttempts: p.crashHorizon(parking, hold), try: try}
 			// Every try starts from the delivery's own context: a Timeout
 			// middleware behind this one leaves its cancelled context on
 			// the message.
-			slot = &attemptSlot{maxAttempts: p.horizon(parking), try: try}
 			msg.SetContext(withSlot(base, slot))
 			produced, err := p.call(h, msg)
+			msg.SetContext(base)
 			if err == nil {
-				p.forget(msg.UUID)
-				p.outages.Store(0)
-				p.pauses.Store(0)
+				p.succeeded(msg, hold)
 				return produced, nil
 			}
 			class := classOf(base, err)
 			switch class {
 			case classUncounted:
-				return nil, err
+				slot.end()
+				if stopping(base) || errors.Is(err, ErrShutdown) {
+					return nil, hold.giveUp(slot, err)
+				}
+				// Another delivery holds the key, or took its lease over:
+				// wait for it here rather than spend a broker delivery.
+				if hold.wait(err, true) {
+					continue
+				}
+				return nil, hold.giveUp(slot, err)
 			case classInfrastructure:
 				slot.end()
 				if dependencyDown(err) {
 					p.pauses.Add(1)
 				}
-				return nil, p.outage(msg, err)
+				if hold.wait(err, false) {
+					continue
+				}
+				return nil, hold.giveUp(slot, err)
 			}
 			dec := DeadLetter
 			if class == classFailure {
-				dec = p.cfg.Classify(err)
+				dec = p.classify(err)
 			}
 			if dec.kind == decidePause {
 				slot.end()
 				p.pauses.Add(1)
-				return nil, p.outage(msg, err)
+				if hold.wait(err, false) {
+					continue
+				}
+				return nil, hold.giveUp(slot, err)
 			}
 			// The dependencies answered: an outage, if one was on, is over.
-			p.outages.Store(0)
-			p.pauses.Store(0)
+			p.resume()
 			now := time.Now()
 			attempts, first := p.count(msg, err, try, now)
+			p.forwards.failed(topicOf(msg), msg.UUID)
 			if dec.kind == decideDeadLetter || attempts >= p.horizon(parking) {
-				msg.SetContext(base)
-				return nil, p.deadLetter(msg, slot, err, attempts, first, now)
+				return nil, p.ending(hold, slot, func() error { return p.deadLetter(msg, slot, p.atLimit(hold, err), attempts, first, now) })
 			}
 			delay, park := p.delayFor(dec, attempts)
 			if park && parking {
 				slot.end()
-				msg.SetContext(base)
-				return nil, p.park(msg, slot, err, attempts, first, now, delay)
+				return nil, p.ending(hold, slot, func() error { return p.park(msg, slot, err, attempts, first, now, delay) })
 			}
 			p.retried.Add(1)
 			slot.end() // done with this attempt: the backoff is not part of it
@@ -435,27 +508,145 @@ func (p *Poison) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			if park { // RetryIn without a store: its wait, within MaxBackoff
 				wait = max(wait, min(delay, p.cfg.MaxBackoff))
 			}
+			redeliver := try >= p.inProcessRetries()
+			if redeliver && hold.last {
+				// A nack now would be the broker's last: end the message
+				// here, parked for its next attempt or dead-lettered.
+				if parking {
+					return nil, p.ending(hold, slot, func() error {
+						return p.park(msg, slot, err, attempts, first, now, max(wait, p.cfg.InitialBackoff))
+					})
+				}
+				return nil, p.ending(hold, slot, func() error {
+					return p.deadLetter(msg, slot, lastDeliveryError(hold.limit, err), attempts, first, now)
+				})
+			}
+			p.logFailing(msg, slot, err, attempts, try, redeliver, wait)
 			if !sleepCtx(base, wait) {
+				return nil, hold.giveUp(slot, err)
+			}
+			if redeliver {
 				return nil, err
 			}
-			if try >= p.cfg.InProcessRetries {
-				return nil, err
-			}
+			try++
 		}
 	}
 }
 
-// outage nacks a message whose attempt failed for the infrastructure's fault,
-// without counting it, after a backoff that grows while the failures go on
-// in a row (across messages), so that a consumer does not spin on a store
-// or broker that is down.
-func (p *Poison) outage(msg *message.Message, err error) error {
-	p.infrastructure.Add(1)
-	n := p.outages.Add(1)
-	p.cfg.Logger.Error("Infrastructure unavailable, message nacked without counting an attempt", err,
-		watermill.LogFields{"message_uuid": delivery.Bound(msg.UUID), "failures_in_a_row": n})
-	sleepCtx(msg.Context(), p.backoff(int(min(n, 32))))
+// logFailing writes the line of a failed attempt that is retried: at
+// Info for a delivery's first failure (the message's state changes to
+// failing), at Debug for the others, with what comes next.
+func (p *Poison) logFailing(msg *message.Message, slot *attemptSlot, err error, attempts, try int, redeliver bool, wait time.Duration) {
+	next := "tried again in process in " + wait.String()
+	if redeliver {
+		next = "nacked in " + wait.String() + ", for the broker to deliver again"
+	}
+	fields := p.fields(msg, slot).Add(watermill.LogFields{"attempt": attempts, "next": next, "error": err.Error()})
+	if try == 0 {
+		p.cfg.Logger.Info("Message failed", fields)
+		return
+	}
+	p.cfg.Logger.Debug("Message failed again", fields)
+}
+
+// succeeded ends a delivery whose attempt succeeded.
+func (p *Poison) succeeded(msg *message.Message, hold *hold) {
+	p.forget(msg.UUID)
+	p.resume()
+	p.bringForward(msg)
+	if hold.waited > 0 {
+		p.cfg.Logger.Info("Message applied after an outage", p.fields(msg, nil).Add(watermill.LogFields{
+			"held_for": time.Since(hold.since).Round(time.Millisecond).String()}))
+	}
+}
+
+// classify runs Classify, turning a panic in it into the default
+// policy's decision: a classifier that cannot read the error says nothing
+// of the message.
+func (p *Poison) classify(err error) (dec Decision) {
+	defer func() {
+		if r := recover(); r != nil {
+			p.cfg.Logger.Error("PoisonConfig.Classify panicked: the failure is decided by DefaultClassify", panicError(r), nil)
+			dec = DefaultClassify(err)
+		}
+	}()
+	return p.cfg.Classify(err)
+}
+
+// inProcessRetries is how many failed attempts of one delivery are
+// retried in process before the delivery is nacked.
+func (p *Poison) inProcessRetries() int {
+	if p.cfg.InProcessRetries == NoInProcessRetries {
+		return 0
+	}
+	return p.cfg.InProcessRetries
+}
+
+// crashHorizon is the limit the inbox stops a crash loop at: the
+// policy's horizon, and at the broker's last delivery of a message n
+// times delivered, n-1, so that a message whose every earlier delivery
+// died with its process is dead-lettered instead of run once more, which
+// would have the broker drop it if it died again. The count cannot tell
+// a delivery that died from one that failed and was nacked, so the
+// horizon is lowered only where failures are not nacked: with the
+// immediate attempts in process (the default InProcessRetries), a
+// delivery that comes back is one that did not end.
+func (p *Poison) crashHorizon(parking bool, hold *hold) int {
+	h := p.horizon(parking)
+	if hold.last && p.inProcessRetries() >= p.cfg.MaxAttempts-1 {
+		if n, ok := delivery.AttemptsOf(hold.msg); ok && n > 1 {
+			h = min(h, n-1)
+		}
+	}
+	return h
+}
+
+// atLimit wraps err in [ErrDeliveryLimit] when it ends the broker's last
+// delivery of the message.
+func (p *Poison) atLimit(hold *hold, err error) error {
+	if hold.last && !errors.Is(err, ErrDeliveryLimit) {
+		return lastDeliveryError(hold.limit, err)
+	}
 	return err
+}
+
+// endLast ends the broker's last delivery of a message that the consumer
+// cannot handle now (it stops, or an outage outlasted OutageHold): a nack
+// would have the broker drop it. It is parked, not counted, to be handed
+// back in a moment; without parking it is dead-lettered with
+// ErrDeliveryLimit. Only when neither can be written is it nacked.
+func (p *Poison) endLast(h *hold, slot *attemptSlot, cause error) error {
+	msg := h.msg
+	now := time.Now()
+	var err error
+	if p.parking(msg, p.consumerOf(msg)) {
+		err = p.park(msg, slot, cause, 0, now, now, p.cfg.InitialBackoff)
+	} else {
+		attempts, _ := delivery.AttemptsOf(msg)
+		err = p.deadLetter(msg, slot, lastDeliveryError(h.limit, cause), attempts, now, now)
+	}
+	if err == nil {
+		return nil
+	}
+	p.cfg.Logger.Error("The broker's last delivery of a message is nacked: neither parked nor dead-lettered, the broker may drop it", err,
+		p.fields(msg, slot).Add(watermill.LogFields{"max_deliveries": h.limit}))
+	return err
+}
+
+// ending runs write, the dead letter or the park that ends a message's
+// delivery, again in process, through h, while it fails for the
+// infrastructure's fault: the handler does not run again, and the
+// delivery is not nacked while the outage lasts (see hold).
+func (p *Poison) ending(h *hold, slot *attemptSlot, write func() error) error {
+	for {
+		err := write()
+		if err == nil || !IsInfrastructure(err) {
+			return err
+		}
+		if !h.wait(err, false) {
+			return h.giveUp(slot, err)
+		}
+	}
 }
 
 // call runs h, turning a panic into an error wrapping [ErrPanicked], so that
@@ -594,8 +785,11 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	}
 
 	fields := watermill.LogFields{
-		"message_uuid": delivery.Bound(msg.UUID), "consumer": consumer, "topic": topic, "key": key,
+		"message_uuid": delivery.Bound(msg.UUID), "consumer": consumer, "topic": topic, "key": delivery.Bound(key),
 		"attempts": attempts, "dlq_topic": p.cfg.Topic,
+	}
+	if order := delivery.PartitionKeyOf(msg); order != "" {
+		fields["order_key"] = delivery.Bound(order)
 	}
 	publish := func(ctx context.Context) error {
 		dead.SetContext(ctx)
@@ -624,8 +818,7 @@ func (p *Poison) deadLetter(msg *message.Message, slot *attemptSlot, cause error
 	}
 	if err != nil {
 		p.deadLetterFailed.Add(1)
-		p.cfg.Logger.Error("Dead-letter publish failed, message nacked", err, fields)
-		sleepCtx(msg.Context(), p.backoff(attempts))
+		p.cfg.Logger.Error("Dead-letter publish failed", err, fields)
 		return fmt.Errorf("%w: to %q: %w (message failed with: %w)", ErrDeadLetter, p.cfg.Topic, err, cause)
 	}
 	p.deadLettered.Add(1)

@@ -20,6 +20,7 @@ import (
 	"github.com/oncemill/oncemill/internal/testing/msgtest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/retry"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -197,9 +198,11 @@ func TestPoisonDurableCountAcrossRestarts(t *testing.T) {
 		msg := delivery("order-3", "x")
 		const maxAttempts = 3
 		for attempt := 1; attempt <= maxAttempts; attempt++ {
+			// Each attempt is a delivery to a new process: failures are
+			// nacked for redelivery, not retried in process.
 			poison, err := middleware.NewPoison(middleware.PoisonConfig{
 				Publisher: dead, Topic: deadTopic, MaxAttempts: maxAttempts, Consumer: "charge",
-				InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond,
+				InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond, InProcessRetries: middleware.NoInProcessRetries,
 			})
 			require.NoError(t, err)
 			_, err = poison.Middleware(handler)(msg)
@@ -318,23 +321,41 @@ func TestPoisonDLQDownNacksOriginal(t *testing.T) {
 }
 
 // TestPoisonInFlightIsNotCounted: a key held by another live lease is
-// nacked without counting an attempt.
+// waited for in process, not counted and not nacked, until the key is
+// free (the attempt then runs) or the hold ends (OutageHold: then it is
+// nacked, once).
 func TestPoisonInFlightIsNotCounted(t *testing.T) {
 	t.Parallel()
 	dead := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { require.NoError(t, dead.Close()) })
 	poison, err := middleware.NewPoison(middleware.PoisonConfig{
 		Publisher: dead, Topic: deadTopic, MaxAttempts: 1, Consumer: "charge",
-		InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond,
+		InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond, OutageHold: 200 * time.Millisecond,
 	})
 	require.NoError(t, err)
 	msg := delivery("order-6", "x")
+	var runs atomic.Int32
 	for range 3 {
+		before := runs.Load()
 		_, err = poison.Middleware(func(*message.Message) ([]*message.Message, error) {
+			runs.Add(1)
 			return nil, middleware.ErrInFlight
 		})(msg)
-		require.ErrorIs(t, err, middleware.ErrInFlight)
+		require.ErrorIs(t, err, middleware.ErrInFlight, "nacked once the hold ended")
+		require.Greater(t, runs.Load()-before, int32(1), "tried again in process while held")
 	}
+	require.Equal(t, middleware.PoisonStats{}, poison.Stats())
+
+	// The other delivery ends: the held one runs and is acked.
+	var held atomic.Int32
+	_, err = poison.Middleware(func(*message.Message) ([]*message.Message, error) {
+		if held.Add(1) < 3 {
+			return nil, middleware.ErrInFlight
+		}
+		return nil, nil
+	})(msg)
+	require.NoError(t, err)
+	require.Equal(t, int32(3), held.Load())
 	require.Equal(t, middleware.PoisonStats{}, poison.Stats())
 }
 
@@ -436,6 +457,9 @@ func TestPoisonConfigValidate(t *testing.T) {
 		{middleware.PoisonConfig{Publisher: pub}, "PoisonConfig.Topic"},
 		{middleware.PoisonConfig{Publisher: pub, Topic: "t", MaxAttempts: -1}, "PoisonConfig.MaxAttempts"},
 		{middleware.PoisonConfig{Publisher: pub, Topic: "t", InProcessRetries: -2}, "PoisonConfig.InProcessRetries"},
+		{middleware.PoisonConfig{Publisher: pub, Topic: "t", OutageHold: -time.Second}, "PoisonConfig.OutageHold"},
+		{middleware.PoisonConfig{Publisher: pub, Topic: "t", Retries: &retry.Store{}}, "PoisonConfig.Retries: retry: the store is nil or was not made by retry.NewStore"},
+		{middleware.PoisonConfig{Publisher: pub, Topic: "t", Consumer: "led\x00ger"}, "PoisonConfig.Consumer \"led\\x00ger\" holds the control character"},
 		{middleware.PoisonConfig{Publisher: pub, Topic: "t", InitialBackoff: -time.Second}, "PoisonConfig.InitialBackoff"},
 		{middleware.PoisonConfig{Publisher: pub, Topic: "t", InitialBackoff: time.Minute, MaxBackoff: time.Second}, "PoisonConfig.MaxBackoff"},
 		{middleware.PoisonConfig{Publisher: pub, Topic: "t", PublishTimeout: -time.Second}, "PoisonConfig.PublishTimeout"},
@@ -486,7 +510,7 @@ func TestPoisonDeadKeyStaysDeadUntilReplayed(t *testing.T) {
 
 	// The fix ships; the producer's own retry of order-11 is applied.
 	deadCopies := func() (n int) {
-		require.NoError(t, pool.QueryRow(ctx, `SELECT dead_copies FROM "`+schema+`".inbox WHERE consumer = 'charge' AND key = 'order-11'`).Scan(&n))
+		require.NoError(t, pool.QueryRow(ctx, `SELECT dead_copies FROM "`+schema+`".inbox_failures WHERE consumer = 'charge' AND key = 'order-11'`).Scan(&n))
 		return n
 	}
 	require.Equal(t, "dead", b.status(t, "charge", "order-11"))

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -171,6 +170,23 @@ func (p *Poison) consumerOf(msg *message.Message) string {
 	return message.HandlerNameFromCtx(msg.Context())
 }
 
+// sameConsumer says once, at Error, that the inbox behind this middleware
+// scopes keys under another consumer name than the one messages are
+// parked under: the parked messages still come back (to the retry
+// subscriber of the parking name), but an operator finds the dead letters
+// under one name and the parked messages under the other.
+func (p *Poison) sameConsumer(inbox, parking string) {
+	if inbox == parking {
+		return
+	}
+	if _, told := p.unparked.LoadOrStore([3]string{"consumer", inbox, parking}, true); told {
+		return
+	}
+	p.cfg.Logger.Error("The inbox and the poison middleware name the consumer differently", fmt.Errorf(
+		"messages are parked under %q and dead-lettered under the inbox's %q: build the poison middleware with PoisonConfig.Inbox, so that both take the inbox's name",
+		parking, inbox), watermill.LogFields{"inbox_consumer": inbox, "parking_consumer": parking})
+}
+
 // parking reports whether msg, of consumer, can be parked: a store is
 // set and a subscription of this process hands the consumer's parked
 // messages of the topic back. Without one the policy ends at MaxAttempts,
@@ -222,17 +238,26 @@ func (p *Poison) waitBehind(msg *message.Message) (bool, error) {
 	if err != nil || !waiting {
 		return false, err
 	}
+	// The key as the inbox will read it, for the operators' lists and to
+	// tell apart two messages of one UUID; a message whose key cannot be
+	// read is parked without one, and its attempt says why when it runs.
+	key, _ := keyOf(p.cfg.Key, msg)
 	_, err = p.cfg.Retries.Park(ctx, retry.Message{
-		Consumer: consumer, Topic: topic, UUID: msg.UUID, OrderKey: order, Behind: true, DueAt: time.Now(),
+		Consumer: consumer, Topic: topic, UUID: msg.UUID, Key: key, OrderKey: order, Behind: true, DueAt: time.Now(),
 		Payload: msg.Payload, Metadata: parkedMetadata(msg),
 	})
+	if errors.Is(err, retry.ErrNotParkable) {
+		// Nothing would tell it from another message: it runs now, out
+		// of its key's order, rather than wait for ever.
+		p.cfg.Logger.Error("Message cannot wait behind its ordering key: it runs now", err, p.fields(msg, nil))
+		return false, nil
+	}
 	if err != nil {
 		return false, err
 	}
 	p.parkedBehind.Add(1)
 	p.hooks.Retry(msg.Context(), observe.Retry{Consumer: consumer, Topic: topic, Behind: true})
-	p.cfg.Logger.Debug("Message parked behind a parked message of its ordering key", watermill.LogFields{
-		"message_uuid": delivery.Bound(msg.UUID), "consumer": consumer, "topic": topic, "order_key": delivery.Bound(order)})
+	p.cfg.Logger.Debug("Message parked behind a parked message of its ordering key", p.fields(msg, nil))
 	return true, nil
 }
 
@@ -257,10 +282,14 @@ func isRetryFact(k string) bool {
 // and returns nil so that the router acks it; or the error of a park that
 // failed, so that it is nacked and delivered again.
 func (p *Poison) park(msg *message.Message, slot *attemptSlot, cause error, attempts int, first, last time.Time, delay time.Duration) error {
+	// The consumer the retry subscriber hands messages back to, and the
+	// one waitBehind looks under: one name, whatever the inbox scopes
+	// keys by.
 	consumer := p.consumerOf(msg)
 	var key string
 	if slot != nil && slot.inbox != nil {
-		consumer, key = slot.key.Consumer, slot.key.Key
+		key = slot.key.Key
+		p.sameConsumer(slot.key.Consumer, consumer)
 	}
 	topic := topicOf(msg)
 	m := retry.Message{
@@ -270,8 +299,8 @@ func (p *Poison) park(msg *message.Message, slot *attemptSlot, cause error, atte
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), p.cfg.PublishTimeout)
 	defer cancel()
-	fields := watermill.LogFields{"message_uuid": delivery.Bound(msg.UUID), "consumer": consumer, "topic": topic,
-		"attempts": attempts, "retry_in": delay.String(), "error": cause.Error()}
+	fields := p.fields(msg, slot).Add(watermill.LogFields{"consumer": consumer, "attempts": attempts,
+		"due_at": m.DueAt.UTC().Format(time.RFC3339Nano), "retry_in": delay.String(), "error": cause.Error()})
 	var err error
 	if l, ok := retry.LeaseOf(msg.Context()); ok {
 		var kept bool
@@ -286,13 +315,19 @@ func (p *Poison) park(msg *message.Message, slot *attemptSlot, cause error, atte
 	} else {
 		_, err = p.cfg.Retries.Park(ctx, m)
 	}
+	if errors.Is(err, retry.ErrNotParkable) {
+		// The message's own fault (no UUID, say): no park can take it, so
+		// it ends in the dead-letter queue now, with why.
+		p.cfg.Logger.Error("Message cannot be parked: dead-lettered instead", err, fields)
+		return p.deadLetter(msg, slot, fmt.Errorf("%w (it failed with: %w)", err, cause), attempts, first, last)
+	}
 	if err != nil {
-		p.cfg.Logger.Error("Parking a message failed, message nacked", err, fields)
-		sleepCtx(msg.Context(), p.backoff(attempts))
+		p.cfg.Logger.Error("Parking a message failed", err, fields)
 		return fmt.Errorf("%w: %w (message failed with: %w)", ErrPark, err, cause)
 	}
 	p.parked.Add(1)
 	p.retried.Add(1)
+	p.forwards.parked(topic)
 	p.hooks.Retry(msg.Context(), observe.Retry{Consumer: consumer, Topic: topic, Attempts: attempts, Delay: delay})
 	p.cfg.Logger.Info("Message parked for a delayed retry", fields)
 	return nil
@@ -323,52 +358,94 @@ func dependencyDown(err error) bool {
 	return errors.As(err, &u)
 }
 
-// gate keeps a consumer whose dependency is down from spinning: while
-// the handler's attempts say so ([Pause], [Unavailable]), one attempt at
-// a time runs, and it holds the gate through its backoff, so the broker
-// sees at most one nack per backoff period per middleware, however many
-// messages are in flight; the others wait, unacked, before the handler.
-type gate struct {
-	token chan struct{}
-	down  func() bool
-}
-
-func newGate(down func() bool) *gate {
-	return &gate{token: make(chan struct{}, 1), down: down}
-}
-
-// enter waits, while the gate is down, for the one attempt that may run,
-// and returns what ends it; ok is false when ctx ended first.
-func (g *gate) enter(ctx context.Context) (leave func(), ok bool) {
-	if !g.down() {
-		return func() {}, true
-	}
-	select {
-	case g.token <- struct{}{}:
-		var once sync.Once
-		return func() { once.Do(func() { <-g.token }) }, true
-	case <-ctx.Done():
-		return func() {}, false
-	}
-}
-
-// Subscriber returns sub with this middleware's parked messages merged in
-// (retry.Merge with a subscriber of PoisonConfig.Retries for the
-// consumer): give it to the router in place of sub, so that a parked
-// message comes back to the same handler when due. It needs Retries and
-// the consumer's name (InboxConfig.Consumer through PoisonConfig.Inbox,
-// or PoisonConfig.Consumer): the name the messages are parked under.
-// Closing the returned subscriber closes sub.
+// Subscriber returns sub ready for the router, in place of sub: with the
+// consumer's parked messages merged in when PoisonConfig.Retries is set
+// (retry.Merge with a subscriber of Retries for the consumer), so that a
+// parked message comes back to the same handler when due; and checked,
+// as each topic is subscribed, against the broker's delivery limit (sub
+// a delivery.Limiter, as oncemill's RabbitMQ, SQS and NATS subscribers
+// are): a queue or consumer whose limit is below [Poison.DeliveriesNeeded]
+// is refused with ErrLowDeliveryLimit, naming it, its limit and the fix,
+// unless PoisonConfig.AcceptDeliveryLimit says to go on. Parking needs the
+// consumer's name (InboxConfig.Consumer through PoisonConfig.Inbox, or
+// PoisonConfig.Consumer): the name the messages are parked under. Closing
+// the returned subscriber closes sub.
 func (p *Poison) Subscriber(sub message.Subscriber) (message.Subscriber, error) {
-	switch {
-	case p.cfg.Retries == nil:
-		return nil, errors.New("middleware: Poison.Subscriber needs PoisonConfig.Retries, the store of parked messages")
-	case p.cfg.Consumer == "":
+	if sub == nil {
+		return nil, errors.New("middleware: Poison.Subscriber: the subscriber is nil")
+	}
+	checked := &limitChecked{Subscriber: sub, p: p}
+	if p.cfg.Retries == nil {
+		return checked, nil
+	}
+	if p.cfg.Consumer == "" {
 		return nil, errors.New("middleware: Poison.Subscriber needs the consumer's name: set InboxConfig.Consumer (or PoisonConfig.Consumer without an inbox) to the router handler's name")
 	}
 	rs, err := p.cfg.Retries.Subscriber(retry.SubscriberConfig{Consumer: p.cfg.Consumer, Logger: p.cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
-	return retry.Merge(sub, rs), nil
+	return retry.Merge(checked, rs), nil
+}
+
+// DeliveriesNeeded is how many deliveries of a message the policy needs
+// from its broker: one more than its horizon (MaxAttempts, plus
+// len(Delays) with Retries), so that a message whose every delivery
+// kills its consumer is dead-lettered after the policy's attempts, by the
+// delivery after them. A failing message needs fewer: its immediate
+// attempts run in process (InProcessRetries) and its delayed ones off
+// the broker.
+func (p *Poison) DeliveriesNeeded() int {
+	return p.horizon(p.cfg.Retries != nil) + 1
+}
+
+// limitChecked is a subscriber whose Subscribe first checks the broker's
+// delivery limit for the topic against the policy.
+type limitChecked struct {
+	message.Subscriber
+	p *Poison
+}
+
+func (s *limitChecked) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if err := s.p.checkLimit(ctx, s.Subscriber, topic); err != nil {
+		return nil, err
+	}
+	return s.Subscriber.Subscribe(ctx, topic)
+}
+
+// DeliveryLimit forwards the question to the subscriber it checks.
+func (s *limitChecked) DeliveryLimit(ctx context.Context, topic string) (delivery.Limit, error) {
+	if l, ok := s.Subscriber.(delivery.Limiter); ok {
+		return l.DeliveryLimit(ctx, topic)
+	}
+	return delivery.Limit{}, nil
+}
+
+// checkLimit reads the broker's delivery limit for topic and refuses one
+// below what the policy needs, unless AcceptDeliveryLimit is set.
+func (p *Poison) checkLimit(ctx context.Context, sub message.Subscriber, topic string) error {
+	l, ok := sub.(delivery.Limiter)
+	if !ok {
+		return nil
+	}
+	lim, err := l.DeliveryLimit(ctx, topic)
+	if err != nil {
+		return fmt.Errorf("middleware: Poison.Subscriber: read the broker's delivery limit for topic %q: %w", topic, err)
+	}
+	need := p.DeliveriesNeeded()
+	fields := watermill.LogFields{"topic": topic, "limit_at": lim.Where, "max_deliveries": lim.Deliveries, "needed": need}
+	if lim.Deliveries == 0 || lim.Deliveries >= need {
+		p.cfg.Logger.Debug("The broker's delivery limit leaves the poison policy room", fields)
+		return nil
+	}
+	why := fmt.Sprintf("%s: the broker delivers a message %d times at most, and the poison policy needs %d "+
+		"(a message that kills its consumer at every delivery is dead-lettered after %d attempts, by one more delivery): "+
+		"%s; or shorten the policy (PoisonConfig.MaxAttempts, Delays); or set PoisonConfig.AcceptDeliveryLimit to subscribe anyway",
+		lim.Where, lim.Deliveries, need, need-1, lim.Raise)
+	if p.cfg.AcceptDeliveryLimit {
+		p.cfg.Logger.Error("The broker's delivery limit is below the poison policy's: accepted (PoisonConfig.AcceptDeliveryLimit); "+
+			"a message is ended at the broker's last delivery", errors.New(why), fields)
+		return nil
+	}
+	return fmt.Errorf("%w: %s", ErrLowDeliveryLimit, why)
 }

@@ -17,6 +17,7 @@ import (
 
 	oncedelivery "github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/dlq"
+	"github.com/oncemill/oncemill/internal/testing/msgtest"
 	"github.com/oncemill/oncemill/internal/testing/sqltest"
 	"github.com/oncemill/oncemill/middleware"
 	"github.com/oncemill/oncemill/retry"
@@ -160,6 +161,49 @@ func TestParkingOnEveryBackend(t *testing.T) {
 	}
 }
 
+// TestParkingNamesTheKeyAndRefusesWhatCannotWait: a message parked
+// behind another of its ordering key is filed with its key (the
+// operators' lists show it); a failing message with no UUID, which no
+// park can tell from another, is dead-lettered at once with why, not
+// nacked for ever.
+func TestParkingNamesTheKeyAndRefusesWhatCannotWait(t *testing.T) {
+	t.Parallel()
+	db := sqltest.Backends[0].Open(t, 8)
+	rig := newParkingRig(t, db, middleware.PoisonConfig{MaxAttempts: 1, Delays: []time.Duration{time.Hour}},
+		func(msg *message.Message) error {
+			if string(msg.Payload) != "b-2" {
+				return errors.New("ledger busy")
+			}
+			return nil
+		})
+	first := message.NewMessage(watermill.NewUUID(), []byte("b-1"))
+	first.Metadata.Set(oncedelivery.PartitionKey, "acct-b")
+	first.Metadata.Set(oncedelivery.IdempotencyKey, "pay-b-1")
+	require.NoError(t, rig.pub.Publish("payments", first))
+	require.Eventually(t, func() bool { return rig.poison.Stats().Parked == 1 }, 10*time.Second, 5*time.Millisecond)
+	second := message.NewMessage(watermill.NewUUID(), []byte("b-2"))
+	second.Metadata.Set(oncedelivery.PartitionKey, "acct-b")
+	second.Metadata.Set(oncedelivery.IdempotencyKey, "pay-b-2")
+	require.NoError(t, rig.pub.Publish("payments", second))
+	require.Eventually(t, func() bool { return rig.poison.Stats().ParkedBehind == 1 }, 10*time.Second, 5*time.Millisecond)
+	behind, err := rig.parked.List(context.Background(), retry.Filter{UUID: second.UUID})
+	require.NoError(t, err)
+	require.Len(t, behind, 1)
+	require.True(t, behind[0].Behind)
+	require.Equal(t, "pay-b-2", behind[0].Key, "parked behind with its key")
+
+	nameless := message.NewMessage("", []byte("c-1"))
+	nameless.Metadata.Set(oncedelivery.IdempotencyKey, "pay-c-1")
+	require.NoError(t, rig.pub.Publish("payments", nameless))
+	require.Eventually(t, func() bool { return rig.poison.Stats().DeadLettered == 1 }, 10*time.Second, 5*time.Millisecond)
+	entries, err := rig.dead.List(context.Background(), dlq.Filter{All: true})
+	require.NoError(t, err)
+	require.Len(t, entries, 1)
+	require.Contains(t, entries[0].Error, "cannot be parked")
+	require.Contains(t, entries[0].Error, "ledger busy")
+	require.Equal(t, int64(1), rig.poison.Stats().Parked, "the nameless message was not parked")
+}
+
 var errLedgerRejects = errors.New("ledger rejects the account")
 
 // TestDecisions: what each of Classify's answers does, on PostgreSQL.
@@ -244,8 +288,21 @@ func TestSubscriberNeedsStoreAndConsumer(t *testing.T) {
 	require.NoError(t, err)
 	p, err := middleware.NewPoison(middleware.PoisonConfig{Publisher: pub})
 	require.NoError(t, err)
-	_, err = p.Subscriber(gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{}))
-	require.ErrorContains(t, err, "PoisonConfig.Retries")
+	_, err = p.Subscriber(nil)
+	require.ErrorContains(t, err, "the subscriber is nil")
+	// Without Retries there is nothing to merge: the subscriber comes back
+	// checked against the broker's delivery limit, and delivers.
+	gc := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	t.Cleanup(func() { require.NoError(t, gc.Close()) })
+	checked, err := p.Subscriber(gc)
+	require.NoError(t, err)
+	msgs, err := checked.Subscribe(context.Background(), "orders")
+	require.NoError(t, err)
+	sent := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	require.NoError(t, gc.Publish("orders", sent))
+	got := msgtest.Receive(t, msgs, 10*time.Second)
+	require.Equal(t, sent.UUID, got.UUID)
+	got.Ack()
 
 	parked, err := retry.NewStore(db.Pool, db.Schema)
 	require.NoError(t, err)

@@ -46,7 +46,7 @@ const maxNameLength = 255
 // empty or too long topic, [ErrConnect] when the broker cannot be reached
 // and [ErrDeclare] when it refuses a declaration (the *amqp091.Error is in
 // the chain); it never contains the URL's password.
-func Declare(ctx context.Context, cfg Config, topics ...string) (err error) {
+func Declare(ctx context.Context, cfg Config, topics ...string) error {
 	wcfg, err := cfg.WatermillConfig()
 	if err != nil {
 		return err
@@ -60,19 +60,30 @@ func Declare(ctx context.Context, cfg Config, topics ...string) (err error) {
 		}
 	}
 
-	// The URL the subscriber dials, with the connect timeout it applies.
-	uri := wcfg.Connection.AmqpURI
-	timeout := defaultHandshakeTimeout
-	if parsed, err := amqp091.ParseURI(uri); err == nil && parsed.ConnectionTimeout > 0 {
-		timeout = time.Duration(parsed.ConnectionTimeout) * time.Millisecond
-	}
-	conn, err := amqp091.DialConfig(uri, amqp091.Config{Dial: dialContext(ctx, timeout)})
+	return withConnection(ctx, cfg, wcfg, "declare", func(conn *amqp091.Connection) error {
+		for _, topic := range topics {
+			// The subscriber's own settling, so that the subscriber's
+			// later declarations match these exactly.
+			if _, _, err := settleQueue(conn, cfg, wcfg, topic, watermill.NopLogger{}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// withConnection runs fn on a connection of its own to the broker of cfg,
+// closed before it returns; ctx bounds the whole call, and the connect
+// timeout of cfg (if any) the connection attempt. Errors never contain
+// the URL's password.
+func withConnection(ctx context.Context, cfg Config, wcfg wamqp.Config, what string, fn func(*amqp091.Connection) error) (err error) {
+	conn, err := dial(ctx, wcfg)
 	if err != nil {
-		return connectError("declare", cfg.URL, errors.Join(err, ctx.Err()))
+		return connectError(what, cfg.URL, errors.Join(err, ctx.Err()))
 	}
 	defer func() {
 		if cerr := conn.Close(); cerr != nil && !errors.Is(cerr, amqp091.ErrClosed) {
-			err = errors.Join(err, redactErr(fmt.Errorf("amqp: declare: close connection: %w", cerr), cfg.URL))
+			err = errors.Join(err, redactErr(fmt.Errorf("amqp: %s: close connection: %w", what, cerr), cfg.URL))
 		}
 	}()
 	// The client's calls take no context: closing the connection when ctx
@@ -87,29 +98,21 @@ func Declare(ctx context.Context, cfg Config, topics ...string) (err error) {
 			<-closed
 		}
 	}()
-
-	ch, err := conn.Channel()
-	if err != nil {
-		return redactErr(fmt.Errorf("%w: open channel: %w", ErrDeclare, errors.Join(err, ctx.Err())), cfg.URL)
-	}
-	for _, topic := range topics {
-		params := wamqp.BuildTopologyParams{
-			Topic:        topic,
-			QueueName:    wcfg.Queue.GenerateName(topic),
-			ExchangeName: wcfg.Exchange.GenerateName(topic),
-			RoutingKey:   wcfg.QueueBind.GenerateRoutingKey(topic),
-		}
-		// The subscriber's own topology builder and settings, so that the
-		// subscriber's later declarations match these exactly.
-		if err := wcfg.TopologyBuilder.BuildTopology(ch, params, wcfg, watermill.NopLogger{}); err != nil {
-			return redactErr(fmt.Errorf("%w: topic %q (exchange %q, queue %q): %w",
-				ErrDeclare, topic, params.ExchangeName, params.QueueName, errors.Join(err, ctx.Err())), cfg.URL)
-		}
-	}
-	if err := ch.Close(); err != nil && !errors.Is(err, amqp091.ErrClosed) {
-		return redactErr(fmt.Errorf("%w: close channel: %w", ErrDeclare, err), cfg.URL)
+	if err := fn(conn); err != nil {
+		return redactErr(errors.Join(err, ctx.Err()), cfg.URL)
 	}
 	return nil
+}
+
+// dial connects to the URL the subscriber dials, within ctx and the
+// connect timeout it applies.
+func dial(ctx context.Context, wcfg wamqp.Config) (*amqp091.Connection, error) {
+	uri := wcfg.Connection.AmqpURI
+	timeout := defaultHandshakeTimeout
+	if parsed, err := amqp091.ParseURI(uri); err == nil && parsed.ConnectionTimeout > 0 {
+		timeout = time.Duration(parsed.ConnectionTimeout) * time.Millisecond
+	}
+	return amqp091.DialConfig(uri, amqp091.Config{Dial: dialContext(ctx, timeout)})
 }
 
 // checkTopic reports a topic whose exchange or queue name AMQP cannot carry.

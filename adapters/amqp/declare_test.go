@@ -2,9 +2,11 @@ package amqp_test
 
 import (
 	"context"
+	"fmt"
 	"net/url"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -144,4 +146,58 @@ func TestDeclareErrors(t *testing.T) {
 	err = amqp.Declare(ctx, amqp.Config{URL: u.String()}, uniqueName("never"))
 	require.ErrorIs(t, err, amqp.ErrConnect)
 	requireNoSecret(t, err)
+}
+
+// TestSingleActiveConsumerIsTheQueues: a queue declared with
+// SingleActiveConsumer delivers every message to one subscription of its
+// group while another stands by, and a config without it is refused on that queue,
+// the error naming the argument, as every fixed queue argument is.
+func TestSingleActiveConsumerIsTheQueues(t *testing.T) {
+	a := newAdmin(t)
+	cfg := testConfig()
+	cfg.ConsumerGroup = "ledger"
+	cfg.SingleActiveConsumer = true
+	topic := uniqueName("sac")
+	a.track(cfg, topic)
+	ctx := context.Background()
+	require.NoError(t, amqp.Declare(ctx, cfg, topic))
+
+	plain := cfg
+	plain.SingleActiveConsumer = false
+	err := amqp.Declare(ctx, plain, topic)
+	require.ErrorIs(t, err, amqp.ErrDeclare)
+	require.Contains(t, err.Error(), "x-single-active-consumer")
+
+	// Subscribe returns before its consumer registers: whichever
+	// registers first is the active one.
+	first, err := newSubscriber(t, a, cfg, topic).Subscribe(ctx, topic)
+	require.NoError(t, err)
+	second, err := newSubscriber(t, a, cfg, topic).Subscribe(ctx, topic)
+	require.NoError(t, err)
+	pub := newPublisher(t, cfg)
+	for i := range 4 {
+		require.NoError(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), fmt.Appendf(nil, "%d", i))))
+	}
+	got := map[string]int{}
+	timeout := time.After(wait)
+	for range 4 {
+		select {
+		case msg := <-first:
+			got["first"]++
+			ackSent(t, msg)
+		case msg := <-second:
+			got["second"]++
+			ackSent(t, msg)
+		case <-timeout:
+			t.Fatalf("received %v of 4", got)
+		}
+	}
+	select {
+	case <-first:
+		got["first"]++
+	case <-second:
+		got["second"]++
+	case <-time.After(300 * time.Millisecond):
+	}
+	require.Len(t, got, 1, "one subscription received every message, the other stood by: %v", got)
 }

@@ -19,6 +19,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/delivery"
 )
 
 // DefaultConnectTimeout bounds each connection attempt when neither the
@@ -42,6 +44,7 @@ type Options struct {
 	Logger         watermill.LoggerAdapter
 	ConsumerGroup  string
 	ConnectTimeout time.Duration
+	HandOutMarks   delivery.HandOutMarks
 }
 
 // Opened is what an [Opener] returns: the publisher, the subscriber, and
