@@ -1,12 +1,13 @@
 GO ?= go
 GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 
-.PHONY: test chaos services vet quickstart ci fuzz bench-outbox bench-dedup bench-kafka bench-nats
+.PHONY: test chaos services vet quickstart ci fuzz bench-outbox bench-dedup bench-kafka bench-nats bench-brokers
 
 # Start (or check) the services the integration tests use, then run all
 # tests: the library's, then the benchmarks' (benchmarks/ is a module of its
 # own, so that its dependencies stay out of the library's go.mod, and the
-# root's ./... does not reach it). benchmarks/nats runs without -race:
+# root's ./... does not reach it). benchmarks/nats and benchmarks/brokers
+# run without -race:
 # watermill-nats v2.1.3, the baseline it measures, sends on a channel while
 # closing it (ThreeDotsLabs/watermill-nats#18); oncemill's own NATS adapter
 # does not use it and runs under -race with the library. The adapters'
@@ -14,8 +15,8 @@ GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 # default 10m per package on a loaded machine: hence -timeout 30m.
 test: services
 	$(GO) test -race -count=1 -timeout 30m ./...
-	cd benchmarks && $(GO) test -race -count=1 $$($(GO) list ./... | grep -v '/benchmarks/nats$$')
-	cd benchmarks && $(GO) test -count=1 ./nats/
+	cd benchmarks && $(GO) test -race -count=1 $$($(GO) list ./... | grep -Ev '/benchmarks/(nats|brokers)$$')
+	cd benchmarks && $(GO) test -count=1 ./nats/ ./brokers/
 
 # The chaos suite (build tag chaos): consumer processes on Kafka, RabbitMQ,
 # SQS and NATS SIGKILLed at random while PostgreSQL, RabbitMQ, Redis and
@@ -94,3 +95,14 @@ bench-kafka:
 bench-nats:
 	bash scripts/services.sh postgres nats
 	cd benchmarks && $(GO) run ./nats $(ARGS)
+
+# RabbitMQ and NATS, the subscribers compared: the stock Watermill
+# subscriber (watermill-amqp, watermill-nats) and oncemill's under the same
+# PostgreSQL inbox, oncemill's with group commit and BatchHandler, and
+# oncemill's with no inbox; fails on any doubled, lost or reordered effect;
+# writes the "RabbitMQ and NATS: the subscribers" section of
+# benchmarks/README.md. ARGS=-quick for a run under a minute (which writes
+# nothing).
+bench-brokers:
+	bash scripts/services.sh postgres rabbitmq nats
+	cd benchmarks && $(GO) run ./brokers $(ARGS)

@@ -49,6 +49,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/oncemill/oncemill/adapters/internal/brokerurl"
+	"github.com/oncemill/oncemill/delivery"
 	"github.com/oncemill/oncemill/internal/redact"
 )
 
@@ -87,6 +88,12 @@ type Options struct {
 	// URL's connect_timeout parameter can also set. Giving both with
 	// different values is an error. Zero means [DefaultConnectTimeout].
 	ConnectTimeout time.Duration
+	// HandOutMarks is the Kafka subscriber's store of hand-out marks
+	// (kafka.SubscriberConfig.HandOutMarks): the inbox's store, so that a
+	// first delivery runs without an attempt record, as on the brokers
+	// that count deliveries. The other brokers count their deliveries and
+	// ignore it. Defaults to nil.
+	HandOutMarks delivery.HandOutMarks
 }
 
 // PubSub is an opened broker: its publisher, its subscriber, and whatever
@@ -155,7 +162,8 @@ func Open(ctx context.Context, rawURL string, opts Options) (*PubSub, error) {
 	if err != nil {
 		return nil, err
 	}
-	o, err := open(ctx, u, brokerurl.Options{Logger: opts.Logger, ConsumerGroup: opts.ConsumerGroup, ConnectTimeout: opts.ConnectTimeout})
+	o, err := open(ctx, u, brokerurl.Options{Logger: opts.Logger, ConsumerGroup: opts.ConsumerGroup, ConnectTimeout: opts.ConnectTimeout,
+		HandOutMarks: opts.HandOutMarks})
 	if err != nil {
 		return nil, fmt.Errorf("adapters: open %s: %w", redact.URL(rawURL), redact.Error(err, rawURL))
 	}

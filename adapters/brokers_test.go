@@ -22,6 +22,7 @@ import (
 	"github.com/oncemill/oncemill/adapters/kafka/embedded"
 	"github.com/oncemill/oncemill/adapters/nats"
 	natsembedded "github.com/oncemill/oncemill/adapters/nats/embedded"
+	"github.com/oncemill/oncemill/adapters/sqs"
 	"github.com/oncemill/oncemill/internal/testing/amqptest"
 	"github.com/oncemill/oncemill/internal/testing/brokertest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
@@ -258,6 +259,14 @@ func sqsBroker(t *testing.T) broker {
 		pending: func(t *testing.T, topic, _ string) int { return queues.Backlog(t, topic) },
 		cleanup: func(t *testing.T, topic string, _ ...string) { queues.DeleteQueue(t, topic) },
 	}
+}
+
+// sqsFIFOBroker is sqsBroker with FIFO queues: a test's topics end in
+// ".fifo", and a message's partition key is its message group.
+func sqsFIFOBroker(t *testing.T) broker {
+	b := sqsBroker(t)
+	b.name, b.topicSuffix = "sqs_fifo", sqs.FIFOSuffix
+	return b
 }
 
 // natsURL is the NATS server with JetStream the tests use.

@@ -48,6 +48,9 @@ type broker struct {
 	// again with the same idempotency key within its deduplication window
 	// (JetStream, by Nats-Msg-Id): the copies never reach the consumer.
 	dropsRetries bool
+	// topicSuffix ends the topics a test names on this row: ".fifo" for
+	// an SQS FIFO queue.
+	topicSuffix string
 }
 
 // chargeHandler is the one handler value every broker runs: it writes the

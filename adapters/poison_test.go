@@ -277,8 +277,8 @@ func runPoison(t *testing.T, b broker, mode poisonMode, pool *pgxpool.Pool, stor
 
 	var status, lastError string
 	var attempts int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT status, attempts, coalesce(last_error, '') FROM `+inboxTable(effects)+
-		` WHERE consumer = $1 AND key = 'poison'`, consumer).Scan(&status, &attempts, &lastError))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT i.status, COALESCE(f.attempts, CASE WHEN i.status = 'done' THEN 1 ELSE 0 END), coalesce(f.last_error, '') FROM `+inboxTable(effects)+
+		` i LEFT JOIN `+inboxTable(effects)+`_failures f USING (consumer, key) WHERE consumer = $1 AND key = 'poison'`, consumer).Scan(&status, &attempts, &lastError))
 	require.Equal(t, "dead", status, "the poison key is recorded dead")
 	require.Equal(t, poisonMaxAttempts, attempts)
 	require.Contains(t, lastError, mode.errContains[0])

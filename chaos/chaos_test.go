@@ -19,6 +19,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	goredis "github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/adapters"
@@ -415,21 +416,28 @@ func runChaos(t *testing.T, r chaosRun) {
 	// Drain: every key applied or dead-lettered, then nothing pending on
 	// any broker while the consumers still run.
 	outcome := func() map[string]map[string]keyOutcome { return outcomes(t, r.pool) }
-	require.Eventually(t, func() bool {
+	missing := func() map[string][]string {
 		out := outcome()
+		miss := map[string][]string{}
 		for _, l := range r.lanes {
 			l.mu.Lock()
 			for key, k := range l.keys {
 				o := out[l.name][key]
 				if (k.poison && o.dead == 0) || (!k.poison && o.effects == 0) {
-					l.mu.Unlock()
-					return false
+					miss[l.name] = append(miss[l.name], key)
 				}
 			}
 			l.mu.Unlock()
 		}
-		return true
-	}, 4*time.Minute, 200*time.Millisecond, "every key applied or dead-lettered")
+		return miss
+	}
+	if !assert.Eventually(t, func() bool { return len(missing()) == 0 }, 4*time.Minute, 200*time.Millisecond, "every key applied or dead-lettered") {
+		for lane, keys := range missing() {
+			slices.Sort(keys)
+			t.Errorf("%s: %d keys neither applied nor dead-lettered, first %v", lane, len(keys), keys[:min(len(keys), 5)])
+		}
+		t.FailNow()
+	}
 	for _, l := range r.lanes {
 		require.Eventually(t, func() bool { return l.pending(t) == 0 }, 2*time.Minute, 200*time.Millisecond,
 			"%s: messages left on the broker", l.name)

@@ -13,15 +13,17 @@ import (
 // (or SubscribeInitialize) declares the topic's durable fanout exchange and
 // the durable quorum queue [Config.QueueName], binds them and consumes with
 // manual acknowledgement and a prefetch of cfg.Prefetch. Each subscription
-// hands the handler one message at a time and acknowledges it to the broker
-// only when the handler acks; a nack requeues it (or dead-letters it when
-// cfg.NoRequeueOnNack is set). Messages not acked when the subscriber's
-// drain ends are returned to the queue.
+// hands out up to cfg.Prefetch messages at once, in the order of each
+// ordering key ([Subscriber.Subscribe]), and acknowledges a message to the
+// broker only when the handler acks; a nack requeues it (or dead-letters
+// it when cfg.NoRequeueOnNack is set). Messages not acked when the
+// subscriber's drain ends are returned to the queue.
 //
 // It starts a goroutine that watches the connection and reconnects with
-// backoff when it drops, and each Subscribe starts one that consumes until
-// its context is done or the subscriber closes; the subscriber's Close stops
-// them all and closes the connection. A nil logger logs nothing.
+// backoff when it drops, and each Subscribe starts one that consumes, on a
+// connection of its own that it makes again when it drops, until its
+// context is done or the subscriber closes; the subscriber's Close stops
+// them all and closes the connections. A nil logger logs nothing.
 //
 // The error wraps [ErrInvalidConfig] for a bad cfg and [ErrConnect] when the
 // broker cannot be reached; it never contains the URL's password.
@@ -33,6 +35,8 @@ func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*Subscriber, err
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	q := &queues{}
+	wcfg.TopologyBuilder = &topology{queues: q}
 	sub, err := wamqp.NewSubscriber(wcfg, logger)
 	if err != nil {
 		return nil, connectError("subscriber", cfg.URL, err)
@@ -41,7 +45,7 @@ func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*Subscriber, err
 		"url":            redactURL(cfg.URL),
 		"consumer_group": cfg.ConsumerGroup,
 	})
-	return newSubscriber(sub, cfg, logger), nil
+	return newSubscriber(sub, cfg, q, logger), nil
 }
 
 // connectError wraps err, from creating a publisher or subscriber (what),

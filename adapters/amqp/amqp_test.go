@@ -55,6 +55,18 @@ func publishText(t *testing.T, pub message.Publisher, topic string, payloads ...
 	return msgs
 }
 
+// publishOneKey publishes payloads as publishText does, all with the
+// partition key key, so that a subscription hands them out one at a time.
+func publishOneKey(t *testing.T, pub message.Publisher, topic, key string, payloads ...string) {
+	t.Helper()
+	msgs := make([]*message.Message, len(payloads))
+	for i, p := range payloads {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(p))
+		msgs[i].Metadata.Set(delivery.PartitionKey, key)
+	}
+	require.NoError(t, pub.Publish(topic, msgs...))
+}
+
 func TestDeclaresQuorumQueueAndFanoutExchange(t *testing.T) {
 	a := newAdmin(t)
 	cfg := testConfig()
@@ -160,11 +172,12 @@ func TestCloseRequeuesUnacked(t *testing.T) {
 	sub1, err := amqp.NewSubscriber(cfg, testLogger())
 	require.NoError(t, err)
 	require.NoError(t, sub1.SubscribeInitialize(topic))
-	publishText(t, pub, topic, "one", "two")
+	publishOneKey(t, pub, topic, "k", "one", "two")
 
 	msgs, err := sub1.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	// "one" is with the handler; "two" waits, prefetched, in the client.
+	// "one" is with the handler; "two", prefetched, waits behind it, its
+	// key's previous message.
 	got := msgtest.Receive(t, msgs, wait)
 	require.Equal(t, "one", string(got.Payload))
 	eventually(t, wait, func() bool { r, _ := a.inspect(topic); return r == 0 }, "both messages delivered to sub1")
@@ -187,10 +200,8 @@ func TestCloseRequeuesUnacked(t *testing.T) {
 		require.Equal(t, "true", md.Get(delivery.Redelivered), "%s redelivered", p)
 		t.Logf("%s after close: x-delivery-count=%q attempts=%q", p, md.Get(amqp.HeaderDeliveryCount), md.Get(delivery.Attempts))
 	}
-	// Closing nacks the message with the handler (requeue) while the
-	// channel is still open, so the broker may hand it, and the prefetched
-	// one, back to the closing consumer before the channel close returns
-	// them again: up to RabbitMQ 4.2 every such return counts.
+	// Closing nacks both (requeue) while the channel is still open, and
+	// closes it: up to RabbitMQ 4.2 every return counts.
 	for p, md := range payloads {
 		n, err := strconv.Atoi(md.Get(delivery.Attempts))
 		require.NoError(t, err, "%s attempts", p)
@@ -211,14 +222,16 @@ func TestPrefetchLimitsUnacked(t *testing.T) {
 	for i := range payloads {
 		payloads[i] = string(rune('a' + i))
 	}
-	publishText(t, pub, topic, payloads...)
+	// One key, so that the subscription hands out one at a time.
+	publishOneKey(t, pub, topic, "k", payloads...)
 
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	held := msgtest.Receive(t, msgs, wait) // the handler holds it, unacked
 
 	// The broker sends at most Prefetch unacked messages: the held one and
-	// one buffered in the client. The other eight stay ready, and stay so.
+	// one waiting behind it, of the same key. The other eight stay ready,
+	// and stay so.
 	eventually(t, wait, func() bool { r, _ := a.inspect(topic); return r == total-2 }, "broker holds the rest")
 	msgtest.Nothing(t, msgs, 300*time.Millisecond)
 	ready, _ := a.inspect(topic)

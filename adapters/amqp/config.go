@@ -86,27 +86,53 @@ type Config struct {
 
 	// Prefetch is the consumer's prefetch count (basic.qos): how many
 	// unacknowledged messages the broker sends to one subscription before it
-	// waits for acks. The handler still sees one message at a time per
-	// subscription; the others wait in the client. Zero means
+	// waits for acks, and how many a subscription hands out at once:
+	// messages of different ordering keys concurrently, a key's one at a
+	// time (see Subscriber.Subscribe). Zero means
 	// [DefaultPrefetch]; at most 65535.
 	Prefetch int
 
 	// DeliveryLimit sets the quorum queue argument x-delivery-limit: once a
 	// message's delivery count exceeds it, the broker dead-letters the
-	// message to DeadLetterExchange, or drops it when there is none. Zero
-	// leaves the argument unset, so the broker default or a policy applies:
-	// no limit before RabbitMQ 4.0, 20 since 4.0. -1 means no limit on
-	// RabbitMQ 4.0 and later.
+	// message to DeadLetterExchange, or drops it when there is none.
+	// oncemill's subscribers hand each message to the poison middleware
+	// with its last delivery marked (delivery.MaxDeliveries), and the
+	// middleware ends it there, applied, parked or in its own dead-letter
+	// queue, never dropped; it holds a delivery through an outage instead
+	// of nacking it, so that waiting spends no delivery.
+	//
+	// 0, the default, leaves the count to the poison middleware: a new
+	// queue is declared with no limit (-1 on RabbitMQ 4.0 and later, whose
+	// quorum queues default to 20; the argument left out before, where
+	// there is no default and -1 would drop a message at its first
+	// return), and a queue that exists with another limit is taken as it
+	// is, its limit read from the broker's answer. -1 asks for no limit
+	// in the same way. A positive limit is declared as it is, and a queue
+	// that exists with another one fails Subscribe with [ErrDeclare],
+	// naming both. middleware.Poison.Subscriber refuses a limit below what
+	// its policy needs. A limit a policy sets cannot be read over AMQP.
 	//
 	// The broker counts what it considers failed deliveries. Up to RabbitMQ
 	// 4.2 every return counts (nack with requeue, channel or connection
 	// closed with the message unacked). Since 4.3 a basic.nack with requeue,
 	// which is what the Watermill subscriber sends when a handler nacks, no
-	// longer counts: only basic.reject and lost consumers do, so on 4.3 the
-	// limit is a backstop against crashing consumers, not against a handler
-	// that keeps failing. Count attempts with the delivery.Attempts metadata
-	// instead.
+	// longer counts: only basic.reject and lost consumers do.
 	DeliveryLimit int
+
+	// SingleActiveConsumer sets the queue argument
+	// x-single-active-consumer: of the subscriptions that share the queue
+	// (the instances of a consumer group), RabbitMQ delivers to one at a
+	// time, and to the next only once it has gone (closed, crashed, its
+	// connection lost), so that a key's messages are handled in the
+	// queue's order across processes as within one; the others stand by.
+	// The active subscription still hands out up to Prefetch messages at
+	// once, a key's one at a time. Like every queue argument it is fixed
+	// when the queue is first declared: a queue that exists without it
+	// fails Subscribe with [ErrDeclare] (PRECONDITION_FAILED, inequivalent
+	// arg 'x-single-active-consumer'); delete the queue, or declare a new
+	// group. Defaults to false: the group's subscriptions compete for the
+	// queue's messages, and a key's order holds within each.
+	SingleActiveConsumer bool
 
 	// DeadLetterExchange sets the queue argument x-dead-letter-exchange: the
 	// exchange that receives messages the broker dead-letters (delivery
@@ -176,7 +202,7 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: Prefetch must be between 0 and %d, got %d", ErrInvalidConfig, maxPrefetch, c.Prefetch)
 	}
 	if c.DeliveryLimit < -1 {
-		return fmt.Errorf("%w: DeliveryLimit must be -1 (no limit), 0 (broker default) or positive, got %d", ErrInvalidConfig, c.DeliveryLimit)
+		return fmt.Errorf("%w: DeliveryLimit must be 0 (left to the poison middleware), -1 (no limit) or positive, got %d", ErrInvalidConfig, c.DeliveryLimit)
 	}
 	if c.DeadLetterRoutingKey != "" && c.DeadLetterExchange == "" {
 		return fmt.Errorf("%w: DeadLetterRoutingKey is set but DeadLetterExchange is empty", ErrInvalidConfig)
@@ -221,12 +247,18 @@ func (c Config) QueueName(topic string) string {
 }
 
 // QueueArguments returns the arguments the subscriber declares its queues
-// with: x-queue-type quorum, and x-delivery-limit, x-dead-letter-exchange and
-// x-dead-letter-routing-key when set.
+// with, whatever the server's version: x-queue-type quorum, and
+// x-delivery-limit, x-single-active-consumer, x-dead-letter-exchange and
+// x-dead-letter-routing-key when set. A DeliveryLimit of 0 or -1 (no limit) is left out here: the
+// subscriber and [Declare] spell it for the server they reach (-1 since
+// RabbitMQ 4.0, nothing before).
 func (c Config) QueueArguments() amqp091.Table {
 	args := amqp091.Table{"x-queue-type": "quorum"}
-	if c.DeliveryLimit != 0 {
-		args["x-delivery-limit"] = int64(c.DeliveryLimit)
+	if c.DeliveryLimit > 0 {
+		args[deliveryLimitArg] = int64(c.DeliveryLimit)
+	}
+	if c.SingleActiveConsumer {
+		args["x-single-active-consumer"] = true
 	}
 	if c.DeadLetterExchange != "" {
 		args["x-dead-letter-exchange"] = c.DeadLetterExchange

@@ -29,10 +29,14 @@
 //   - A published message is persistent and routed to durable, replicated
 //     quorum queues; Publish returns nil only after the broker confirmed
 //     the message and routed it to at least one queue.
-//   - A subscription hands the handler one message at a time and
-//     acknowledges it to the broker only after the handler acks it. The
-//     broker keeps up to [Config.Prefetch] unacknowledged messages in flight
-//     per subscription; the rest stay in the queue for other consumers.
+//   - A subscription hands out up to [Config.Prefetch] messages at once
+//     (the broker keeps that many unacknowledged per subscription; the rest
+//     stay in the queue for other consumers): messages of different
+//     ordering keys (delivery.PartitionKeyOf: the partition_key header,
+//     else the idempotency key) concurrently, a key's messages one at a
+//     time in the queue's order, the next once the previous was acked or
+//     nacked. Each message is acknowledged to the broker only after the
+//     handler acks it.
 //   - A nack requeues the message for redelivery, or, with
 //     [Config.NoRequeueOnNack], dead-letters it (drops it without a
 //     dead-letter exchange). Messages unacked when the subscriber closes,
@@ -40,8 +44,11 @@
 //     and delivered again. Closing a subscriber drains: it hands out
 //     nothing more and waits up to [Config.DrainTimeout], with the channel
 //     open, for the messages its handlers hold to be acked or nacked;
-//     then it nacks what they still hold, with requeue, or without it
-//     under NoRequeueOnNack.
+//     the messages received and not handed out are returned at once, and
+//     what handlers still hold when the drain ends is nacked, with
+//     requeue, or without it under NoRequeueOnNack. A connection that drops is made again, and
+//     consuming resumes; the acks of the messages handlers held then are
+//     dropped, since the broker has returned those messages already.
 //   - Queue order is FIFO, but competing consumers and redeliveries
 //     reorder.
 //
@@ -71,18 +78,17 @@
 //     a first delivery).
 //   - Since 4.3, x-delivery-count and the delivery limit count only failed
 //     deliveries: basic.reject, and consumers lost with the message unacked,
-//     but not basic.nack with requeue, which is what watermill-amqp sends
+//     but not basic.nack with requeue, which is what the subscriber sends
 //     when a handler nacks. x-acquired-count counts every hand-out. On 4.3
 //     delivery.Attempts therefore still grows with each nack (from
 //     x-acquired-count), but the broker's delivery limit no longer stops a
 //     handler that keeps nacking: only the poison middleware does.
 //
-// Attempts counts deliveries, not handler failures. When a subscriber's
-// drain ends while its handler holds a message, watermill-amqp nacks it with
-// requeue while the channel is still open, the broker may hand it (and the
-// prefetched messages) back to the closing consumer, and the channel close
-// returns them again: one shutdown can add two or more to the count. Leave
-// room for restarts when choosing attempt and delivery limits.
+// Attempts counts deliveries, not handler failures: every message a
+// subscription has received and not acked when it closes, or when its
+// connection drops, is returned and counted, whether a handler held it or
+// it waited behind its key. Leave room for restarts when choosing attempt
+// and delivery limits.
 //
 // # Metadata
 //

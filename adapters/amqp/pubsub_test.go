@@ -2,6 +2,7 @@ package amqp_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -50,10 +51,12 @@ func (p trackedPublisher) Publish(topic string, msgs ...*message.Message) error 
 //     fanout exchange, so each group gets every message.
 //   - ExactlyOnceDelivery false: delivery is at least once; a message not
 //     acked before a connection drops is delivered again.
-//   - GuaranteedOrder and GuaranteedOrderWithSingleSubscriber: a queue is
-//     FIFO and a subscription hands out one message at a time, so order
-//     holds for one consumer without redeliveries (the suite's order test
-//     uses one subscriber and no nacks); competing consumers or a requeued
+//   - GuaranteedOrder and GuaranteedOrderWithSingleSubscriber, with a
+//     prefetch of one only: a queue is FIFO and such a subscription hands
+//     out one message at a time, so order holds for one consumer without
+//     redeliveries (the suite's order test uses one subscriber and no
+//     nacks); with a larger prefetch, messages without a common ordering
+//     key are handled at once, and competing consumers or a requeued
 //     message reorder.
 //   - Persistent: durable exchanges and quorum queues, persistent messages.
 //   - NewSubscriberReceivesOldMessages false: a queue hands each message to
@@ -61,6 +64,12 @@ func (p trackedPublisher) Publish(topic string, msgs ...*message.Message) error 
 //   - No RestartServiceCommand: restarting the shared broker would break
 //     every other package's tests running against it.
 func TestPubSub(t *testing.T) {
+	for _, prefetch := range []int{1, 16} {
+		t.Run(fmt.Sprintf("prefetch_%d", prefetch), func(t *testing.T) { testPubSub(t, prefetch) })
+	}
+}
+
+func testPubSub(t *testing.T, prefetch int) {
 	a := newAdmin(t)
 
 	// The suite closes what it creates, except in TestPublishSubscribeInOrder:
@@ -73,6 +82,7 @@ func TestPubSub(t *testing.T) {
 	constructor := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
 		cfg := testConfig()
 		cfg.ConsumerGroup = group
+		cfg.Prefetch = prefetch
 		// TestMessageCtx closes the subscriber while its message is
 		// unacked and wants the message's context cancelled within its
 		// timeout: Close cancels it when the drain ends.
@@ -89,8 +99,8 @@ func TestPubSub(t *testing.T) {
 		tests.Features{
 			ConsumerGroups:                      true,
 			ExactlyOnceDelivery:                 false,
-			GuaranteedOrder:                     true,
-			GuaranteedOrderWithSingleSubscriber: true,
+			GuaranteedOrder:                     prefetch == 1,
+			GuaranteedOrderWithSingleSubscriber: prefetch == 1,
 			Persistent:                          true,
 			GenerateTopicFunc: func(tctx tests.TestContext) string {
 				return "oncemill-test-suite-" + string(tctx.TestID)

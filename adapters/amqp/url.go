@@ -32,7 +32,7 @@ func init() {
 // openURL opens RabbitMQ with durable quorum queues and manual acks for
 // the amqp:// and amqps:// URLs of adapters.Open. Parameters: group
 // (queue "<topic>.<group>"), prefetch, delivery_limit,
-// dead_letter_exchange, drain_timeout (a Go duration; see
+// single_active_consumer, dead_letter_exchange, drain_timeout (a Go duration; see
 // [Config.DrainTimeout]) and connect_timeout, which are removed before
 // the URL reaches the client, and amqp091's own (see amqpClientParams).
 func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerurl.Opened, error) {
@@ -59,7 +59,7 @@ func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerur
 
 // urlConfig reads an amqp:// URL and opts into a checked config.
 func urlConfig(u *url.URL, opts brokerurl.Options) (Config, error) {
-	q, err := brokerurl.Query(u, append([]string{"prefetch", "delivery_limit", "dead_letter_exchange", "drain_timeout"}, amqpClientParams()...)...)
+	q, err := brokerurl.Query(u, append([]string{"prefetch", "delivery_limit", "single_active_consumer", "dead_letter_exchange", "drain_timeout"}, amqpClientParams()...)...)
 	if err != nil {
 		return Config{}, err
 	}
@@ -76,10 +76,13 @@ func urlConfig(u *url.URL, opts brokerurl.Options) (Config, error) {
 	if cfg.DeliveryLimit, err = brokerurl.Int(q, "delivery_limit"); err != nil {
 		return Config{}, err
 	}
+	if cfg.SingleActiveConsumer, err = brokerurl.Bool(q, "single_active_consumer", false); err != nil {
+		return Config{}, err
+	}
 	if cfg.DrainTimeout, err = brokerurl.Duration(q, "drain_timeout", false); err != nil {
 		return Config{}, err
 	}
-	for _, p := range []string{"group", "prefetch", "delivery_limit", "dead_letter_exchange", "drain_timeout", "connect_timeout"} {
+	for _, p := range []string{"group", "prefetch", "delivery_limit", "single_active_consumer", "dead_letter_exchange", "drain_timeout", "connect_timeout"} {
 		q.Del(p)
 	}
 	clean := *u
@@ -112,7 +115,8 @@ func urlConnectError(u *url.URL, cfg Config, err error) error {
 
 // ParseURL reads an amqp:// or amqps:// URL as adapters.Open reads it and
 // returns the Config it describes: the group, prefetch, delivery_limit,
-// dead_letter_exchange, drain_timeout and connect_timeout parameters set
+// single_active_consumer, dead_letter_exchange, drain_timeout and
+// connect_timeout parameters set
 // the Config and are removed from Config.URL, amqp091's own parameters
 // stay, and any other parameter is an error that names it. Tools that
 // need the Config itself (to declare queues, say) read it here, so that a

@@ -35,6 +35,22 @@ func TestAMQPURLParameters(t *testing.T) {
 	cfg, err = urlConfig(mustParse(t, "amqp://guest:guest@127.0.0.1:5672/"), brokerurl.Options{})
 	require.NoError(t, err)
 	require.Equal(t, brokerurl.DefaultConnectTimeout, cfg.ConnectTimeout)
+	require.False(t, cfg.SingleActiveConsumer)
+	require.NotContains(t, cfg.QueueArguments(), "x-single-active-consumer")
+}
+
+// TestAMQPURLSingleActiveConsumer: single_active_consumer=true declares
+// the queue with x-single-active-consumer and does not reach amqp091; a
+// value that is not a boolean is refused, naming the parameter.
+func TestAMQPURLSingleActiveConsumer(t *testing.T) {
+	cfg, err := urlConfig(mustParse(t, "amqp://guest:guest@127.0.0.1:5672/?single_active_consumer=true&heartbeat=5"), brokerurl.Options{})
+	require.NoError(t, err)
+	require.True(t, cfg.SingleActiveConsumer)
+	require.Equal(t, true, cfg.QueueArguments()["x-single-active-consumer"])
+	require.Equal(t, "amqp://guest:guest@127.0.0.1:5672/?heartbeat=5", cfg.URL)
+	_, err = urlConfig(mustParse(t, "amqp://guest:guest@127.0.0.1:5672/?single_active_consumer=yes-please"), brokerurl.Options{})
+	require.ErrorIs(t, err, brokerurl.ErrBadURL)
+	require.ErrorContains(t, err, "single_active_consumer")
 }
 
 // TestAMQPURLDrainTimeout: drain_timeout reaches the subscriber's

@@ -9,6 +9,8 @@ import (
 
 	"github.com/IBM/sarama"
 	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+
+	"github.com/oncemill/oncemill/delivery"
 )
 
 var (
@@ -293,6 +295,27 @@ type SubscriberConfig struct {
 	// [DefaultRevokeTimeout] or half the rebalance timeout, whichever is
 	// shorter; when set, it must be shorter than the rebalance timeout.
 	RevokeTimeout time.Duration
+
+	// HandOutMarks, when set, keeps a durable mark per partition of the
+	// offsets the subscriber hands out (delivery.HandOutMarks; the inbox
+	// stores dedup/postgres, dedup/sqlstore and dedup/sqlite implement it,
+	// on a table beside the inbox's): before it hands out an offset above
+	// the mark it raises the mark to the highest offset received, one
+	// durable write for a batch of offsets, and when it is given a
+	// partition it reads the mark. An offset at or below the mark it read
+	// may have been handed out before, to a process that died in it: its
+	// message goes out marked delivery.Redelivered, and the inbox counts
+	// its attempts one by one. Any other goes out with delivery.Attempts
+	// 1, a first delivery, which the inbox runs in one transaction with
+	// no attempt record before it, as on brokers that count deliveries:
+	// a message that kills its process is still stopped at the poison
+	// middleware's MaxAttempts. A nacked message handed out again is
+	// marked delivery.Redelivered. When a mark cannot be read or written,
+	// the messages it would cover go out unmarked, and the inbox records
+	// each attempt, as without it. Applies when MaxInFlightPerPartition
+	// is above 1 and ConsumerGroup is set. Defaults to nil: every
+	// delivery goes out unmarked.
+	HandOutMarks delivery.HandOutMarks
 
 	// Sarama, when set, adjusts the Sarama config after this package's
 	// defaults (Version 2.3.0.0, ClientID "oncemill", the timeouts above,

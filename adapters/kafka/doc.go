@@ -103,6 +103,18 @@
 // that the message published again (to a dead-letter topic, say) keeps
 // its key.
 //
+// Hand-out marks. Kafka counts no deliveries, so by default the inbox
+// records every attempt before the handler's transaction, to count one
+// whose process dies. [SubscriberConfig.HandOutMarks] (the inbox's store;
+// adapters.Options.HandOutMarks) spares a first delivery that record: the
+// key-parallel subscriber writes, before it hands out an offset above it,
+// a durable mark of the highest offset received, one write for a batch,
+// and reads the mark when it is given a partition. Offsets above the mark
+// it read go out with [delivery.Attempts] 1; those at or below it, and a
+// nacked message handed out again, with [delivery.Redelivered], and the
+// inbox counts their attempts one by one, so a message that kills its
+// process is still dead-lettered at the poison middleware's MaxAttempts.
+//
 // Restarts and static membership. A subscriber that closes (the router
 // closing on SIGTERM) leaves its consumer group before Close returns, in
 // both modes: Sarama sends LeaveGroup, and the other members take its

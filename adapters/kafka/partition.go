@@ -7,6 +7,9 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/oncemill/oncemill/delivery"
 )
 
 // newPartition returns the state of a claim of sub, ready to run; the
@@ -14,6 +17,10 @@ import (
 func newPartition(sub *subscription, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) *partition {
 	cfg := sub.s.cfg
 	ctx, cancel := context.WithCancel(sub.ctx)
+	var marks delivery.HandOutMarks
+	if cfg.ConsumerGroup != "" {
+		marks = cfg.HandOutMarks
+	}
 	return &partition{
 		sub:       sub,
 		sess:      sess,
@@ -29,6 +36,12 @@ func newPartition(sub *subscription, sess sarama.ConsumerGroupSession, claim sar
 		busy:      map[string]bool{},
 		queued:    map[string]bool{},
 		done:      map[int64]bool{},
+		marks:     marks,
+		suspectTo: -1,
+		marked:    -1,
+		plainTo:   -1,
+		highest:   -1,
+		markDone:  make(chan markResult, 1),
 		logFields: sub.fields.Add(watermill.LogFields{"kafka_partition": claim.Partition(), "kafka_initial_offset": claim.InitialOffset()}),
 	}
 }
@@ -77,10 +90,107 @@ type partition struct {
 	head        int
 	done        map[int64]bool
 
+	// The hand-out mark (SubscriberConfig.HandOutMarks), nil without one:
+	// the offsets up to suspectTo (the mark when the claim began) may
+	// have been handed out before; those above, up to marked, this
+	// claim's durable mark covers; those above marked, up to plainTo,
+	// whose mark could not be written, go out unmarked. A record above
+	// all three waits for the write of a mark up to highest, the highest
+	// offset received; marking says one is under way.
+	marks                               delivery.HandOutMarks
+	suspectTo, marked, plainTo, highest int64
+	marking                             bool
+	markDone                            chan markResult
+
 	logFields watermill.LogFields
 }
 
+// markResult is the outcome of a mark's write up to offset.
+type markResult struct {
+	offset int64
+	err    error
+}
+
+// markTimeout bounds a read or a write of the hand-out mark; past it the
+// records it would cover go out unmarked.
+const markTimeout = 5 * time.Second
+
+// stamp is what a hand-out says of its record's earlier hand-outs.
+type stamp int
+
+const (
+	unmarked stamp = iota // no mark kept: the inbox records the attempt
+	firstOut              // delivery.Attempts 1: no hand-out before
+	suspect               // delivery.Redelivered: maybe handed out before
+)
+
+// readMark reads the partition's mark, the offsets that earlier owners
+// or lives of this group may have handed out; without it the claim hands
+// out unmarked.
+func (p *partition) readMark() {
+	if p.marks == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(p.ctx, markTimeout)
+	defer cancel()
+	mark, err := p.marks.InboxHandOutMark(ctx, p.sub.s.cfg.ConsumerGroup, p.claim.Topic(), p.claim.Partition())
+	if err != nil {
+		p.sub.s.logger.Error("Cannot read the partition's hand-out mark: its messages go out unmarked, each attempt recorded", err, p.logFields)
+		p.marks = nil
+		return
+	}
+	p.suspectTo, p.marked = mark, mark
+}
+
+// stampOf says how offset may go out now; ok is false when it waits for
+// a mark.
+func (p *partition) stampOf(offset int64) (stamp, bool) {
+	switch {
+	case p.marks == nil:
+		return unmarked, true
+	case offset <= p.suspectTo:
+		return suspect, true
+	case offset <= p.marked:
+		return firstOut, true
+	case offset <= p.plainTo:
+		return unmarked, true
+	}
+	return unmarked, false
+}
+
+// mark starts the write of a mark up to the highest offset received,
+// unless one is under way.
+func (p *partition) mark() {
+	if p.marking {
+		return
+	}
+	p.marking = true
+	offset := p.highest
+	go func() {
+		ctx, cancel := context.WithTimeout(p.ctx, markTimeout)
+		defer cancel()
+		err := p.marks.InboxMarkHandOut(ctx, p.sub.s.cfg.ConsumerGroup, p.claim.Topic(), p.claim.Partition(), offset)
+		p.markDone <- markResult{offset: offset, err: err}
+	}()
+}
+
+// markWritten takes a mark's outcome and hands out what it covers.
+func (p *partition) markWritten(res markResult) {
+	p.marking = false
+	if res.err != nil {
+		if p.ctx.Err() == nil {
+			p.sub.s.logger.Error("Cannot write the partition's hand-out mark: the messages it would cover go out unmarked, each attempt recorded", res.err,
+				p.logFields.Add(watermill.LogFields{"kafka_partition_offset": res.offset}))
+		}
+		p.plainTo = max(p.plainTo, res.offset)
+	} else {
+		p.marked = max(p.marked, res.offset)
+	}
+	p.dispatch()
+}
+
 func (p *partition) run() {
+	p.readMark()
 	records := p.claim.Messages()
 	for {
 		in := records
@@ -118,6 +228,8 @@ func (p *partition) run() {
 				return
 			}
 			p.add(rec)
+		case res := <-p.markDone:
+			p.markWritten(res)
 		case res := <-p.results:
 			if commit, over := p.over(); over {
 				p.stopping = true // nothing more handed out by finish
@@ -159,6 +271,7 @@ func (p *partition) over() (commit, over bool) {
 // add queues a record just received and hands out what it can.
 func (p *partition) add(rec *sarama.ConsumerMessage) {
 	p.outstanding = append(p.outstanding, rec.Offset)
+	p.highest = max(p.highest, rec.Offset)
 	key := string(rec.Key)
 	p.queues[key] = append(p.queues[key], rec)
 	p.markReady(key)
@@ -192,10 +305,18 @@ func (p *partition) dispatch() {
 	}
 }
 
-// canDispatch reports whether the partition has a ready key and room for
-// one more message in flight.
+// canDispatch reports whether the partition has a ready key, room for
+// one more message in flight, and a mark for the ready key's record; it
+// starts the mark's write when the record waits for one.
 func (p *partition) canDispatch() bool {
-	return !p.stopping && p.inFlight < p.max && len(p.ready) > 0
+	if p.stopping || p.inFlight >= p.max || len(p.ready) == 0 {
+		return false
+	}
+	if _, ok := p.stampOf(p.queues[p.ready[0]][0].Offset); !ok {
+		p.mark()
+		return false
+	}
+	return true
 }
 
 // dispatchOne hands out the head of the first ready key; the caller has
@@ -214,7 +335,8 @@ func (p *partition) dispatchOne() {
 	p.busy[key] = true
 	p.inFlight++
 	p.wg.Add(1)
-	go p.deliver(rec)
+	st, _ := p.stampOf(rec.Offset)
+	go p.deliver(rec, st)
 }
 
 // newSlots returns the slots of a subscription with at most n messages in
@@ -301,18 +423,20 @@ func (p *partition) drain(commit bool) {
 
 // deliver hands one record's message to the router until it is acked,
 // and reports the result.
-func (p *partition) deliver(rec *sarama.ConsumerMessage) {
+func (p *partition) deliver(rec *sarama.ConsumerMessage, st stamp) {
 	defer p.wg.Done()
-	acked := p.handOut(rec)
+	acked := p.handOut(rec, st)
 	p.results <- result{rec: rec, acked: acked}
 }
 
-func (p *partition) handOut(rec *sarama.ConsumerMessage) bool {
+func (p *partition) handOut(rec *sarama.ConsumerMessage, st stamp) bool {
 	ctx, cancel := context.WithCancel(p.ctx)
 	defer cancel()
 	// Marshaler.Unmarshal never fails: an undecodable record becomes a
-	// message with delivery.DecodeError set.
+	// message with delivery.DecodeError set. It takes no adapter fact
+	// from the record's headers: the stamp is this subscriber's alone.
 	msg, _ := Marshaler{}.Unmarshal(rec)
+	stampMessage(msg, st)
 	fields := p.logFields.Add(watermill.LogFields{"kafka_partition_offset": rec.Offset, "message_uuid": msg.UUID})
 	sleep := p.sub.s.cfg.NackResendSleep
 	for {
@@ -357,8 +481,24 @@ func (p *partition) handOut(rec *sarama.ConsumerMessage) bool {
 				}
 			}
 			msg = msg.Copy()
+			if st != unmarked {
+				// Handed out before: its attempts are counted one by one.
+				st = suspect
+				stampMessage(msg, st)
+			}
 		case <-p.abandon:
 			return false
 		}
+	}
+}
+
+// stampMessage sets what st says of msg's earlier hand-outs.
+func stampMessage(msg *message.Message, st stamp) {
+	switch st {
+	case firstOut:
+		msg.Metadata.Set(delivery.Attempts, "1")
+	case suspect:
+		delete(msg.Metadata, delivery.Attempts)
+		msg.Metadata.Set(delivery.Redelivered, "true")
 	}
 }

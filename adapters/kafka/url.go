@@ -60,6 +60,7 @@ func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerur
 		return fail(err)
 	}
 	ps.Publisher = pub
+	scfg.HandOutMarks = opts.HandOutMarks
 	sub, err := NewSubscriber(scfg, opts.Logger)
 	if err != nil {
 		return fail(err)

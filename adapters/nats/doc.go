@@ -73,7 +73,14 @@
 //     Deduplication below), so that JetStream drops a producer's retry.
 //   - A subscription holds at most [SubscriberConfig.MaxInFlight] messages
 //     (1 by default) and asks JetStream for more only when it holds fewer:
-//     no message waits in a client buffer while its ack wait runs out.
+//     no message waits in a client buffer while its ack wait runs out. It
+//     hands them to the router concurrently, per ordering key: messages
+//     of different keys are in flight at once, up to MaxInFlight (so
+//     group commit and middleware.BatchHandler fill their batches), a
+//     key's messages one at a time, the next once the previous is acked
+//     or nacked. The key is [delivery.PartitionKeyOf] the message (the
+//     partition_key header, else idempotency_key); a message without one
+//     is its own key.
 //   - From the moment a message arrives until it is acked or nacked, the
 //     subscription tells JetStream every third of its ack wait that it is
 //     in progress (+WPI), and JetStream confirms each, so a handler of any
@@ -103,9 +110,17 @@
 //     that a closing subscription cancels may cross a message JetStream
 //     was sending it: that message too is delivered again after its ack
 //     wait.
-//   - Order: a single subscription with one message in flight receives
-//     the stream's order. Competing subscribers, several messages in
-//     flight and nacks (which come back after their delay) reorder.
+//   - Order: within a subscription, a key's messages are handled in the
+//     order JetStream delivers them, whatever MaxInFlight. A nacked
+//     message comes back after its delay, behind the key's later
+//     messages, which the subscription hands out meanwhile: JetStream
+//     redelivers a nacked message out of its original order, to whichever
+//     subscriber asks, so holding them back would stop the key for an
+//     unknown time without restoring the order. Across subscriptions and
+//     processes the order of a key holds only with
+//     [SubscriberConfig.MaxAckPending] 1 (one message of the consumer
+//     unacked at a time); otherwise competing subscribers run a key's
+//     messages at once.
 //
 // [SubscriberConfig.MaxDeliver] is unlimited by default. A message that
 // reaches a limit is neither acked nor delivered again: it stays in the

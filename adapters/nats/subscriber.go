@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/oncemill/oncemill/adapters/internal/keygate"
 	"github.com/oncemill/oncemill/delivery"
 )
 
@@ -43,9 +44,10 @@ var (
 //
 // NewSubscriber opens a connection. Each Subscribe call starts goroutines,
 // owned by the Subscriber and stopped by Close or by the cancellation of
-// Subscribe's context: one that pulls messages, one that hands them to the
-// output channel in order, and one per message held, which sends its
-// heartbeats and its ack or nack.
+// Subscribe's context: one that pulls messages, a per-key gate that hands
+// them to the output channel (with a goroutine per message handed out,
+// which waits for its ack or nack), and one per message held, which sends
+// its heartbeats and its ack or nack.
 type Subscriber struct {
 	cfg    SubscriberConfig
 	client *client
@@ -101,7 +103,14 @@ func NewSubscriber(ctx context.Context, cfg SubscriberConfig) (*Subscriber, erro
 //
 // The subscription holds at most [SubscriberConfig.MaxInFlight] messages
 // (handed out, or fetched and about to be) and asks JetStream for more
-// only when it holds fewer. From the moment a message arrives until it is
+// only when it holds fewer. It hands them out concurrently, keeping the
+// order of each ordering key ([delivery.PartitionKeyOf], the partition_key
+// header; a message without one is its own key): messages of different
+// keys are in flight at once, up to MaxInFlight, a key's one at a time,
+// in the order JetStream delivered them, the next once the previous is
+// acked or nacked. A nacked message comes back after its backoff, behind
+// the key's later messages: JetStream redelivers it out of its original
+// order anyway (see the package doc). From the moment a message arrives until it is
 // acked or nacked, the subscription tells JetStream every third of its ack
 // wait that it is still in progress, so JetStream does not deliver it
 // again meanwhile. When two heartbeats in a row fail, which leaves too
@@ -122,7 +131,9 @@ func NewSubscriber(ctx context.Context, cfg SubscriberConfig) (*Subscriber, erro
 //
 // Every message has the metadata delivery.Topic (topic), delivery.Stream,
 // delivery.StreamSequence, delivery.Attempts (NumDelivered) and
-// delivery.Redelivered, and its context derives from ctx.
+// delivery.Redelivered, and delivery.MaxDeliveries (the consumer's
+// MaxDeliver) when the consumer has a limit; its context derives from
+// ctx.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	s.mu.Lock()
 	if s.closed {
@@ -156,11 +167,19 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		cancel:  func() { stop(); cancel() },
 		msgCtx:  ctx,
 		out:     make(chan *message.Message),
-		slots:   make(chan struct{}, s.cfg.MaxInFlight),
-		ready:   make(chan *held, s.cfg.MaxInFlight),
+		slots:   keygate.NewRoom(s.cfg.MaxInFlight),
 		abandon: make(chan struct{}),
 		logger:  s.logger.With(watermill.LogFields{"topic": topic, "stream": info.Stream, "consumer": info.Name}),
 	}
+	sub.gate = keygate.New(sub.out, s.cfg.MaxInFlight, keygate.Hooks[*held]{
+		// The holders ack and nack; a message never handed out is
+		// nacked without delay.
+		Release: func(hs []*held) {
+			for _, h := range hs {
+				sub.release(h)
+			}
+		},
+	})
 	go sub.run()
 	sub.logger.Debug("Subscribed to JetStream consumer", nil)
 	return sub.out, nil
@@ -299,7 +318,7 @@ func consumerDiff(got, want jetstream.ConsumerConfig) []string {
 	return diffs
 }
 
-// subscription is one Subscribe call: its pull loop, its hand-out and the
+// subscription is one Subscribe call: its pull loop, its gate and the
 // holders of its messages.
 type subscription struct {
 	s      *Subscriber
@@ -319,9 +338,10 @@ type subscription struct {
 
 	// slots holds a token for each message held, fetched or handed out
 	// and not yet acked or nacked: at most MaxInFlight.
-	slots chan struct{}
-	// ready are the messages fetched and not yet handed out, in order.
-	ready chan *held
+	slots keygate.Room
+	// gate hands out the messages fetched, per ordering key, to out,
+	// which it closes once it hands out nothing more.
+	gate *keygate.Gate[*held]
 	// abandon is closed when the drain ends: holders stop.
 	abandon chan struct{}
 	holders sync.WaitGroup
@@ -340,58 +360,26 @@ type held struct {
 	fields   watermill.LogFields
 }
 
-// run pulls and hands out messages until the subscription ends, then
-// drains.
+// run pulls messages, which the gate hands out, until the subscription
+// ends, then drains: the gate hands out nothing more, gives back the
+// messages it holds, and waits up to DrainTimeout for the handlers' acks
+// and nacks; the holders of the messages still held then stop.
 func (sub *subscription) run() {
 	defer sub.s.wg.Done()
 	defer sub.cancel()
-	handedOut := make(chan struct{})
-	go sub.handOut(handedOut)
 	sub.pull()
-	close(sub.ready)
-	<-handedOut
-	sub.drain()
+	if sub.gate.Close(sub.cfg.DrainTimeout) > 0 {
+		close(sub.abandon)
+	}
+	sub.holders.Wait()
 }
 
 // pull fetches messages while the subscription holds fewer than
 // MaxInFlight, as many as it has room for, until the subscription ends.
 func (sub *subscription) pull() {
-	retry := fetchRetryMin
-	for {
-		select {
-		case <-sub.ctx.Done():
-			return
-		case sub.slots <- struct{}{}:
-		}
-		n := 1
-	room:
-		for n < cap(sub.slots) {
-			select {
-			case sub.slots <- struct{}{}:
-				n++
-			default:
-				break room
-			}
-		}
-		got, err := sub.fetch(n)
-		for range n - got {
-			<-sub.slots
-		}
-		if sub.ctx.Err() != nil {
-			return
-		}
-		if err != nil {
-			sub.logger.Error("Cannot fetch from JetStream consumer, retrying", err, watermill.LogFields{"retry_in": retry.String()})
-			select {
-			case <-sub.ctx.Done():
-				return
-			case <-time.After(retry):
-			}
-			retry = min(2*retry, fetchRetryMax)
-			continue
-		}
-		retry = fetchRetryMin
-	}
+	keygate.Poll(sub.ctx, sub.slots, sub.fetch, func(err error, retryIn time.Duration) {
+		sub.logger.Error("Cannot fetch from JetStream consumer, retrying", err, watermill.LogFields{"retry_in": retryIn.String()})
+	}, keygate.Backoff{Min: fetchRetryMin, Max: fetchRetryMax})
 }
 
 // fetch asks for up to n messages and holds each as it arrives. It
@@ -432,7 +420,7 @@ func (sub *subscription) fetch(n int) (int, error) {
 }
 
 // hold starts the holder of m, which heartbeats from now on, and queues m
-// for the hand-out.
+// at the gate behind the earlier messages of its ordering key.
 func (sub *subscription) hold(m jetstream.Msg) {
 	received := time.Now()
 	meta, _ := m.Metadata()
@@ -440,6 +428,9 @@ func (sub *subscription) hold(m jetstream.Msg) {
 	attempt := 1
 	if meta != nil {
 		attempt = max(int(meta.NumDelivered), 1)
+	}
+	if max := sub.cons.CachedInfo().Config.MaxDeliver; max > 0 {
+		msg.Metadata.Set(delivery.MaxDeliveries, strconv.Itoa(max))
 	}
 	ctx, cancel := context.WithCancelCause(sub.msgCtx)
 	msg.SetContext(ctx)
@@ -460,29 +451,7 @@ func (sub *subscription) hold(m jetstream.Msg) {
 	}
 	sub.holders.Add(1)
 	go sub.keep(h)
-	sub.ready <- h // never blocks: it has room for every slot
-}
-
-// handOut sends the fetched messages to the output channel in order, and
-// releases those it cannot hand out once the subscription ends. It closes
-// the output channel when the pull has stopped.
-func (sub *subscription) handOut(done chan<- struct{}) {
-	defer close(done)
-	defer close(sub.out)
-	for h := range sub.ready {
-		// Asked first: a select with several ready cases picks one at
-		// random, and nothing is handed out once the subscription ends.
-		if sub.ctx.Err() != nil {
-			sub.release(h)
-			continue
-		}
-		select {
-		case sub.out <- h.msg:
-			sub.logger.Trace("Message sent to handler", h.fields)
-		case <-sub.ctx.Done():
-			sub.release(h)
-		}
-	}
+	sub.gate.Add(delivery.PartitionKeyOf(msg), msg, h)
 }
 
 // release gives back a message that was never handed out: its holder
@@ -505,7 +474,7 @@ func (sub *subscription) keep(h *held) {
 	release := func() {
 		if !released {
 			released = true
-			<-sub.slots
+			sub.slots.Free(1)
 		}
 	}
 	defer release()
@@ -598,28 +567,4 @@ func (sub *subscription) reply(h *held, body []byte, timeout time.Duration) erro
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	return sub.s.client.request(ctx, h.m.Reply(), body)
-}
-
-// drain waits up to DrainTimeout for the held messages to be acked or
-// nacked, then makes the holders of the others stop.
-func (sub *subscription) drain() {
-	idle := make(chan struct{})
-	go func() {
-		sub.holders.Wait()
-		close(idle)
-	}()
-	select {
-	case <-idle:
-		return
-	default:
-	}
-	sub.logger.Debug("Draining: waiting for the handlers to ack or nack the messages they hold", watermill.LogFields{"drain_timeout": sub.cfg.DrainTimeout.String()})
-	timer := time.NewTimer(sub.cfg.DrainTimeout)
-	defer timer.Stop()
-	select {
-	case <-idle:
-	case <-timer.C:
-		close(sub.abandon)
-		<-idle
-	}
 }

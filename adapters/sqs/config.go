@@ -211,14 +211,27 @@ type SubscriberConfig struct {
 	// WaitTime is how long one ReceiveMessage call waits for messages
 	// (long polling, WaitTimeSeconds): a whole number of seconds from 1s
 	// to 20s. Zero means [DefaultWaitTime]. Close does not wait for a poll
-	// to end: it cancels it.
+	// to end: it cancels it once the drain of the messages handlers hold
+	// ends (at once when they hold none); a poll that ends during the
+	// drain has what it received made visible again at once.
 	WaitTime time.Duration
 
-	// MaxNumberOfMessages is how many messages one ReceiveMessage call
-	// asks for, 1 to 10. Zero means [DefaultMaxNumberOfMessages]. The
-	// subscription hands them to the handler one at a time; while they
-	// wait, the heartbeat keeps them invisible to other consumers.
+	// MaxNumberOfMessages is the most one ReceiveMessage call asks for:
+	// 1 to 10, SQS's own limit. Defaults to [DefaultMaxNumberOfMessages]
+	// (10).
 	MaxNumberOfMessages int
+
+	// MaxInFlight is how many messages a subscription holds at once,
+	// received and not yet acked or nacked: it receives again, up to
+	// MaxNumberOfMessages a call, only while it holds fewer. The
+	// subscription hands them to the router concurrently, a key's
+	// messages one at a time (see Subscriber.Subscribe), so that group
+	// commit and middleware.BatchHandler fill batches larger than one
+	// receive; 1 hands out one message at a time. While a message waits
+	// behind another of its key, the heartbeat keeps it invisible to other
+	// consumers. Size the database pool for it (docs/brokers.md). Defaults
+	// to MaxNumberOfMessages.
+	MaxInFlight int
 
 	// VisibilityTimeout is how long SQS hides a received message from
 	// other consumers: a whole number of seconds from 1s to 12h. Zero
@@ -256,6 +269,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.MaxNumberOfMessages == 0 {
 		c.MaxNumberOfMessages = DefaultMaxNumberOfMessages
 	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = c.MaxNumberOfMessages
+	}
 	if c.VisibilityTimeout == 0 {
 		c.VisibilityTimeout = DefaultVisibilityTimeout
 	}
@@ -280,6 +296,9 @@ func (c SubscriberConfig) Validate() error {
 	}
 	if c.MaxNumberOfMessages < 1 || c.MaxNumberOfMessages > 10 {
 		return fmt.Errorf("%w: MaxNumberOfMessages must be between 1 and 10, got %d", ErrInvalidConfig, c.MaxNumberOfMessages)
+	}
+	if c.MaxInFlight < 1 {
+		return fmt.Errorf("%w: MaxInFlight must be at least 1, or 0 for MaxNumberOfMessages, got %d", ErrInvalidConfig, c.MaxInFlight)
 	}
 	if c.VisibilityTimeout < time.Second || c.VisibilityTimeout > MaxVisibilityTimeout || c.VisibilityTimeout%time.Second != 0 {
 		return fmt.Errorf("%w: VisibilityTimeout must be a whole number of seconds from 1s to %s, got %s", ErrInvalidConfig, MaxVisibilityTimeout, c.VisibilityTimeout)

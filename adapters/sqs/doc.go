@@ -20,12 +20,16 @@
 //
 //   - Publish returns once SQS has stored every message (several are sent
 //     with SendMessageBatch, 10 at most per request).
-//   - A subscription hands its handler one message at a time and deletes a
+//   - A subscription holds up to [SubscriberConfig.MaxInFlight] messages
+//     (MaxNumberOfMessages, 10, by default) and hands them to the router
+//     concurrently, per ordering key (see Concurrency and order below),
+//     so that group commit and middleware.BatchHandler fill their
+//     batches. It deletes a
 //     message only after the handler acks it, retrying the deletion a few
 //     times. When the deletion still fails, SQS delivers the message again
 //     after its visibility timeout, and the inbox absorbs the duplicate.
 //   - While the subscription holds a message (the handler runs, or the
-//     message waits behind another of its batch), a heartbeat extends its
+//     message waits behind another of its key), a heartbeat extends its
 //     visibility timeout every [SubscriberConfig.VisibilityTimeout]/3, so a
 //     slow handler is not raced by a redelivery to another consumer.
 //   - A nack makes the message visible again after
@@ -38,6 +42,20 @@
 //     already picked for it stay hidden until their visibility timeout.
 //   - Order: standard queues are best-effort ordered; FIFO queues keep the
 //     order within a message group (see below).
+//
+// # Concurrency and order
+//
+// The ordering key of a message is its message group on a FIFO queue, and
+// on a standard queue [delivery.PartitionKeyOf] the message (the
+// partition_key attribute, else idempotency_key); a message without one
+// is its own key. Messages of different keys are in flight at once, up to
+// MaxInFlight; a key's messages one at a time, in the order
+// received, the next once the previous is acked or nacked. Within a
+// process a FIFO group stays in order, across nacks too (below); on a
+// standard queue a nacked message comes back after its backoff, behind
+// the key's later messages, as SQS keeps no order to restore. Across
+// processes a FIFO group stays in order (SQS hands a group's messages to
+// one receiver at a time), a standard queue keeps none.
 //
 // With a RedrivePolicy queue attribute ([RedrivePolicy]) SQS itself moves a
 // message received too many times to a dead-letter queue; keep its
@@ -92,10 +110,11 @@
 // own, a hash of the key and those fields, so that SQS does not drop them
 // as retries of the original. SQS then drops a message published again
 // with the same idempotency key within 5 minutes, and delivers the messages of a group in order, one
-// group member in flight at a time. The subscriber keeps that order: after
-// a nack, the messages of the same group received in the same batch are
-// made visible again rather than handed out, so they follow the nacked one
-// once its backoff has passed; meanwhile the group waits.
+// group member in flight at a time. The subscriber keeps that order: it
+// hands out a group's messages one at a time, and after a nack, the
+// messages of the same group that it holds are made visible again rather
+// than handed out, so they follow the nacked one once its backoff has
+// passed; meanwhile the group waits.
 //
 // # URL
 //

@@ -13,6 +13,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
+	"github.com/oncemill/oncemill/adapters/internal/keygate"
 	"github.com/oncemill/oncemill/delivery"
 )
 
@@ -34,12 +35,13 @@ const (
 // Subscriber consumes Watermill messages from SQS queues, one queue per
 // topic. It is safe for concurrent use.
 //
-// Each Subscribe call starts two goroutines, owned by the Subscriber and
-// stopped by Close or by the cancellation of Subscribe's context: one polls
-// the queue and hands the messages to the output channel one at a time,
-// waiting for each to be acked or nacked before sending the next (as
-// Watermill's GoChannel does); the other extends the visibility timeout of
-// the messages the subscription holds. NewSubscriber starts none.
+// Each Subscribe call starts goroutines, owned by the Subscriber and
+// stopped by Close or by the cancellation of Subscribe's context: one
+// polls the queue, a per-key gate hands the messages to the output channel
+// (with a goroutine per message handed out, which waits for its ack or
+// nack and then deletes it or sets its backoff), and one extends the
+// visibility timeout of the messages the subscription holds. NewSubscriber
+// starts none.
 type Subscriber struct {
 	cfg    SubscriberConfig
 	client *client
@@ -89,28 +91,42 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 // of its messages. The channel is closed when ctx is cancelled or the
 // subscriber is closed.
 //
-// Messages come one at a time: the next is sent once the previous one is
-// acked or nacked. An ack deletes the message from the queue; a nack makes
-// it visible again after [SubscriberConfig.NackBackoff]. When the
-// subscription ends (ctx is done or the subscriber closes) while a handler
-// holds a message, it drains: it hands out nothing more and waits up to
-// [SubscriberConfig.DrainTimeout] for the ack (which deletes the message)
-// or the nack, the heartbeat still extending the message's visibility; a
-// message neither acked nor nacked by then is left as it is, and SQS
-// delivers it again once its visibility timeout has passed. Messages
-// received but not yet handed out when it ends are made visible at once.
+// The subscription holds at most [SubscriberConfig.MaxInFlight] messages
+// (received and not yet acked or nacked) and receives again only when it
+// holds fewer, asking for as many as it has room for, up to
+// MaxNumberOfMessages a receive. It hands
+// them out concurrently, keeping the order of each ordering key: on a FIFO
+// queue the message group, on a standard queue [delivery.PartitionKeyOf]
+// the message (the partition_key attribute, else idempotency_key; a
+// message without one is its own key). Messages of different keys are in
+// flight at once, a key's one at a time in the order received, the next
+// once the previous is acked or nacked. An ack deletes the message from
+// the queue; a nack makes it visible again after
+// [SubscriberConfig.NackBackoff]. When the subscription ends (ctx is done
+// or the subscriber closes) while handlers hold messages, it drains: it
+// hands out nothing more and waits up to [SubscriberConfig.DrainTimeout]
+// for the acks (which delete the messages) and nacks, the heartbeat still
+// extending the messages' visibility; a message neither acked nor nacked
+// by then is left as it is, and SQS delivers it again once its visibility
+// timeout has passed. Messages received but not yet handed out when it
+// ends are made visible at once.
 //
 // Every message has the metadata delivery.Topic (topic) and
-// delivery.Attempts (ApproximateReceiveCount), and its context derives from
+// delivery.Attempts (ApproximateReceiveCount), and delivery.MaxDeliveries
+// (the maxReceiveCount of the queue's redrive policy, read as the
+// subscription begins) when the queue has one; its context derives from
 // ctx and is cancelled once the message is acked or nacked or the drain
 // ends; Close does not cancel it before (a router that closes cancels ctx
 // itself). A message that cannot be decoded is still delivered,
 // with delivery.DecodeError set and the raw body as payload.
 //
-// On a FIFO queue the order within a message group is kept: after a nack,
-// the messages of the same group that were received with it are made
-// visible again instead of being handed out, so that SQS delivers them
-// after the nacked one.
+// On a FIFO queue the order within a message group is kept, across
+// nacks too: after a nack, the messages of the same group that the
+// subscription holds are made visible again instead of being handed out,
+// so that SQS delivers them after the nacked one. On a standard queue a
+// nacked message comes back after its backoff, behind the key's later
+// messages, which are handed out meanwhile: SQS keeps no order to
+// restore.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	s.mu.Lock()
 	if s.closed {
@@ -135,7 +151,16 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, err)
 	}
 
+	limit, err := s.client.redriveLimit(subCtx, name, url)
+	if err != nil {
+		stop()
+		cancel()
+		s.wg.Done()
+		return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, err)
+	}
+
 	hbCtx, stopHeartbeat := context.WithCancel(context.WithoutCancel(subCtx))
+	receiveCtx, stopReceive := context.WithCancel(context.WithoutCancel(subCtx))
 	sub := &subscription{
 		s:             s,
 		api:           s.client.api,
@@ -144,16 +169,26 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		queue:         name,
 		url:           url,
 		fifo:          isFIFO(name),
+		maxReceives:   limit.Deliveries,
 		ctx:           subCtx,
 		cancel:        func() { stop(); cancel() },
 		msgCtx:        ctx,
 		hbCtx:         hbCtx,
+		receiveCtx:    receiveCtx,
+		stopReceive:   stopReceive,
 		stopHeartbeat: stopHeartbeat,
 		out:           make(chan *message.Message),
+		slots:         keygate.NewRoom(s.cfg.MaxInFlight),
 		held:          map[string]types.Message{},
 		logger:        s.logger.With(watermill.LogFields{"topic": topic, "queue": name}),
 		visSecs:       int32(s.cfg.VisibilityTimeout / time.Second),
 	}
+	sub.gate = keygate.New(sub.out, s.cfg.MaxInFlight, keygate.Hooks[*held]{
+		Settled:           sub.settled,
+		Release:           sub.releaseHeld,
+		Abandoned:         sub.abandoned,
+		ReleaseBehindNack: sub.fifo,
+	})
 	s.wg.Add(1)
 	go sub.heartbeat()
 	go sub.run()
@@ -215,11 +250,18 @@ type subscription struct {
 	topic, queue, url string
 	fifo              bool
 	visSecs           int32
+	// maxReceives is the maxReceiveCount of the queue's redrive policy,
+	// read when the subscription began; 0 without one.
+	maxReceives int
 
 	// ctx ends the subscription: no more polls or hand-outs. It is
 	// Subscribe's context, also cancelled by Close.
 	ctx    context.Context
 	cancel context.CancelFunc
+	// receiveCtx bounds the receive requests: it outlives ctx by the
+	// drain (see run).
+	receiveCtx  context.Context
+	stopReceive context.CancelFunc
 	// msgCtx, Subscribe's context, is the parent of the message
 	// contexts, which Close leaves alone until the drain ends.
 	msgCtx context.Context
@@ -229,6 +271,13 @@ type subscription struct {
 	stopHeartbeat context.CancelFunc
 	out           chan *message.Message
 
+	// slots holds a token for each message held, received and not yet
+	// acked, nacked or given back: at most MaxInFlight.
+	slots keygate.Room
+	// gate hands out the messages received, per ordering key, to out,
+	// which it closes once it hands out nothing more.
+	gate *keygate.Gate[*held]
+
 	// mu guards held and is held for the whole of each heartbeat request,
 	// so that once a message leaves held no heartbeat extends it any more
 	// (a late extension would undo a nack's backoff).
@@ -236,52 +285,62 @@ type subscription struct {
 	held map[string]types.Message // by receipt handle
 }
 
-// outcome is how the handling of one message ended.
-type outcome int
-
-const (
-	acked outcome = iota
-	nacked
-	closing
-)
-
-// run polls the queue and hands out messages until the subscription ends.
-func (sub *subscription) run() {
-	defer sub.s.wg.Done()
-	defer close(sub.out)
-	defer sub.stopHeartbeat()
-	defer sub.cancel()
-
-	retry := receiveRetryMin
-	for sub.ctx.Err() == nil {
-		msgs, err := sub.receive()
-		if err != nil {
-			if sub.ctx.Err() != nil {
-				return
-			}
-			sub.logger.Error("Cannot receive from SQS queue, retrying", err, watermill.LogFields{"retry_in": retry.String()})
-			select {
-			case <-sub.ctx.Done():
-				return
-			case <-time.After(retry):
-			}
-			retry = min(2*retry, receiveRetryMax)
-			continue
-		}
-		retry = receiveRetryMin
-		if !sub.handleBatch(msgs) {
-			return
-		}
-	}
+// held is a message the subscription holds, at the gate or handed out.
+type held struct {
+	m      types.Message
+	msg    *message.Message
+	cancel context.CancelFunc
+	fields watermill.LogFields
 }
 
-// receive long-polls the queue once and holds what it returns.
-func (sub *subscription) receive() ([]types.Message, error) {
-	ctx, cancel := context.WithTimeout(sub.ctx, sub.cfg.WaitTime+requestTimeout)
+// run polls the queue, while the subscription holds fewer than
+// MaxInFlight, until the subscription ends; then the gate drains.
+//
+// A receive in flight when the subscription ends is left to finish while
+// the gate drains, and what it returns is given back at once: cancelled,
+// its messages, which SQS may already have handed to it, would stay
+// hidden for their visibility timeout. Once the drain ends (at once when
+// no handler holds a message) a receive still waiting is cancelled.
+func (sub *subscription) run() {
+	defer sub.s.wg.Done()
+	defer sub.stopHeartbeat()
+	defer sub.cancel()
+	polled := make(chan struct{})
+	go func() {
+		defer close(polled)
+		sub.poll()
+	}()
+	<-sub.ctx.Done()
+	if n := sub.gate.Close(sub.cfg.DrainTimeout); n > 0 {
+		sub.logger.Info("Drain timeout while handlers hold messages; SQS delivers them again after their visibility timeout",
+			watermill.LogFields{"messages": n, "drain_timeout": sub.cfg.DrainTimeout.String()})
+	}
+	sub.stopReceive()
+	<-polled
+}
+
+// poll receives messages for the gate while there is room for them, until
+// the subscription ends.
+func (sub *subscription) poll() {
+	keygate.Poll(sub.ctx, sub.slots, func(n int) (int, error) {
+		msgs, err := sub.receive(min(n, sub.cfg.MaxNumberOfMessages))
+		for _, m := range msgs {
+			sub.add(m)
+		}
+		return len(msgs), err
+	}, func(err error, retryIn time.Duration) {
+		sub.logger.Error("Cannot receive from SQS queue, retrying", err, watermill.LogFields{"retry_in": retryIn.String()})
+	}, keygate.Backoff{Min: receiveRetryMin, Max: receiveRetryMax})
+}
+
+// receive long-polls the queue once for up to n messages and holds what
+// it returns.
+func (sub *subscription) receive(n int) ([]types.Message, error) {
+	ctx, cancel := context.WithTimeout(sub.receiveCtx, sub.cfg.WaitTime+requestTimeout)
 	defer cancel()
 	out, err := sub.api.ReceiveMessage(ctx, &sqs.ReceiveMessageInput{
 		QueueUrl:                    aws.String(sub.url),
-		MaxNumberOfMessages:         int32(sub.cfg.MaxNumberOfMessages),
+		MaxNumberOfMessages:         int32(n),
 		WaitTimeSeconds:             int32(sub.cfg.WaitTime / time.Second),
 		VisibilityTimeout:           sub.visSecs,
 		MessageAttributeNames:       []string{"All"},
@@ -298,95 +357,69 @@ func (sub *subscription) receive() ([]types.Message, error) {
 	return out.Messages, nil
 }
 
-// handleBatch hands out msgs one by one. It returns false when the
-// subscription ends, after making the messages not handed out visible.
-func (sub *subscription) handleBatch(msgs []types.Message) bool {
-	for len(msgs) > 0 {
-		m := msgs[0]
-		msgs = msgs[1:]
-		switch sub.deliver(m) {
-		case closing:
-			sub.release(msgs, "subscription closed")
-			return false
-		case nacked:
-			if !sub.fifo {
-				continue
-			}
-			group := m.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]
-			var same, rest []types.Message
-			for _, o := range msgs {
-				if o.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)] == group {
-					same = append(same, o)
-				} else {
-					rest = append(rest, o)
-				}
-			}
-			if len(same) > 0 {
-				sub.release(same, "an earlier message of its FIFO group was nacked")
-			}
-			msgs = rest
-		}
-	}
-	return true
-}
-
-// deliver hands m to the output channel and waits for its ack or nack.
-func (sub *subscription) deliver(m types.Message) outcome {
+// add queues m at the gate behind the earlier messages of its ordering
+// key: its FIFO group, or on a standard queue its partition key.
+func (sub *subscription) add(m types.Message) {
 	msg := unmarshal(m, sub.topic)
+	if sub.maxReceives > 0 {
+		msg.Metadata.Set(delivery.MaxDeliveries, strconv.Itoa(sub.maxReceives))
+	}
 	ctx, cancel := context.WithCancel(sub.msgCtx)
-	defer cancel()
 	msg.SetContext(ctx)
-
-	fields := watermill.LogFields{
+	h := &held{m: m, msg: msg, cancel: cancel, fields: watermill.LogFields{
 		"message_uuid":   msg.UUID,
 		"sqs_message_id": aws.ToString(m.MessageId),
 		"attempt":        attempt(m),
-	}
+	}}
 	if why := delivery.DecodeErrorOf(msg); why != "" {
-		sub.logger.Error("Cannot decode SQS message; delivering it with its decode error", nil, fields.Add(watermill.LogFields{"decode_error": why}))
+		sub.logger.Error("Cannot decode SQS message; delivering it with its decode error", nil, h.fields.Add(watermill.LogFields{"decode_error": why}))
 	}
+	key := delivery.PartitionKeyOf(msg)
+	if sub.fifo {
+		key = m.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]
+	}
+	sub.gate.Add(key, msg, h)
+}
 
-	// Asked first: a select with several ready cases picks one at
-	// random, and nothing is handed out once the subscription ends.
+// settled deletes an acked message, or sets the backoff of a nacked one,
+// and frees its slot.
+func (sub *subscription) settled(h *held, acked bool) {
+	defer sub.slots.Free(1)
+	defer h.cancel()
+	if acked {
+		sub.ack(h.m, h.fields)
+		return
+	}
+	sub.nack(h.m, h.fields)
+}
+
+// releaseHeld makes messages that were never handed out visible again at
+// once, and frees their slots.
+func (sub *subscription) releaseHeld(hs []*held) {
+	why := "an earlier message of its FIFO group was nacked"
 	if sub.ctx.Err() != nil {
-		sub.release([]types.Message{m}, "subscription closed")
-		return closing
+		why = "subscription closed"
 	}
-	select {
-	case sub.out <- msg:
-		sub.logger.Trace("Message sent to handler", fields)
-	case <-sub.ctx.Done():
-		sub.release([]types.Message{m}, "subscription closed")
-		return closing
+	msgs := make([]types.Message, len(hs))
+	for i, h := range hs {
+		msgs[i] = h.m
 	}
+	sub.release(msgs, why)
+	for _, h := range hs {
+		h.cancel()
+		sub.slots.Free(1)
+	}
+}
 
-	select {
-	case <-msg.Acked():
-		sub.ack(m, fields)
-		return acked
-	case <-msg.Nacked():
-		sub.nack(m, fields)
-		return nacked
-	case <-sub.ctx.Done():
-	}
-	// Closing while the handler holds the message: drain, the heartbeat
-	// still extending its visibility; past the drain, cancel its context
-	// and leave it to its visibility timeout, as the handler may still be
-	// working on it.
-	timer := time.NewTimer(sub.cfg.DrainTimeout)
-	defer timer.Stop()
-	select {
-	case <-msg.Acked():
-		sub.ack(m, fields)
-	case <-msg.Nacked():
-		sub.nack(m, fields)
-	case <-timer.C:
-		cancel()
-		sub.unhold(m)
-		sub.logger.Info("Drain timeout while the handler holds a message; SQS delivers it again after its visibility timeout",
-			fields.Add(watermill.LogFields{"drain_timeout": sub.cfg.DrainTimeout.String()}))
-	}
-	return closing
+// abandoned leaves a message that a handler still holds after the drain
+// to its visibility timeout: its context is cancelled, as the handler may
+// still be working on it, and the heartbeat stops extending it.
+func (sub *subscription) abandoned(h *held) {
+	defer sub.slots.Free(1)
+	h.cancel()
+	sub.unhold(h.m)
+	sub.logger.Info("Drain timeout while the handler holds a message; SQS delivers it again after its visibility timeout",
+		h.fields.Add(watermill.LogFields{"drain_timeout": sub.cfg.DrainTimeout.String()}))
 }
 
 // unhold stops the heartbeat of msgs, waiting for a heartbeat request in

@@ -31,7 +31,8 @@ func init() {
 // visibility_timeout (whole seconds, 1s to 12h; see
 // [SubscriberConfig]), max_messages (1 to 10, the messages one
 // receive asks for; see [SubscriberConfig.MaxNumberOfMessages]),
-// drain_timeout (a Go duration; see [SubscriberConfig.DrainTimeout]),
+// max_in_flight (the messages a subscription holds at once; see
+// [SubscriberConfig.MaxInFlight]), drain_timeout (a Go duration; see [SubscriberConfig.DrainTimeout]),
 // connect_timeout, and group, which is accepted
 // and ignored: every subscriber of a queue competes for its messages.
 func openURL(ctx context.Context, u *url.URL, opts brokerurl.Options) (*brokerurl.Opened, error) {
@@ -61,7 +62,7 @@ func urlConfigs(u *url.URL, opts brokerurl.Options) (PublisherConfig, Subscriber
 	fail := func(err error) (PublisherConfig, SubscriberConfig, time.Duration, error) {
 		return PublisherConfig{}, SubscriberConfig{}, 0, err
 	}
-	q, err := brokerurl.Query(u, "endpoint", "create", "visibility_timeout", "max_messages", "drain_timeout")
+	q, err := brokerurl.Query(u, "endpoint", "create", "visibility_timeout", "max_messages", "max_in_flight", "drain_timeout")
 	if err != nil {
 		return fail(err)
 	}
@@ -93,6 +94,13 @@ func urlConfigs(u *url.URL, opts brokerurl.Options) (PublisherConfig, Subscriber
 			return fail(fmt.Errorf("%w: parameter max_messages=%q: want an integer from 1 to 10, the messages one receive asks for", brokerurl.ErrBadURL, v))
 		}
 	}
+	maxInFlight, err := brokerurl.Int(q, "max_in_flight")
+	if err != nil {
+		return fail(err)
+	}
+	if maxInFlight < 0 {
+		return fail(fmt.Errorf("%w: parameter max_in_flight=%q: want a positive integer, the messages a subscription holds at once", brokerurl.ErrBadURL, q.Get("max_in_flight")))
+	}
 	if visibility != 0 && (visibility < time.Second || visibility > MaxVisibilityTimeout || visibility%time.Second != 0) {
 		return fail(fmt.Errorf("%w: parameter visibility_timeout=%s: want whole seconds from 1s to %s", brokerurl.ErrBadURL, q.Get("visibility_timeout"), MaxVisibilityTimeout))
 	}
@@ -113,7 +121,7 @@ func urlConfigs(u *url.URL, opts brokerurl.Options) (PublisherConfig, Subscriber
 		cfg.Credentials = credentials.NewStaticCredentialsProvider(u.User.Username(), secret, "")
 	}
 	pcfg := PublisherConfig{Config: cfg}
-	scfg := SubscriberConfig{Config: cfg, VisibilityTimeout: visibility, MaxNumberOfMessages: maxMessages, DrainTimeout: drain}
+	scfg := SubscriberConfig{Config: cfg, VisibilityTimeout: visibility, MaxNumberOfMessages: maxMessages, MaxInFlight: maxInFlight, DrainTimeout: drain}
 	if err := scfg.Validate(); err != nil {
 		return fail(fmt.Errorf("%w: %w", brokerurl.ErrBadURL, err))
 	}

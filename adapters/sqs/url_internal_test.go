@@ -48,3 +48,22 @@ func TestSQSURLDrainTimeout(t *testing.T) {
 	require.Zero(t, cfg.DrainTimeout, "the subscriber's default")
 	require.Zero(t, cfg.MaxNumberOfMessages, "the subscriber's default")
 }
+
+// TestSQSURLMaxInFlight: max_in_flight reaches the subscriber's
+// MaxInFlight, which defaults to MaxNumberOfMessages; a negative or
+// non-numeric value is refused, naming the parameter.
+func TestSQSURLMaxInFlight(t *testing.T) {
+	_, cfg, _, err := urlConfigs(mustParse(t, "sqs://eu-west-1?max_in_flight=64&max_messages=5"), brokerurl.Options{})
+	require.NoError(t, err)
+	require.Equal(t, 64, cfg.MaxInFlight)
+	require.Equal(t, 5, cfg.MaxNumberOfMessages)
+	_, cfg, _, err = urlConfigs(mustParse(t, "sqs://eu-west-1?max_messages=5"), brokerurl.Options{})
+	require.NoError(t, err)
+	cfg.setDefaults()
+	require.Equal(t, 5, cfg.MaxInFlight, "MaxNumberOfMessages by default")
+	for _, bad := range []string{"-1", "many"} {
+		_, _, _, err = urlConfigs(mustParse(t, "sqs://eu-west-1?max_in_flight="+bad), brokerurl.Options{})
+		require.ErrorIs(t, err, brokerurl.ErrBadURL, bad)
+		require.ErrorContains(t, err, "max_in_flight", bad)
+	}
+}

@@ -482,8 +482,11 @@ func decodePayment(msg *message.Message) (string, payment, error) {
 	return msg.Metadata.Get(delivery.IdempotencyKey), p, nil
 }
 
-// newSubscriber returns the subscriber of sys for the fixture's group.
-func (e *env) newSubscriber(sys, group string, logger watermill.LoggerAdapter) (message.Subscriber, error) {
+// newSubscriber returns the subscriber of sys for the fixture's group;
+// marks, the inbox's store for the rows with an inbox, keeps oncemill's
+// subscriber's hand-out marks (SubscriberConfig.HandOutMarks), as a
+// consumer with the inbox sets it.
+func (e *env) newSubscriber(sys, group string, marks delivery.HandOutMarks, logger watermill.LoggerAdapter) (message.Subscriber, error) {
 	brokers := e.brokers
 	switch sys {
 	case sysStock:
@@ -504,7 +507,8 @@ func (e *env) newSubscriber(sys, group string, logger watermill.LoggerAdapter) (
 	case sysSerial:
 		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: 1}, logger)
 	case sysParallel, sysPipelined, sysBatched, sysBatchHandler, sysNoInbox:
-		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: e.cfg.MaxInFlight}, logger)
+		return kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, ConsumerGroup: group, MaxInFlightPerPartition: e.cfg.MaxInFlight,
+			HandOutMarks: marks}, logger)
 	}
 	return nil, fmt.Errorf("unknown subscriber %q", sys)
 }
@@ -523,7 +527,17 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 	}
 
 	logger := benchutil.NewCountingLogger(e.cfg.Out, sys, 3)
-	sub, err := e.newSubscriber(sys, f.group, logger)
+	var store *postgres.Store
+	if usesInbox(sys) {
+		if store, err = postgres.New(e.pool, postgres.Config{Schema: f.schema}); err != nil {
+			return smp, fmt.Errorf("postgres store: %w", err)
+		}
+	}
+	var marks delivery.HandOutMarks
+	if store != nil {
+		marks = store
+	}
+	sub, err := e.newSubscriber(sys, f.group, marks, logger)
 	if err != nil {
 		return smp, err
 	}
@@ -536,10 +550,6 @@ func (e *env) run(ctx context.Context, sys string, partitions, rep int, s *strea
 		direct *pgxpool.Pool
 	)
 	if usesInbox(sys) {
-		store, err := postgres.New(e.pool, postgres.Config{Schema: f.schema})
-		if err != nil {
-			return smp, errors.Join(fmt.Errorf("postgres store: %w", err), sub.Close())
-		}
 		icfg := middleware.InboxConfig{TxStore: store, Logger: logger, Tuning: middleware.InboxTuning{Pipeline: pipelineOf(sys)}}
 		if batches(sys) {
 			icfg.Tuning.Batch = batchConfig

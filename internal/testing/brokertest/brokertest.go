@@ -130,3 +130,54 @@ func (s *SQS) DeleteQueue(t testing.TB, topic string) {
 	_, err := s.client.DeleteQueue(context.Background(), &awssqs.DeleteQueueInput{QueueUrl: aws.String(s.queueURL(t, topic))})
 	require.NoError(t, err)
 }
+
+// CreateQueueWithRedrive creates topic's queue with a redrive policy that
+// moves a message received maxReceiveCount times to a dead-letter queue of
+// its own (topic + "-redrive"), as an operator's queue would be set up
+// before the consumer starts; the test's cleanup deletes both. It returns
+// the dead-letter queue's topic, whose backlog counts what the broker
+// moved aside.
+func (s *SQS) CreateQueueWithRedrive(t testing.TB, topic string, maxReceiveCount int) string {
+	t.Helper()
+	ctx := context.Background()
+	dead := topic + "-redrive"
+	out, err := s.client.CreateQueue(ctx, &awssqs.CreateQueueInput{QueueName: aws.String(sqs.DefaultQueueName(dead))})
+	require.NoError(t, err)
+	t.Cleanup(func() { s.DeleteQueue(t, dead) })
+	attrs, err := s.client.GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
+		QueueUrl: out.QueueUrl, AttributeNames: []types.QueueAttributeName{types.QueueAttributeNameQueueArn},
+	})
+	require.NoError(t, err)
+	policy, err := sqs.RedrivePolicy(attrs.Attributes[string(types.QueueAttributeNameQueueArn)], maxReceiveCount)
+	require.NoError(t, err)
+	_, err = s.client.CreateQueue(ctx, &awssqs.CreateQueueInput{
+		QueueName:  aws.String(sqs.DefaultQueueName(topic)),
+		Attributes: map[string]string{string(types.QueueAttributeNameRedrivePolicy): policy},
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { s.DeleteQueue(t, topic) })
+	return dead
+}
+
+// DeclareAMQPQueue declares group's quorum queue for topic on the
+// RabbitMQ at url by hand, with args added to x-queue-type quorum, and
+// binds it to the topic's fanout exchange, as an operator would before
+// the consumer starts.
+func DeclareAMQPQueue(t testing.TB, url, topic, group string, args amqp091.Table) {
+	t.Helper()
+	conn, err := amqp091.Dial(url)
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	defer ch.Close()
+	cfg := amqp.Config{ConsumerGroup: group}
+	table := amqp091.Table{"x-queue-type": "quorum"}
+	for k, v := range args {
+		table[k] = v
+	}
+	require.NoError(t, ch.ExchangeDeclare(cfg.ExchangeName(topic), amqp091.ExchangeFanout, true, false, false, false, nil))
+	_, err = ch.QueueDeclare(cfg.QueueName(topic), true, false, false, false, table)
+	require.NoError(t, err)
+	require.NoError(t, ch.QueueBind(cfg.QueueName(topic), "", cfg.ExchangeName(topic), false, nil))
+}

@@ -62,7 +62,8 @@ type Stats struct {
 }
 
 // Consumer is the standard consumer of a child process: the broker of
-// Stack.BrokerURL opened with adapters.Open, a PostgreSQL pool, and on a
+// Stack.BrokerURL opened with adapters.Open (on Kafka with the PostgreSQL
+// store's hand-out marks), a PostgreSQL pool, and on a
 // Watermill router the middlewares Poison (with the PostgreSQL dead-letter
 // table), Bloom and Inbox (the PostgreSQL store) around the handler.
 type Consumer struct {
@@ -241,7 +242,7 @@ func (c *Consumer) Run(term <-chan os.Signal, handler message.NoPublishHandlerFu
 		return nil
 	}
 
-	ps, err := adapters.Open(ctx, c.BrokerURL, adapters.Options{ConsumerGroup: c.Group, Logger: logger})
+	ps, err := adapters.Open(ctx, c.BrokerURL, adapters.Options{ConsumerGroup: c.Group, Logger: logger, HandOutMarks: pg})
 	if err != nil {
 		return Setup(err)
 	}
