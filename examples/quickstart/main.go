@@ -1,22 +1,26 @@
 // Command quickstart shows the whole product on one database file, with no
 // server: the inbox turning redeliveries into one effect, the outbox
-// relaying the events those effects cause, and the dead-letter table
-// keeping the message no retry can mend.
+// relaying the events those effects cause, a failing order parked for a
+// delayed retry and handed back, and the dead-letter table keeping the
+// message no retry can mend.
 //
 // It publishes every order several times over an in-process Watermill
 // GoChannel, as a broker does after crashes and retries, plus one
 // malformed order. A handler charges each order inside the inbox's
 // transaction and writes an "order charged" event to the outbox in that
 // same transaction; a relay on the same database publishes the events,
-// and a second handler counts them. The malformed order is dead-lettered
-// by the poison middleware into the dead-letter table.
+// and a second handler counts them. One order's payment provider times out
+// three times: the poison middleware parks it in the retries table, off
+// the consumer, and hands it back half a second later, when it is charged.
+// The malformed order is dead-lettered by the poison middleware into the
+// dead-letter table.
 //
 // The database is SQLite, one file in a temporary directory that is kept
 // so that the oncemill command can look at it afterwards (the last lines
 // say how), or PostgreSQL when DATABASE_URL is set. The run prints one
 // summary line and exits non-zero unless every order was charged exactly
-// once, every event was relayed once, and the malformed order is the one
-// dead letter.
+// once, every event was relayed once, the flaky order was parked once, and
+// the malformed order is the one dead letter.
 //
 //	go run ./examples/quickstart
 package main
@@ -46,6 +50,7 @@ import (
 	"github.com/oncemill/oncemill/dlq"
 	"github.com/oncemill/oncemill/forwarder"
 	"github.com/oncemill/oncemill/middleware"
+	"github.com/oncemill/oncemill/retry"
 	"github.com/oncemill/oncemill/sqlschema"
 )
 
@@ -54,6 +59,10 @@ const (
 	ordersTopic  = "orders"
 	chargedTopic = "orders.charged"
 	consumer     = "charge-orders"
+	// flakyOrder's payment provider times out its first flakyAttempts
+	// attempts.
+	flakyOrder    = "order-7"
+	flakyAttempts = 3
 )
 
 func main() {
@@ -82,8 +91,10 @@ type backend struct {
 	relay       forwarder.RelayConfig
 	deadLetters *dlq.Publisher
 	deadStore   *dlq.Store
-	charge      func(ctx context.Context, run string, o order) error
-	count       func(ctx context.Context, run string) (int, error)
+	// retries is where a failing message waits for its delayed retry.
+	retries *retry.Store
+	charge  func(ctx context.Context, run string, o order) error
+	count   func(ctx context.Context, run string) (int, error)
 	// database is what the oncemill command's --database takes.
 	database string
 	// kept, when set, is the directory the run leaves behind.
@@ -112,7 +123,15 @@ func run(ctx context.Context, orders, copies int) error {
 	if err != nil {
 		return err
 	}
-	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: b.deadLetters, MaxAttempts: 3})
+	// Three attempts in process, then parked for half a second (the
+	// defaults wait 5 s … 5 min), then dead-lettered.
+	poison, err := middleware.NewPoison(middleware.PoisonConfig{Inbox: inbox, Publisher: b.deadLetters, MaxAttempts: 3,
+		Retries: b.retries, Delays: []time.Duration{500 * time.Millisecond}})
+	if err != nil {
+		return err
+	}
+	// The orders, and the parked ones when due.
+	ordersSub, err := poison.Subscriber(pubSub)
 	if err != nil {
 		return err
 	}
@@ -133,14 +152,16 @@ func run(ctx context.Context, orders, copies int) error {
 	malformed := message.NewMessage(watermill.NewUUID(), []byte(`{"id": "order-0", "amount_cents": "twelve"`))
 	malformed.Metadata.Set(delivery.IdempotencyKey, runID+"/malformed")
 
-	var deliveries, handled, events atomic.Int64
+	var deliveries, handled, events, timeouts atomic.Int64
 	var relayedMu sync.Mutex
 	relayed := map[string]int{}
 	want := int64(orders*copies + 1)
+	// countHandled counts the deliveries of the broker (the GoChannel)
+	// that ended acked; a parked message handed back is not one.
 	countHandled := func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
-			if err == nil {
+			if err == nil && msg.Metadata.Get(delivery.RetryID) == "" {
 				if msg.UUID != malformed.UUID {
 					deliveries.Add(1)
 				}
@@ -153,10 +174,14 @@ func run(ctx context.Context, orders, copies int) error {
 	// transaction in which the inbox claimed the key, and returns the
 	// event the effect causes, which the inbox writes to the outbox in
 	// that same transaction.
-	charge := router.AddHandler(consumer, ordersTopic, pubSub, chargedTopic, pubSub, func(msg *message.Message) ([]*message.Message, error) {
+	charge := router.AddHandler(consumer, ordersTopic, ordersSub, chargedTopic, pubSub, func(msg *message.Message) ([]*message.Message, error) {
 		var o order
 		if err := json.Unmarshal(msg.Payload, &o); err != nil || o.ID == "" {
 			return nil, middleware.Permanent(fmt.Errorf("malformed order %q: %v", msg.Payload, err))
+		}
+		if o.ID == flakyOrder && timeouts.Load() < flakyAttempts {
+			timeouts.Add(1)
+			return nil, errors.New("payment provider timed out")
 		}
 		if err := b.charge(msg.Context(), runID, o); err != nil {
 			return nil, err
@@ -239,8 +264,9 @@ func run(ctx context.Context, orders, copies int) error {
 	relayedMu.Unlock()
 
 	stats := inbox.Stats()
-	fmt.Printf("orders=%d deliveries=%d effects=%d duplicates_dropped=%d events_relayed=%d dead_lettered=%d\n",
-		orders, deliveries.Load(), effects, stats.Duplicates, events.Load(), deadLettered)
+	parked := poison.Stats().Parked
+	fmt.Printf("orders=%d deliveries=%d effects=%d duplicates_dropped=%d parked=%d events_relayed=%d dead_lettered=%d\n",
+		orders, deliveries.Load(), effects, stats.Duplicates, parked, events.Load(), deadLettered)
 	if b.kept != "" {
 		fmt.Printf("The database is kept in %s (delete it when done); look at it with:\n", b.kept)
 	} else {
@@ -257,6 +283,9 @@ func run(ctx context.Context, orders, copies int) error {
 	}
 	if events.Load() != int64(orders) || distinct != orders {
 		wrong = append(wrong, fmt.Errorf("%d events relayed for %d orders (%d distinct)", events.Load(), orders, distinct))
+	}
+	if orders >= 7 && parked != 1 {
+		wrong = append(wrong, fmt.Errorf("%s parked %d times, not once", flakyOrder, parked))
 	}
 	if deadLettered != 1 {
 		wrong = append(wrong, fmt.Errorf("%d dead letters for the one malformed order", deadLettered))
@@ -300,8 +329,13 @@ func openSQLite(ctx context.Context) (*backend, error) {
 	if err != nil {
 		return fail(err)
 	}
+	retries, err := retry.NewSQLStore(db, sqlschema.SQLite, schema)
+	if err != nil {
+		return fail(err)
+	}
 	return &backend{
 		store:       store,
+		retries:     retries,
 		outbox:      forwarder.SQLInboxOutbox(chargedTopic, sqlschema.SQLite, schema),
 		relay:       forwarder.RelayConfig{DB: db, Dialect: sqlschema.SQLite, Schema: schema},
 		deadLetters: deadLetters,
@@ -349,8 +383,13 @@ func openPostgres(ctx context.Context, url string) (*backend, error) {
 	if err != nil {
 		return fail(err)
 	}
+	retries, err := retry.NewStore(pool, schema)
+	if err != nil {
+		return fail(err)
+	}
 	return &backend{
 		store:       store,
+		retries:     retries,
 		outbox:      forwarder.InboxOutbox(chargedTopic, schema),
 		relay:       forwarder.RelayConfig{Pool: pool, Schema: schema},
 		deadLetters: deadLetters,

@@ -44,19 +44,24 @@ func run(ctx context.Context) error {
 	if brokerURL == "" {
 		return errors.New("BROKER_URL is not set: give the broker URL, e.g. kafka://host:9092 or amqp://user:pass@host:5672/")
 	}
-	pool, err := pgxpool.New(ctx, dbURL)
+	pool, err := pgxpool.New(ctx, dbURL) // connects on first use
 	if err != nil {
 		return fmt.Errorf("DATABASE_URL: %w", err)
 	}
 	defer pool.Close()
+	store, err := postgres.New(pool, postgres.Config{})
+	if err != nil {
+		return err
+	}
+	broker, err := adapters.Open(ctx, brokerURL, adapters.Options{ConsumerGroup: "billing", HandOutMarks: store}) // before the database is touched; on Kafka the store marks the offsets handed out
+	if err != nil {
+		return fmt.Errorf("BROKER_URL: %w", err)
+	}
+	defer broker.Close()
 	if err := sqlschema.Migrate(ctx, pool, sqlschema.Config{}); err != nil { // idempotent, safe on every start
 		return err
 	}
 	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS charges (order_id text NOT NULL, amount_cents bigint NOT NULL)`); err != nil {
-		return err
-	}
-	store, err := postgres.New(pool, postgres.Config{})
-	if err != nil {
 		return err
 	}
 	inbox, err := middleware.NewInbox(middleware.InboxConfig{TxStore: store, Consumer: "charge-orders", Key: middleware.KeyFromJSON("orderId")})
@@ -75,11 +80,6 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	broker, err := adapters.Open(ctx, brokerURL, adapters.Options{ConsumerGroup: "billing"})
-	if err != nil {
-		return err
-	}
-	defer broker.Close()
 	replays, err := dlq.NewReplaySubscriber(pool, sqlschema.Config{}, dlq.ReplaySubscriberConfig{Consumer: "charge-orders"}) // for "oncemill dlq replay --to-consumer"
 	if err != nil {
 		return err

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"net/url"
 	"os"
@@ -10,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/oncemill/oncemill/internal/testing/proctest"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -36,7 +37,7 @@ func TestMain(m *testing.M) {
 
 // program is the README's program as a child process with env as its only
 // DATABASE_URL and BROKER_URL.
-func program(t *testing.T, env ...string) (*exec.Cmd, *bytes.Buffer) {
+func program(t *testing.T, env ...string) (*exec.Cmd, *proctest.Buffer) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	for _, kv := range os.Environ() {
@@ -45,9 +46,9 @@ func program(t *testing.T, env ...string) (*exec.Cmd, *bytes.Buffer) {
 		}
 	}
 	cmd.Env = append(cmd.Env, append([]string{mainEnv + "=1"}, env...)...)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	return cmd, &stderr
+	stderr := &proctest.Buffer{} // written by the child's copier while the test reads it
+	cmd.Stderr = stderr
+	return cmd, stderr
 }
 
 // A newcomer who forgot DATABASE_URL gets an exit status of 1 and a line
@@ -71,6 +72,30 @@ func TestUnsetBrokerURLFailsLoudly(t *testing.T) {
 	require.ErrorAs(t, err, &exit, "stderr: %s", stderr)
 	require.Equal(t, 1, exit.ExitCode())
 	require.Contains(t, stderr.String(), "orders: BROKER_URL is not set")
+}
+
+// A newcomer whose BROKER_URL has a typo gets an exit status of 1 and a
+// line naming the variable and the fault, and the database is as it was:
+// the program used to migrate it (and create its table) before it looked
+// at the broker's URL.
+func TestBadBrokerURLLeavesTheDatabaseAlone(t *testing.T) {
+	t.Parallel()
+	dbURL := privateDatabase(t)
+	cmd, stderr := program(t, "DATABASE_URL="+dbURL, "BROKER_URL=amqp//guest:guest@127.0.0.1:5672/")
+	err := cmd.Run()
+	var exit *exec.ExitError
+	require.ErrorAs(t, err, &exit, "stderr: %s", stderr)
+	require.Equal(t, 1, exit.ExitCode())
+	require.Contains(t, stderr.String(), `orders: BROKER_URL: adapters: unknown broker scheme: "amqp//guest:xxxxx@127.0.0.1:5672/" has no scheme; use kafka://, amqp://`)
+	require.NotContains(t, stderr.String(), "guest:guest", "the password stays out of the line")
+
+	db, err := pgxpool.New(context.Background(), dbURL)
+	require.NoError(t, err)
+	defer db.Close()
+	var tables int
+	require.NoError(t, db.QueryRow(context.Background(),
+		`SELECT count(*) FROM information_schema.tables WHERE table_schema NOT IN ('pg_catalog', 'information_schema')`).Scan(&tables))
+	require.Zero(t, tables, "no table created: not oncemill's, not the program's charges")
 }
 
 // The program, run as it is in a database of its own with PostgreSQL as
