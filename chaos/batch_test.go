@@ -41,6 +41,7 @@ func TestChaosBatchHandler(t *testing.T) {
 	{
 		topic, group := kl.topic, kl.group
 		kl.pending = func(t *testing.T) int { return brokertest.KafkaLag(t, kafkaAddrs, topic, group) }
+		kl.ordered = true
 	}
 	{
 		topic, group := al.topic, al.group

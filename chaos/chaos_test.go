@@ -143,8 +143,12 @@ type sentKey struct {
 
 // lane is one broker with its consumers and its producer.
 type lane struct {
-	name     string
-	url      string
+	name string
+	url  string
+	// ordered says that the lane's setup orders each account's messages
+	// across its consumer processes (Kafka's partitions): its report's
+	// out-of-order count must be 0. Elsewhere it is shown, not asserted.
+	ordered  bool
 	topic    string
 	group    string
 	consumer string
@@ -183,14 +187,18 @@ func TestChaos(t *testing.T) {
 	sqsURL := "sqs://test:test@us-east-1?create=true&visibility_timeout=5s&endpoint=" + sqsEndpoint()
 	lanes := []*lane{
 		newLane("kafka", "kafka://"+strings.Join(kafkaAddrs, ",")+"?session_timeout=3s&rebalance_timeout=10s", run),
-		newLane("amqp", rabbit.URL(), run),
+		// One process of the group consumes at a time, the other stands
+		// by: an account's order holds across the kills.
+		newLane("amqp", rabbit.URL()+"?single_active_consumer=true", run),
 		newLane("sqs", sqsURL, run),
 	}
 	for _, l := range lanes {
 		switch topic, group := l.topic, l.group; l.name {
 		case "kafka":
+			l.ordered = true
 			l.pending = func(t *testing.T) int { return brokertest.KafkaLag(t, kafkaAddrs, topic, group) }
 		case "amqp":
+			l.ordered = true
 			l.pending = func(t *testing.T) int { return brokertest.AMQPReady(t, rabbit.URL(), topic, group) }
 		case "sqs":
 			l.pending = func(t *testing.T) int { return sqsQueues.Backlog(t, topic) }
@@ -459,8 +467,12 @@ func runChaos(t *testing.T, r chaosRun) {
 	fmt.Fprintln(&report, "Per broker, the keys first published while the broker was under each fault (none: under no fault), what became of them, and the longest time")
 	fmt.Fprintf(&report, "between two effects on that broker during that fault, while its producer published %d messages a second.\n", produceRate)
 	fmt.Fprintln(&report)
-	fmt.Fprintln(&report, "| broker | fault | sent | applied | doubled | lost | dead-lettered (poison) | healthy dead-lettered | parked, then applied | longest stall |")
-	fmt.Fprintln(&report, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+	fmt.Fprintln(&report, "Out of order: keys applied after a later key of their account (the partition key) was; 0 asserted where the setup orders an account")
+	fmt.Fprintln(&report, "across processes (marked *).")
+	fmt.Fprintln(&report)
+	fmt.Fprintln(&report, "| broker | fault | sent | applied | doubled | lost | dead-lettered (poison) | healthy dead-lettered | parked, then applied | out of order | longest stall |")
+	fmt.Fprintln(&report, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	late := outOfOrder(t, r.pool)
 	var problems []string
 	for _, l := range r.lanes {
 		total := tally{}
@@ -473,6 +485,9 @@ func runChaos(t *testing.T, r chaosRun) {
 			for key, k := range l.keys {
 				if k.fault == f {
 					tly.add(k, out[l.name][key])
+					if late[l.name][key] {
+						tly.outOfOrder++
+					}
 				}
 			}
 			total.merge(tly)
@@ -480,14 +495,18 @@ func runChaos(t *testing.T, r chaosRun) {
 				continue
 			}
 			stall := longestStall(stalls[l.name], spans, f)
-			fmt.Fprintf(&report, "| %s | %s | %d | %d | %d | %d | %d | %d | %d of %d | %s |\n",
-				l.name, f, tly.sent, tly.applied, tly.doubled, tly.lost, tly.poisonDead, tly.healthyDead, tly.parkedApplied, tly.parked,
-				stall.Round(time.Millisecond))
+			fmt.Fprintf(&report, "| %s | %s | %d | %d | %d | %d | %d | %d | %d of %d | %d | %s |\n",
+				l.label(), f, tly.sent, tly.applied, tly.doubled, tly.lost, tly.poisonDead, tly.healthyDead, tly.parkedApplied, tly.parked,
+				tly.outOfOrder, stall.Round(time.Millisecond))
 		}
-		fmt.Fprintf(&report, "| %s | all | %d | %d | %d | %d | %d | %d | %d of %d | |\n",
-			l.name, total.sent, total.applied, total.doubled, total.lost, total.poisonDead, total.healthyDead, total.parkedApplied, total.parked)
+		fmt.Fprintf(&report, "| %s | all | %d | %d | %d | %d | %d | %d | %d of %d | %d | |\n",
+			l.label(), total.sent, total.applied, total.doubled, total.lost, total.poisonDead, total.healthyDead, total.parkedApplied, total.parked,
+			total.outOfOrder)
 		if total.doubled+total.lost+total.healthyDead+total.both+total.poisonApplied+total.deadTwice > 0 {
 			problems = append(problems, fmt.Sprintf("%s: %+v", l.name, total))
+		}
+		if l.ordered && total.outOfOrder > 0 {
+			problems = append(problems, fmt.Sprintf("%s: %d keys applied after a later key of their account", l.name, total.outOfOrder))
 		}
 		// Effects of keys nobody sent would be a bug in the suite itself.
 		for key := range out[l.name] {
@@ -553,7 +572,8 @@ func produce(ctx context.Context, l *lane, pub message.Publisher, tl *timeline, 
 		for {
 			msg := message.NewMessage(uuid, []byte(`{"account":"`+key+`"}`))
 			msg.Metadata.Set(delivery.IdempotencyKey, key)
-			msg.Metadata.Set(delivery.PartitionKey, "acct-"+strconv.Itoa(n%16))
+			// The key's account, the same for its copies.
+			msg.Metadata.Set(delivery.PartitionKey, accountOf(key))
 			err := pub.Publish(l.topic, msg)
 			if err == nil {
 				break
@@ -618,6 +638,9 @@ type tally struct {
 	// parked counts the flaky keys, parked before they applied, and
 	// parkedApplied those of them applied.
 	parked, parkedApplied int
+	// outOfOrder counts the keys applied after a later key of their
+	// account.
+	outOfOrder int
 }
 
 func (t *tally) add(k sentKey, o keyOutcome) {
@@ -673,6 +696,7 @@ func (t *tally) merge(o tally) {
 	t.deadTwice += o.deadTwice
 	t.parked += o.parked
 	t.parkedApplied += o.parkedApplied
+	t.outOfOrder += o.outOfOrder
 }
 
 // windowsOf returns the spans of the stream during which the lane was
@@ -700,6 +724,62 @@ func (l *lane) windowsOf(tl *timeline, fault string, faults []string, start, end
 		free = append(free, window{fault: faultNone, from: at, to: end})
 	}
 	return free
+}
+
+// accounts is how many accounts a lane's keys belong to.
+const accounts = 16
+
+// accountOf is the account of a key the producer made: its number's
+// remainder by accounts. A key's number orders it among its account's.
+func accountOf(key string) string {
+	return "acct-" + strconv.Itoa(keyNumber(key)%accounts)
+}
+
+// keyNumber is the number at the end of a key the producer made.
+func keyNumber(key string) int {
+	i := strings.LastIndexByte(key, '-')
+	n, err := strconv.Atoi(key[i+1:])
+	if err != nil {
+		panic(fmt.Sprintf("chaos: key %q has no number", key))
+	}
+	return n
+}
+
+// label is the lane's name in the report, marked * when its setup
+// orders an account's messages across processes.
+func (l *lane) label() string {
+	if l.ordered {
+		return l.name + " *"
+	}
+	return l.name
+}
+
+// outOfOrder returns, per lane, the keys applied after a key of their
+// account published later: the effects in the order they were written
+// (each account's are written one after the other where the setup orders
+// them, a transaction's own rows in the order its statement wrote them).
+func outOfOrder(t *testing.T, pool *pgxpool.Pool) map[string]map[string]bool {
+	rows, err := pool.Query(context.Background(), `SELECT broker, key FROM `+schema+`.effects ORDER BY at, tx`)
+	require.NoError(t, err)
+	type laneAccount struct{ lane, account string }
+	latest := map[laneAccount]int{}
+	late := map[string]map[string]bool{}
+	for rows.Next() {
+		var lane, key string
+		require.NoError(t, rows.Scan(&lane, &key))
+		n := keyNumber(key)
+		la := laneAccount{lane, accountOf(key)}
+		if last, ok := latest[la]; ok && n < last {
+			if late[lane] == nil {
+				late[lane] = map[string]bool{}
+			}
+			late[lane][key] = true
+			continue
+		}
+		latest[la] = n
+	}
+	require.NoError(t, rows.Err())
+	return late
 }
 
 // effectTimes returns each lane's effect commit times, in order.

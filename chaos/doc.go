@@ -6,9 +6,9 @@
 //
 // TestChaos starts a private PostgreSQL server, a private RabbitMQ node,
 // a private Redis and an embedded Kafka broker in a process of its own,
-// runs two consumer processes per broker (Kafka, RabbitMQ, SQS) on a
-// PostgreSQL inbox — one with the PostgreSQL store, one with the two-tier
-// store — and meanwhile SIGKILLs consumers at random, restarts
+// runs two consumer processes per broker (Kafka, RabbitMQ with a single
+// active consumer, SQS) on a PostgreSQL inbox — one with the PostgreSQL
+// store, one with the two-tier store — and meanwhile SIGKILLs consumers at random, restarts
 // PostgreSQL, restarts RabbitMQ's application and stops Redis.
 //
 // TestChaosNATS does the same on NATS JetStream, with a private
@@ -26,5 +26,10 @@
 // exactly once or dead-lettered, never both and never neither, that only
 // the poison messages were dead-lettered and that every broker holds
 // nothing unacknowledged, and it prints, per broker and fault, what was
-// sent, applied, doubled, lost and dead-lettered, and the longest stall.
+// sent, applied, doubled, lost and dead-lettered, how many keys applied
+// after a later key of their account (the partition key, 16 accounts a
+// lane), and the longest stall. Where the setup orders an account across
+// processes (Kafka's partitions, RabbitMQ's single active consumer) that
+// count must be 0: the consumers keep per-key order while a message
+// waits, parked or not.
 package chaos

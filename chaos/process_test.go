@@ -57,11 +57,7 @@ var consumerRole = proctest.NewRole("chaos consumer", func(cfg consumerConfig, t
 		Stack: cfg.Stack, MaxConns: 6,
 		Pool: func(pc *pgxpool.Config) { pc.ConnConfig.ConnectTimeout = 2 * time.Second },
 		Poison: &middleware.PoisonConfig{Topic: "chaos_dlq", MaxAttempts: maxAttempts,
-			InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, Delays: chaosDelays,
-			// Per-key order while parked is asserted by the adapters'
-			// tests; here a poison key must not hold its account's stream
-			// behind it through the drain.
-			Unordered: true},
+			InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, Delays: chaosDelays},
 		Retries: &retry.SubscriberConfig{PollInterval: 200 * time.Millisecond, Lease: 5 * time.Second},
 	}
 	if cfg.Store == "twotier" {
