@@ -198,7 +198,17 @@ func (in *Inbox) start(ctx context.Context, ex inboxExec, p *params) (c dedup.Cl
 
 // startOf is the answer of a start that read r.
 func startOf(r record) (dedup.Claim, error) {
-	c := dedup.Claim{Attempts: r.attempts, FirstFailedAt: r.first}
+	c, ok := claimOf(r)
+	if !ok {
+		return dedup.Claim{}, fmt.Errorf("start: unexpected status %q", r.status)
+	}
+	return c, nil
+}
+
+// claimOf is the claim a record of the transactional mode answers; ok is
+// false for a status that mode never writes (a lease's).
+func claimOf(r record) (c dedup.Claim, ok bool) {
+	c = dedup.Claim{Attempts: r.attempts, FirstFailedAt: r.first}
 	switch r.status {
 	case "new":
 		c.State = dedup.StateNew
@@ -207,9 +217,9 @@ func startOf(r record) (dedup.Claim, error) {
 	case "dead":
 		c.State = dedup.StateDead
 	default:
-		return dedup.Claim{}, fmt.Errorf("start: unexpected status %q", r.status)
+		return dedup.Claim{}, false
 	}
-	return c, nil
+	return c, true
 }
 
 // InboxUnstart takes back one started attempt of key.
@@ -544,15 +554,8 @@ func (in *Inbox) claimed(ctx context.Context, ex inboxExec, key dedup.Key, p *pa
 	if err != nil {
 		return dedup.Claim{}, in.wrap(ctx, "claim", err)
 	}
-	c := dedup.Claim{Attempts: r.attempts, FirstFailedAt: r.first}
-	switch r.status {
-	case "new":
-		c.State = dedup.StateNew
-	case "done":
-		c.State, c.Result = dedup.StateDone, r.result
-	case "dead":
-		c.State = dedup.StateDead
-	default:
+	c, ok := claimOf(r)
+	if !ok {
 		return dedup.Claim{}, fmt.Errorf("%s: claim: key %q of consumer %q is %q: it is claimed in lease mode; use one mode per consumer", in.name, key.Key, key.Consumer, r.status)
 	}
 	return c, nil
