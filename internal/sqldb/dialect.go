@@ -114,13 +114,28 @@ func (d *Dialect) Rebind(q string) string {
 	if d.placeholder == nil {
 		return q
 	}
+	n := 0
+	return rewrite(q, func(b *strings.Builder, q string, i int) int {
+		if q[i] != '?' {
+			return 0
+		}
+		n++
+		b.WriteString(d.placeholder(n))
+		return 1
+	})
+}
+
+// rewrite copies q, calling at for each byte outside quoted strings and
+// quoted identifiers: at writes the replacement of the bytes from i on
+// to b and returns how many it replaced, or returns 0 to have the byte
+// copied as it is.
+func rewrite(q string, at func(b *strings.Builder, q string, i int) int) string {
 	var (
 		b     strings.Builder
-		n     int
 		quote byte
 	)
 	b.Grow(len(q) + 8)
-	for i := 0; i < len(q); i++ {
+	for i := 0; i < len(q); {
 		c := q[i]
 		switch {
 		case quote != 0:
@@ -129,12 +144,14 @@ func (d *Dialect) Rebind(q string) string {
 			}
 		case c == '\'' || c == '"' || c == '`':
 			quote = c
-		case c == '?':
-			n++
-			b.WriteString(d.placeholder(n))
-			continue
+		default:
+			if n := at(&b, q, i); n > 0 {
+				i += n
+				continue
+			}
 		}
 		b.WriteByte(c)
+		i++
 	}
 	return b.String()
 }

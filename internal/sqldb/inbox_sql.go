@@ -58,50 +58,40 @@ func (s stmt) bind(p *params) []any {
 // numbers them, else one '?' per use.
 func (d *Dialect) named(q string) stmt {
 	var (
-		b     strings.Builder
-		s     stmt
-		quote byte
-		seen  = map[arg]int{}
+		s    stmt
+		seen = map[arg]int{}
 	)
-	for i := 0; i < len(q); i++ {
-		c := q[i]
+	s.sql = rewrite(q, func(b *strings.Builder, q string, i int) int {
 		switch {
-		case quote != 0:
-			if c == quote {
-				quote = 0
-			}
-		case c == '\'' || c == '"' || c == '`':
-			quote = c
-		case c == ':' && i+1 < len(q) && q[i+1] == ':': // a cast
+		case q[i] != ':' || i+1 == len(q):
+			return 0
+		case q[i+1] == ':': // a cast
 			b.WriteString("::")
-			i++
-			continue
-		case c == ':' && i+1 < len(q) && q[i+1] >= 'a' && q[i+1] <= 'z':
-			j := i + 1
-			for j < len(q) && q[j] >= 'a' && q[j] <= 'z' {
-				j++
-			}
-			a, ok := argNames[q[i+1:j]]
-			if !ok {
-				panic("sqldb: unknown parameter :" + q[i+1:j])
-			}
-			n, ok := seen[a]
-			if d.placeholder == nil || !ok {
-				s.args = append(s.args, a)
-				n = len(s.args)
-				seen[a] = n
-			}
-			if d.placeholder == nil {
-				b.WriteByte('?')
-			} else {
-				b.WriteString(d.placeholder(n))
-			}
-			i = j - 1
-			continue
+			return 2
+		case q[i+1] < 'a' || q[i+1] > 'z':
+			return 0
 		}
-		b.WriteByte(c)
-	}
-	s.sql = b.String()
+		j := i + 1
+		for j < len(q) && q[j] >= 'a' && q[j] <= 'z' {
+			j++
+		}
+		a, ok := argNames[q[i+1:j]]
+		if !ok {
+			panic("sqldb: unknown parameter :" + q[i+1:j])
+		}
+		n, ok := seen[a]
+		if d.placeholder == nil || !ok {
+			s.args = append(s.args, a)
+			n = len(s.args)
+			seen[a] = n
+		}
+		if d.placeholder == nil {
+			b.WriteByte('?')
+		} else {
+			b.WriteString(d.placeholder(n))
+		}
+		return j - i
+	})
 	return s
 }
 
