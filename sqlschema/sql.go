@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
-	"strings"
 )
 
 // MigrateSQL brings the schema named by cfg up to the newest version of
@@ -195,7 +194,7 @@ func migrateMySQLLocked(ctx context.Context, c *sql.Conn, cfg Config, names Name
 		if applied[m.Version] {
 			continue
 		}
-		for i, stmt := range splitStatements(m.Up) {
+		for i, stmt := range m.Statements(MySQL) {
 			if _, err := c.ExecContext(ctx, stmt); err != nil {
 				return fmt.Errorf("apply %03d_%s, statement %d: %w", m.Version, m.Name, i+1, err)
 			}
@@ -213,32 +212,6 @@ func mysqlLockName(schema string) string {
 	h := fnv.New64a()
 	h.Write([]byte("oncemill:migrate:" + schema))
 	return fmt.Sprintf("oncemill_migrate_%016x", h.Sum64())
-}
-
-// splitStatements splits a MySQL migration into its statements: each ends
-// with ';' at the end of a line. Lines that are only a comment are left
-// out.
-func splitStatements(up string) []string {
-	var (
-		out []string
-		cur strings.Builder
-	)
-	for _, line := range strings.Split(up, "\n") {
-		trimmed := strings.TrimSpace(line)
-		if trimmed == "" || strings.HasPrefix(trimmed, "--") {
-			continue
-		}
-		cur.WriteString(line)
-		cur.WriteByte('\n')
-		if strings.HasSuffix(trimmed, ";") {
-			out = append(out, strings.TrimSpace(cur.String()))
-			cur.Reset()
-		}
-	}
-	if rest := strings.TrimSpace(cur.String()); rest != "" {
-		out = append(out, rest)
-	}
-	return out
 }
 
 type querier interface {

@@ -321,13 +321,44 @@ type Migration struct {
 	Down string
 }
 
+// Statements returns m's up step for d as the migrator runs it: whole,
+// except on MySQL, where it is split into its statements, each ending
+// with ';' at the end of a line (lines that are only a comment are left
+// out), for a driver or a tool that runs one statement at a time.
+func (m Migration) Statements(d Dialect) []string {
+	if d != MySQL {
+		return []string{m.Up}
+	}
+	var (
+		out []string
+		cur strings.Builder
+	)
+	for _, line := range strings.Split(m.Up, "\n") {
+		trimmed := strings.TrimSpace(line)
+		if trimmed == "" || strings.HasPrefix(trimmed, "--") {
+			continue
+		}
+		cur.WriteString(line)
+		cur.WriteByte('\n')
+		if strings.HasSuffix(trimmed, ";") {
+			out = append(out, strings.TrimSpace(cur.String()))
+			cur.Reset()
+		}
+	}
+	if rest := strings.TrimSpace(cur.String()); rest != "" {
+		out = append(out, rest)
+	}
+	return out
+}
+
 var migrationFile = regexp.MustCompile(`^(\d+)_([a-z0-9_]+)\.(up|down)\.sql$`)
 
 // Migrations returns the migrations of dialect d rendered for cfg, in
 // version order. Teams that run their own migration tool can take the SQL
 // from here instead of calling [Migrate] or [MigrateSQL]. A MySQL step may
 // hold several statements, each ending with ';' at the end of a line; run
-// it with multiStatements=true or split it there.
+// it with multiStatements=true or take them one by one from
+// [Migration.Statements].
 func Migrations(d Dialect, cfg Config) ([]Migration, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {

@@ -2,7 +2,6 @@ package sqltest
 
 import (
 	"context"
-	"strings"
 	"testing"
 	"time"
 
@@ -85,7 +84,7 @@ func (db Database) migrateBefore(t *testing.T, name string) {
 		if m.Name == name {
 			return
 		}
-		for _, stmt := range statements(db.dialect(), m.Up) {
+		for _, stmt := range m.Statements(db.dialect()) {
 			_, err := s.Exec(ctx, stmt)
 			require.NoError(t, err, "%03d_%s", m.Version, m.Name)
 		}
@@ -94,31 +93,6 @@ func (db Database) migrateBefore(t *testing.T, name string) {
 		require.NoError(t, err)
 	}
 	t.Fatalf("sqltest: no migration %s for %s", name, db.dialect())
-}
-
-// statements splits a MySQL step where its migrator does: at each ';' that
-// ends a line, leaving out the lines that are only a comment. The others
-// run a step whole.
-func statements(d sqlschema.Dialect, up string) []string {
-	if d != sqlschema.MySQL {
-		return []string{up}
-	}
-	var (
-		out []string
-		cur strings.Builder
-	)
-	for _, line := range strings.Split(up, "\n") {
-		trimmed := strings.TrimSpace(line)
-		if trimmed == "" || strings.HasPrefix(trimmed, "--") {
-			continue
-		}
-		cur.WriteString(line + "\n")
-		if strings.HasSuffix(trimmed, ";") {
-			out = append(out, strings.TrimSuffix(strings.TrimSpace(cur.String()), ";"))
-			cur.Reset()
-		}
-	}
-	return out
 }
 
 // writeWide writes records as the inbox stores wrote them before the
