@@ -61,18 +61,29 @@ func CreateKafkaTopic(t testing.TB, brokers []string, topic string, partitions i
 	require.NoError(t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false))
 }
 
+// amqpChannel is a channel on a connection of its own to the RabbitMQ
+// at url, and what closes both: the callers poll, so nothing waits for
+// t's end.
+func amqpChannel(t testing.TB, url string) (*amqp091.Channel, func()) {
+	t.Helper()
+	conn, err := amqp091.Dial(url)
+	require.NoError(t, err)
+	ch, err := conn.Channel()
+	if err != nil {
+		_ = conn.Close()
+	}
+	require.NoError(t, err)
+	return ch, func() { _ = ch.Close(); _ = conn.Close() }
+}
+
 // AMQPReady is the ready messages of group's queue for topic on the
 // RabbitMQ at url. What a running consumer holds unacked is left out (AMQP
 // does not report it): read it again once the consumers stopped, which
 // returns whatever they still held.
 func AMQPReady(t testing.TB, url, topic, group string) int {
 	t.Helper()
-	conn, err := amqp091.Dial(url)
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	defer ch.Close()
+	ch, closeCh := amqpChannel(t, url)
+	defer closeCh()
 	q, err := ch.QueueDeclarePassive(amqp.Config{ConsumerGroup: group}.QueueName(topic), true, false, false, false, amqp.Config{}.QueueArguments())
 	require.NoError(t, err)
 	return q.Messages
@@ -165,19 +176,15 @@ func (s *SQS) CreateQueueWithRedrive(t testing.TB, topic string, maxReceiveCount
 // the consumer starts.
 func DeclareAMQPQueue(t testing.TB, url, topic, group string, args amqp091.Table) {
 	t.Helper()
-	conn, err := amqp091.Dial(url)
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	defer ch.Close()
+	ch, closeCh := amqpChannel(t, url)
+	defer closeCh()
 	cfg := amqp.Config{ConsumerGroup: group}
 	table := amqp091.Table{"x-queue-type": "quorum"}
 	for k, v := range args {
 		table[k] = v
 	}
 	require.NoError(t, ch.ExchangeDeclare(cfg.ExchangeName(topic), amqp091.ExchangeFanout, true, false, false, false, nil))
-	_, err = ch.QueueDeclare(cfg.QueueName(topic), true, false, false, false, table)
+	_, err := ch.QueueDeclare(cfg.QueueName(topic), true, false, false, false, table)
 	require.NoError(t, err)
 	require.NoError(t, ch.QueueBind(cfg.QueueName(topic), "", cfg.ExchangeName(topic), false, nil))
 }
