@@ -267,13 +267,7 @@ func TestFailingMessageEndsInOurDLQAtTheBrokerLimit(t *testing.T) {
 			})
 			defer stop()
 			publishKeys(t, url, topic, 2)
-			require.Eventually(t, func() bool {
-				return db.count(t, `SELECT count(*) FROM "`+db.schema+`".dlq WHERE key = 'order-0'`) == 1
-			}, 2*time.Minute, 100*time.Millisecond, "the failing message is in our dead-letter table")
-			var reason string
-			var attempts int
-			require.NoError(t, db.pool.QueryRow(context.Background(), `SELECT error, attempts FROM "`+db.schema+`".dlq WHERE key = 'order-0'`).
-				Scan(&reason, &attempts))
+			reason, attempts := db.deadLetter(t, "order-0")
 			require.Contains(t, reason, "the broker's delivery limit is reached")
 			require.Contains(t, reason, fmt.Sprintf("(%d deliveries", row.deliveries))
 			require.Contains(t, reason, "ledger refuses order-0")
@@ -315,13 +309,7 @@ func TestFailingMessageOutlivesTheBrokerLimitParked(t *testing.T) {
 			})
 			defer stop()
 			publishKeys(t, url, topic, 2)
-			require.Eventually(t, func() bool {
-				return db.count(t, `SELECT count(*) FROM "`+db.schema+`".dlq WHERE key = 'order-0'`) == 1
-			}, 2*time.Minute, 100*time.Millisecond, "the failing message is in our dead-letter table")
-			var reason string
-			var attempts int
-			require.NoError(t, db.pool.QueryRow(context.Background(), `SELECT error, attempts FROM "`+db.schema+`".dlq WHERE key = 'order-0'`).
-				Scan(&reason, &attempts))
+			reason, attempts := db.deadLetter(t, "order-0")
 			require.Equal(t, "ledger refuses order-0", reason)
 			require.Equal(t, 12, attempts, "the policy's horizon, past the broker's limit")
 			require.Greater(t, attempts, row.deliveries)
@@ -379,4 +367,16 @@ func TestLowDeliveryLimitRefusedAtStart(t *testing.T) {
 			require.ErrorContains(t, err, "PoisonConfig.AcceptDeliveryLimit")
 		})
 	}
+}
+
+// deadLetter waits for key's one row in the dead-letter table and returns
+// its error and attempts.
+func (db limitDB) deadLetter(t *testing.T, key string) (reason string, attempts int) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		return db.count(t, `SELECT count(*) FROM "`+db.schema+`".dlq WHERE key = '`+key+`'`) == 1
+	}, 2*time.Minute, 100*time.Millisecond, "the failing message is in our dead-letter table")
+	require.NoError(t, db.pool.QueryRow(context.Background(), `SELECT error, attempts FROM "`+db.schema+`".dlq WHERE key = $1`, key).
+		Scan(&reason, &attempts))
+	return reason, attempts
 }
