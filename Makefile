@@ -1,7 +1,7 @@
 GO ?= go
 GOFILES = $$(git ls-files --cached --others --exclude-standard '*.go')
 
-.PHONY: test chaos services vet quickstart ci fuzz bench-outbox bench-dedup bench-kafka bench-nats bench-brokers
+.PHONY: test chaos services vet quickstart ci fuzz bench-outbox bench-dedup bench-kafka bench-nats bench-brokers bench-bound
 
 # Start (or check) the services the integration tests use, then run all
 # tests: the library's, then the benchmarks' (benchmarks/ is a module of its
@@ -106,3 +106,12 @@ bench-nats:
 bench-brokers:
 	bash scripts/services.sh postgres rabbitmq nats
 	cd benchmarks && $(GO) run ./brokers $(ARGS)
+
+# The server-side bound of the inbox's new-key paths: the statements the
+# inbox sends, replayed by pgbench on the PostgreSQL of DATABASE_URL and by
+# mariadb-slap on the MariaDB of MYSQL_URL, against the hand-written SQL
+# bench-dedup and bench-kafka compare with; prints the ratios. ARGS=-dbs
+# postgres for one database.
+bench-bound:
+	bash scripts/services.sh postgres mariadb
+	cd benchmarks && $(GO) run ./bound $(ARGS)
