@@ -22,6 +22,7 @@ import (
 	"github.com/oncemill/oncemill/dedup"
 	"github.com/oncemill/oncemill/dedup/postgres"
 	"github.com/oncemill/oncemill/delivery"
+	"github.com/oncemill/oncemill/internal/testing/brokertest"
 	"github.com/oncemill/oncemill/internal/testing/pgtest"
 	"github.com/oncemill/oncemill/internal/testing/proctest"
 	"github.com/oncemill/oncemill/middleware"
@@ -333,24 +334,7 @@ func TestBatchKeepsPerKeyOrder(t *testing.T) {
 	require.NoError(t, <-done)
 	closeQuietly(t, consumer)
 
-	rows, err := pool.Query(ctx, `SELECT account, version FROM `+effects+` ORDER BY seq`)
-	require.NoError(t, err)
-	applied := map[string][]int{}
-	for rows.Next() {
-		var account string
-		var version int
-		require.NoError(t, rows.Scan(&account, &version))
-		applied[account] = append(applied[account], version)
-	}
-	require.NoError(t, rows.Err())
-	want := make([]int, versions)
-	for i := range want {
-		want[i] = i + 1
-	}
-	require.Len(t, applied, accounts)
-	for account, got := range applied {
-		require.Equal(t, want, got, "%s: each version once, in the order published", account)
-	}
+	applied := brokertest.RequireAppliedInOrder(t, pool, `SELECT account, version FROM `+effects+` ORDER BY seq`, accounts, versions)
 	require.Equal(t, accounts*versions, count())
 	store.mu.Lock()
 	largest := store.largest

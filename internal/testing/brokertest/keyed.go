@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/oncemill/oncemill/dedup/postgres"
@@ -45,6 +46,29 @@ func InOrder(n int) []int {
 		want[i] = i + 1
 	}
 	return want
+}
+
+// RequireAppliedInOrder reads the (key, version) rows query returns, in
+// the order they were applied, and checks that each of keys keys has its
+// versions 1 to perKey once each, in order. It returns each key's
+// versions.
+func RequireAppliedInOrder(t testing.TB, pool *pgxpool.Pool, query string, keys, perKey int) map[string][]int {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), query)
+	require.NoError(t, err)
+	applied := map[string][]int{}
+	for rows.Next() {
+		var key string
+		var version int
+		require.NoError(t, rows.Scan(&key, &version))
+		applied[key] = append(applied[key], version)
+	}
+	require.NoError(t, rows.Err())
+	require.Len(t, applied, keys)
+	for key, got := range applied {
+		require.Equal(t, InOrder(perKey), got, "%s: each version once, in the order published", key)
+	}
+	return applied
 }
 
 // RunRouter runs a router with mw and handler on topic until done says
@@ -163,20 +187,7 @@ func ConsumeBatches(t testing.TB, sub message.Subscriber, topic string, logger w
 		return err
 	}), func() bool { return count() >= messages })
 
-	rows, err := pool.Query(ctx, `SELECT key, version FROM `+effects+` ORDER BY seq`)
-	require.NoError(t, err)
-	applied := map[string][]int{}
-	for rows.Next() {
-		var key string
-		var version int
-		require.NoError(t, rows.Scan(&key, &version))
-		applied[key] = append(applied[key], version)
-	}
-	require.NoError(t, rows.Err())
-	require.Len(t, applied, keys)
-	for key, got := range applied {
-		require.Equal(t, InOrder(perKey), got, "%s: each version once, in the order published", key)
-	}
+	RequireAppliedInOrder(t, pool, `SELECT key, version FROM `+effects+` ORDER BY seq`, keys, perKey)
 	require.Equal(t, int64(messages), inbox.Stats().Applied)
 	mu.Lock()
 	defer mu.Unlock()
