@@ -338,7 +338,7 @@ type subscription struct {
 
 	// slots holds a token for each message held, fetched or handed out
 	// and not yet acked or nacked: at most MaxInFlight.
-	slots keygate.Room
+	slots *keygate.Room
 	// gate hands out the messages fetched, per ordering key, to out,
 	// which it closes once it hands out nothing more.
 	gate *keygate.Gate[*held]

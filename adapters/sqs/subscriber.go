@@ -273,7 +273,7 @@ type subscription struct {
 
 	// slots holds a token for each message held, received and not yet
 	// acked, nacked or given back: at most MaxInFlight.
-	slots keygate.Room
+	slots *keygate.Room
 	// gate hands out the messages received, per ordering key, to out,
 	// which it closes once it hands out nothing more.
 	gate *keygate.Gate[*held]

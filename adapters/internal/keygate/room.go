@@ -2,6 +2,7 @@ package keygate
 
 import (
 	"context"
+	"sync"
 	"time"
 )
 
@@ -10,35 +11,53 @@ import (
 // asks its broker for messages (NATS, SQS) asks only for as many as there
 // is room for, so that it never holds more than the bound, and frees a
 // place when it is done with a delivery.
-type Room chan struct{}
+//
+// Places freed together are taken together: Free(n) makes all n free at
+// once, so the next ask is for all of them, not for the first of them.
+type Room struct {
+	mu   sync.Mutex
+	free int
+	wake chan struct{} // a token once places were freed
+}
 
 // NewRoom returns room for n deliveries (at least 1).
-func NewRoom(n int) Room { return make(Room, max(n, 1)) }
+func NewRoom(n int) *Room {
+	return &Room{free: max(n, 1), wake: make(chan struct{}, 1)}
+}
 
 // take waits for room for one delivery, then takes whatever else is free,
 // and returns how many places it took; 0 once ctx has ended.
-func (r Room) take(ctx context.Context) int {
-	select {
-	case <-ctx.Done():
-		return 0
-	case r <- struct{}{}:
-	}
-	n := 1
-	for n < cap(r) {
-		select {
-		case r <- struct{}{}:
-			n++
-		default:
+func (r *Room) take(ctx context.Context) int {
+	for {
+		if ctx.Err() != nil {
+			return 0
+		}
+		r.mu.Lock()
+		n := r.free
+		r.free = 0
+		r.mu.Unlock()
+		if n > 0 {
 			return n
 		}
+		select {
+		case <-ctx.Done():
+			return 0
+		case <-r.wake:
+		}
 	}
-	return n
 }
 
 // Free gives back n places.
-func (r Room) Free(n int) {
-	for range n {
-		<-r
+func (r *Room) Free(n int) {
+	if n <= 0 {
+		return
+	}
+	r.mu.Lock()
+	r.free += n
+	r.mu.Unlock()
+	select {
+	case r.wake <- struct{}{}:
+	default:
 	}
 }
 
@@ -55,7 +74,7 @@ type Backoff struct {
 // did not arrive are freed. After an error, unless ctx has ended, Poll
 // calls failed with the error and the wait before the next ask, and
 // waits. It returns once ctx has ended.
-func Poll(ctx context.Context, room Room, ask func(n int) (int, error), failed func(err error, retryIn time.Duration), backoff Backoff) {
+func Poll(ctx context.Context, room *Room, ask func(n int) (int, error), failed func(err error, retryIn time.Duration), backoff Backoff) {
 	retry := backoff.Min
 	for {
 		n := room.take(ctx)
