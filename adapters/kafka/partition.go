@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/oncemill/oncemill/adapters/internal/keygate"
 	"github.com/oncemill/oncemill/delivery"
 )
 
@@ -32,9 +33,6 @@ func newPartition(sub *subscription, sess sarama.ConsumerGroupSession, claim sar
 		results:   make(chan result, cfg.MaxInFlightPerPartition),
 		withdraw:  make(chan struct{}),
 		abandon:   make(chan struct{}),
-		queues:    map[string][]*sarama.ConsumerMessage{},
-		busy:      map[string]bool{},
-		queued:    map[string]bool{},
 		done:      map[int64]bool{},
 		marks:     marks,
 		suspectTo: -1,
@@ -75,14 +73,9 @@ type partition struct {
 	inFlight int
 	stopping bool
 
-	// queues holds each key's records not yet handed out, in offset
-	// order; busy marks the keys with a message in flight; ready lists
-	// the keys that are not busy and have queued records, queued marks
-	// them.
-	queues map[string][]*sarama.ConsumerMessage
-	busy   map[string]bool
-	ready  []string
-	queued map[string]bool
+	// keys holds each key's records not yet handed out, in offset
+	// order, and says which goes next.
+	keys keygate.Queues[string, *sarama.ConsumerMessage]
 
 	// outstanding are the offsets received and not yet committable, in
 	// offset order, from head on; done marks those acked.
@@ -272,17 +265,8 @@ func (p *partition) over() (commit, over bool) {
 func (p *partition) add(rec *sarama.ConsumerMessage) {
 	p.outstanding = append(p.outstanding, rec.Offset)
 	p.highest = max(p.highest, rec.Offset)
-	key := string(rec.Key)
-	p.queues[key] = append(p.queues[key], rec)
-	p.markReady(key)
+	p.keys.Push(string(rec.Key), rec)
 	p.dispatch()
-}
-
-func (p *partition) markReady(key string) {
-	if !p.busy[key] && !p.queued[key] && len(p.queues[key]) > 0 {
-		p.ready = append(p.ready, key)
-		p.queued[key] = true
-	}
 }
 
 // dispatch hands out the heads of ready keys while there is room, until
@@ -309,10 +293,14 @@ func (p *partition) dispatch() {
 // one more message in flight, and a mark for the ready key's record; it
 // starts the mark's write when the record waits for one.
 func (p *partition) canDispatch() bool {
-	if p.stopping || p.inFlight >= p.max || len(p.ready) == 0 {
+	if p.stopping || p.inFlight >= p.max {
 		return false
 	}
-	if _, ok := p.stampOf(p.queues[p.ready[0]][0].Offset); !ok {
+	rec, ok := p.keys.Next()
+	if !ok {
+		return false
+	}
+	if _, ok := p.stampOf(rec.Offset); !ok {
 		p.mark()
 		return false
 	}
@@ -322,17 +310,7 @@ func (p *partition) canDispatch() bool {
 // dispatchOne hands out the head of the first ready key; the caller has
 // checked canDispatch and taken a slot, when there are slots.
 func (p *partition) dispatchOne() {
-	key := p.ready[0]
-	p.ready = p.ready[1:]
-	delete(p.queued, key)
-	q := p.queues[key]
-	rec := q[0]
-	if len(q) == 1 {
-		delete(p.queues, key)
-	} else {
-		p.queues[key] = q[1:]
-	}
-	p.busy[key] = true
+	_, rec := p.keys.Take()
 	p.inFlight++
 	p.wg.Add(1)
 	st, _ := p.stampOf(rec.Offset)
@@ -361,8 +339,6 @@ func (p *partition) finish(res result, mark bool) {
 	if !res.acked {
 		return
 	}
-	key := string(res.rec.Key)
-	delete(p.busy, key)
 	p.done[res.rec.Offset] = true
 	next := int64(-1)
 	for p.head < len(p.outstanding) && p.done[p.outstanding[p.head]] {
@@ -380,7 +356,7 @@ func (p *partition) finish(res result, mark bool) {
 			p.sess.Commit()
 		}
 	}
-	p.markReady(key)
+	p.keys.Done(string(res.rec.Key))
 	p.dispatch()
 }
 

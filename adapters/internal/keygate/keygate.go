@@ -9,7 +9,9 @@
 // The broker packages that receive a stream of deliveries (NATS, SQS)
 // share it: each adds the deliveries it receives, in arrival order, and
 // supplies through [Hooks] what an ack, a nack and a give-back mean on its
-// broker. The gate never talks to a broker itself.
+// broker. The gate never talks to a broker itself. Kafka's partition,
+// which hands out offsets of its own and redelivers a nack itself, keeps
+// its own loop but shares the per-key bookkeeping, [Queues].
 //
 // # Nacks
 //
@@ -82,15 +84,9 @@ type Gate[T any] struct {
 	// watchers of the messages in flight and the hooks' calls.
 	wg sync.WaitGroup
 
-	// Only run's goroutine touches these. queues holds each key's
-	// deliveries not yet handed out, in order; busy marks the keys with a
-	// message in flight; ready lists the keys that are not busy and have
-	// queued deliveries, in the order they became so, and inReady marks
-	// them.
-	queues   map[key][]*entry[T]
-	busy     map[key]bool
-	ready    []key
-	inReady  map[key]bool
+	// Only run's goroutine touches these: each key's deliveries not yet
+	// handed out, in order, and which may go next.
+	queues   Queues[key, *entry[T]]
 	inFlight int
 	own      uint64
 }
@@ -128,9 +124,6 @@ func New[T any](out chan *message.Message, maxInFlight int, hooks Hooks[T]) *Gat
 		stop:    make(chan struct{}),
 		abandon: make(chan struct{}),
 		done:    make(chan struct{}),
-		queues:  map[key][]*entry[T]{},
-		busy:    map[key]bool{},
-		inReady: map[key]bool{},
 	}
 	go g.run()
 	return g
@@ -186,9 +179,9 @@ func (g *Gate[T]) run() {
 			out  chan *message.Message
 			next *message.Message
 		)
-		if g.inFlight < g.max && len(g.ready) > 0 {
+		if e, ok := g.queues.Next(); ok && g.inFlight < g.max {
 			out = g.out
-			next = g.queues[g.ready[0]][0].msg
+			next = e.msg
 		}
 		select {
 		case out <- next:
@@ -210,33 +203,13 @@ func (g *Gate[T]) enqueue(e *entry[T]) {
 		g.own++
 		e.key.own = g.own
 	}
-	g.queues[e.key] = append(g.queues[e.key], e)
-	g.markReady(e.key)
+	g.queues.Push(e.key, e)
 }
 
-func (g *Gate[T]) markReady(k key) {
-	if g.busy[k] || g.inReady[k] || len(g.queues[k]) == 0 {
-		return
-	}
-	g.ready = append(g.ready, k)
-	g.inReady[k] = true
-}
-
-// handedOut takes the head of the first ready key, just sent, off its
-// queue and starts its watcher.
+// handedOut takes the delivery just sent off its key's queue and starts
+// its watcher.
 func (g *Gate[T]) handedOut() {
-	k := g.ready[0]
-	g.ready = g.ready[1:]
-	delete(g.inReady, k)
-	q := g.queues[k]
-	e := q[0]
-	if len(q) == 1 {
-		delete(g.queues, k)
-	} else {
-		q[0] = nil
-		g.queues[k] = q[1:]
-	}
-	g.busy[k] = true
+	_, e := g.queues.Take()
 	g.inFlight++
 	g.wg.Add(1)
 	go g.watch(e)
@@ -247,18 +220,10 @@ func (g *Gate[T]) handedOut() {
 // back.
 func (g *Gate[T]) finish(r result[T]) {
 	g.inFlight--
-	delete(g.busy, r.e.key)
 	if !r.acked && g.hooks.ReleaseBehindNack {
-		if q := g.queues[r.e.key]; len(q) > 0 {
-			delete(g.queues, r.e.key)
-			vs := make([]T, len(q))
-			for i, e := range q {
-				vs[i] = e.v
-			}
-			g.spawnRelease(vs)
-		}
+		g.spawnRelease(values(g.queues.Remove(r.e.key)))
 	}
-	g.markReady(r.e.key)
+	g.queues.Done(r.e.key)
 }
 
 // watch waits for the handler's ack or nack of e's message, or for the
@@ -295,14 +260,7 @@ func (g *Gate[T]) watch(e *entry[T]) {
 // once the drain time has passed.
 func (g *Gate[T]) drain() {
 	close(g.out)
-	var held []T
-	for _, q := range g.queues {
-		for _, e := range q {
-			held = append(held, e.v)
-		}
-	}
-	g.queues, g.ready = nil, nil
-	g.spawnRelease(held)
+	g.spawnRelease(values(g.queues.Clear()))
 	timer := time.NewTimer(g.drainFor)
 	defer timer.Stop()
 	expired := timer.C
@@ -320,6 +278,15 @@ func (g *Gate[T]) drain() {
 			close(g.abandon)
 		}
 	}
+}
+
+// values returns the deliveries of es.
+func values[T any](es []*entry[T]) []T {
+	vs := make([]T, len(es))
+	for i, e := range es {
+		vs[i] = e.v
+	}
+	return vs
 }
 
 // spawnRelease gives vs back on a goroutine of the gate's.
