@@ -38,22 +38,18 @@ func (s *Subscriber) Backlog(ctx context.Context, topic string) (adapters.Backlo
 	if err := ctx.Err(); err != nil {
 		return fail(err)
 	}
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	// amqp091 calls take no context: the read runs on a worker, which
+	// Close waits for before it closes the connection.
+	if !s.life.Enter() {
 		return fail(ErrSubscriberClosed)
 	}
-	// amqp091 calls take no context: the read runs on a worker, which
-	// Close waits for once the connection is closed.
-	s.workers.Add(1)
-	s.mu.Unlock()
 	type result struct {
 		ready int
 		err   error
 	}
 	done := make(chan result, 1)
 	go func() {
-		defer s.workers.Done()
+		defer s.life.Leave()
 		ready, err := s.ready(ctx, queue)
 		done <- result{ready, err}
 	}()

@@ -14,6 +14,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/oncemill/oncemill/adapters/internal/keygate"
+	"github.com/oncemill/oncemill/adapters/internal/lifecycle"
 	"github.com/oncemill/oncemill/delivery"
 )
 
@@ -52,21 +53,14 @@ type Subscriber struct {
 	queueName func(topic string) string
 	url       string
 
-	// stopping is done when Close begins: the subscriptions stop
-	// consuming and drain.
-	stopping context.Context
-	stop     context.CancelFunc
-	// done is closed when Close has finished; err is its result.
-	done chan struct{}
-	err  error
+	// life is Close and what it waits for, the subscriptions and the
+	// backlog reads; its context is done when Close begins: the
+	// subscriptions stop consuming and drain.
+	life *lifecycle.Closer
 
-	mu     sync.Mutex
-	closed bool
+	mu sync.Mutex
 	// conns are the subscriptions' connections.
 	conns map[*amqp091.Connection]bool
-	// workers are the subscriptions and the backlog reads; Close waits
-	// for them.
-	workers sync.WaitGroup
 }
 
 var (
@@ -75,10 +69,8 @@ var (
 )
 
 func newSubscriber(sub *wamqp.Subscriber, cfg Config, q *queues, logger watermill.LoggerAdapter) *Subscriber {
-	stopping, stop := context.WithCancel(context.Background())
 	return &Subscriber{
-		stopping:  stopping,
-		stop:      stop,
+		life:      lifecycle.New(),
 		conns:     map[*amqp091.Connection]bool{},
 		sub:       sub,
 		cfg:       cfg,
@@ -87,7 +79,6 @@ func newSubscriber(sub *wamqp.Subscriber, cfg Config, q *queues, logger watermil
 		logger:    logger,
 		queueName: cfg.QueueName,
 		url:       cfg.URL,
-		done:      make(chan struct{}),
 	}
 }
 
@@ -113,27 +104,21 @@ func newSubscriber(sub *wamqp.Subscriber, cfg Config, q *queues, logger watermil
 // ([Config.DrainTimeout]), and the messages received and not handed out
 // are returned to the queue.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	if !s.life.Enter() {
 		return nil, ErrSubscriberClosed
 	}
-	// Reserved under the lock, so that Close, which takes it to set
-	// closed, waits for this subscription.
-	s.workers.Add(1)
-	s.mu.Unlock()
 
 	// The queue's arguments first, on a connection of its own: a queue
 	// that exists with another delivery limit is taken as it is (or
 	// refused, see settleQueue) before the subscription declares it with
 	// these arguments.
 	if err := s.settle(ctx, topic); err != nil {
-		s.workers.Done()
+		s.life.Leave()
 		return nil, err
 	}
 	wcfg, err := s.cfg.WatermillConfig()
 	if err != nil {
-		s.workers.Done()
+		s.life.Leave()
 		return nil, err
 	}
 	limit, _ := s.queues.limitOf(topic)
@@ -196,12 +181,10 @@ type held struct {
 // drain timeout for the handlers' acks and nacks, the channel still open
 // so that they reach the broker, then nacks what handlers still hold.
 func (sub *subscription) run() {
-	defer sub.s.workers.Done()
+	defer sub.s.life.Leave()
 	// ctx ends the connection attempts too.
-	ctx, cancel := context.WithCancel(sub.ctx)
+	ctx, cancel := sub.s.life.Join(sub.ctx)
 	defer cancel()
-	stopDial := context.AfterFunc(sub.s.stopping, cancel)
-	defer stopDial()
 	var conn *amqp091.Connection
 	retry := reconnectMin
 	for {
@@ -382,10 +365,7 @@ func (sub *subscription) settleErr(h *held, err error) {
 
 // SubscribeInitialize declares topic's exchange and queue and binds them.
 func (s *Subscriber) SubscribeInitialize(topic string) error {
-	s.mu.Lock()
-	closed := s.closed
-	s.mu.Unlock()
-	if closed {
+	if s.life.Closed() {
 		return ErrSubscriberClosed
 	}
 	if err := s.settle(context.Background(), topic); err != nil {
@@ -408,21 +388,11 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 // is idempotent: every call returns the first one's result once it has
 // finished.
 func (s *Subscriber) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		<-s.done
-		return s.err
-	}
-	s.closed = true
-	s.stop()
-	s.mu.Unlock()
-
 	// The subscriptions drain, each up to the drain timeout, and close
-	// their channels.
-	s.workers.Wait()
-	s.err = s.sub.Close()
-	close(s.done)
-	s.logger.Debug("AMQP subscriber closed", nil)
-	return s.err
+	// their channels, before the shared connection closes.
+	return s.life.Close(func() error {
+		err := s.sub.Close()
+		s.logger.Debug("AMQP subscriber closed", nil)
+		return err
+	})
 }

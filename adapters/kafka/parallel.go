@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/oncemill/oncemill/adapters"
+	"github.com/oncemill/oncemill/adapters/internal/lifecycle"
 )
 
 // ErrSubscriberClosed is returned by Subscribe after Close, and wrapped
@@ -44,10 +45,9 @@ type parallelSubscriber struct {
 	// backlog reads the group's lag, on a client of its own.
 	backlog *backlogReader
 
-	mu      sync.Mutex
-	closed  bool
-	closing chan struct{}
-	subs    sync.WaitGroup
+	// life is Close and the subscriptions it waits for; its context
+	// ends when Close begins.
+	life *lifecycle.Closer
 }
 
 var (
@@ -75,7 +75,7 @@ func newParallelSubscriber(cfg SubscriberConfig, wcfg wkafka.SubscriberConfig, l
 		logger:  logger.With(watermill.LogFields{"subscriber_uuid": watermill.NewShortUUID()}),
 		init:    init,
 		backlog: newBacklogReader(cfg.Brokers, sc, cfg.ConsumerGroup),
-		closing: make(chan struct{}),
+		life:    lifecycle.New(),
 	}, nil
 }
 
@@ -96,17 +96,9 @@ func (s *parallelSubscriber) SubscribeInitialize(topic string) error {
 // stopped (a handler that outlives the drain timeout runs on, in the
 // router). It is idempotent and safe for concurrent use.
 func (s *parallelSubscriber) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		s.subs.Wait()
-		return nil
-	}
-	s.closed = true
-	close(s.closing)
-	s.mu.Unlock()
-	s.subs.Wait()
-	return errors.Join(s.init.Close(), s.backlog.close())
+	return s.life.Close(func() error {
+		return errors.Join(s.init.Close(), s.backlog.close())
+	})
 }
 
 // Backlog returns the group's lag on topic: per partition, the high
@@ -123,13 +115,9 @@ func (s *parallelSubscriber) Backlog(ctx context.Context, topic string) (adapter
 // of the partitions assigned to this member; the channel is closed once
 // ctx is done or the subscriber closed and everything has stopped.
 func (s *parallelSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	if !s.life.Enter() {
 		return nil, ErrSubscriberClosed
 	}
-	s.subs.Add(1)
-	s.mu.Unlock()
 
 	fields := watermill.LogFields{
 		"provider":            "kafka",
@@ -140,7 +128,7 @@ func (s *parallelSubscriber) Subscribe(ctx context.Context, topic string) (<-cha
 	}
 	client, group, err := s.connect()
 	if err != nil {
-		s.subs.Done()
+		s.life.Leave()
 		return nil, err
 	}
 	consumeCtx, cancelConsume := context.WithCancel(context.WithoutCancel(ctx))
@@ -157,19 +145,16 @@ func (s *parallelSubscriber) Subscribe(ctx context.Context, topic string) (<-cha
 	}
 	s.logger.Info("Subscribing to Kafka topic", fields)
 	// Both goroutines are the subscriber's: Close returns once they have
-	// stopped. (The counter is above zero here, so Add may race with a
-	// Close already waiting.)
-	s.subs.Add(1)
-	go func() {
-		defer s.subs.Done()
+	// stopped. The second holds the place Subscribe entered.
+	s.life.Go(func() {
 		select {
-		case <-s.closing:
+		case <-s.life.Context().Done():
 		case <-ctx.Done():
 		}
 		sub.halt()
-	}()
+	})
 	go func() {
-		defer s.subs.Done()
+		defer s.life.Leave()
 		defer close(sub.output)
 		sub.run(client, group)
 	}()

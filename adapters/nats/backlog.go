@@ -26,10 +26,7 @@ func (s *Subscriber) Backlog(ctx context.Context, topic string) (adapters.Backlo
 	fail := func(err error) (adapters.Backlog, error) {
 		return adapters.Backlog{}, fmt.Errorf("nats: backlog of group %q on topic %q: %w", s.cfg.ConsumerGroup, topic, err)
 	}
-	s.mu.Lock()
-	closed := s.closed
-	s.mu.Unlock()
-	if closed {
+	if s.life.Closed() {
 		return fail(ErrClosed)
 	}
 	stream, err := s.client.stream(ctx, topic, false)

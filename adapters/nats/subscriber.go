@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/oncemill/oncemill/adapters/internal/keygate"
+	"github.com/oncemill/oncemill/adapters/internal/lifecycle"
 	"github.com/oncemill/oncemill/delivery"
 )
 
@@ -53,15 +54,9 @@ type Subscriber struct {
 	client *client
 	logger watermill.LoggerAdapter
 
-	// ctx is cancelled by Close; every subscription's context derives
-	// from it.
-	ctx    context.Context
-	cancel context.CancelFunc
-
-	mu     sync.Mutex
-	closed bool
-	done   chan struct{} // closed when Close has finished
-	wg     sync.WaitGroup
+	// life is Close and the subscriptions it waits for; its context
+	// ends every subscription's.
+	life *lifecycle.Closer
 }
 
 var (
@@ -82,14 +77,11 @@ func NewSubscriber(ctx context.Context, cfg SubscriberConfig) (*Subscriber, erro
 	if err != nil {
 		return nil, err
 	}
-	sctx, cancel := context.WithCancel(context.Background())
 	return &Subscriber{
 		cfg:    cfg,
 		client: c,
 		logger: cfg.Logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup}),
-		ctx:    sctx,
-		cancel: cancel,
-		done:   make(chan struct{}),
+		life:   lifecycle.New(),
 	}, nil
 }
 
@@ -135,24 +127,15 @@ func NewSubscriber(ctx context.Context, cfg SubscriberConfig) (*Subscriber, erro
 // MaxDeliver) when the consumer has a limit; its context derives from
 // ctx.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	if !s.life.Enter() {
 		return nil, fmt.Errorf("nats: subscribe to %q: %w", topic, ErrClosed)
 	}
-	// Reserve the subscription's place before leaving the lock, so that a
-	// concurrent Close waits for it.
-	s.wg.Add(1)
-	s.mu.Unlock()
-
-	subCtx, cancel := context.WithCancel(ctx)
-	stop := context.AfterFunc(s.ctx, cancel)
+	subCtx, cancel := s.life.Join(ctx)
 	cons, err := s.consumer(subCtx, topic)
 	if err != nil {
-		stop()
 		cancel()
-		s.wg.Done()
-		if s.ctx.Err() != nil {
+		s.life.Leave()
+		if s.life.Closed() {
 			return nil, fmt.Errorf("nats: subscribe to %q: %w", topic, ErrClosed)
 		}
 		return nil, fmt.Errorf("nats: subscribe to %q: %w", topic, err)
@@ -164,7 +147,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		cons:    cons,
 		topic:   topic,
 		ctx:     subCtx,
-		cancel:  func() { stop(); cancel() },
+		cancel:  cancel,
 		msgCtx:  ctx,
 		out:     make(chan *message.Message),
 		slots:   keygate.NewRoom(s.cfg.MaxInFlight),
@@ -190,13 +173,10 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 // Subscribe does, without subscribing. It implements
 // message.SubscribeInitializer.
 func (s *Subscriber) SubscribeInitialize(topic string) error {
-	s.mu.Lock()
-	closed := s.closed
-	s.mu.Unlock()
-	if closed {
+	if s.life.Closed() {
 		return fmt.Errorf("nats: initialize %q: %w", topic, ErrClosed)
 	}
-	if _, err := s.consumer(s.ctx, topic); err != nil {
+	if _, err := s.consumer(s.life.Context(), topic); err != nil {
 		return fmt.Errorf("nats: initialize %q: %w", topic, err)
 	}
 	return nil
@@ -206,21 +186,11 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 // waits for the goroutines and closes the connection. Close is
 // idempotent; every call returns nil once the first has finished.
 func (s *Subscriber) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		<-s.done
+	return s.life.Close(func() error {
+		s.client.close()
+		s.logger.Debug("NATS subscriber closed", nil)
 		return nil
-	}
-	s.closed = true
-	s.mu.Unlock()
-
-	s.cancel()
-	s.wg.Wait()
-	s.client.close()
-	close(s.done)
-	s.logger.Debug("NATS subscriber closed", nil)
-	return nil
+	})
 }
 
 // consumerConfig is the config of the group's durable consumer of topic.
@@ -365,7 +335,7 @@ type held struct {
 // messages it holds, and waits up to DrainTimeout for the handlers' acks
 // and nacks; the holders of the messages still held then stop.
 func (sub *subscription) run() {
-	defer sub.s.wg.Done()
+	defer sub.s.life.Leave()
 	defer sub.cancel()
 	sub.pull()
 	if sub.gate.Close(sub.cfg.DrainTimeout) > 0 {

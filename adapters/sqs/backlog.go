@@ -35,10 +35,7 @@ func (s *Subscriber) Backlog(ctx context.Context, topic string) (adapters.Backlo
 	fail := func(err error) (adapters.Backlog, error) {
 		return adapters.Backlog{}, fmt.Errorf("sqs: backlog of topic %q: %w", topic, err)
 	}
-	s.mu.Lock()
-	closed := s.closed
-	s.mu.Unlock()
-	if closed {
+	if s.life.Closed() {
 		return fail(ErrClosed)
 	}
 	ctx, cancel := context.WithTimeout(ctx, requestTimeout)

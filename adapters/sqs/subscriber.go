@@ -14,6 +14,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/oncemill/oncemill/adapters/internal/keygate"
+	"github.com/oncemill/oncemill/adapters/internal/lifecycle"
 	"github.com/oncemill/oncemill/delivery"
 )
 
@@ -47,15 +48,9 @@ type Subscriber struct {
 	client *client
 	logger watermill.LoggerAdapter
 
-	// ctx is cancelled by Close; every subscription's context derives
-	// from it.
-	ctx    context.Context
-	cancel context.CancelFunc
-
-	mu     sync.Mutex
-	closed bool
-	done   chan struct{} // closed when Close has finished
-	wg     sync.WaitGroup
+	// life is Close and the subscriptions it waits for; its context
+	// ends every subscription's.
+	life *lifecycle.Closer
 }
 
 var (
@@ -75,14 +70,11 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithCancel(context.Background())
 	return &Subscriber{
 		cfg:    cfg,
 		client: c,
 		logger: cfg.Logger,
-		ctx:    ctx,
-		cancel: cancel,
-		done:   make(chan struct{}),
+		life:   lifecycle.New(),
 	}, nil
 }
 
@@ -128,24 +120,15 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 // messages, which are handed out meanwhile: SQS keeps no order to
 // restore.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	if !s.life.Enter() {
 		return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, ErrClosed)
 	}
-	// Reserve the subscription's place before leaving the lock, so that a
-	// concurrent Close waits for it.
-	s.wg.Add(1)
-	s.mu.Unlock()
-
-	subCtx, cancel := context.WithCancel(ctx)
-	stop := context.AfterFunc(s.ctx, cancel)
+	subCtx, cancel := s.life.Join(ctx)
 	name, url, err := s.client.queueURL(subCtx, topic, s.cfg.CreateQueueIfMissing)
 	if err != nil {
-		stop()
 		cancel()
-		s.wg.Done()
-		if s.ctx.Err() != nil {
+		s.life.Leave()
+		if s.life.Closed() {
 			return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, ErrClosed)
 		}
 		return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, err)
@@ -153,9 +136,8 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 
 	limit, err := s.client.redriveLimit(subCtx, name, url)
 	if err != nil {
-		stop()
 		cancel()
-		s.wg.Done()
+		s.life.Leave()
 		return nil, fmt.Errorf("sqs: subscribe to %q: %w", topic, err)
 	}
 
@@ -171,7 +153,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		fifo:          isFIFO(name),
 		maxReceives:   limit.Deliveries,
 		ctx:           subCtx,
-		cancel:        func() { stop(); cancel() },
+		cancel:        cancel,
 		msgCtx:        ctx,
 		hbCtx:         hbCtx,
 		receiveCtx:    receiveCtx,
@@ -189,8 +171,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		Abandoned:         sub.abandoned,
 		ReleaseBehindNack: sub.fifo,
 	})
-	s.wg.Add(1)
-	go sub.heartbeat()
+	s.life.Go(sub.heartbeat)
 	go sub.run()
 	sub.logger.Debug("Subscribed to SQS queue", watermill.LogFields{"queue_url": url})
 	return sub.out, nil
@@ -199,13 +180,10 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 // SubscribeInitialize creates topic's queue, with [Config.QueueAttributes],
 // unless it exists. It implements message.SubscribeInitializer.
 func (s *Subscriber) SubscribeInitialize(topic string) error {
-	s.mu.Lock()
-	closed := s.closed
-	s.mu.Unlock()
-	if closed {
+	if s.life.Closed() {
 		return fmt.Errorf("sqs: initialize %q: %w", topic, ErrClosed)
 	}
-	ctx, cancel := context.WithTimeout(s.ctx, requestTimeout)
+	ctx, cancel := context.WithTimeout(s.life.Context(), requestTimeout)
 	defer cancel()
 	if _, _, err := s.client.queueURL(ctx, topic, true); err != nil {
 		return fmt.Errorf("sqs: initialize %q: %w", topic, err)
@@ -223,21 +201,11 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 // are made visible at once. Close is idempotent; every call returns nil
 // once the first has finished.
 func (s *Subscriber) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		<-s.done
+	return s.life.Close(func() error {
+		s.client.close()
+		s.logger.Debug("SQS subscriber closed", nil)
 		return nil
-	}
-	s.closed = true
-	s.mu.Unlock()
-
-	s.cancel()
-	s.wg.Wait()
-	s.client.close()
-	close(s.done)
-	s.logger.Debug("SQS subscriber closed", nil)
-	return nil
+	})
 }
 
 // subscription is one Subscribe call: its poll loop and heartbeat.
@@ -302,7 +270,7 @@ type held struct {
 // hidden for their visibility timeout. Once the drain ends (at once when
 // no handler holds a message) a receive still waiting is cancelled.
 func (sub *subscription) run() {
-	defer sub.s.wg.Done()
+	defer sub.s.life.Leave()
 	defer sub.stopHeartbeat()
 	defer sub.cancel()
 	polled := make(chan struct{})
@@ -500,7 +468,6 @@ func (sub *subscription) release(msgs []types.Message, why string) {
 // heartbeat extends the visibility timeout of the held messages every
 // VisibilityTimeout/3 until the subscription has ended and drained.
 func (sub *subscription) heartbeat() {
-	defer sub.s.wg.Done()
 	interval := sub.cfg.VisibilityTimeout / 3
 	t := time.NewTicker(interval)
 	defer t.Stop()
