@@ -310,7 +310,7 @@ func (p *partition) canDispatch() bool {
 // dispatchOne hands out the head of the first ready key; the caller has
 // checked canDispatch and taken a slot, when there are slots.
 func (p *partition) dispatchOne() {
-	_, rec := p.keys.Take()
+	rec := p.keys.Take()
 	p.inFlight++
 	p.wg.Add(1)
 	st, _ := p.stampOf(rec.Offset)

@@ -209,7 +209,7 @@ func (g *Gate[T]) enqueue(e *entry[T]) {
 // handedOut takes the delivery just sent off its key's queue and starts
 // its watcher.
 func (g *Gate[T]) handedOut() {
-	_, e := g.queues.Take()
+	e := g.queues.Take()
 	g.inFlight++
 	g.wg.Add(1)
 	go g.watch(e)

@@ -16,10 +16,7 @@ type Queues[K comparable, T any] struct {
 // Push holds v behind k's deliveries.
 func (q *Queues[K, T]) Push(k K, v T) {
 	if q.held == nil {
-		q.held = map[K][]T{}
-	}
-	if q.out == nil {
-		q.out, q.inReady = map[K]bool{}, map[K]bool{}
+		q.held, q.out, q.inReady = map[K][]T{}, map[K]bool{}, map[K]bool{}
 	}
 	q.held[k] = append(q.held[k], v)
 	q.markReady(k)
@@ -36,7 +33,7 @@ func (q *Queues[K, T]) Next() (v T, ok bool) {
 
 // Take takes the delivery that goes next (the caller has checked Next)
 // and marks its key out until Done.
-func (q *Queues[K, T]) Take() (K, T) {
+func (q *Queues[K, T]) Take() T {
 	k := q.ready[0]
 	q.ready = q.ready[1:]
 	delete(q.inReady, k)
@@ -50,7 +47,7 @@ func (q *Queues[K, T]) Take() (K, T) {
 		q.held[k] = h[1:]
 	}
 	q.out[k] = true
-	return k, v
+	return v
 }
 
 // Done ends k's delivery out: k's next one may go.
@@ -81,8 +78,9 @@ func (q *Queues[K, T]) Clear() []T {
 	for _, h := range q.held {
 		all = append(all, h...)
 	}
-	q.held, q.ready = nil, nil
+	clear(q.held)
 	clear(q.inReady)
+	q.ready = nil
 	return all
 }
 
